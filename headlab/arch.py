@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from headlab.errors import HeadlabError
 
@@ -23,6 +24,9 @@ class AttentionLayer:
     num_heads: int  # H, query heads
     num_kv_heads: int  # G, key/value heads (= H without GQA)
     head_dim: int  # D
+    # The transformer block itself: some families keep the output projection outside `module` (BERT's
+    # attention.output.dense), so adapters resolve projection paths from here.
+    block_module: nn.Module | None = field(default=None, repr=False)
 
     @property
     def group_size(self) -> int:
@@ -38,7 +42,8 @@ class HeadWeights:
     """Canonical per-head tensors of one attention layer, independent of how the model fuses or names them.
 
     C is the hidden size. Dq is head_dim, or 2 * head_dim for gated attention (Qwen3-Next, Qwen3.5), where each
-    head's query rows come first and its gate rows second.
+    head's query rows come first and its gate rows second. Norm weights are the raw parameters as stored
+    (Gemma's RMSNorm multiplies by 1 + weight).
     """
 
     q: torch.Tensor  # [H, Dq, C]
@@ -70,15 +75,122 @@ class HeadWeights:
         return replace(self, **{f: (t.clone() if t is not None else None) for f, t in self.tensors().items()})
 
     def tensors(self) -> dict[str, torch.Tensor | None]:
-        return {f: getattr(self, f) for f in ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")}
+        names = ("q", "k", "v", "o", "q_bias", "k_bias", "v_bias", "o_bias", "q_norm", "k_norm")
+        return {f: getattr(self, f) for f in names}
+
+    def take(self, heads, kv_heads=None) -> HeadWeights:
+        """The query heads `heads` and KV heads `kv_heads` (default: all), in the given order, as a new HeadWeights.
+
+        The caller keeps the result valid for repeat_kv: query head h of the result must belong to KV head
+        h // (H' / G') of the result.
+        """
+        heads = torch.as_tensor(list(heads), dtype=torch.long, device=self.q.device)
+        kv = torch.arange(self.num_kv_heads) if kv_heads is None else torch.as_tensor(list(kv_heads), dtype=torch.long)
+        kv = kv.to(self.k.device)
+
+        def pick(t, index, dim=0):
+            return None if t is None else t.index_select(dim, index.to(t.device))
+
+        # A norm spanning heads has one row per head and travels with it; a shared [D] norm stays as is.
+        spans = self.q_norm is not None and self.q_norm.dim() == 2
+        return HeadWeights(
+            q=pick(self.q, heads),
+            k=pick(self.k, kv),
+            v=pick(self.v, kv),
+            o=pick(self.o, heads, dim=1),
+            q_bias=pick(self.q_bias, heads),
+            k_bias=pick(self.k_bias, kv),
+            v_bias=pick(self.v_bias, kv),
+            o_bias=None if self.o_bias is None else self.o_bias.clone(),
+            q_norm=pick(self.q_norm, heads) if spans else (None if self.q_norm is None else self.q_norm.clone()),
+            k_norm=pick(self.k_norm, kv) if spans else (None if self.k_norm is None else self.k_norm.clone()),
+        )
+
+
+class _ConfigView:
+    """A model config with a few fields overridden for one module; every other field is read live from the shared
+    config, so a later `model.set_attn_implementation` still reaches the module."""
+
+    def __init__(self, base, **overrides):
+        self.__dict__["_base"] = base
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name):
+        # Only called for names not overridden; guard _base so copy/pickle of a bare instance cannot recurse.
+        if name == "_base":
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+
+def _get(root: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at a dotted path, or None where any part is missing (e.g. hybrid blocks without self_attn)."""
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def _set(root: nn.Module, path: str, new: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(_get(root, parent) if parent else root, name, new)
+
+
+def _param(tensor: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+    """A fresh contiguous parameter on `like`'s device and dtype (never aliasing the caller's tensor)."""
+    data = tensor.detach().to(device=like.device, dtype=like.dtype).clone(memory_format=torch.contiguous_format)
+    return nn.Parameter(data, requires_grad=like.requires_grad)
+
+
+def _linear_like(old: nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """nn.Linear holding weight [out, in] (and bias [out]) on old's device/dtype; built on meta to skip init."""
+    with torch.device("meta"):
+        new = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    new.weight = _param(weight, old.weight)
+    if bias is not None:
+        new.bias = _param(bias, old.bias if old.bias is not None else old.weight)
+    new.train(old.training)
+    return new
+
+
+def _conv1d_like(old: Conv1D, weight: torch.Tensor, bias: torch.Tensor) -> Conv1D:
+    """GPT-2's Conv1D holding weight [in, out] (transposed vs nn.Linear) and bias [out]."""
+    with torch.device("meta"):
+        new = Conv1D(weight.shape[1], weight.shape[0])
+    new.weight = _param(weight, old.weight)
+    new.bias = _param(bias, old.bias)
+    new.train(old.training)
+    return new
+
+
+def _clone(t: torch.Tensor | None, shape=None) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = t.detach()
+    return (t.reshape(shape) if shape is not None else t).clone()
+
+
+def _flat(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.reshape(-1)
+
+
+# Values a module attribute can hold, as functions of the new layout; see Adapter.module_counts.
+_COUNTS = {
+    "H": lambda H, G, D: H,
+    "G": lambda H, G, D: G,
+    "H/G": lambda H, G, D: H // G,
+    "H*D": lambda H, G, D: H * D,
+    "G*D": lambda H, G, D: G * D,
+}
 
 
 @dataclass
 class Adapter:
     """How one family of architectures lays out its attention heads.
 
-    Subclasses implement `blocks`, `attention_module`, `out_proj`, `read` and `write`; the flags below tell the
-    rest of headlab what a family can and cannot express.
+    Subclasses implement `head_counts`, `out_proj`, `read` and `write`; the fields below locate the blocks and
+    the attention module, and the flags tell the rest of headlab what a family can and cannot express.
     """
 
     model_types: tuple[str, ...]
@@ -93,20 +205,25 @@ class Adapter:
     # The config has num_key_value_heads, so GQA conversion is expressible.
     supports_gqa: bool = True
     extra: dict = field(default_factory=dict)
+    # Name suffixes of the blocks' ModuleList, tried in order (multimodal wrappers first: their vision towers
+    # also hold "layers").
+    blocks_path: tuple[str, ...] = ("layers",)
+    attn: str = "self_attn"  # block -> module that calls the attention interface
+    head_dim_attr: str = "head_dim"  # attribute of that module holding D
+    # Module attributes that forward (or transformers' attention functions) read, with the layout value each
+    # must hold after a write: "H", "G", "H/G", "H*D" or "G*D".
+    module_counts: tuple[tuple[str, str], ...] = (("num_key_value_groups", "H/G"),)
+    # Config fields the module's forward reads from `module.config` (Phi3: num_attention_heads); a write gives the
+    # module a config view overriding them so layers can differ.
+    config_counts: tuple[tuple[str, str], ...] = ()
 
     # ---- to implement per family -------------------------------------------------------------------------
-    def blocks(self, model: nn.Module) -> nn.ModuleList:
-        raise NotImplementedError
-
-    def attention_module(self, block: nn.Module) -> nn.Module | None:
-        """The module that calls the attention interface, or None for blocks without softmax heads."""
+    def head_counts(self, layer: AttentionLayer) -> tuple[int, int]:
+        """(H, G) read from the projection shapes, without copying weights."""
         raise NotImplementedError
 
     def out_proj(self, layer: AttentionLayer) -> nn.Module:
         """The output projection; its input is the concatenation of head outputs, head-major ([.., H * D])."""
-        raise NotImplementedError
-
-    def head_dim(self, module: nn.Module) -> int:
         raise NotImplementedError
 
     def read(self, layer: AttentionLayer) -> HeadWeights:
@@ -116,24 +233,280 @@ class Adapter:
         """Replace the layer's projections with `weights` (any head counts) and update the module's bookkeeping."""
         raise NotImplementedError
 
-    def set_config_heads(self, config, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        """Write uniform head counts into a config so vanilla from_pretrained builds matching shapes."""
-        raise NotImplementedError
-
     # ---- shared -------------------------------------------------------------------------------------------
+    def blocks(self, model: nn.Module) -> nn.ModuleList:
+        """The ModuleList of transformer blocks, found by name suffix so LM-head and bare models both work."""
+        lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+        for suffix in self.blocks_path:
+            found = [m for n, m in lists if n == suffix or n.endswith("." + suffix)]
+            if len(found) == 1:
+                return found[0]
+            if len(found) > 1:
+                names = [n for n, m in lists if n == suffix or n.endswith("." + suffix)]
+                raise HeadlabError(f"{type(model).__name__}: several block lists match {suffix!r}: {names}")
+        raise HeadlabError(f"{type(model).__name__} has no block list named like {' or '.join(self.blocks_path)}")
+
+    def attention_module(self, block: nn.Module) -> nn.Module | None:
+        """The module that calls the attention interface, or None for blocks without softmax heads."""
+        return _get(block, self.attn)
+
+    def head_dim(self, module: nn.Module) -> int:
+        return int(getattr(module, self.head_dim_attr))
+
     def attention_layers(self, model: nn.Module) -> list[AttentionLayer]:
         layers = []
         for block_index, block in enumerate(self.blocks(model)):
             module = self.attention_module(block)
             if module is None:
                 continue
-            layer = AttentionLayer(len(layers), block_index, module, 0, 0, self.head_dim(module))
-            weights = self.read(layer)
-            layer.num_heads, layer.num_kv_heads = weights.num_heads, weights.num_kv_heads
+            layer = AttentionLayer(len(layers), block_index, module, 0, 0, self.head_dim(module), block)
+            layer.num_heads, layer.num_kv_heads = self.head_counts(layer)
             layers.append(layer)
         if not layers:
             raise HeadlabError(f"{type(model).__name__} has no softmax-attention layers headlab can find")
         return layers
+
+    def set_config_heads(self, config, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Write uniform head counts into a config so vanilla from_pretrained builds matching shapes."""
+        config = config.get_text_config()
+        if not self.supports_gqa and num_kv_heads != num_heads:
+            raise HeadlabError(f"{config.model_type} configs cannot hold {num_kv_heads} KV heads for {num_heads} heads")
+        if not self.free_head_dim and num_heads * head_dim != config.hidden_size:
+            raise HeadlabError(
+                f"{config.model_type} derives head_dim as hidden_size // heads, so {num_heads} heads of {head_dim} "
+                f"cannot be expressed with hidden_size {config.hidden_size}"
+            )
+        config.num_attention_heads = num_heads
+        if self.supports_gqa:
+            config.num_key_value_heads = num_kv_heads
+        if self.free_head_dim:
+            config.head_dim = head_dim
+
+    def layout_fields(self, config) -> dict[str, int]:
+        """The uniform layout a config describes: num_heads, num_kv_heads, head_dim (as set_config_heads writes)."""
+        config = config.get_text_config()
+        num_heads = config.num_attention_heads
+        num_kv_heads = (getattr(config, "num_key_value_heads", None) if self.supports_gqa else None) or num_heads
+        head_dim = getattr(config, "head_dim", None) if self.free_head_dim else None
+        head_dim = head_dim or config.hidden_size // num_heads
+        return {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+
+    # ---- helpers for subclasses ---------------------------------------------------------------------------
+    def _check(self, layer: AttentionLayer, weights: HeadWeights) -> tuple[int, int, int]:
+        """Validate a layout this family can run; returns (H, G, D)."""
+        H, G, D = weights.num_heads, weights.num_kv_heads, weights.head_dim
+        if D != layer.head_dim:
+            # Rotary tables and the softmax scaling are built for the model's head_dim.
+            raise HeadlabError(f"layer {layer.index}: head_dim must stay {layer.head_dim}, got {D}")
+        if H < 1 or G < 1 or H % G:
+            raise HeadlabError(f"layer {layer.index}: {H} query heads cannot be split evenly over {G} KV heads")
+        if not self.supports_gqa and G != H:
+            raise HeadlabError(f"{'/'.join(self.model_types)} needs as many KV heads as query heads, got {G} for {H}")
+        dq = 2 * D if self.gated else D
+        if weights.q.shape[1] != dq or weights.o.shape[1:] != (H, D) or weights.v.shape[:2] != (G, D):
+            raise ValueError(f"inconsistent HeadWeights: q {tuple(weights.q.shape)}, o {tuple(weights.o.shape)}")
+        return H, G, D
+
+    def _update_counts(self, layer: AttentionLayer, H: int, G: int, D: int) -> None:
+        module = layer.module
+        for attr, what in self.module_counts:
+            setattr(module, attr, _COUNTS[what](H, G, D))
+        if self.config_counts:
+            base = module.config._base if isinstance(module.config, _ConfigView) else module.config
+            overrides = {f: _COUNTS[what](H, G, D) for f, what in self.config_counts}
+            # Only layers that differ from the shared config need their own view.
+            same = all(getattr(base, f, None) == value for f, value in overrides.items())
+            module.config = base if same else _ConfigView(base, **overrides)
+        layer.num_heads, layer.num_kv_heads = H, G
+
+
+@dataclass
+class SeparateQKV(Adapter):
+    """Families with separate q/k/v/o projections (nn.Linear, weight [out, in]); paths are relative to the block."""
+
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    o: str = "self_attn.o_proj"
+    q_norm: str | None = None
+    k_norm: str | None = None
+
+    def head_counts(self, layer):
+        D = layer.head_dim
+        return _get(layer.block_module, self.o).in_features // D, _get(layer.block_module, self.k).out_features // D
+
+    def out_proj(self, layer):
+        return _get(layer.block_module, self.o)
+
+    def read(self, layer):
+        block, D = layer.block_module, layer.head_dim
+        q, k, v, o = (_get(block, p) for p in (self.q, self.k, self.v, self.o))
+        C = q.in_features
+        H, G = o.in_features // D, k.out_features // D
+        dq = q.out_features // H  # D, or 2D with per-head [query, gate] rows
+        w = HeadWeights(
+            q=_clone(q.weight, (H, dq, C)),
+            k=_clone(k.weight, (G, D, C)),
+            v=_clone(v.weight, (G, D, C)),
+            o=_clone(o.weight, (o.out_features, H, D)),
+            q_bias=_clone(q.bias, (H, dq)),
+            k_bias=_clone(k.bias, (G, D)),
+            v_bias=_clone(v.bias, (G, D)),
+            o_bias=_clone(o.bias),
+        )
+        for name, path, n in (("q_norm", self.q_norm, H), ("k_norm", self.k_norm, G)):
+            if path is not None:
+                weight = _get(block, path).weight
+                setattr(w, name, _clone(weight, (n, D) if self.norm_spans_heads else None))
+        return w
+
+    def write(self, layer, weights):
+        H, G, D = self._check(layer, weights)
+        block = layer.block_module
+        C = weights.q.shape[2]
+        for path, w, b in (
+            (self.q, weights.q.reshape(-1, C), _flat(weights.q_bias)),  # [H*Dq, C]
+            (self.k, weights.k.reshape(G * D, C), _flat(weights.k_bias)),  # [G*D, C]
+            (self.v, weights.v.reshape(G * D, C), _flat(weights.v_bias)),  # [G*D, C]
+            (self.o, weights.o.reshape(weights.o.shape[0], H * D), weights.o_bias),  # [C, H*D]
+        ):
+            _set(block, path, _linear_like(_get(block, path), w, b))
+        for path, value in ((self.q_norm, weights.q_norm), (self.k_norm, weights.k_norm)):
+            if path is not None and value is not None:
+                norm = _get(block, path)
+                # The norm module keeps its eps; a spanning norm just gets a longer weight ([H*D] / [G*D]).
+                norm.weight = _param(value.reshape(-1) if self.norm_spans_heads else value, norm.weight)
+        self._update_counts(layer, H, G, D)
+
+
+@dataclass
+class FusedQKV(Adapter):
+    """Phi3: one nn.Linear `qkv_proj` with rows [q (H*D), k (G*D), v (G*D)], then `o_proj`."""
+
+    qkv: str = "self_attn.qkv_proj"
+    o: str = "self_attn.o_proj"
+
+    def head_counts(self, layer):
+        D = layer.head_dim
+        H = _get(layer.block_module, self.o).in_features // D
+        return H, (_get(layer.block_module, self.qkv).out_features - H * D) // (2 * D)
+
+    def out_proj(self, layer):
+        return _get(layer.block_module, self.o)
+
+    def read(self, layer):
+        qkv, o = _get(layer.block_module, self.qkv), _get(layer.block_module, self.o)
+        D, C = layer.head_dim, qkv.in_features
+        H, G = self.head_counts(layer)
+        q, k, v = qkv.weight.split([H * D, G * D, G * D])
+        qb, kb, vb = qkv.bias.split([H * D, G * D, G * D]) if qkv.bias is not None else (None, None, None)
+        return HeadWeights(
+            q=_clone(q, (H, D, C)),
+            k=_clone(k, (G, D, C)),
+            v=_clone(v, (G, D, C)),
+            o=_clone(o.weight, (o.out_features, H, D)),
+            q_bias=_clone(qb, (H, D)),
+            k_bias=_clone(kb, (G, D)),
+            v_bias=_clone(vb, (G, D)),
+            o_bias=_clone(o.bias),
+        )
+
+    def write(self, layer, weights):
+        H, G, D = self._check(layer, weights)
+        block, C = layer.block_module, weights.q.shape[2]
+        weight = torch.cat([weights.q.reshape(H * D, C), weights.k.reshape(G * D, C), weights.v.reshape(G * D, C)])
+        biases = (weights.q_bias, weights.k_bias, weights.v_bias)
+        bias = None if weights.q_bias is None else torch.cat([_flat(b) for b in biases])  # [(H+2G)*D]
+        _set(block, self.qkv, _linear_like(_get(block, self.qkv), weight, bias))
+        _set(block, self.o, _linear_like(_get(block, self.o), weights.o.reshape(-1, H * D), weights.o_bias))
+        self._update_counts(layer, H, G, D)
+
+
+@dataclass
+class InterleavedQKV(Adapter):
+    """GPT-NeoX: one nn.Linear `query_key_value` whose rows go head by head, [q (D), k (D), v (D)] per head."""
+
+    qkv: str = "attention.query_key_value"
+    o: str = "attention.dense"
+
+    def head_counts(self, layer):
+        H = _get(layer.block_module, self.o).in_features // layer.head_dim
+        return H, H
+
+    def out_proj(self, layer):
+        return _get(layer.block_module, self.o)
+
+    def read(self, layer):
+        qkv, o = _get(layer.block_module, self.qkv), _get(layer.block_module, self.o)
+        D, C = layer.head_dim, qkv.in_features
+        H = o.in_features // D
+        w = qkv.weight.detach().view(H, 3, D, C)
+        b = qkv.bias.detach().view(H, 3, D) if qkv.bias is not None else None
+        return HeadWeights(
+            q=w[:, 0].clone(),
+            k=w[:, 1].clone(),
+            v=w[:, 2].clone(),
+            o=_clone(o.weight, (o.out_features, H, D)),
+            q_bias=None if b is None else b[:, 0].clone(),
+            k_bias=None if b is None else b[:, 1].clone(),
+            v_bias=None if b is None else b[:, 2].clone(),
+            o_bias=_clone(o.bias),
+        )
+
+    def write(self, layer, weights):
+        H, G, D = self._check(layer, weights)
+        block, C = layer.block_module, weights.q.shape[2]
+        weight = torch.stack([weights.q, weights.k, weights.v], dim=1).reshape(H * 3 * D, C)  # [H, 3, D, C] flat
+        bias = None
+        if weights.q_bias is not None:
+            bias = torch.stack([weights.q_bias, weights.k_bias, weights.v_bias], dim=1).reshape(-1)  # [H*3*D]
+        _set(block, self.qkv, _linear_like(_get(block, self.qkv), weight, bias))
+        _set(block, self.o, _linear_like(_get(block, self.o), weights.o.reshape(-1, H * D), weights.o_bias))
+        self._update_counts(layer, H, G, D)
+
+
+@dataclass
+class Conv1DQKV(Adapter):
+    """GPT-2: Conv1D `c_attn` with weight [C, 3*H*D] (columns [q, k, v]) and Conv1D `c_proj` with weight [H*D, C]."""
+
+    qkv: str = "attn.c_attn"
+    o: str = "attn.c_proj"
+
+    def head_counts(self, layer):
+        H = _get(layer.block_module, self.o).weight.shape[0] // layer.head_dim
+        return H, H
+
+    def out_proj(self, layer):
+        return _get(layer.block_module, self.o)
+
+    def read(self, layer):
+        qkv, o = _get(layer.block_module, self.qkv), _get(layer.block_module, self.o)
+        D, C = layer.head_dim, qkv.weight.shape[0]
+        H = o.weight.shape[0] // D
+        q, k, v = qkv.weight.detach().t().split(H * D)  # each [H*D, C]
+        qb, kb, vb = qkv.bias.detach().split(H * D)
+        return HeadWeights(
+            q=_clone(q, (H, D, C)),
+            k=_clone(k, (H, D, C)),
+            v=_clone(v, (H, D, C)),
+            o=_clone(o.weight.detach().t(), (C, H, D)),
+            q_bias=_clone(qb, (H, D)),
+            k_bias=_clone(kb, (H, D)),
+            v_bias=_clone(vb, (H, D)),
+            o_bias=_clone(o.bias),
+        )
+
+    def write(self, layer, weights):
+        H, G, D = self._check(layer, weights)
+        block, C = layer.block_module, weights.q.shape[2]
+        weight = torch.cat([w.reshape(H * D, C) for w in (weights.q, weights.k, weights.v)]).t()  # [C, 3*H*D]
+        zeros = torch.zeros(H * D, dtype=weights.q.dtype, device=weights.q.device)
+        biases = (weights.q_bias, weights.k_bias, weights.v_bias)
+        bias = torch.cat([_flat(b) if b is not None else zeros for b in biases])  # [3*H*D]
+        o_bias = weights.o_bias if weights.o_bias is not None else torch.zeros(C, dtype=weights.o.dtype)
+        _set(block, self.qkv, _conv1d_like(_get(block, self.qkv), weight, bias))
+        _set(block, self.o, _conv1d_like(_get(block, self.o), weights.o.reshape(C, H * D).t(), o_bias))
+        self._update_counts(layer, H, G, D)
 
 
 ADAPTERS: dict[str, Adapter] = {}
@@ -154,11 +527,88 @@ def adapter_for(model_or_config) -> Adapter:
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
     if model_type not in ADAPTERS:
-        raise HeadlabError(
-            f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}"
-        )
+        raise HeadlabError(f"unsupported architecture {model_type!r}; supported: {', '.join(supported_model_types())}")
     return ADAPTERS[model_type]
 
 
 def attention_layers(model: nn.Module) -> list[AttentionLayer]:
     return adapter_for(model).attention_layers(model)
+
+
+# ---- the registry ---------------------------------------------------------------------------------------------
+register(SeparateQKV(("llama", "mistral", "qwen2")))
+register(SeparateQKV(("qwen3",), q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"))
+# Hybrids: blocks holding `linear_attn` have no `self_attn` and are skipped; q_proj rows are [query, gate] per head.
+# The multimodal qwen3_5 wrapper keeps the text blocks under language_model (its vision tower uses "blocks").
+register(
+    SeparateQKV(
+        ("qwen3_next", "qwen3_5_text", "qwen3_5"),
+        gated=True,
+        blocks_path=("language_model.layers", "layers"),
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+    )
+)
+# Gemma3: the multimodal wrapper's SigLIP tower also has encoder.layers, hence language_model first.
+register(
+    SeparateQKV(
+        ("gemma3_text", "gemma3"),
+        blocks_path=("language_model.layers", "layers"),
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+    )
+)
+register(SeparateQKV(("olmo2",), norm_spans_heads=True, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"))
+register(
+    SeparateQKV(
+        ("opt",),
+        free_head_dim=False,
+        supports_gqa=False,
+        o="self_attn.out_proj",
+        module_counts=(("num_heads", "H"),),
+    )
+)
+register(
+    SeparateQKV(
+        ("bert", "roberta"),
+        is_encoder=True,
+        free_head_dim=False,
+        supports_gqa=False,
+        blocks_path=("encoder.layer",),
+        attn="attention.self",
+        head_dim_attr="attention_head_size",
+        q="attention.self.query",
+        k="attention.self.key",
+        v="attention.self.value",
+        o="attention.output.dense",
+        module_counts=(("num_attention_heads", "H"), ("all_head_size", "H*D")),
+    )
+)
+# Phi3's forward slices qkv at config.num_attention_heads * head_dim, so that count lives in a per-module config view.
+register(
+    FusedQKV(
+        ("phi3",),
+        module_counts=(("num_key_value_groups", "H/G"), ("num_key_value_heads", "G")),
+        config_counts=(("num_attention_heads", "H"),),
+    )
+)
+register(
+    InterleavedQKV(
+        ("gpt_neox",),
+        free_head_dim=False,
+        supports_gqa=False,
+        attn="attention",
+        head_dim_attr="head_size",
+        module_counts=(),
+    )
+)
+register(
+    Conv1DQKV(
+        ("gpt2",),
+        free_head_dim=False,
+        supports_gqa=False,
+        blocks_path=("h",),
+        attn="attn",
+        module_counts=(("num_heads", "H"), ("split_size", "H*D")),
+    )
+)
