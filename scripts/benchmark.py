@@ -1,0 +1,131 @@
+#!/usr/bin/env python
+"""Benchmarks: headlab against reference implementations measured in the same run; writes BENCHMARKS.md.
+
+Each case is a module in scripts/bench_cases/ with `TITLE`, `run(args) -> dict` and `markdown(result) -> str`.
+Results are kept per case in benchmarks/results/<case>.json, so running one case (`--case eval`) refreshes its
+section and keeps the others. Timings are medians over --repeats runs; ratios compare runs made in this process.
+
+    python scripts/benchmark.py                 # every case
+    python scripts/benchmark.py --case eval     # one case
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = ROOT / "scripts" / "bench_cases"
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def median_time(function, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
+    """Median wall time of `function()` over `repeats` runs after `warmup` untimed runs."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    import headlab
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "headlab": headlab.__version__,
+    }
+
+
+def load_case(path: Path):
+    spec = importlib.util.spec_from_file_location(f"bench_cases.{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def cases() -> dict:
+    return {path.stem: path for path in sorted(CASES.glob("*.py")) if not path.stem.startswith("_")}
+
+
+def render() -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "Written by `scripts/benchmark.py` from `benchmarks/results/*.json`; every ratio compares two "
+        "implementations measured in the same run on the same machine. Timings are medians; this machine is "
+        "shared and noisy, so read ratios, not absolute seconds.",
+        "",
+    ]
+    for name, path in cases().items():
+        result_path = RESULTS / f"{name}.json"
+        if not result_path.is_file():
+            continue
+        result = json.loads(result_path.read_text())
+        module = load_case(path)
+        info = result["machine"]
+        lines += [
+            f"## {module.TITLE}",
+            "",
+            f"Reproduce: `{result['command']}`  ",
+            f"Measured {result['date']} on {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch "
+            f"threads{', ' + info['cuda'] if info['cuda'] else ''}), torch {info['torch']}, "
+            f"transformers {info['transformers']}, headlab {info['headlab']}.",
+            "",
+            module.markdown(result["result"]).rstrip(),
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", action="append", choices=sorted(cases()), help="run only these cases")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--render-only", action="store_true", help="rewrite BENCHMARKS.md from saved results")
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if not args.render_only:
+        for name in args.case or sorted(cases()):
+            print(f"== {name}", flush=True)
+            module = load_case(cases()[name])
+            result = module.run(args)
+            command = f"python scripts/benchmark.py --case {name}" + (
+                f" --device {args.device}" if args.device != "cpu" else ""
+            )
+            payload = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "result": result}
+            (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+            print(module.markdown(result))
+    (ROOT / "BENCHMARKS.md").write_text(render())
+
+
+if __name__ == "__main__":
+    main()
