@@ -230,7 +230,12 @@ class Adapter:
         raise NotImplementedError
 
     def write(self, layer: AttentionLayer, weights: HeadWeights) -> None:
-        """Replace the layer's projections with `weights` (any head counts) and update the module's bookkeeping."""
+        """Replace the layer's projections with `weights` (any head counts) and update the module's bookkeeping.
+
+        H must be a multiple of G (repeat_kv's contiguous groups) and D must stay the model's head_dim. The new
+        projections are plain nn.Linear / Conv1D on the old weights' device and dtype; hooks registered on the
+        old projection modules do not carry over.
+        """
         raise NotImplementedError
 
     # ---- shared -------------------------------------------------------------------------------------------

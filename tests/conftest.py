@@ -162,11 +162,19 @@ def tiny_config(name: str, **overrides):
 
 
 def tiny_model(name: str, *, base: bool = False, attn_implementation: str = "eager", seed: int = 0, **overrides):
-    """A tiny random model for spec `name` (LM-head model, or the bare base model with base=True)."""
+    """A tiny random model for spec `name` (LM-head model, or the bare base model with base=True).
+
+    Vectors (biases, norm weights) start constant under the usual init, which would hide a bias or norm mapped to
+    the wrong head; they get noise of std 0.05 here.
+    """
     config = tiny_config(name, **overrides)
     auto = AutoModel if base else _AUTO[SPECS[name][1]]
     torch.manual_seed(seed)
     model = auto.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.05 * torch.randn_like(param))
     return model.eval()
 
 
