@@ -1,0 +1,182 @@
+"""Saving edited models as checkpoints that vanilla transformers loads, verified by reloading them.
+
+Shared by every command that writes weights (GQA conversion, physical pruning): save atomically, reload, compare
+logits on a fixed probe input, and only then move the directory into place.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from headlab.errors import HeadlabError
+from headlab.loading import HEAD_LAYOUT_KEY, atomic_directory, load_model
+from headlab.tables import check_out, versions
+
+META_FILE = "headlab.json"  # what headlab wrote into a checkpoint directory: the edit and its verification
+
+
+class CheckpointMismatch(HeadlabError):
+    """The reloaded checkpoint computes different logits from the model in memory (nothing was written)."""
+
+
+@dataclass
+class Verification:
+    """Result of `verify_reload`: how far the reloaded model's logits are from the in-memory model's."""
+
+    loader: str  # "transformers.AutoModelForCausalLM.from_pretrained" or "headlab.loading.load_model"
+    max_abs_diff: float
+    max_abs_logit: float
+    tolerance: float
+    probe_shape: tuple[int, int]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def check_checkpoint_out(out: Path, overwrite: bool, source: str | Path | None = None) -> None:
+    """Fail before any work when --out exists without --overwrite, or when it would replace the source itself."""
+    check_out(out, overwrite)
+    if source is not None and Path(source).expanduser().exists():
+        target, origin = Path(out).expanduser().resolve(), Path(source).expanduser().resolve()
+        if target == origin or origin.is_relative_to(target) or target.is_relative_to(origin):
+            raise HeadlabError(f"--out {out} would overwrite or nest inside the source model {source}; choose another")
+
+
+def _special_ids(config) -> set[int]:
+    """Token ids a config reserves (pad, bos, image, ...): a probe avoids them, multimodal models reject some."""
+    ids = set()
+    for cfg in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        for name, value in cfg.to_dict().items():
+            if (name.endswith("_token_id") or name.endswith("_token_index")) and isinstance(value, int):
+                ids.add(value)
+            elif name.endswith("_token_id") and isinstance(value, list):
+                ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def probe_inputs(model: nn.Module, batch: int = 2, seq_len: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A fixed, seeded batch of ordinary token ids (special ids excluded) with a full attention mask."""
+    config = model.config
+    vocab = config.get_text_config().vocab_size
+    allowed = torch.tensor(sorted(set(range(vocab)) - _special_ids(config)), dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(len(allowed), (batch, seq_len), generator=generator)
+    input_ids = allowed[picks]  # [B, T]
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+@torch.no_grad()
+def logits_of(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """float32 logits [B, T, V] of `model` on `inputs` (moved to the model's device), without a cache."""
+    device = next(model.parameters()).device
+    out = model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False)
+    return out.logits.float().cpu()
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance on the logits: reloading stores the same weights, so only kernel noise may differ."""
+    return 1e-4 if dtype == torch.float32 else 2e-2
+
+
+def _auto_class_for(model: nn.Module):
+    """The transformers Auto class that maps this model's config to exactly its class (vanilla loading)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMaskedLM
+
+    for auto in (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForImageTextToText):
+        try:
+            if auto._model_mapping[type(model.config)] is type(model):
+                return auto
+        except KeyError:
+            continue
+    return type(model)  # a bare or uncommon head: its own from_pretrained is still vanilla transformers
+
+
+def reload(path: Path, like: nn.Module) -> tuple[nn.Module, str]:
+    """Load `path` the way a user would: the vanilla Auto class, or headlab's loader for non-uniform layouts."""
+    parameter = next(like.parameters())
+    attn = getattr(like.config, "_attn_implementation", None) or "eager"
+    config = json.loads((Path(path) / "config.json").read_text())
+    text = config.get("text_config") or {}
+    if HEAD_LAYOUT_KEY in config or HEAD_LAYOUT_KEY in text:
+        device = "cuda" if parameter.device.type == "cuda" else "cpu"
+        dtype = str(parameter.dtype).removeprefix("torch.")
+        loaded = load_model(str(path), device=device, dtype=dtype, attn_implementation=attn)
+        return loaded.model.to(parameter.device), "headlab.loading.load_model"
+    auto = _auto_class_for(like)
+    model = auto.from_pretrained(str(path), dtype=parameter.dtype, attn_implementation=attn)
+    name = f"transformers.{auto.__name__}.from_pretrained"
+    return model.to(parameter.device).eval(), name
+
+
+def verify_reload(
+    path: Path,
+    model: nn.Module,
+    *,
+    inputs: dict[str, torch.Tensor] | None = None,
+    tolerance: float | None = None,
+    expected: torch.Tensor | None = None,
+) -> Verification:
+    """Reload `path` and require max |logits_reloaded - logits_model| <= tolerance x max(1, max |logits_model|).
+
+    Raises CheckpointMismatch otherwise. `expected` (logits of `model` on `inputs`) skips recomputing them.
+    """
+    inputs = inputs if inputs is not None else probe_inputs(model)
+    dtype = next(model.parameters()).dtype
+    tolerance = default_tolerance(dtype) if tolerance is None else tolerance
+    expected = logits_of(model, inputs) if expected is None else expected
+    reloaded, loader = reload(path, model)
+    got = logits_of(reloaded, inputs)
+    del reloaded
+    if got.shape != expected.shape:
+        raise CheckpointMismatch(
+            f"reloaded {path} gives logits of shape {tuple(got.shape)}, not {tuple(expected.shape)}"
+        )
+    diff = float((got - expected).abs().max())
+    scale = float(expected.abs().max())
+    result = Verification(loader, diff, scale, tolerance, tuple(inputs["input_ids"].shape))
+    if not diff <= tolerance * max(1.0, scale):  # also catches NaN
+        raise CheckpointMismatch(
+            f"the checkpoint reloaded with {loader} differs from the model in memory: max |logit diff| {diff:.3g} "
+            f"> {tolerance:g} x {max(1.0, scale):.3g}; nothing was written"
+        )
+    return result
+
+
+def save_checkpoint(
+    model: nn.Module,
+    tokenizer,
+    out: Path,
+    *,
+    overwrite: bool = False,
+    meta: dict | None = None,
+    verify: bool = True,
+    tolerance: float | None = None,
+) -> Verification | None:
+    """Save model (+ tokenizer, + `headlab.json` with `meta`) to `out` atomically; with verify=True reload the saved
+    files first and raise CheckpointMismatch (writing nothing) if their logits differ from the model's."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-shard bars are noise next to headlab's own progress
+    out = Path(out)
+    check_out(out, overwrite)
+    inputs = probe_inputs(model) if verify else None
+    expected = logits_of(model, inputs) if verify else None
+    verification = None
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if verify:
+            verification = verify_reload(tmp, model, inputs=inputs, tolerance=tolerance, expected=expected)
+        record = {
+            **(meta or {}),
+            "verification": verification.to_dict() if verification else None,
+            "versions": versions(),
+        }
+        (tmp / META_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return verification
