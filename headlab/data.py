@@ -18,6 +18,8 @@ from headlab.errors import HeadlabError
 DEFAULT_CORPUS = "pydoc-topics"
 PARTS = ("calibration", "eval", "all")
 CALIBRATION_FRACTION = 0.5
+# Fewer tokens than this make a perplexity or a statistic meaningless: such a corpus part is refused as too short.
+MIN_TOKENS = 16
 DOCUMENT_SEPARATOR = "\n\n"
 
 
@@ -177,6 +179,12 @@ def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> tuple[torch
     return torch.tensor(ids, dtype=torch.long), text
 
 
+def require_tokens(ids: torch.Tensor, what: str) -> None:
+    """Refuse a corpus part with fewer than MIN_TOKENS tokens."""
+    if len(ids) < MIN_TOKENS:
+        raise HeadlabError(f"{what} is too short: {len(ids)} tokens, at least {MIN_TOKENS} needed")
+
+
 @dataclass
 class Window:
     """One model input: tokens [start, end) of a stream, of which [score_from, end) are scored."""
@@ -276,6 +284,7 @@ def calibration_batches(
         corpus = load_corpus(corpus, text_column)
     text_part = split_text(corpus, part)
     ids, text = tokenize(tokenizer, text_part.text, max_tokens)
+    require_tokens(ids, f"the {part} part of corpus {corpus.spec!r}")
     windows = chunk_windows(len(ids), seq_len)
     if not windows:
         raise HeadlabError(f"the {part} part of {corpus.spec!r} has too few tokens ({len(ids)})")

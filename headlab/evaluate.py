@@ -16,11 +16,12 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from headlab.data import Corpus, batch_windows, load_corpus, sliding_windows, split_text, tokenize
+from headlab.data import Corpus, batch_windows, load_corpus, require_tokens, sliding_windows, split_text, tokenize
 from headlab.errors import HeadlabError
 from headlab.loading import LoadedModel
 
 MLM_PROBABILITY = 0.15
+MLM_SEED = 0  # the fixed seed of the masked-LM masking (perplexity and importance)
 
 
 @dataclass
@@ -106,11 +107,10 @@ def perplexity(
         return _masked_lm_loss(loaded, text_part.text, seq_len, batch_size, max_tokens, progress)
 
     ids, text = tokenize(loaded.tokenizer, text_part.text, max_tokens)
+    require_tokens(ids, f"the {part} part of corpus {corpus.spec!r}")
     prefix = _prefix_token(loaded.tokenizer)
     if prefix is not None:
         ids = torch.cat([torch.tensor([prefix]), ids])
-    if len(ids) < 2:
-        raise HeadlabError(f"the {part} part of {corpus.spec!r} is too short to score")
     windows = sliding_windows(len(ids), seq_len, stride)
     pad_id = loaded.tokenizer.pad_token_id or 0
     device = loaded.device
@@ -153,38 +153,46 @@ def perplexity(
     )
 
 
+def masked_lm_batch(tokenizer, rows: list[torch.Tensor], generator: torch.Generator):
+    """One masked-LM batch: each row of token ids wrapped as [CLS] row [SEP], 15% of its tokens (at least one) chosen
+    with `generator` and replaced by the mask token. Returns input_ids, attention_mask, labels (-100 where not
+    scored), each [B, T]. Rows draw from the generator in order, so masks do not depend on how rows are batched."""
+    if tokenizer.mask_token_id is None:
+        raise HeadlabError("this masked-LM tokenizer has no mask token")
+    cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+    sep_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    width = max(len(r) for r in rows) + 2
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0)  # [B, T]
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for r, row in enumerate(rows):
+        n = len(row)
+        input_ids[r, 0], input_ids[r, 1 : n + 1], input_ids[r, n + 1] = cls_id, row, sep_id
+        attention_mask[r, : n + 2] = 1
+        chosen = torch.rand(n, generator=generator) < MLM_PROBABILITY
+        if not chosen.any():
+            chosen[torch.randint(n, (1,), generator=generator)] = True
+        positions = torch.nonzero(chosen).flatten() + 1
+        labels[r, positions] = input_ids[r, positions]
+        input_ids[r, positions] = tokenizer.mask_token_id
+    return input_ids, attention_mask, labels
+
+
 @torch.no_grad()
 def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> Perplexity:
     """Masked-LM loss: 15% of the non-special tokens of each window (fixed seed) replaced by the mask token and
     predicted; perplexity = exp(mean NLL over masked tokens). Not comparable to causal perplexity."""
     tokenizer, model, device = loaded.tokenizer, loaded.model, loaded.device
-    if tokenizer.mask_token_id is None:
-        raise HeadlabError("this masked-LM tokenizer has no mask token")
     ids, text = tokenize(tokenizer, text, max_tokens)
+    require_tokens(ids, "the masked-LM text")
     body = seq_len - 2  # room for [CLS] and [SEP]
     if body < 1:
         raise HeadlabError(f"--seq-len {seq_len} is too short for a masked-LM window")
-    generator = torch.Generator().manual_seed(0)
-    cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
-    sep_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    generator = torch.Generator().manual_seed(MLM_SEED)
     rows = [ids[i : i + body] for i in range(0, len(ids), body)]
     total_nll, total_count, start = 0.0, 0, time.perf_counter()
     for first in tqdm(range(0, len(rows), batch_size), desc="masked-LM loss", disable=not progress, unit="batch"):
-        group = rows[first : first + batch_size]
-        width = max(len(r) for r in group) + 2
-        input_ids = torch.full((len(group), width), tokenizer.pad_token_id or 0)  # [B, T]
-        attention_mask = torch.zeros_like(input_ids)
-        labels = torch.full_like(input_ids, -100)
-        for r, row in enumerate(group):
-            n = len(row)
-            input_ids[r, 0], input_ids[r, 1 : n + 1], input_ids[r, n + 1] = cls_id, row, sep_id
-            attention_mask[r, : n + 2] = 1
-            chosen = torch.rand(n, generator=generator) < MLM_PROBABILITY
-            if not chosen.any():
-                chosen[torch.randint(n, (1,), generator=generator)] = True
-            positions = torch.nonzero(chosen).flatten() + 1
-            labels[r, positions] = input_ids[r, positions]
-            input_ids[r, positions] = tokenizer.mask_token_id
+        input_ids, attention_mask, labels = masked_lm_batch(tokenizer, rows[first : first + batch_size], generator)
         logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()  # [B, T, V]
         scored = labels != -100

@@ -1,0 +1,123 @@
+"""Corpora, the calibration/eval split and token windows."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+
+from headlab.data import (
+    Corpus,
+    batch_windows,
+    calibration_batches,
+    chunk_windows,
+    load_corpus,
+    sliding_windows,
+    split_text,
+    tokenize,
+)
+from headlab.errors import HeadlabError
+
+
+def test_embedded_corpus_is_the_python_reference():
+    corpus = load_corpus(None)
+    from pydoc_data.topics import topics
+
+    assert len(corpus.documents) == len([t for t in topics.values() if t.strip()])
+    assert len(corpus.text) > 100_000
+
+
+def test_split_is_disjoint_and_complete():
+    corpus = Corpus("x", ["line one\nline two\n" * 50, "other document\n" * 30])
+    calibration, evaluation, whole = (split_text(corpus, p) for p in ("calibration", "eval", "all"))
+    assert calibration.text + evaluation.text == whole.text == corpus.text
+    assert calibration.end == evaluation.start
+    assert evaluation.text.startswith("\n")  # cut at a line break
+    assert abs(calibration.end - len(corpus.text) / 2) < 20
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl", ".csv", ".parquet"])
+def test_local_files(tmp_path, suffix):
+    path = tmp_path / f"corpus{suffix}"
+    docs = ["first document", "second document"]
+    if suffix == ".txt":
+        path.write_text("\n\n".join(docs))
+    elif suffix == ".jsonl":
+        path.write_text("\n".join(json.dumps({"body": d}) for d in docs))
+    elif suffix == ".csv":
+        pd.DataFrame({"body": docs}).to_csv(path, index=False)
+    else:
+        pd.DataFrame({"body": docs}).to_parquet(path)
+    corpus = load_corpus(str(path), text_column=None if suffix == ".txt" else "body")
+    assert corpus.text == "\n\n".join(docs)
+
+
+def test_datasets_directory(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["alpha beta", "", "gamma"]}).save_to_disk(str(tmp_path / "ds"))
+    assert load_corpus(str(tmp_path / "ds")).documents == ["alpha beta", "gamma"]
+
+
+def test_bad_corpora(tmp_path):
+    with pytest.raises(HeadlabError, match="no such corpus"):
+        load_corpus(str(tmp_path / "missing.txt"))
+    (tmp_path / "empty.txt").write_text("  \n")
+    with pytest.raises(HeadlabError, match="no text"):
+        load_corpus(str(tmp_path / "empty.txt"))
+    pd.DataFrame({"body": ["x"]}).to_csv(tmp_path / "t.csv", index=False)
+    with pytest.raises(HeadlabError, match="no column 'text'.*body"):
+        load_corpus(str(tmp_path / "t.csv"))
+
+
+@pytest.mark.parametrize(
+    "num_tokens,seq_len,stride", [(100, 16, 16), (100, 16, 4), (17, 16, 16), (5, 16, 8), (64, 8, 1)]
+)
+def test_sliding_windows_score_every_token_once(num_tokens, seq_len, stride):
+    windows = sliding_windows(num_tokens, seq_len, stride)
+    scored = [t for w in windows for t in range(w.score_from, w.end)]
+    assert scored == list(range(1, num_tokens))  # every token but the first, once, in order
+    for w in windows:
+        assert w.end - w.start <= seq_len
+        assert w.score_from > w.start  # each scored token has a predecessor inside its window
+        # context beyond the scored span: at least seq_len - stride tokens where the text allows it
+        if w.start > 0:
+            assert w.score_from - w.start >= min(seq_len - stride, w.score_from) or stride == seq_len
+
+
+def test_window_errors():
+    with pytest.raises(HeadlabError, match="stride"):
+        sliding_windows(10, 8, 0)
+    with pytest.raises(HeadlabError, match="stride"):
+        sliding_windows(10, 8, 9)
+
+
+def test_chunks_and_batches():
+    ids = torch.arange(23)
+    windows = chunk_windows(23, 10)
+    assert [(w.start, w.end) for w in windows] == [(0, 10), (10, 20), (20, 23)]
+    batches = list(batch_windows(ids, windows, batch_size=2, pad_id=-1))
+    assert len(batches) == 2
+    input_ids, mask, group = batches[1]
+    assert input_ids.tolist() == [[20, 21, 22]] and mask.tolist() == [[1, 1, 1]]
+    input_ids, mask, _ = batches[0]
+    assert input_ids.shape == (2, 10) and mask.sum() == 20
+
+
+def test_tokenize_cuts_text_to_tokens():
+    tokenizer = tiny_tokenizer()
+    ids, text = tokenize(tokenizer, "hello world", max_tokens=5)
+    assert len(ids) == 5 and text == "hello"
+
+
+def test_calibration_batches_record_their_part():
+    batches = calibration_batches(
+        tiny_tokenizer(), Corpus("s", [SAMPLE_TEXT]), seq_len=32, batch_size=3, max_tokens=200
+    )
+    assert batches.meta["split"] == "calibration" and batches.num_tokens == 200
+    assert sum(ids.shape[0] for ids, _, _ in batches) == len(batches.windows) == 7
+    with pytest.raises(HeadlabError, match="maximum positions"):
+        calibration_batches(tiny_tokenizer(), Corpus("s", [SAMPLE_TEXT]), seq_len=128, max_positions=64)

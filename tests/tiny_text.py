@@ -1,0 +1,59 @@
+"""A character-level tokenizer for tiny test models, and saved tiny checkpoints for CLI tests (no download)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[CLS]", "[SEP]", "[MASK]"]
+FIRST_CHAR_ID = 10  # ids below are specials or reserved; printable ASCII 32..126 -> 10..104 (fits vocab 128)
+
+
+def tiny_tokenizer(encoder: bool = False) -> PreTrainedTokenizerFast:
+    """Printable ASCII characters as tokens; BOS <s>=1, EOS </s>=2 (causal) or [CLS]/[SEP]/[MASK] (encoder)."""
+    vocab = {token: i for i, token in enumerate(SPECIALS)}
+    vocab.update({chr(c): FIRST_CHAR_ID + c - 32 for c in range(32, 127)})
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    if encoder:
+        return PreTrainedTokenizerFast(
+            tokenizer_object=backend,
+            unk_token="<unk>",
+            pad_token="<pad>",
+            cls_token="[CLS]",
+            sep_token="[SEP]",
+            mask_token="[MASK]",
+        )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def save_tiny(name: str, directory: Path, **overrides) -> Path:
+    """Save the tiny model `name` (tests/conftest.py) with a matching tokenizer as a checkpoint directory."""
+    from conftest import ENCODER_TYPES, tiny_model
+
+    model = tiny_model(name, **overrides)
+    model.save_pretrained(directory)
+    tiny_tokenizer(encoder=name in ENCODER_TYPES).save_pretrained(directory)
+    return Path(directory)
+
+
+SAMPLE_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Attention heads read keys and values; some of them matter.\n"
+    "Pruning removes heads, pooling shares keys and values between them, and perplexity prices the change.\n"
+) * 8
+
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    """Run `headlab ARGS` in-process; returns (exit code, stdout, stderr)."""
+    import pytest
+
+    from headlab.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
