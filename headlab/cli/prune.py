@@ -1,0 +1,145 @@
+"""`headlab prune`: remove attention heads (mask or physical) and save a checkpoint verified by reloading it."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from headlab.cli.options import data_options, model_options, out_option
+from headlab.prune import MODES, UNITS, prune
+from headlab.report_text import human_bytes
+
+
+@click.command("prune")
+@model_options
+@data_options(default_split="eval", max_tokens=1024, seq_len=256, batch_size=4)
+@out_option(required=False, help_text="checkpoint directory to write (atomically) [default: headlab-pruned]")
+@click.option("--scores", default=None, metavar="PATH", help="importance run / CSV with layer, head, importance|score")
+@click.option("--heads", default=None, metavar="'L:h,h;L:h'", help="prune exactly these heads")
+@click.option("--fraction", type=float, default=None, help="fraction of heads (or KV groups) to prune [default: 0.2]")
+@click.option("--count", type=click.IntRange(min=0), default=None, help="number of heads (or KV groups) to prune")
+@click.option("--per-layer", is_flag=True, help="prune the fraction/count within every layer, not globally")
+@click.option(
+    "--unit", type=click.Choice(UNITS), default="head", show_default=True, help="what one pruning step removes"
+)
+@click.option("--uniform", is_flag=True, help="same number removed in every layer (or KV group): vanilla-loadable")
+@click.option("--iterative", type=click.IntRange(min=1), default=None, metavar="STEPS", help="re-score after each step")
+@click.option("--allow-empty-layer", is_flag=True, help="allow removing every head of a layer")
+@click.option(
+    "--mode", type=click.Choice(MODES), default="mask", show_default=True, help="zero heads or slice them out"
+)
+@click.option(
+    "--method",
+    type=click.Choice(["grad", "taylor", "ablation"]),
+    default="grad",
+    show_default=True,
+    help="importance scorer when no --scores is given",
+)
+@click.option(
+    "--calibration-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="calibration tokens for on-the-fly importance",
+)
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def command(
+    load,
+    data,
+    text_column,
+    part,
+    max_tokens,
+    seq_len,
+    batch_size,
+    out,
+    overwrite,
+    scores,
+    heads,
+    fraction,
+    count,
+    per_layer,
+    unit,
+    uniform,
+    iterative,
+    allow_empty_layer,
+    mode,
+    method,
+    calibration_tokens,
+    as_json,
+):
+    """Prune the lowest-scoring heads (importance computed on the calibration split unless --scores/--heads),
+    print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
+    checkpoint that is reloaded and compared before the command returns."""
+    from pathlib import Path
+
+    from headlab.checkpoint import check_checkpoint_out
+    from headlab.errors import HeadlabError
+
+    if part != "eval":
+        raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
+    out = Path(out) if out is not None else Path("headlab-pruned")
+    check_checkpoint_out(out, overwrite)  # before loading anything
+    loaded = load()
+    result = prune(
+        loaded,
+        scores=scores,
+        heads=heads,
+        fraction=fraction,
+        count=count,
+        per_layer=per_layer,
+        unit=unit,
+        uniform=uniform,
+        iterative=iterative,
+        allow_empty_layer=allow_empty_layer,
+        mode=mode,
+        out=out,
+        overwrite=overwrite,
+        method=method,
+        data=data,
+        text_column=text_column,
+        calibration_tokens=calibration_tokens,
+        eval_tokens=max_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        progress=not as_json,
+    )
+    if as_json:
+        click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))
+        return
+    b, a = result.before, result.after
+    rows = [
+        ("pruned heads", f"{result.num_pruned} of {result.meta['total_heads']} ({mode} mode)"),
+        ("perplexity", f"{result.ppl_before:.4f} -> {result.ppl_after:.4f}"),
+        ("parameters", f"{b['parameters']:,} -> {a['parameters']:,}"),
+        ("query heads / KV heads", f"{b['query_heads']} / {b['kv_heads']} -> {a['query_heads']} / {a['kv_heads']}"),
+        (
+            f"attention FLOPs/token @{b['flops_context']}",
+            f"{b['attention_flops_per_token']:,} -> {a['attention_flops_per_token']:,}",
+        ),
+        ("KV cache per token", f"{human_bytes(b['kv_bytes_per_token'])} -> {human_bytes(a['kv_bytes_per_token'])}"),
+    ]
+    equivalent = result.meta.get("physical_equivalent")
+    if equivalent:
+        rows.append(
+            (
+                "physical prune would give",
+                f"{equivalent['parameters']:,} parameters, {equivalent['attention_flops_per_token']:,} FLOPs/token, "
+                f"{human_bytes(equivalent['kv_bytes_per_token'])} KV/token",
+            )
+        )
+    loader = (
+        "vanilla AutoModel.from_pretrained"
+        if result.loader == "vanilla"
+        else "headlab (per-layer layout; vanilla transformers refuses it)"
+    )
+    rows += [("checkpoint", str(result.out)), ("loads with", loader)]
+    if result.verification:
+        rows.append(("reload check", f"max |logit diff| {result.verification['max_abs_diff']:.2e}"))
+    if result.meta.get("duplicated_kv_heads"):
+        rows.append(("note", f"{result.meta['duplicated_kv_heads']} KV heads duplicated to keep groups equal"))
+    if result.meta.get("approximate"):
+        rows.append(("warning", "this architecture's q/k norm spans heads: physical pruning is approximate"))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
