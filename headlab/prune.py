@@ -89,7 +89,7 @@ def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
     """Score = -(mean attention entropy), so the most diffuse heads (highest entropy) are pruned first."""
     from headlab.stats import head_statistics
 
-    table = head_statistics(loaded, **kwargs)
+    table = head_statistics(loaded, induction=False, **kwargs)  # entropy needs no induction sequences
     table = table[table["statistic"] == "entropy"]
     scores = [torch.full((layer.num_heads,), math.nan, dtype=torch.float64) for layer in loaded.layers]
     for layer, head, value in zip(table["layer"], table["head"], table["value"]):

@@ -1,0 +1,103 @@
+"""`headlab sweep`: perplexity against the fraction of heads pruned, for several pruning orders, with a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from headlab.cli.options import data_options, model_options, out_option
+from headlab.prune import UNITS
+from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, parse_list, sweep, write_sweep
+
+
+@click.command("sweep")
+@model_options
+@data_options(default_split="eval", max_tokens=1024, seq_len=256, batch_size=4)
+@out_option(
+    required=False, help_text="run directory (sweep.csv/.parquet, meta.json, sweep.png) [default: headlab-sweep]"
+)
+@click.option(
+    "--fractions",
+    default=",".join(str(f) for f in DEFAULT_FRACTIONS),
+    show_default=True,
+    help="comma-separated fractions of heads to prune, each in [0, 1)",
+)
+@click.option(
+    "--orders",
+    default=",".join(DEFAULT_ORDERS),
+    show_default=True,
+    help="comma-separated pruning orders: " + "; ".join(f"{k}: {v}" for k, v in ORDER_HELP.items()),
+)
+@click.option("--seeds", default="0,1,2", show_default=True, help="seeds the random order averages over")
+@click.option("--unit", type=click.Choice(UNITS), default="head", show_default=True)
+@click.option("--per-layer", is_flag=True, help="prune each fraction within every layer, not globally")
+@click.option(
+    "--mode",
+    type=click.Choice(["physical", "mask"]),
+    default="physical",
+    show_default=True,
+    help="physical measures the smaller model's speed; mask keeps shapes (same perplexity)",
+)
+@click.option("--calibration-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--method", type=click.Choice(["grad", "taylor"]), default="grad", show_default=True)
+def command(
+    load,
+    data,
+    text_column,
+    part,
+    max_tokens,
+    seq_len,
+    batch_size,
+    out,
+    overwrite,
+    fractions,
+    orders,
+    seeds,
+    unit,
+    per_layer,
+    mode,
+    calibration_tokens,
+    method,
+):
+    """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
+    tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
+    from headlab.errors import HeadlabError
+    from headlab.sweep import check_sweep
+    from headlab.tables import check_out
+
+    if part != "eval":
+        raise HeadlabError("sweep scores perplexity on the eval split; scores always use the calibration split")
+    fraction_list = parse_list(fractions, float, "fractions")
+    order_list = parse_list(orders, str, "orders")
+    seed_list = parse_list(seeds, int, "seeds")
+    check_sweep(fraction_list, order_list, seed_list)
+    if any(o not in ORDERS for o in order_list):
+        raise HeadlabError(f"unknown order; use {', '.join(ORDERS)}")
+    out = Path(out) if out is not None else Path("headlab-sweep")
+    check_out(out, overwrite)
+    loaded = load()
+    result = sweep(
+        loaded,
+        fractions=fraction_list,
+        orders=order_list,
+        seeds=seed_list,
+        unit=unit,
+        per_layer=per_layer,
+        mode=mode,
+        data=data,
+        text_column=text_column,
+        calibration_tokens=calibration_tokens,
+        eval_tokens=max_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        method=method,
+    )
+    write_sweep(result, out, overwrite=overwrite)
+    summary = (
+        result.table.groupby(["order", "fraction"], sort=False)
+        .agg(pruned=("pruned_heads", "mean"), perplexity=("perplexity", "mean"), tokens_per_s=("tokens_per_s", "mean"))
+        .reset_index()
+    )
+    click.echo(summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    click.echo(f"\nwrote {out}/sweep.csv, sweep.parquet, meta.json, sweep.png ({result.meta['mode']} mode)")

@@ -1,0 +1,92 @@
+"""Pruning sweeps on tiny models: each row is the perplexity of the model with exactly those heads gated off."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+from conftest import tiny_model
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
+
+from headlab.errors import HeadlabError
+from headlab.evaluate import perplexity
+from headlab.gates import head_gates
+from headlab.loading import from_model
+from headlab.prune import random_scores
+from headlab.sweep import sweep, write_sweep
+
+EVAL = dict(seq_len=32, batch_size=2)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text(SAMPLE_TEXT)
+    return str(path)
+
+
+def _loaded(name="llama"):
+    return from_model(tiny_model(name), tiny_tokenizer(), spec=name)
+
+
+def test_sweep_rows_match_gated_perplexity(corpus, tmp_path):
+    loaded = _loaded()
+    result = sweep(
+        loaded,
+        fractions=[0.5, 0.0, 0.25],
+        orders=["importance", "random", "iterative", "entropy"],
+        seeds=[0, 1],
+        data=corpus,
+        calibration_tokens=128,
+        eval_tokens=128,
+        progress=False,
+        **EVAL,
+    )
+    table = result.table
+    assert len(table) == 3 * (3 + 2)  # fractions x (importance, iterative, entropy, 2 random seeds)
+    assert sorted(table["fraction"].unique()) == [0.0, 0.25, 0.5]
+    assert table.loc[table["fraction"] == 0.0, "perplexity"].nunique() == 1  # every curve starts unpruned
+    assert list(table.groupby("fraction")["pruned_heads"].unique().map(list)) == [[0], [2], [4]]  # of 8 heads
+
+    # Slow, obvious check of one random row: the lowest 4 of the seeded scores, gated off, then plain perplexity.
+    scores = torch.cat(random_scores(loaded.layers, 1))
+    lowest = sorted(range(8), key=lambda i: (float(scores[i]), i))[:4]
+    gates = [torch.ones(4), torch.ones(4)]
+    for flat in lowest:
+        gates[flat // 4][flat % 4] = 0.0
+    with head_gates(loaded, gates):
+        expected = perplexity(loaded, corpus, part="eval", max_tokens=128, progress=False, **EVAL).perplexity
+    row = table[(table["order"] == "random") & (table["seed"] == 1) & (table["fraction"] == 0.5)].iloc[0]
+    assert row["perplexity"] == pytest.approx(expected, rel=1e-5)
+    # Size columns follow the physical layout: 4 of 8 heads gone; KV bytes fall only with whole KV groups gone.
+    unpruned = table[table["fraction"] == 0.0].iloc[0]
+    assert row["query_heads"] == 4 and row["parameters"] < unpruned["parameters"]
+    assert row["kv_bytes_per_token"] == 2 * row["kv_heads"] * 16 * 4
+    # The unpruned model was restored after every point.
+    assert loaded.layers[0].num_heads == 4
+
+    out = write_sweep(result, tmp_path / "run")
+    assert {p.name for p in out.iterdir()} >= {"sweep.csv", "sweep.parquet", "meta.json", "sweep.png"}
+    assert len(pd.read_csv(out / "sweep.csv")) == len(table)
+    with pytest.raises(HeadlabError, match="--overwrite"):
+        write_sweep(result, tmp_path / "run")
+
+
+def test_sweep_bad_input():
+    loaded = _loaded()
+    with pytest.raises(HeadlabError, match=r"\[0, 1\)"):
+        sweep(loaded, fractions=[0.0, 1.0], orders=["random"], progress=False)
+    with pytest.raises(HeadlabError, match="unknown order"):
+        sweep(loaded, fractions=[0.0], orders=["magnitude"], progress=False)
+
+
+def test_cli_sweep(tmp_path, corpus, capsys):
+    src = save_tiny("gpt2", tmp_path / "src")
+    args = ["sweep", "--model", src, "--device", "cpu", "--data", corpus, "--max-tokens", "64", "--seq-len", "32",
+            "--calibration-tokens", "64", "--fractions", "0,0.5", "--orders", "random", "--seeds", "0",
+            "--out", tmp_path / "o"]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "random" in out and (tmp_path / "o" / "sweep.png").is_file()
+    code, _, err = run_cli([*args[:-2], "--fractions", "0,1.5", "--out", tmp_path / "p"], capsys)
+    assert code == 2 and "[0, 1)" in err and not (tmp_path / "p").exists()
