@@ -1,0 +1,56 @@
+"""`headlab expand-kv`: GQA -> MHA (or more KV heads) by repeating each KV head, as repeat_kv does at run time;
+lossless, saved as a vanilla-loadable checkpoint verified by reloading it."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from headlab.checkpoint import check_checkpoint_out
+from headlab.cli.convert_gqa import print_summary
+from headlab.cli.options import data_options, model_options, out_option
+from headlab.gqa import convert_checkpoint, gqa_layers
+
+
+@click.command("expand-kv")
+@model_options
+@click.option(
+    "--kv-heads",
+    type=int,
+    default=None,
+    help="KV heads after expansion: a multiple of the current count dividing the query heads [default: query heads]",
+)
+@click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
+@data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
+@out_option()
+@click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
+def command(load, kv_heads, no_eval, data, text_column, part, max_tokens, seq_len, batch_size, out, overwrite, as_json):
+    """Repeat KV heads (GQA -> MHA); the model computes exactly what it did, with a larger KV cache."""
+    check_checkpoint_out(out, overwrite)
+    loaded = load()
+    layers = gqa_layers(loaded)
+    target = layers[0].num_heads if kv_heads is None else kv_heads
+    if target < layers[0].num_kv_heads:
+        raise click.UsageError(
+            f"--kv-heads {target} is fewer than the current {layers[0].num_kv_heads}; use convert-gqa"
+        )
+    record = convert_checkpoint(
+        loaded,
+        target,
+        out,
+        corpus=data,
+        text_column=text_column,
+        part=part,
+        max_tokens=max_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        evaluate=not no_eval,
+        direction="expand",
+        overwrite=overwrite,
+        progress=not as_json,
+    )
+    if as_json:
+        click.echo(json.dumps(record, indent=2, default=str))
+    else:
+        print_summary(record)

@@ -1,0 +1,83 @@
+"""`headlab gqa-sweep`: perplexity against measured KV-cache bytes per token over KV-head counts, groupings and
+pooling rules; a table, meta.json and a plot."""
+
+from __future__ import annotations
+
+import click
+
+from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
+from headlab.gqa import GROUPINGS, POOLS, run_sweep
+from headlab.report_text import human_bytes
+
+
+def _list(text: str | None, cast=str):
+    if text is None:
+        return None
+    try:
+        return [cast(part.strip()) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise HeadlabError(f"cannot read the list {text!r}") from None
+
+
+@click.command("gqa-sweep")
+@model_options
+@click.option(
+    "--kv-heads",
+    default=None,
+    metavar="G1,G2,...",
+    help="KV-head counts [default: every reachable count: the query heads (MHA), the current count and its divisors]",
+)
+@click.option("--grouping", default=",".join(GROUPINGS), show_default=True, help="comma list of groupings")
+@click.option("--pool", default=",".join(POOLS), show_default=True, help="comma list of pooling rules")
+@click.option(
+    "--calib-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="tokens for similarity"
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
+@data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
+@out_option(required=False, help_text="output directory [default: gqa-sweep]")
+def command(
+    load,
+    kv_heads,
+    grouping,
+    pool,
+    calib_tokens,
+    seed,
+    data,
+    text_column,
+    part,
+    max_tokens,
+    seq_len,
+    batch_size,
+    out,
+    overwrite,
+):
+    """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool, with a plot."""
+    from pathlib import Path
+
+    from headlab.tables import check_out
+
+    out = out or Path("gqa-sweep")
+    check_out(out, overwrite)
+    frame, _ = run_sweep(
+        load(),
+        out,
+        overwrite=overwrite,
+        kv_heads=_list(kv_heads, int),
+        groupings=tuple(_list(grouping)),
+        pools=tuple(_list(pool)),
+        corpus=data,
+        text_column=text_column,
+        part=part,
+        max_tokens=max_tokens,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        calib_tokens=calib_tokens,
+        seed=seed,
+    )
+    for row in frame.itertuples():
+        same = f"  (= {row.same_as})" if isinstance(row.same_as, str) else ""
+        click.echo(
+            f"{row.variant:<22} perplexity {row.perplexity:10.4f}   KV {human_bytes(row.kv_bytes_per_token):>10}/token{same}"
+        )
+    click.echo(f"written: {out}/sweep.csv, sweep.parquet, meta.json, gqa_sweep.png")
