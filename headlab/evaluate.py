@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
+from headlab import distributed
 from headlab.data import Corpus, batch_windows, load_corpus, require_tokens, sliding_windows, split_text, tokenize
 from headlab.errors import HeadlabError
 from headlab.loading import LoadedModel
@@ -116,15 +117,16 @@ def perplexity(
     device = loaded.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    total_nll, total_count = 0.0, 0
+    totals = torch.zeros(2, dtype=torch.float64)  # summed NLL, scored tokens
     start = time.perf_counter()
-    batches = list(batch_windows(ids, windows, batch_size, pad_id))
+    batches = list(batch_windows(ids, distributed.shard(windows), batch_size, pad_id))
     for input_ids, attention_mask, group in tqdm(batches, desc="perplexity", disable=not progress, unit="batch"):
         score_from = [w.score_from - w.start for w in group]
         nll_sum, counts = token_nll(loaded.model, input_ids.to(device), attention_mask.to(device), score_from)
-        total_nll += float(nll_sum.sum())
-        total_count += int(counts.sum())
-    seconds = time.perf_counter() - start
+        totals += torch.stack([nll_sum.sum(), counts.sum().double()])
+    distributed.all_reduce_sum(totals)
+    total_nll, total_count = float(totals[0]), int(totals[1])
+    seconds = distributed.all_reduce_max(time.perf_counter() - start)
     if not math.isfinite(total_nll):
         raise HeadlabError(
             f"the loss is not finite ({total_nll}); with {str(loaded.dtype)} this is usually overflow: "

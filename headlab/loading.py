@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
+from headlab import distributed
 from headlab.arch import Adapter, AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
 
@@ -76,7 +77,9 @@ def resolve_device(device: str | None) -> torch.device:
     """cpu, cuda, cuda:N or auto (CUDA when present, else CPU); CUDA without a GPU is a user error."""
     name = (device or "auto").strip().lower()
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and distributed.launched():
+        name = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one GPU per torchrun process
     try:
         resolved = torch.device(name)
     except RuntimeError:
@@ -197,6 +200,7 @@ def load_model(
     hf_logging.disable_progress_bar()  # headlab shows its own progress; per-tensor loading bars are noise
     spec = spec or DEFAULT_MODEL
     torch_device = resolve_device(device)
+    distributed.init(torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if device_map not in (None, "auto"):
         raise HeadlabError(f"unknown --device-map {device_map!r}; only 'auto' is supported")

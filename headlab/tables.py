@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from headlab import __version__
+from headlab import __version__, distributed
 from headlab.errors import HeadlabError
 from headlab.loading import atomic_directory
 
@@ -54,8 +54,10 @@ def write_run(
     overwrite: bool = False,
     extra_files: dict[str, str | bytes] | None = None,
 ) -> Path:
-    """Write tables (CSV and Parquet), meta.json and extra files into `out`, all or nothing."""
+    """Write tables (CSV and Parquet), meta.json and extra files into `out`, all or nothing (rank 0 only)."""
     out = Path(out)
+    if not distributed.is_main():
+        return out
     with atomic_directory(out, overwrite=overwrite) as tmp:
         for name, frame in tables.items():
             frame.to_csv(tmp / f"{name}.csv", index=False)

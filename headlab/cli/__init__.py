@@ -8,7 +8,9 @@ line and exit with code 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
+import signal
 import sys
 
 import click
@@ -47,7 +49,21 @@ def cli():
     """
 
 
+def _raise_on_sigterm(signum, frame):
+    # Turn SIGTERM into an exception so atomic writes clean up their temporary directories, as with Ctrl-C.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _quiet_other_ranks() -> None:
+    """Under torchrun only rank 0 prints results and progress; the others keep stderr for errors."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        os.environ["TQDM_DISABLE"] = "1"
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+
+
 def main(argv: list[str] | None = None) -> None:
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    _quiet_other_ranks()
     try:
         cli.main(args=argv, prog_name="headlab", standalone_mode=False)
     except HeadlabError as error:

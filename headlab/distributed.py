@@ -1,0 +1,71 @@
+"""Data parallelism under torchrun: each process takes a share of the windows, sums are all-reduced.
+
+Started with `torchrun --nproc-per-node N -m headlab COMMAND ...`, every process loads the model, runs the windows
+`shard()` gives it, and `all_reduce_sum()` adds the accumulators, so the numbers equal one process's (up to
+floating-point summation order). Without torchrun everything here is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def launched() -> bool:
+    """True when started by torchrun (or any launcher that sets WORLD_SIZE > 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init(device: torch.device | None = None) -> None:
+    """Join the process group once: NCCL for CUDA devices, gloo otherwise."""
+    if not launched() or (dist.is_available() and dist.is_initialized()):
+        return
+    backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend)
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def is_main() -> bool:
+    """Only rank 0 writes files and prints results."""
+    return rank() == 0
+
+
+def shard(items: list[T]) -> list[T]:
+    """Rank r takes items r, r + N, r + 2N, ... (interleaved, so window lengths stay balanced)."""
+    return items[rank() :: world_size()] if active() else list(items)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over processes, in place, and return it (float64 stays float64)."""
+    if active():
+        device_tensor = tensor
+        if dist.get_backend() == "nccl" and tensor.device.type != "cuda":
+            device_tensor = tensor.cuda()
+        dist.all_reduce(device_tensor, op=dist.ReduceOp.SUM)
+        if device_tensor is not tensor:
+            tensor.copy_(device_tensor.cpu())
+    return tensor
+
+
+def all_reduce_max(value: float) -> float:
+    if not active():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor)
