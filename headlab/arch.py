@@ -204,6 +204,8 @@ class Adapter:
     free_head_dim: bool = True
     # The config has num_key_value_heads, so GQA conversion is expressible.
     supports_gqa: bool = True
+    # Queries and keys get rotary embeddings (rotate_half layout); see rotary_dim.
+    rotary: bool = True
     extra: dict = field(default_factory=dict)
     # Name suffixes of the blocks' ModuleList, tried in order (multimodal wrappers first: their vision towers
     # also hold "layers").
@@ -286,6 +288,20 @@ class Adapter:
             config.num_key_value_heads = num_kv_heads
         if self.free_head_dim:
             config.head_dim = head_dim
+
+    def rotary_dim(self, layer: AttentionLayer, config) -> int:
+        """Leading dimensions of each query/key head that rotary embeddings rotate, in transformers' rotate_half
+        pairs (i, i + rd/2); the remaining D - rd are not rotated. 0 for families without rotary embeddings.
+        Reads rope_parameters' partial_rotary_factor (per layer type where the parameters are nested that way)."""
+        if not self.rotary:
+            return 0
+        config = config.get_text_config()
+        params = getattr(config, "rope_parameters", None) or {}
+        layer_types = getattr(config, "layer_types", None)
+        if layer_types and isinstance(params.get(layer_types[layer.block]), dict):
+            params = params[layer_types[layer.block]]
+        factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+        return int(layer.head_dim * factor) // 2 * 2
 
     def layout_fields(self, config) -> dict[str, int]:
         """The uniform layout a config describes: num_heads, num_kv_heads, head_dim (as set_config_heads writes)."""
@@ -570,6 +586,7 @@ register(
         free_head_dim=False,
         supports_gqa=False,
         o="self_attn.out_proj",
+        rotary=False,
         module_counts=(("num_heads", "H"),),
     )
 )
@@ -582,6 +599,7 @@ register(
         blocks_path=("encoder.layer",),
         attn="attention.self",
         head_dim_attr="attention_head_size",
+        rotary=False,
         q="attention.self.query",
         k="attention.self.key",
         v="attention.self.value",
@@ -613,6 +631,7 @@ register(
         free_head_dim=False,
         supports_gqa=False,
         blocks_path=("h",),
+        rotary=False,
         attn="attn",
         module_counts=(("num_heads", "H"), ("split_size", "H*D")),
     )
