@@ -1,0 +1,86 @@
+"""`headlab importance`: per-head importance (grad, taylor or exact ablation) on the calibration part of a corpus,
+written as a tidy table (CSV + Parquet) with a KV-group table and meta.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
+from headlab.importance import DEFAULT_MAX_TOKENS, METHODS, head_importance
+from headlab.tables import check_out, write_run
+
+
+@click.command("importance")
+@model_options
+@data_options(default_split="calibration", max_tokens=None, seq_len=256, batch_size=4)
+@click.option("--method", type=click.Choice(METHODS), default="grad", show_default=True, help="importance score")
+@click.option("--no-layer-norm", is_flag=True, help="skip the per-layer L2 normalisation")
+@click.option("--no-global-norm", is_flag=True, help="skip the global min-max scaling to [0, 1]")
+@click.option(
+    "--mask",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="CSV layer,head,gate: score with these heads already gated (unlisted heads keep gate 1)",
+)
+@click.option(
+    "--bertology-compat",
+    is_flag=True,
+    help="grad only: reproduce transformers' old run_bertology.py, which never reset the gradient between batches",
+)
+@out_option(required=False, help_text="output directory, written atomically [default: runs/importance-METHOD]")
+def command(
+    load,
+    data,
+    text_column,
+    part,
+    max_tokens,
+    seq_len,
+    batch_size,
+    method,
+    no_layer_norm,
+    no_global_norm,
+    mask,
+    bertology_compat,
+    out,
+    overwrite,
+):
+    """Head importance on calibration text: grad (Michel et al. 2019, E_x |dL(x)/dxi_h|), taylor (per-token
+    |ctx_h . dL/dctx_h|) or ablation (exact loss increase with one head masked).
+
+    --max-tokens defaults to 2048 for grad and taylor, 256 for ablation (one forward pass set per head).
+    Importance reads calibration text only: the eval part is kept for perplexity.
+    """
+    if part != "calibration":
+        raise HeadlabError(
+            f"--split {part}: importance is scored on calibration text only (eval text is for perplexity)"
+        )
+    if bertology_compat and method != "grad":
+        raise HeadlabError("--bertology-compat applies to --method grad only")
+    if mask is not None and not mask.is_file():
+        raise HeadlabError(f"no such mask file: {mask}")
+    out = out if out is not None else Path("runs") / f"importance-{method}"
+    check_out(out, overwrite)
+    loaded = load()
+    result = head_importance(
+        loaded,
+        method=method,
+        data=data,
+        text_column=text_column,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS[method],
+        layer_norm=not no_layer_norm,
+        global_norm=not no_global_norm,
+        accumulate="bertology" if bertology_compat else "per-sequence",
+        mask=mask,
+    )
+    write_run(out, {"importance": result.table, "kv_groups": result.kv_groups}, result.meta, overwrite=overwrite)
+    top = result.table.sort_values("rank").head(10)
+    click.echo(
+        f"{method} importance of {len(result.table)} heads over {result.meta['scored_tokens']:,} tokens "
+        f"({result.meta['seconds']:.1f} s) -> {out}"
+    )
+    click.echo("most important: " + ", ".join(f"L{r.layer}H{r.head} ({r.importance:.3f})" for r in top.itertuples()))

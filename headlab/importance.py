@@ -1,0 +1,357 @@
+"""Head importance: gradient (Michel, Levy & Neubig 2019), Taylor and exact-ablation scorers over calibration text,
+with the paper's normalisations, as a tidy per-head table (plus KV-group sums for GQA models).
+
+Definitions (N = scored tokens of all sequences; L(x) = summed next-token NLL of sequence x, padding excluded; for
+masked-LM encoders the NLL of the fixed-seed 15% masked tokens, as in headlab.evaluate):
+- grad:     I_h = (1/N) sum_x |dL(x)/dxi_h| at xi = 1, i.e. E_x |d meanNLL(x)/dxi_h| weighted by each sequence's
+            scored tokens (Michel et al. 2019, the absolute value taken per sequence).
+- taylor:   I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}| (per token, Michel et al.'s code).
+- ablation: I_h = (sum_x L(x) with head h gated to 0 - sum_x L(x)) / N, the exact loss increase (signed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from headlab.data import calibration_batches
+from headlab.errors import HeadlabError
+from headlab.evaluate import MLM_SEED, _peak_memory, masked_lm_batch
+from headlab.gates import head_gates, read_mask
+from headlab.loading import LoadedModel
+from headlab.tables import head_table
+
+METHODS = ("grad", "taylor", "ablation")
+ACCUMULATE = ("per-sequence", "bertology")
+DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "ablation": 256}
+
+
+@dataclass
+class ScoringBatch:
+    """Model inputs and labels aligned with the logits: labels[b, t] is the token position t predicts, or -100."""
+
+    input_ids: torch.Tensor  # [B, T]
+    attention_mask: torch.Tensor  # [B, T]
+    labels: torch.Tensor  # [B, T]
+
+    @property
+    def scored(self) -> int:
+        return int((self.labels != -100).sum())
+
+
+@dataclass
+class ImportanceResult:
+    """Per-head importance: `table` (layer, head, kv_head, importance_raw, importance, rank; rank 1 = most
+    important), `kv_groups` (raw scores summed over the query heads of each KV head, normalised alike), per-layer tensors `scores`
+    (normalised) and `raw`, and `meta` (method, options, tokens, data)."""
+
+    table: pd.DataFrame
+    kv_groups: pd.DataFrame
+    scores: list[torch.Tensor]
+    raw: list[torch.Tensor]
+    meta: dict = field(default_factory=dict)
+
+
+# ---- batches and the loss ----------------------------------------------------------------------------------------
+
+
+def scoring_batches(loaded: LoadedModel, batches: Iterable) -> list[ScoringBatch]:
+    """Turn (input_ids, attention_mask, ...) batches into ScoringBatches: next-token labels for causal models, the
+    fixed-seed 15% masking of headlab.evaluate (rows wrapped in [CLS] ... [SEP]) for masked-LM encoders. Masks are
+    drawn row by row from one generator, so they do not depend on the batch size."""
+    generator = torch.Generator().manual_seed(MLM_SEED)
+    out = []
+    for batch in batches:
+        input_ids, attention_mask = batch[0], batch[1]
+        if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+            raise HeadlabError(f"batches must hold input_ids and attention_mask [B, T], got {tuple(input_ids.shape)}")
+        if loaded.adapter.is_encoder:
+            rows = [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
+            ids, mask, labels = masked_lm_batch(loaded.tokenizer, rows, generator)
+            if loaded.max_positions is not None and ids.shape[1] > loaded.max_positions:
+                raise HeadlabError(
+                    f"windows of {ids.shape[1]} tokens exceed the model's {loaded.max_positions} positions"
+                )
+            out.append(ScoringBatch(ids, mask, labels))
+            continue
+        valid = attention_mask.bool()
+        labels = torch.full_like(input_ids, -100)  # [B, T]
+        # Position t predicts token t+1; only pairs of real tokens count (right padding excluded).
+        labels[:, :-1] = torch.where(valid[:, 1:] & valid[:, :-1], input_ids[:, 1:], -100)
+        out.append(ScoringBatch(input_ids, attention_mask, labels))
+    if not out or sum(b.scored for b in out) == 0:
+        raise HeadlabError("the calibration batches hold no scored tokens")
+    return out
+
+
+def sequence_nll(model, batch: ScoringBatch, device) -> torch.Tensor:
+    """Summed NLL per sequence, L(x) = sum_t -log p(label_t), [B] in float32 (float64 for a float64 model)."""
+    logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
+    B, T, V = logits.shape
+    labels = batch.labels.to(device)
+    logits = logits.reshape(B * T, V).to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
+    nll = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="none")
+    return nll.view(B, T).sum(1)  # [B]
+
+
+@contextlib.contextmanager
+def frozen(model):
+    """requires_grad False on every parameter (no weight gradient is computed or stored); restored on exit."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        with torch.enable_grad():
+            yield model
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _accumulator_dtype(loaded: LoadedModel) -> torch.dtype:
+    return torch.promote_types(torch.float32, loaded.dtype)  # float32, float64 for a float64 model
+
+
+def _base_gates(loaded: LoadedModel, mask) -> list[torch.Tensor]:
+    """Gate values the scores are taken at: 1 everywhere, times an optional mask (heads already removed)."""
+    dtype = _accumulator_dtype(loaded)
+    if mask is None:
+        return [torch.ones(layer.num_heads, dtype=dtype) for layer in loaded.layers]
+    return [g.detach().to(dtype) for g in mask]
+
+
+# ---- scorers: scorer(loaded, batches, **options) -> list of per-layer raw scores ---------------------------------
+
+
+def _gradient_pass(loaded, batches, *, mask=None, accumulate="per-sequence", want="grad", progress=True):
+    """One forward + backward per batch with per-sequence gates; returns raw grad or taylor scores per layer."""
+    model, device = loaded.model, loaded.device
+    base = _base_gates(loaded, mask)
+    dtype = base[0].dtype
+    total = torch.zeros((), dtype=torch.float64)
+    scores = [torch.zeros_like(g) for g in base]  # float32 accumulators [H_l]
+    running = [torch.zeros_like(g) for g in base]  # bertology: the never-reset head_mask.grad
+    with frozen(model):
+        for batch in tqdm(batches, desc=f"importance ({want})", disable=not progress, unit="batch"):
+            B = batch.input_ids.shape[0]
+            if accumulate == "bertology":
+                gates = [g.clone().requires_grad_(True) for g in base]  # [H] shared by the batch
+            else:
+                gates = [g.expand(B, -1).clone().requires_grad_(True) for g in base]  # [B, H]
+            with head_gates(loaded, gates, keep_outputs=want == "taylor") as handle:
+                nll = sequence_nll(model, batch, device)  # [B]
+                outputs = handle.outputs
+            if accumulate == "bertology":
+                # The example's loss is the batch mean over its tokens; it then adds |cumulative gradient| (its
+                # head_mask.grad is never reset) and divides by all input tokens.
+                grads = torch.autograd.grad(nll.sum() / batch.scored, gates)
+                for l, g in enumerate(grads):
+                    running[l] += g.detach().to(dtype)
+                    scores[l] += running[l].abs()
+                total += int(batch.attention_mask.sum())
+                continue
+            if want == "grad":
+                grads = torch.autograd.grad(nll.sum(), gates)  # row b of layer l's grad: dL(x_b)/dxi
+                for l, g in enumerate(grads):
+                    scores[l] += g.detach().to(dtype).abs().sum(0)
+            else:
+                # d sum_b L(x_b) / dy with y = xi * ctx the gated o_proj input: ctx_h^T dL/dctx_h = y_h^T dL/dy_h.
+                grads = torch.autograd.grad(nll.sum(), outputs)
+                valid = batch.attention_mask.to(device).bool()  # [B, T]
+                for l, (y, gy) in enumerate(zip(outputs, grads)):
+                    H = base[l].shape[0]
+                    per_token = (y.detach().to(dtype) * gy.to(dtype)).unflatten(-1, (H, -1)).sum(-1)  # [B, T, H]
+                    scores[l] += per_token.abs()[valid].sum(0).cpu()
+            total += batch.scored
+    return [s / float(total) for s in scores]
+
+
+def grad_scores(loaded, batches, *, mask=None, accumulate="per-sequence", progress=True) -> list[torch.Tensor]:
+    """I_h = (1/N) sum_x |dL(x)/dxi_h| at xi = 1 (Michel et al. 2019); accumulate="bertology" reproduces the old
+    transformers example instead: sum over batches k of |sum_{j<=k} dmeanNLL_j/dxi_h|, divided by input tokens."""
+    if accumulate not in ACCUMULATE:
+        raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
+    return _gradient_pass(loaded, batches, mask=mask, accumulate=accumulate, want="grad", progress=progress)
+
+
+def taylor_scores(loaded, batches, *, mask=None, accumulate="per-sequence", progress=True) -> list[torch.Tensor]:
+    """I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}| (Michel et al.'s code: absolute value per token)."""
+    if accumulate != "per-sequence":
+        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    return _gradient_pass(loaded, batches, mask=mask, want="taylor", progress=progress)
+
+
+@torch.no_grad()
+def _total_nll(loaded, batches, gates) -> float:
+    total = 0.0
+    with head_gates(loaded, gates):
+        for batch in batches:
+            total += float(sequence_nll(loaded.model, batch, loaded.device).double().sum())
+    return total
+
+
+def ablation_scores(loaded, batches, *, mask=None, accumulate="per-sequence", progress=True) -> list[torch.Tensor]:
+    """I_h = (sum_x L(x) | xi_h = 0) - sum_x L(x)) / N: the exact loss increase from masking one head (signed)."""
+    if accumulate != "per-sequence":
+        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    base = _base_gates(loaded, mask)
+    N = sum(b.scored for b in batches)
+    reference = _total_nll(loaded, batches, base)
+    scores = [torch.zeros_like(g) for g in base]
+    heads = [(l, h) for l, g in enumerate(base) for h in range(g.shape[0])]
+    for l, h in tqdm(heads, desc="importance (ablation)", disable=not progress, unit="head"):
+        gates = [g.clone() for g in base]
+        gates[l][h] = 0.0
+        scores[l][h] = (_total_nll(loaded, batches, gates) - reference) / N
+    return scores
+
+
+SCORERS: dict[str, Callable] = {"grad": grad_scores, "taylor": taylor_scores, "ablation": ablation_scores}
+
+
+# ---- normalisation and the table ---------------------------------------------------------------------------------
+
+
+def normalise(raw: list[torch.Tensor], *, layer_norm: bool = True, global_norm: bool = True) -> list[torch.Tensor]:
+    """Per layer I_h / (sum_h' I_h'^2)^(1/2), then global min-max to [0, 1] (Michel et al. 2019; bertology).
+
+    A layer whose scores are all 0 stays 0; if every score is equal, global min-max gives 0 everywhere.
+    """
+    scores = [r.clone() for r in raw]
+    if layer_norm:
+        scores = [s / s.pow(2).sum().sqrt() if bool(s.pow(2).sum() > 0) else s for s in scores]
+    if global_norm:
+        flat = torch.cat(scores)
+        low, high = flat.min(), flat.max()
+        span = high - low
+        scores = [(s - low) / span if bool(span > 0) else torch.zeros_like(s) for s in scores]
+    return scores
+
+
+def importance_tables(
+    layers, raw: list[torch.Tensor], *, layer_norm: bool = True, global_norm: bool = True
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The per-head table (rank 1 = highest normalised importance, ties by layer then head) and the KV-group table:
+    raw scores summed over the query heads of each KV head, then normalised like the heads."""
+    scores = normalise(raw, layer_norm=layer_norm, global_norm=global_norm)
+    table = head_table(
+        layers,
+        {
+            "importance_raw": torch.cat(raw).double().tolist(),
+            "importance": torch.cat(scores).double().tolist(),
+        },
+    )
+    table["rank"] = table["importance"].rank(method="first", ascending=False).astype(int)
+    groups = (
+        table.groupby(["layer", "kv_head"], sort=True)
+        .agg(query_heads=("head", "size"), importance_raw=("importance_raw", "sum"))
+        .reset_index()
+    )
+    kv_raw = [torch.tensor(part["importance_raw"].to_numpy()) for _, part in groups.groupby("layer", sort=True)]
+    groups["importance"] = torch.cat(normalise(kv_raw, layer_norm=layer_norm, global_norm=global_norm)).tolist()
+    groups["rank"] = groups["importance"].rank(method="first", ascending=False).astype(int)
+    return table, groups
+
+
+def head_importance(
+    loaded: LoadedModel,
+    batches: Iterable | None = None,
+    *,
+    method: str = "grad",
+    data=None,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    max_tokens: int | None = None,
+    layer_norm: bool = True,
+    global_norm: bool = True,
+    accumulate: str = "per-sequence",
+    mask=None,
+    text_column: str | None = None,
+    progress: bool = True,
+) -> ImportanceResult:
+    """Score every attention head with `method` (grad | taylor | ablation) on calibration text (or `batches` of
+    (input_ids, attention_mask, ...)); see the module docstring for the formulas.
+
+    max_tokens defaults to 2048 for grad/taylor and 256 for ablation (one forward pass set per head). `mask`: gates
+    ([H_l] per layer) or a mask-file path; scores are taken with those heads already gated. For encoders the windows
+    are seq_len - 2 tokens, wrapped in [CLS] ... [SEP].
+    """
+    if method not in SCORERS:
+        raise HeadlabError(f"unknown importance method {method!r}; use one of {', '.join(SCORERS)}")
+    if accumulate not in ACCUMULATE:
+        raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
+    if accumulate == "bertology" and method != "grad":
+        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    layers = loaded.layers
+    mask_path = None
+    if mask is not None and not isinstance(mask, (list, tuple)):
+        mask_path, mask = str(mask), read_mask(mask, layers)
+    if mask is not None:
+        if len(mask) != len(layers) or any(m.shape != (layer.num_heads,) for m, layer in zip(mask, layers)):
+            raise HeadlabError("mask must hold one [H_l] gate tensor per attention layer")
+    data_meta: dict = {}
+    if batches is None:
+        if loaded.tokenizer is None:
+            raise HeadlabError("scoring calibration text needs the model's tokenizer; pass batches instead")
+        max_tokens = DEFAULT_MAX_TOKENS[method] if max_tokens is None else max_tokens
+        window = seq_len - 2 if loaded.adapter.is_encoder else seq_len
+        if window < 2:
+            raise HeadlabError(f"--seq-len {seq_len} is too short")
+        calibration = calibration_batches(
+            loaded.tokenizer,
+            data,
+            part="calibration",
+            seq_len=window,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            text_column=text_column,
+            max_positions=loaded.max_positions,
+        )
+        data_meta = dict(calibration.meta, seq_len=seq_len)
+        batches = calibration
+    prepared = scoring_batches(loaded, batches)
+    device = loaded.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    raw = SCORERS[method](loaded, prepared, mask=mask, accumulate=accumulate, progress=progress)
+    seconds = time.perf_counter() - start
+    raw = [r.cpu() for r in raw]
+    if not all(bool(torch.isfinite(r).all()) for r in raw):
+        raise HeadlabError(f"importance scores are not finite; with {str(loaded.dtype)} try --dtype float32")
+    scores = normalise(raw, layer_norm=layer_norm, global_norm=global_norm)
+    table, groups = importance_tables(layers, raw, layer_norm=layer_norm, global_norm=global_norm)
+    meta = {
+        **loaded.describe(),
+        **data_meta,
+        "method": method,
+        "accumulate": accumulate,
+        "layer_norm": layer_norm,
+        "global_norm": global_norm,
+        "objective": "masked-lm (15% fixed-seed masking)" if loaded.adapter.is_encoder else "causal",
+        "scored_tokens": sum(b.scored for b in prepared),
+        "sequences": sum(b.input_ids.shape[0] for b in prepared),
+        "batches": len(prepared),
+        "mask": mask_path if mask_path is not None else (None if mask is None else "in-memory"),
+        "masked_heads": 0 if mask is None else int(sum(int((m == 0).sum()) for m in mask)),
+        "definition": _DEFINITIONS[method] if accumulate == "per-sequence" else _DEFINITIONS["bertology"],
+        "seconds": seconds,
+        "peak_memory_bytes": _peak_memory(device),
+    }
+    return ImportanceResult(table, groups, scores, raw, meta)
+
+
+_DEFINITIONS = {
+    "grad": "I_h = (1/N) sum_x |dL(x)/dxi_h| at xi = 1; L(x) summed token NLL of sequence x, N scored tokens",
+    "taylor": "I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}|; N scored tokens",
+    "ablation": "I_h = (sum_x L(x) with xi_h = 0 - sum_x L(x)) / N; N scored tokens",
+    "bertology": "I_h = (1/N_in) sum_k |sum_{j<=k} d meanNLL_j/dxi_h| (transformers' run_bertology.py, gradient "
+    "never reset); N_in input tokens",
+}
