@@ -230,8 +230,9 @@ def load_model(
 
     try:
         config = AutoConfig.from_pretrained(source, **load_kwargs)
-    except (OSError, ValueError) as error:
-        raise HeadlabError(f"cannot load a model config from {spec!r}: {str(error).splitlines()[0]}") from None
+    except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+        raise HeadlabError(f"cannot load a model config from {spec!r}: {lines[0]}") from None
     adapter = adapter_for(config)
     layout = getattr(config, HEAD_LAYOUT_KEY, None)
 
@@ -246,8 +247,11 @@ def load_model(
         else:
             model = _auto_class(adapter).from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
-    except OSError as error:
-        raise HeadlabError(f"cannot load {spec!r}: {str(error).splitlines()[0]}") from None
+    except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
+        # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head
+        # count: "size mismatch") or for configs it cannot build a model from: user input, not a headlab bug.
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+        raise HeadlabError(f"cannot load {spec!r}: {lines[0]}") from None
     if device_map is None:
         model.to(torch_device)
     model.eval()

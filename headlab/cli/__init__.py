@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         click.echo(f"headlab: error: {error.format_message()}", err=True)
         sys.exit(error.exit_code if error.exit_code != 1 else 2)
     except click.Abort:
-        click.echo("headlab: aborted", err=True)
+        click.echo("headlab: interrupted", err=True)
         sys.exit(130)
     except KeyboardInterrupt:
         click.echo("headlab: interrupted", err=True)
