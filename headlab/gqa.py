@@ -11,7 +11,6 @@ the model's function unchanged.
 
 from __future__ import annotations
 
-import io
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -612,53 +611,18 @@ def gqa_sweep(
     return frame, meta
 
 
-def plot_sweep(frame: pd.DataFrame, title: str = ""):
-    """Perplexity (log y) against measured KV-cache bytes per token, one marker per grouping x pool."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    data = frame[frame["same_as"].isna()].copy()  # a reused row would sit exactly on the row it repeats
-    data["KiB per token"] = data["kv_bytes_per_token"] / 1024
-    data["grouping"] = data["grouping"].fillna(data["action"])
-    data["pool"] = data["pool"].fillna("-")
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    sns.scatterplot(data=data, x="KiB per token", y="perplexity", hue="grouping", style="pool", s=90, ax=ax)
-    ax.set_yscale("log")
-    for (kib, ppl), group in data.groupby(["KiB per token", "perplexity"]):
-        ax.annotate(
-            f"G={int(group['kv_heads'].iloc[0])}",
-            (kib, ppl),
-            textcoords="offset points",
-            xytext=(6, 4),
-            fontsize=8,
-        )
-    ax.set_xlabel("KV-cache KiB per token (measured)")
-    ax.set_ylabel("perplexity (log scale)")
-    ax.set_title(title or "KV heads: perplexity against KV-cache size")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
-    fig.tight_layout()
-    return fig
-
-
 def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) -> tuple[pd.DataFrame, dict]:
     """`headlab gqa-sweep`: the sweep table (CSV + Parquet), meta.json, the similarity pairs and the plot."""
     check_out(out, overwrite)
     frame, meta = gqa_sweep(loaded, **kwargs)
-    fig = plot_sweep(frame, f"{loaded.spec}: {meta['query_heads']} query heads, KV heads swept")
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    import matplotlib.pyplot as plt
+    from headlab.plots import figure_bytes, plot_gqa_sweep
 
-    plt.close(fig)
+    fig = plot_gqa_sweep(frame, f"{loaded.spec}: {meta['query_heads']} query heads, KV heads swept")
     write_run(
         out,
         {"sweep": frame},
         {**meta, "versions": versions()},
         overwrite=overwrite,
-        extra_files={"gqa_sweep.png": buffer.getvalue()},
+        extra_files={"gqa_sweep.png": figure_bytes(fig)},
     )
     return frame, meta

@@ -190,56 +190,16 @@ def sweep(
     return SweepResult(table, meta)
 
 
-def plot_sweep(table: pd.DataFrame, title: str | None = None):
-    """Perplexity against the fraction of heads pruned, one line per order (random: mean with a +-1 sd band)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="notebook")
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    sns.lineplot(
-        data=table,
-        x="fraction_pruned",
-        y="perplexity",
-        hue="order",
-        style="order",
-        markers=True,
-        dashes=False,
-        errorbar="sd",
-        ax=ax,
-    )
-    baseline = table.loc[table["pruned_heads"] == 0, "perplexity"]
-    if len(baseline):
-        ax.axhline(float(baseline.iloc[0]), color="grey", linewidth=0.8, linestyle=":", label="unpruned")
-    if table["perplexity"].max() / max(table["perplexity"].min(), 1e-9) > 20:
-        ax.set_yscale("log")
-    ax.set_xlabel("fraction of attention heads pruned")
-    ax.set_ylabel("perplexity (eval split)")
-    ax.set_title(title or "Perplexity as heads are pruned")
-    ax.legend(title="pruning order", frameon=True)
-    fig.tight_layout()
-    return fig
-
-
 def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
     """sweep.csv + sweep.parquet + meta.json + sweep.png, atomically."""
-    import io
-
+    from headlab.plots import figure_bytes, plot_sweep
     from headlab.tables import write_run
 
     fig = plot_sweep(result.table, f"{result.meta.get('model', 'model')}: perplexity as heads are pruned")
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    import matplotlib.pyplot as plt
-
-    plt.close(fig)
     return write_run(
         Path(out),
         {"sweep": result.table},
         result.meta,
         overwrite=overwrite,
-        extra_files={"sweep.png": buffer.getvalue()},
+        extra_files={"sweep.png": figure_bytes(fig)},
     )

@@ -1,0 +1,25 @@
+"""`headlab plot`: redraw every figure of a run directory (a report or one command's output) from its saved tables,
+with no model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from headlab.plots import FORMATS, plot_run
+
+
+@click.command("plot")
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="figure directory [default: RUN_DIR/figures]"
+)
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="png", show_default=True, help="figure format")
+def command(run_dir, out, fmt):
+    """Heatmaps of every statistic and of importance, importance scatters, the pruning and GQA sweeps, the
+    attention gallery and the KV grouping: whatever tables RUN_DIR (or its subdirectories) holds."""
+    written = plot_run(run_dir, out, fmt)
+    for path in written:
+        click.echo(str(path))
+    click.echo(f"{len(written)} figures")

@@ -1,0 +1,508 @@
+"""Every headlab figure, drawn with seaborn from saved tidy tables (never from a live model), sized to the grid.
+
+Each `plot_*` function takes tables and returns a matplotlib Figure; `plot_run` redraws all figures of a run
+directory (what `headlab plot` does); `save_figure` writes PNG, SVG or PDF.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # figures are written to files; never open a window
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+
+from headlab.errors import HeadlabError  # noqa: E402
+
+FORMATS = ("png", "svg", "pdf")
+DPI = 120
+# Statistic -> axis/colour-bar label (with units). Columns not listed are labelled by their name.
+LABELS = {
+    "entropy": "attention entropy (nats)",
+    "normalized_entropy": "normalised entropy (0 = one key, 1 = uniform)",
+    "confidence": "confidence (mean max weight)",
+    "positional_prev": "fraction of queries whose argmax is i-1",
+    "positional_next": "fraction of queries whose argmax is i+1",
+    "sink_first": "sink mass: attention to the first token",
+    "sink_first4": "sink mass: attention to the first 4 tokens",
+    "prev_share": "attention to the previous token",
+    "self_share": "attention to the token itself",
+    "mean_distance": "mean attention distance (tokens)",
+    "induction": "induction score",
+    "output_norm": "head output L2 norm",
+    "cls_share": "attention to [CLS]",
+    "sep_share": "attention to [SEP]",
+    "importance": "importance (normalised to [0, 1])",
+    "importance_raw": "importance (raw)",
+}
+# Above this many cells a heatmap carries no numbers: they would be unreadable.
+ANNOTATE_MAX_CELLS = 400
+
+
+def _theme(font_scale: float = 1.0) -> None:
+    sns.set_theme(style="white", context="notebook", font_scale=font_scale)
+
+
+def label_of(column: str) -> str:
+    return LABELS.get(column, column.replace("_", " "))
+
+
+def save_figure(fig, path, fmt: str | None = None) -> Path:
+    """Write `fig` to `path` (format from `fmt` or the suffix: png, svg or pdf) and close it."""
+    path = Path(path)
+    fmt = (fmt or path.suffix.lstrip(".") or "png").lower()
+    if fmt not in FORMATS:
+        raise HeadlabError(f"unknown figure format {fmt!r}; use one of {', '.join(FORMATS)}")
+    path = path.with_suffix(f".{fmt}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_bytes(fig, fmt: str = "png") -> bytes:
+    """The figure encoded as `fmt` (for run directories written atomically and for HTML embedding); closes it."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt, dpi=DPI, bbox_inches="tight")
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+# ---- layer x head heatmaps ------------------------------------------------------------------------------------
+
+
+def grid_layout(layers: int, heads: int) -> dict:
+    """Figure size, fonts and annotation choice for a layers x heads grid (legible from 2 x 2 to 80 x 64).
+
+    Cells get up to 0.9 in of width and 0.5 in of height and shrink so the figure stays within about 13 x 12 in;
+    numbers are written in the cells only when there are at most ANNOTATE_MAX_CELLS and each is tall enough.
+    """
+    cell_w = min(max(11.0 / heads, 0.12), 0.9)
+    cell_h = min(max(10.0 / layers, 0.12), 0.5)
+    annotate = layers * heads <= ANNOTATE_MAX_CELLS and cell_h >= 0.22 and cell_w >= 0.35
+    return {
+        "figsize": (heads * cell_w + 2.6, layers * cell_h + 1.6),
+        "annotate": annotate,
+        "annot_size": max(5.5, min(10.0, cell_h * 72 * 0.42)),
+        "tick_size": max(8.0, min(10.0, min(cell_h, cell_w) * 72 * 0.6)),
+        # Label every k-th row/column so that labels stay about 0.3 in apart at 8 pt.
+        "x_step": max(1, math.ceil(0.3 / cell_w)),
+        "y_step": max(1, math.ceil(0.22 / cell_h)),
+    }
+
+
+def _number_format(values: np.ndarray) -> str:
+    finite = values[np.isfinite(values)]
+    top = float(np.abs(finite).max()) if finite.size else 0.0
+    return ".2f" if top < 10 else ".1f" if top < 100 else ".0f"
+
+
+def colour_scale(values: np.ndarray, bounded: tuple[float, float] | None = None) -> dict:
+    """Colour arguments for a heatmap: diverging around 0 only when the values take both signs (a meaningful zero),
+    else sequential from 0 (non-negative values) or from the minimum; `bounded` fixes the range (e.g. probabilities)."""
+    finite = values[np.isfinite(values)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    if bounded is not None:
+        return {"cmap": "viridis", "vmin": bounded[0], "vmax": bounded[1]}
+    if low < 0 < high:
+        edge = max(-low, high)
+        return {"cmap": "vlag", "center": 0.0, "vmin": -edge, "vmax": edge}
+    if low >= 0:
+        return {"cmap": "viridis", "vmin": 0.0, "vmax": high if high > 0 else 1.0}
+    return {"cmap": "viridis_r", "vmin": low, "vmax": high}
+
+
+def kv_boundaries(table: pd.DataFrame) -> dict[int, list[int]]:
+    """Per layer, the head indices h where kv_head(h) != kv_head(h-1): the left edges of KV groups after the first."""
+    if "kv_head" not in table:
+        return {}
+    edges = {}
+    for layer, part in table.sort_values(["layer", "head"]).groupby("layer"):
+        kv = part["kv_head"].to_numpy()
+        heads = part["head"].to_numpy()
+        edges[int(layer)] = [int(heads[i]) for i in range(1, len(kv)) if kv[i] != kv[i - 1]]
+    return edges
+
+
+def plot_head_heatmap(table: pd.DataFrame, value: str, *, title: str | None = None, bounded=None):
+    """A layer x head heatmap of `value` (rows: layers, top = first), with KV-group boundaries as white vertical
+    lines on GQA models (where the table's kv_head changes between neighbouring heads)."""
+    for column in ("layer", "head", value):
+        if column not in table:
+            raise HeadlabError(f"the table has no {column!r} column")
+    grid = table.pivot_table(index="layer", columns="head", values=value, aggfunc="first", dropna=False)
+    grid = grid.sort_index().sort_index(axis=1)
+    layers, heads = grid.shape
+    layout = grid_layout(layers, heads)
+    _theme()
+    values = grid.to_numpy(dtype=float)
+    fig, ax = plt.subplots(figsize=layout["figsize"])
+    annotate = layout["annotate"]
+    sns.heatmap(
+        grid,
+        ax=ax,
+        annot=annotate,
+        fmt=_number_format(values),
+        annot_kws={"size": layout["annot_size"]},
+        linewidths=0.4 if annotate else 0,
+        linecolor="white",
+        cbar_kws={"label": label_of(value), "shrink": 0.8 if layers > 8 else 1.0},
+        xticklabels=layout["x_step"],
+        yticklabels=layout["y_step"],
+        **colour_scale(values, bounded),
+    )
+    edges = kv_boundaries(table)
+    shared = {tuple(e) for e in edges.values()}
+    width = 2.5 if heads <= 16 else 1.2
+    # White lines vanish at the white centre of a diverging map: draw them black there.
+    line = "black" if colour_scale(values, bounded).get("center") is not None else "white"
+    if len(shared) == 1:
+        for h in next(iter(shared)):
+            ax.axvline(h, color=line, linewidth=width)
+    else:  # per-layer layouts (pruned models): one segment per row
+        for row, layer in enumerate(grid.index):
+            for h in edges.get(int(layer), []):
+                ax.plot([h, h], [row, row + 1], color=line, linewidth=width)
+    ax.set_xlabel("query head" + (f" ({line} lines: KV-group boundaries)" if any(edges.values()) else ""))
+    ax.set_ylabel("layer")
+    ax.tick_params(labelsize=layout["tick_size"])
+    ax.tick_params(axis="y", rotation=0)
+    ax.set_title(title or label_of(value), fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+# Statistics that are probabilities (weights summing to at most 1 per row): one fixed [0, 1] scale would hide
+# small differences, so these use the data range from 0 like the others; listed here for documentation only.
+HEATMAP_SKIP = ("is_positional",)  # a 0/1 flag, already shown by positional_prev / positional_next
+
+
+def plot_statistic_heatmaps(wide: pd.DataFrame, model: str = "") -> dict[str, plt.Figure]:
+    """One heatmap per statistic column of a wide statistics table (stats_wide); all-NaN columns are skipped."""
+    from headlab.stats import STATISTICS
+
+    figures = {}
+    for name in STATISTICS:
+        if name in HEATMAP_SKIP or name not in wide or wide[name].isna().all():
+            continue
+        title = f"{model}: {label_of(name)}" if model else label_of(name)
+        figures[f"heatmap_{name}"] = plot_head_heatmap(wide, name, title=title)
+    return figures
+
+
+def plot_importance_heatmap(importance: pd.DataFrame, model: str = "", value: str = "importance"):
+    """Layer x head heatmap of head importance (importance table: layer, head, kv_head, importance, ...)."""
+    title = f"{model}: head importance" if model else "head importance"
+    return plot_head_heatmap(importance, value, title=title)
+
+
+# ---- scatter: importance against statistics ------------------------------------------------------------------
+
+
+def spearman(x: pd.Series, y: pd.Series) -> float:
+    """Spearman's rank correlation: Pearson's r of the average ranks (ties share their mean rank); no scipy."""
+    return float(np.corrcoef(x.rank().to_numpy(), y.rank().to_numpy())[0, 1])
+
+
+def plot_importance_scatter(importance: pd.DataFrame, wide: pd.DataFrame, statistic: str, model: str = ""):
+    """One point per head: importance against a statistic, coloured by layer, with Spearman's rank correlation."""
+    data = importance[["layer", "head", "importance"]].merge(wide[["layer", "head", statistic]], on=["layer", "head"])
+    data = data.dropna(subset=[statistic, "importance"])
+    if data.empty:
+        raise HeadlabError(f"no heads with both importance and {statistic}")
+    _theme()
+    fig, ax = plt.subplots(figsize=(7, 5))
+    size = max(8.0, min(60.0, 4000.0 / len(data)))
+    points = ax.scatter(
+        data[statistic], data["importance"], c=data["layer"], cmap="viridis", s=size, alpha=0.8, edgecolors="none"
+    )
+    fig.colorbar(points, ax=ax, label="layer")
+    rho = spearman(data[statistic], data["importance"])
+    ax.set_xlabel(label_of(statistic))
+    ax.set_ylabel(label_of("importance"))
+    name = f"{model}: " if model else ""
+    ax.set_title(
+        f"{name}importance against {statistic.replace('_', ' ')} (Spearman rho = {rho:.2f}, {len(data)} heads)"
+    )
+    ax.title.set_fontsize(10)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+# ---- sweeps ----------------------------------------------------------------------------------------------------
+
+
+def plot_sweep(table: pd.DataFrame, title: str | None = None):
+    """Perplexity against the fraction of heads pruned, one line per order (random: mean with a +-1 sd band);
+    Michel et al. 2019, Fig. 3. Log y when perplexities span more than 20x."""
+    _theme()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sns.lineplot(
+        data=table,
+        x="fraction_pruned",
+        y="perplexity",
+        hue="order",
+        style="order",
+        markers=True,
+        dashes=False,
+        errorbar="sd",
+        ax=ax,
+    )
+    baseline = table.loc[table["pruned_heads"] == 0, "perplexity"]
+    if len(baseline):
+        ax.axhline(float(baseline.iloc[0]), color="grey", linewidth=0.8, linestyle=":", label="unpruned")
+    if table["perplexity"].max() / max(table["perplexity"].min(), 1e-9) > 20:
+        ax.set_yscale("log")
+    else:
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+    ax.set_xlabel("attention heads pruned")
+    ax.set_ylabel("perplexity (eval split)")
+    ax.set_title(title or "Perplexity as heads are pruned")
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="pruning order", frameon=True)
+    fig.tight_layout()
+    return fig
+
+
+def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
+    """Perplexity against measured KV-cache KiB per token, one marker per KV-head count x grouping x pool (rows that
+    repeat an earlier variant are left out: they would sit on it). Log y when perplexities span more than 10x."""
+    data = frame[frame["same_as"].isna()].copy() if "same_as" in frame else frame.copy()
+    data["KiB per token"] = data["kv_bytes_per_token"] / 1024
+    data["grouping"] = data["grouping"].fillna(data["action"])
+    data["pool"] = data["pool"].fillna("-")
+    _theme()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sns.scatterplot(data=data, x="KiB per token", y="perplexity", hue="grouping", style="pool", s=90, ax=ax)
+    if data["perplexity"].max() / max(data["perplexity"].min(), 1e-9) > 10:
+        ax.set_yscale("log")
+        ax.set_ylabel("perplexity (eval split, log scale)")
+    else:
+        ax.ticklabel_format(axis="y", useOffset=False, style="plain")  # no "+1.27e2" offset over the title
+        ax.set_ylabel("perplexity (eval split)")
+    for (kib, ppl), group in data.groupby(["KiB per token", "perplexity"]):
+        ax.annotate(
+            f"G={int(group['kv_heads'].iloc[0])}", (kib, ppl), textcoords="offset points", xytext=(6, 4), fontsize=9
+        )
+    ax.set_xlim(0, data["KiB per token"].max() * 1.15)
+    ax.set_xlabel("KV-cache KiB per token (measured)")
+    ax.set_title(title or "KV heads: perplexity against KV-cache size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig
+
+
+# ---- attention-pattern gallery --------------------------------------------------------------------------------
+
+
+def plot_attention_gallery(maps: pd.DataFrame, title: str = ""):
+    """Attention maps of the selected heads for one sentence, tokens on the axes (query rows, key columns).
+
+    `maps`: tidy rows `layer, head, query, key, weight, query_token, key_token, selection, importance` (as
+    `headlab.report.attention_maps` writes them); one row of panels per selection (most / least important).
+    The colour scale is the same fixed [0, 1] for every panel, so diffuse and sharp heads compare directly.
+    """
+    heads = maps[["selection", "layer", "head", "importance"]].drop_duplicates(["selection", "layer", "head"])
+    selections = list(dict.fromkeys(heads["selection"]))
+    columns = int(heads.groupby("selection").size().max())
+    tokens = maps.drop_duplicates("key").sort_values("key")["key_token"].astype(str).tolist()
+    T = len(tokens)
+    panel = min(4.2, max(2.6, 0.2 * T + 0.8))
+    tick = max(5.0, min(9.0, 110.0 / max(T, 1)))
+    _theme()
+    fig, axes = plt.subplots(
+        len(selections), columns, figsize=(panel * columns + 1.2, panel * len(selections) + 0.9), squeeze=False
+    )
+    image = None
+    for r, selection in enumerate(selections):
+        chosen = heads[heads["selection"] == selection]
+        for c in range(columns):
+            ax = axes[r][c]
+            if c >= len(chosen):
+                ax.axis("off")
+                continue
+            head = chosen.iloc[c]
+            part = maps[(maps["layer"] == head["layer"]) & (maps["head"] == head["head"])]
+            grid = np.full((T, T), np.nan)
+            grid[part["query"].to_numpy(), part["key"].to_numpy()] = part["weight"].to_numpy()
+            image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=0, vmax=1, aspect="equal")
+            ax.set_xticks(range(T), tokens, rotation=90, fontsize=tick)
+            ax.set_yticks(range(T), tokens, fontsize=tick)
+            ax.set_title(
+                f"{selection}: layer {int(head['layer'])}, head {int(head['head'])}\n"
+                f"importance {float(head['importance']):.2f}",
+                fontsize=9,
+            )
+            if c == 0:
+                ax.set_ylabel("query token")
+            if r == len(selections) - 1:
+                ax.set_xlabel("key token")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+    fig.suptitle(title or "Attention patterns of the most and least important heads", fontsize=12)
+    return fig
+
+
+# ---- GQA grouping ----------------------------------------------------------------------------------------------
+
+
+def query_groups(groups: pd.DataFrame, query_heads: int) -> pd.DataFrame:
+    """Expand a KV-head grouping table (layer, kv_head, new_kv_head; gqa.Conversion.groups_table) to one row per
+    query head: layer, head, kv_head (read before), new_kv_head (read after). repeat_kv: head h reads KV head
+    h // (H / G) before conversion, and after it the group its KV head was pooled into."""
+    if "head" in groups:
+        return groups
+    rows = []
+    for layer, part in groups.groupby("layer"):
+        mapping = dict(zip(part["kv_head"], part["new_kv_head"]))
+        G = len(mapping)
+        if query_heads % G:
+            raise HeadlabError(f"{query_heads} query heads do not divide into {G} KV heads")
+        r = query_heads // G
+        rows += [(int(layer), h, h // r, int(mapping[h // r])) for h in range(query_heads)]
+    return pd.DataFrame(rows, columns=["layer", "head", "kv_head", "new_kv_head"])
+
+
+def _kv_count(column: pd.Series) -> str:
+    n = int(column.nunique())
+    return f"{n} KV head" + ("" if n == 1 else "s")
+
+
+def plot_grouping(groups: pd.DataFrame, *, query_heads: int | None = None, title: str = "", after_label: str = ""):
+    """Which query heads share which KV head, before (left) and after (right) a KV-head conversion: layer x query
+    head grids coloured by the KV head each query head reads (numbered in the cells on small grids)."""
+    if "head" not in groups:
+        if query_heads is None:
+            raise HeadlabError("the grouping table has no head column; pass query_heads")
+        groups = query_groups(groups, query_heads)
+    before = groups.pivot(index="layer", columns="head", values="kv_head").sort_index()
+    after = groups.pivot(index="layer", columns="head", values="new_kv_head").sort_index()
+    layers, heads = before.shape
+    layout = grid_layout(layers, heads)
+    w, h = layout["figsize"]
+    _theme()
+    fig, axes = plt.subplots(1, 2, figsize=(2 * (w - 1.2), h + 0.3), sharey=True)
+    for ax, grid, name in (
+        (axes[0], before, f"before: {_kv_count(groups['kv_head'])}"),
+        (axes[1], after, after_label or f"after: {_kv_count(groups['new_kv_head'])}"),
+    ):
+        count = int(np.nanmax(grid.to_numpy())) + 1
+        palette = ListedColormap(sns.color_palette("tab10" if count <= 10 else "husl", count))
+        sns.heatmap(
+            grid,
+            ax=ax,
+            cmap=palette,
+            vmin=-0.5,
+            vmax=count - 0.5,
+            annot=layout["annotate"],
+            fmt=".0f",
+            annot_kws={"size": layout["annot_size"]},
+            linewidths=0.4 if layout["annotate"] else 0,
+            linecolor="white",
+            cbar=count <= 16,
+            cbar_kws={"label": "KV head read", "ticks": list(range(count))},
+            xticklabels=layout["x_step"],
+            yticklabels=layout["y_step"],
+        )
+        ax.set_title(name, fontsize=11)
+        ax.set_xlabel("query head (original index)")
+        ax.set_ylabel("layer" if ax is axes[0] else "")
+        ax.tick_params(labelsize=layout["tick_size"])
+        ax.tick_params(axis="y", rotation=0)
+    fig.suptitle(title or "Which query heads share which KV head", fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+# ---- a whole run directory -------------------------------------------------------------------------------------
+
+
+def _find(run_dir: Path, name: str) -> Path | None:
+    """`name` in run_dir or one level below (a report keeps each step in its own subdirectory)."""
+    for candidate in [run_dir / name, *sorted(run_dir.glob(f"*/{name}"))]:
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _read(path: Path | None) -> pd.DataFrame | None:
+    if path is None:
+        return None
+    parquet = path.with_suffix(".parquet")
+    return pd.read_parquet(parquet) if parquet.is_file() else pd.read_csv(path)
+
+
+def _model_name(run_dir: Path) -> str:
+    import json
+
+    for meta in [run_dir / "meta.json", *sorted(run_dir.glob("*/meta.json"))]:
+        if meta.is_file():
+            model = json.loads(meta.read_text()).get("model")
+            if model:
+                return str(model)
+    return ""
+
+
+def run_figures(run_dir) -> dict[str, plt.Figure]:
+    """Every figure the saved tables of `run_dir` (or its subdirectories) allow, by file name stem."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise HeadlabError(f"no such run directory: {run_dir}")
+    model = _model_name(run_dir)
+    wide = _read(_find(run_dir, "stats_wide.csv"))
+    importance = _read(_find(run_dir, "importance.csv"))
+    figures: dict[str, plt.Figure] = {}
+    if wide is not None:
+        figures.update(plot_statistic_heatmaps(wide, model))
+    if importance is not None:
+        figures["heatmap_importance"] = plot_importance_heatmap(importance, model)
+    if wide is not None and importance is not None:
+        for statistic in ("entropy", "sink_first"):
+            if statistic in wide and not wide[statistic].isna().all():
+                figures[f"importance_vs_{statistic}"] = plot_importance_scatter(importance, wide, statistic, model)
+    sweeps = [run_dir / "sweep.csv", *sorted(run_dir.glob("*/sweep.csv"))]
+    for path in sweeps:
+        table = _read(path) if path.is_file() else None
+        if table is None:
+            continue
+        if "order" in table:
+            figures["sweep"] = plot_sweep(table, f"{model}: perplexity as heads are pruned" if model else None)
+        elif "kv_heads" in table:
+            figures["gqa_sweep"] = plot_gqa_sweep(table, f"{model}: perplexity against KV-cache size" if model else "")
+    maps = _read(_find(run_dir, "attention_maps.csv"))
+    if maps is not None and len(maps):
+        figures["attention_gallery"] = plot_attention_gallery(maps, f"{model}: attention patterns" if model else "")
+    groups = _read(_find(run_dir, "gqa_groups.csv"))
+    if groups is not None and len(groups):
+        label = ""
+        if "grouping" in groups:
+            label = f"after: {_kv_count(groups['new_kv_head'])} ({groups['grouping'].iloc[0]} grouping)"
+        figures["gqa_grouping"] = plot_grouping(
+            groups, title=f"{model}: query heads sharing KV heads", after_label=label
+        )
+    if not figures:
+        raise HeadlabError(
+            f"{run_dir} holds no table headlab can draw (stats_wide, importance, sweep, attention_maps, gqa_groups)"
+        )
+    return figures
+
+
+def plot_run(run_dir, out=None, fmt: str = "png") -> list[Path]:
+    """Redraw every figure of a run directory from its saved tables (no model); written to `out` (default
+    RUN_DIR/figures) as `fmt`. Returns the files written."""
+    if fmt not in FORMATS:
+        raise HeadlabError(f"unknown figure format {fmt!r}; use one of {', '.join(FORMATS)}")
+    run_dir = Path(run_dir)
+    out = Path(out) if out is not None else run_dir / "figures"
+    return [save_figure(fig, out / f"{name}.{fmt}", fmt) for name, fig in run_figures(run_dir).items()]
