@@ -428,10 +428,10 @@ def test_embedded_mqa_checkpoint_evaluates_to_the_printed_perplexity(tmp_path):
     from headlab.loading import load_model
 
     loaded = load_model(None, device="cpu")
-    record = gqa.convert_checkpoint(loaded, 1, tmp_path / "mqa", max_tokens=512, seq_len=256, progress=False)
+    record = gqa.convert_checkpoint(loaded, 1, tmp_path / "mqa", max_tokens=256, seq_len=128, progress=False)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mqa", dtype=torch.float32)
     assert model.config.num_key_value_heads == 1
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "mqa")
-    again = perplexity(from_model(model, tokenizer), max_tokens=512, seq_len=256, progress=False)
+    again = perplexity(from_model(model, tokenizer), max_tokens=256, seq_len=128, progress=False)
     assert again.perplexity == pytest.approx(record["perplexity_after"]["perplexity"], rel=1e-5)
     assert record["measured_kv_bytes_per_token_after"] * 3 == record["measured_kv_bytes_per_token_before"]
