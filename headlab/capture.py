@@ -1,0 +1,245 @@
+"""Capture of attention probabilities while the model keeps its sdpa kernel: a transformers attention function that
+hands softmax(QK^T * scale + mask) to a callback in bounded query chunks, so no T x T map outlives its chunk.
+
+The function is registered with transformers' AttentionInterface (and sdpa's mask function with
+AttentionMaskInterface under the same name, so layers receive exactly the mask sdpa would get). `capture_attention`
+switches a model to it and restores the original implementation on exit, also after an exception.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from headlab.arch import AttentionLayer
+from headlab.errors import HeadlabError
+
+FUNCTION_NAME = "headlab_capture"  # must not contain "sdpa": transformers would run its sdpa fallback checks on it
+DEFAULT_CHUNK = 256  # query rows per chunk: B*H*256*T float32 scores at most live at once
+
+# id(attention module) -> (capture, layer); the attention interface is global, so dispatch is by module identity.
+_ACTIVE: dict[int, tuple[AttentionCapture, AttentionLayer]] = {}
+
+
+@dataclass
+class AttentionChunk:
+    """Attention weights of query rows [start, start + c) of one layer, with the visibility they were computed under.
+
+    Rows of padding queries are present (their weights are meaningless) and flagged by `query_valid`. Tk may be cut
+    short of the sequence: keys past it are invisible to every row of the chunk (their weights are 0).
+    """
+
+    layer: AttentionLayer
+    probs: torch.Tensor  # [B, H, c, Tk] float32, rows sum to 1 (less the sink mass with attention sinks)
+    visible: torch.Tensor  # [B, 1, c, Tk] bool: key j visible to query i (causal, padding, sliding window)
+    start: int  # absolute index of the first query row
+    query_valid: torch.Tensor  # [B, c] bool: the query is a real (non-padding) token
+    token_valid: torch.Tensor  # [B, Tk] bool: the key is a real token
+    log_probs: torch.Tensor | None = None  # [B, H, c, Tk] ln probs (very negative, finite, where not visible)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """Absolute query indices of the chunk's rows, [c]."""
+        return torch.arange(self.start, self.start + self.probs.shape[2], device=self.probs.device)
+
+
+def _visibility(mask, module, kwargs, Tq, Tk, device) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    """(visible [B|1, 1|H, Tq, Tk] bool, additive float bias or None) for the mask transformers passed.
+
+    sdpa's mask function returns None for a pure causal (or unpadded bidirectional) batch and lets the kernel use
+    is_causal; the same rule as sdpa_attention_forward decides which of the two the None stands for. The third
+    value says the visibility is the plain causal pattern.
+    """
+    if mask is None:
+        is_causal = kwargs.get("is_causal")
+        is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if is_causal and Tq > 1:
+            rows = torch.arange(Tq, device=device)[:, None] + (Tk - Tq)  # sdpa aligns causal masks upper-left
+            return (rows >= torch.arange(Tk, device=device)[None, :])[None, None], None, True
+        return torch.ones(1, 1, Tq, Tk, dtype=torch.bool, device=device), None, False
+    if mask.dtype == torch.bool:
+        return mask, None, False
+    # A float mask is additive (0 where visible, a large negative number where not).
+    bias = mask.float()
+    return bias > torch.finfo(torch.float32).min / 2, bias, False
+
+
+def _attention_function(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function: sdpa for the output, plus the chunked probabilities for captured layers."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    entry = _ACTIVE.get(id(module))
+    if entry is None:  # a module headlab does not analyse (e.g. a vision tower): plain sdpa
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    capture, layer = entry
+    return capture.forward(layer, module, query, key, value, attention_mask, kwargs)
+
+
+def register() -> str:
+    """Register headlab's attention function and sdpa's mask function under FUNCTION_NAME (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FUNCTION_NAME, _attention_function)
+    AttentionMaskInterface.register(FUNCTION_NAME, sdpa_mask)
+    return FUNCTION_NAME
+
+
+class AttentionCapture:
+    """Computes each captured layer's attention weights in query chunks and passes them to `on_chunk`.
+
+    on_chunk(chunk: AttentionChunk) sees every chunk of every captured layer; on_output(layer, output [B, T, H, D],
+    token_valid [B, T]) sees each layer's attention output before the output projection (and before any output
+    gate, which gated families apply after the attention function).
+    """
+
+    def __init__(
+        self,
+        on_chunk: Callable[[AttentionChunk], None],
+        on_output: Callable[[AttentionLayer, torch.Tensor, torch.Tensor], None] | None = None,
+        chunk_size: int = DEFAULT_CHUNK,
+    ):
+        if chunk_size < 1:
+            raise HeadlabError(f"chunk size must be positive, got {chunk_size}")
+        self.on_chunk, self.on_output, self.chunk_size = on_chunk, on_output, chunk_size
+        self.calls = 0  # layer calls captured (tests check the function really ran)
+
+    def forward(self, layer, module, query, key, value, attention_mask, kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        B, H, Tq, D = query.shape
+        G, Tk = key.shape[1], key.shape[2]
+        softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+        position_bias = kwargs.get("position_bias")
+        # sdpa has no soft-capping or sinks: those layers get their output from the chunked weights (eager's math).
+        exact = softcap is not None or sinks is not None
+        if Tq != Tk and not exact:
+            # Decoding against a cache: the statistics are defined on full forward passes only.
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        self.calls += 1
+        scaling = kwargs.get("scaling")
+        scaling = scaling if scaling is not None else D**-0.5  # sdpa's default
+        visible, bias, causal = _visibility(attention_mask, module, kwargs, Tq, Tk, query.device)
+        offset = Tk - Tq
+        # A real token always sees itself, so the mask's diagonal tells which tokens are padding.
+        diagonal = visible[:, 0].diagonal(offset=offset, dim1=-2, dim2=-1)  # [B|1, Tq]
+        query_valid = diagonal.expand(B, Tq)  # [B, Tq]
+        token_valid = torch.ones(B, Tk, dtype=torch.bool, device=query.device)  # [B, Tk]
+        token_valid[:, offset:] = query_valid
+
+        R = H // G  # repeat_kv: query head h reads KV head h // R
+        hidden = ~visible  # [B|1, 1|H, Tq, Tk], once per call rather than per chunk
+        grad = torch.is_grad_enabled() and exact
+        outputs = []
+        with torch.set_grad_enabled(grad):
+            # Scale folded into the queries: one pass over [B, H, T, D] instead of one per score chunk.
+            q = (query if grad else query.detach()).float().reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
+            k = (key if grad else key.detach()).float()[:, :, None].transpose(-1, -2)  # [B, G, 1, D, Tk]
+            for start in range(0, Tq, self.chunk_size):
+                stop = min(start + self.chunk_size, Tq)
+                c = stop - start
+                seen = visible[..., start:stop, :]  # [B|1, 1|H, c, Tk]
+                # Keys no row of the chunk can see (the causal future) are skipped: about half the work.
+                if causal:
+                    end = min(Tk, stop + offset)
+                elif attention_mask is None:
+                    end = Tk
+                else:
+                    columns = seen.any(-2).flatten(0, -2).any(0).nonzero()  # visible key indices of the chunk
+                    end = int(columns.max()) + 1 if len(columns) else 1
+                seen = seen[..., :end]
+                scores = (q[:, :, :, start:stop] @ k[..., :end]).reshape(B, H, c, end)  # [B, H, c, Tk']
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
+                if bias is not None:
+                    scores = scores + bias[..., start:stop, :end]
+                if position_bias is not None:
+                    scores = scores + position_bias[..., start:stop, :end].float()
+                # finfo.min, not -inf: rows with no visible key (padding queries) stay finite instead of NaN.
+                scores.masked_fill_(hidden[..., start:stop, :end], torch.finfo(torch.float32).min)  # in place
+                if sinks is not None:
+                    sink = sinks.float().reshape(1, H, 1, 1).expand(B, H, c, 1)
+                    log_probs = torch.log_softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+                else:
+                    log_probs = torch.log_softmax(scores, dim=-1)  # [B, H, c, Tk']
+                del scores
+                probs = log_probs.exp()  # [B, H, c, Tk']
+                if exact:
+                    v = value.float()[:, :, None, :end]  # [B, G, 1, Tk', D]
+                    out = probs.to(value.dtype).float().reshape(B, G, R, c, end) @ v  # [B, G, R, c, D]
+                    outputs.append(out.reshape(B, H, c, D).to(value.dtype))
+                    probs, log_probs = probs.detach(), log_probs.detach()
+                if Tq == Tk:
+                    chunk = AttentionChunk(
+                        layer,
+                        probs,
+                        seen.expand(B, -1, -1, -1),
+                        start,
+                        query_valid[:, start:stop],
+                        token_valid[:, :end],
+                        log_probs,
+                    )
+                    with torch.no_grad():
+                        self.on_chunk(chunk)
+        if exact:
+            attn_output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # [B, Tq, H, D]
+        else:
+            attn_output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if self.on_output is not None and Tq == Tk:
+            with torch.no_grad():
+                self.on_output(layer, attn_output.detach(), query_valid)
+        return attn_output, None
+
+
+def _configs(model: nn.Module) -> list:
+    """Every config whose _attn_implementation the model's (sub)models read."""
+    from transformers import PreTrainedModel
+
+    seen, configs = set(), []
+    pending = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    while pending:
+        config = pending.pop()
+        if id(config) in seen:
+            continue
+        seen.add(id(config))
+        configs.append(config)
+        pending += [getattr(config, key) for key in getattr(config, "sub_configs", {}) if getattr(config, key, None)]
+    return configs
+
+
+@contextlib.contextmanager
+def capture_attention(
+    model: nn.Module,
+    layers: list[AttentionLayer],
+    on_chunk: Callable[[AttentionChunk], None],
+    on_output: Callable | None = None,
+    chunk_size: int = DEFAULT_CHUNK,
+):
+    """Run `model` with headlab's attention function on `layers`; yields the AttentionCapture.
+
+    The model's original attention implementation (of every sub-config) is restored on exit, also after an
+    exception. Layers not in `layers` run plain sdpa meanwhile.
+    """
+    capture = AttentionCapture(on_chunk, on_output, chunk_size)
+    for layer in layers:
+        if id(layer.module) in _ACTIVE:
+            raise HeadlabError(f"layer {layer.index} is already being captured; captures cannot nest")
+    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
+    register()
+    try:
+        for layer in layers:
+            _ACTIVE[id(layer.module)] = (capture, layer)
+        model.set_attn_implementation(FUNCTION_NAME)
+        yield capture
+    finally:
+        for layer in layers:
+            _ACTIVE.pop(id(layer.module), None)
+        for config, implementation in saved:
+            config._attn_implementation_internal = implementation
+
+
+__all__ = ["AttentionCapture", "AttentionChunk", "FUNCTION_NAME", "capture_attention", "register"]

@@ -1,0 +1,78 @@
+"""`headlab stats`: per-head attention statistics on the calibration part of a corpus, collected while the model
+keeps its sdpa kernel; writes a tidy table, a wide table (one row per head) and metadata."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from headlab.cli.options import data_options, model_options, out_option
+from headlab.tables import check_out
+
+DEFAULT_OUT = Path("runs/stats")
+
+
+@click.command("stats")
+@model_options
+@data_options(default_split="calibration", max_tokens=8192, seq_len=512, batch_size=4)
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the induction pass's random tokens")
+@click.option("--induction/--no-induction", default=True, show_default=True, help="run the induction pass")
+@click.option(
+    "--induction-len",
+    type=click.IntRange(min=2),
+    default=64,
+    show_default=True,
+    help="random tokens per copy (sequences are S tokens repeated twice)",
+)
+@click.option("--induction-count", type=click.IntRange(min=1), default=8, show_default=True, help="random sequences")
+@click.option(
+    "--chunk-size", type=click.IntRange(min=1), default=256, show_default=True, help="query rows per attention chunk"
+)
+@out_option(required=False, help_text=f"output directory, written atomically [default: {DEFAULT_OUT}]")
+def command(
+    load,
+    data,
+    text_column,
+    part,
+    max_tokens,
+    seq_len,
+    batch_size,
+    seed,
+    induction,
+    induction_len,
+    induction_count,
+    chunk_size,
+    out,
+    overwrite,
+):
+    """Entropy, confidence, positional, sink, previous-token, distance, induction, output-norm and [CLS]/[SEP]
+    statistics per (layer, head): stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
+    from headlab.stats import head_statistics, wide_statistics, write_statistics
+
+    out = out or DEFAULT_OUT
+    check_out(out, overwrite)
+    loaded = load()
+    tidy = head_statistics(
+        loaded,
+        data=data,
+        part=part,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        text_column=text_column,
+        induction=induction,
+        induction_len=induction_len,
+        induction_count=induction_count,
+        seed=seed,
+        chunk_size=chunk_size,
+    )
+    write_statistics(out, tidy, overwrite=overwrite)
+    wide = wide_statistics(tidy)
+    meta = tidy.attrs["meta"]
+    click.echo(f"{len(wide)} heads, {meta['tokens']:,} tokens -> {out}")
+    for name in ("entropy", "sink_first", "prev_share", "induction"):
+        column = wide[name].dropna()
+        if len(column):
+            top = wide.loc[column.idxmax()]
+            click.echo(f"  max {name:<10} {column.max():.3f}  (layer {int(top['layer'])}, head {int(top['head'])})")

@@ -1,0 +1,362 @@
+"""Per-(layer, head) attention statistics that stream: entropy, confidence, positional, sink, previous-token, distance,
+induction, output norm and [CLS]/[SEP] shares, reduced chunk by chunk from headlab's attention capture.
+
+Definitions and sources: /README.md "headlab stats" and the docstring of StatisticsCollector.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from headlab.capture import DEFAULT_CHUNK, AttentionChunk, capture_attention
+from headlab.errors import HeadlabError
+
+# Wide-table columns, in order; other modules (importance, plots) rely on these names.
+STATISTICS = (
+    "entropy",
+    "normalized_entropy",
+    "confidence",
+    "positional_prev",
+    "positional_next",
+    "is_positional",
+    "sink_first",
+    "sink_first4",
+    "prev_share",
+    "self_share",
+    "mean_distance",
+    "induction",
+    "output_norm",
+    "cls_share",
+    "sep_share",
+)
+POSITIONAL_THRESHOLD = 0.9  # Voita et al. 2019
+SINK_TOKENS = 4  # StreamingLLM keeps 4 initial tokens
+EDGE_RULES = {
+    "queries": "every statistic averages over real (non-padding) query positions only",
+    "normalized_entropy": "entropy of row i / ln(keys visible to i); rows seeing a single key are excluded",
+    "positional_prev/prev_share": "rows whose key i-1 is visible (not the first token, not masked)",
+    "positional_next": "rows whose key i+1 is visible: encoders only (NaN for causal models)",
+    "argmax": "ties go to the lowest key index (torch.max)",
+    "sink_first/sink_first4": "attention to the first 1 / 4 real tokens of the sequence; rows that see none of "
+    "them (sliding-window layers) are excluded",
+    "cls_share": "encoders: attention to the first real token ([CLS]); NaN for causal models",
+    "sep_share": "encoders: summed attention to the tokenizer's sep_token positions; rows seeing no SEP excluded",
+    "induction": "separate pass on seeded random tokens repeated twice (after a BOS/CLS prefix when the tokenizer "
+    "has one): attention from i to i-(S-1) over the second copy",
+    "output_norm": "L2 norm of each head's attention output before the output projection (and before the output "
+    "gate of gated-attention families), averaged over real tokens",
+    "attention_sinks": "with learned sink logits the weights over keys sum to less than 1; statistics use those "
+    "weights as they are",
+    "decoding": "statistics come from full forward passes; cached decoding steps are not collected",
+}
+
+
+class StatisticsCollector:
+    """Streaming per-head accumulators (float64 sums and row counts) for every captured layer.
+
+    For a weight matrix A (rows: queries i, columns: keys j), averaged over counted rows (REFERENCE.md):
+    entropy -sum_j A_ij ln A_ij (Clark et al. 2019); confidence max_j A_ij and positional argmax_j A_ij = i-1 / i+1
+    (Voita et al. 2019); sink mass sum_{j in first k real tokens} A_ij (Xiao et al. 2023); prev/self share A_{i,i-1},
+    A_ii (Clark et al. 2019); mean distance sum_j A_ij |i-j| (ViT attention distance); induction A_{i,i-(S-1)}
+    (Olsson et al. 2022); [CLS]/[SEP] shares (Clark et al. 2019).
+    """
+
+    def __init__(self, layers, *, is_encoder: bool = False, induction_only: bool = False):
+        self.layers = {layer.index: layer for layer in layers}
+        self.is_encoder, self.induction_only = is_encoder, induction_only
+        self.sums: dict[int, dict[str, torch.Tensor]] = {i: {} for i in self.layers}  # name -> [H] float64
+        self.counts: dict[int, dict[str, float]] = {i: {} for i in self.layers}  # name -> counted rows
+        self.sep_keys: torch.Tensor | None = None  # [B, T] bool, SEP positions of the current batch
+        self.target: torch.Tensor | None = None  # [B, T] long, induction key per query (-1: none)
+
+    def set_batch(self, sep_keys: torch.Tensor | None = None, target: torch.Tensor | None = None) -> None:
+        """Per-batch side information: SEP key positions (encoders) and induction targets."""
+        self.sep_keys, self.target = sep_keys, target
+
+    def _add(self, layer: int, name: str, values: torch.Tensor, weights: torch.Tensor) -> None:
+        """Accumulate values [B, H, c] over rows weighted by weights [B, c] (0/1)."""
+        total = (values * weights[:, None, :]).sum((0, 2)).double()  # [H]
+        sums = self.sums[layer]
+        sums[name] = sums[name] + total if name in sums else total
+        self.counts[layer][name] = self.counts[layer].get(name, 0.0) + float(weights.sum())
+
+    def on_chunk(self, chunk: AttentionChunk) -> None:
+        p = chunk.probs  # [B, H, c, Tk]
+        B, H, c, Tk = p.shape
+        layer = chunk.layer.index
+        visible = chunk.visible[:, 0]  # [B, c, Tk]
+        w = chunk.query_valid.float()  # [B, c]
+        rows = chunk.rows  # [c]
+
+        def at(keys: torch.Tensor):
+            """(A[b, h, i, keys[b, i]] [B, H, c], key visible [B, c]) for one key index per row."""
+            index = keys.clamp(0, Tk - 1)  # [B, c]
+            present = (keys >= 0) & (keys < Tk) & visible.gather(-1, index[..., None])[..., 0]
+            return p.gather(-1, index[:, None, :, None].expand(B, H, c, 1))[..., 0], present.float()
+
+        if self.target is not None:
+            share, present = at(self.target[:, chunk.start : chunk.start + c].to(p.device))
+            self._add(layer, "induction", share, w * present)
+        if self.induction_only:
+            return
+
+        if chunk.log_probs is not None:  # einsum reduces without a [B, H, c, Tk] temporary
+            entropy = -torch.einsum("bhct,bhct->bhc", p, chunk.log_probs)  # [B, H, c]
+        else:
+            entropy = -torch.special.xlogy(p, p).sum(-1)  # [B, H, c]
+        self._add(layer, "entropy", entropy, w)
+        num_visible = visible.sum(-1)  # [B, c]
+        normalizer = num_visible.clamp(min=2).float().log()  # [B, c]
+        self._add(layer, "normalized_entropy", entropy / normalizer[:, None], w * (num_visible > 1).float())
+        confidence, argmax = p.max(-1)  # [B, H, c]
+        self._add(layer, "confidence", confidence, w)
+
+        expand = rows.expand(B, c)  # [B, c]
+        prev, has_prev = at(expand - 1)
+        self._add(layer, "prev_share", prev, w * has_prev)
+        self._add(layer, "positional_prev", (argmax == (rows - 1)).float(), w * has_prev)
+        _, has_next = at(expand + 1)
+        self._add(layer, "positional_next", (argmax == (rows + 1)).float(), w * has_next)
+        own, has_self = at(expand)
+        self._add(layer, "self_share", own, w * has_self)
+        distance = (rows[:, None] - torch.arange(Tk, device=p.device)[None, :]).abs().float()  # [c, Tk]
+        self._add(layer, "mean_distance", torch.einsum("bhct,ct->bhc", p, distance), w)
+
+        # Key sets as columns of one matrix so one matmul gives every share: first, first 4, SEP.
+        real = chunk.token_valid  # [B, Tk]
+        rank = real.long().cumsum(-1)  # [B, Tk], 1 at the first real token
+        sets = [real & (rank == 1), real & (rank <= SINK_TOKENS)]
+        if self.sep_keys is not None:
+            sets.append(real & self.sep_keys[:, :Tk].to(p.device).bool())
+        keys = torch.stack(sets, dim=-1).float()  # [B, Tk, m]
+        # Only columns up to the last key of any set take part (4 columns for a causal batch without padding).
+        columns = keys.flatten(0, 1).any(-1).nonzero()
+        width = int(columns.max()) + 1 if len(columns) else 1
+        keys = keys[:, :width]  # [B, Tk', m]
+        shares = p[..., :width] @ keys[:, None]  # [B, H, c, m]
+        sees = (visible[..., :width].float() @ keys) > 0  # [B, c, m]
+        self._add(layer, "sink_first", shares[..., 0], w * sees[..., 0])
+        self._add(layer, "sink_first4", shares[..., 1], w * sees[..., 1])
+        if self.is_encoder:
+            self._add(layer, "cls_share", shares[..., 0], w * sees[..., 0])
+            if self.sep_keys is not None:
+                self._add(layer, "sep_share", shares[..., 2], w * sees[..., 2])
+
+    def on_output(self, layer, output: torch.Tensor, valid: torch.Tensor) -> None:
+        if self.induction_only:
+            return
+        norms = output.float().norm(dim=-1).transpose(1, 2)  # [B, H, T]
+        self._add(layer.index, "output_norm", norms, valid.float())
+
+    def means(self) -> dict[int, dict[str, tuple[torch.Tensor, float]]]:
+        """layer -> statistic -> (mean per head [H] float64, NaN without counted rows; rows counted)."""
+        out = {}
+        for index, layer in self.layers.items():
+            out[index] = {}
+            for name, total in self.sums[index].items():
+                count = self.counts[index][name]
+                mean = total / count if count > 0 else torch.full((layer.num_heads,), math.nan, dtype=torch.float64)
+                out[index][name] = (mean.cpu(), count)
+        return out
+
+
+def _frame_encoder_batch(input_ids, attention_mask, cls_id: int, sep_id: int, pad_id: int):
+    """[CLS] window [SEP] per right-padded row, as the tokenizer frames a single sequence."""
+    B, T = input_ids.shape
+    lengths = attention_mask.sum(-1)  # [B]
+    ids = torch.full((B, T + 2), pad_id, dtype=input_ids.dtype)  # [B, T + 2]
+    mask = torch.zeros((B, T + 2), dtype=attention_mask.dtype)  # [B, T + 2]
+    for row, n in enumerate(lengths.tolist()):
+        ids[row, 0], ids[row, 1 : n + 1], ids[row, n + 1] = cls_id, input_ids[row, :n], sep_id
+        mask[row, : n + 2] = 1
+    return ids, mask
+
+
+def induction_batches(loaded, *, length: int, count: int, seed: int, batch_size: int):
+    """Seeded random tokens repeated twice, [prefix] x x [suffix], with the induction target of each query:
+    query i in the second copy reads key i-(S-1), the token after the previous occurrence of its own token
+    (TransformerLens / Olsson et al. 2022). Yields (input_ids [B, T], attention_mask [B, T], target [B, T])."""
+    config = loaded.model.config.get_text_config()
+    tokenizer = loaded.tokenizer
+    vocab = int(config.vocab_size)
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "image_token_id", "video_token_id"):
+        if isinstance(getattr(config, name, None), int):
+            special.add(getattr(config, name))
+    allowed = torch.tensor([i for i in range(vocab) if i not in special])
+    prefix, suffix = _frame_tokens(loaded)
+    generator = torch.Generator().manual_seed(seed)
+    for first in range(0, count, batch_size):
+        n = min(batch_size, count - first)
+        tokens = allowed[torch.randint(len(allowed), (n, length), generator=generator)]  # [n, S]
+        ids = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(n, -1), tokens, tokens], dim=1)
+        ids = torch.cat([ids, torch.tensor(suffix, dtype=torch.long).expand(n, -1)], dim=1)  # [n, T]
+        target = torch.full(ids.shape, -1, dtype=torch.long)  # [n, T]
+        second = torch.arange(len(prefix) + length, len(prefix) + 2 * length)
+        target[:, second] = second - (length - 1)
+        yield ids, torch.ones_like(ids), target
+
+
+def _frame_tokens(loaded) -> tuple[list[int], list[int]]:
+    """Tokens put around a window: [CLS] .. [SEP] for encoders, BOS .. for causal models (when the tokenizer has
+    them; none without a tokenizer)."""
+    tokenizer = loaded.tokenizer
+    if tokenizer is None:
+        return [], []
+    if loaded.adapter.is_encoder:
+        cls, sep = tokenizer.cls_token_id, tokenizer.sep_token_id
+        return ([cls] if cls is not None else []), ([sep] if sep is not None else [])
+    return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []), []
+
+
+def head_statistics(
+    loaded,
+    batches=None,
+    *,
+    data=None,
+    part: str = "calibration",
+    seq_len: int = 512,
+    batch_size: int = 4,
+    max_tokens: int | None = 8192,
+    text_column: str | None = None,
+    induction: bool = True,
+    induction_len: int = 64,
+    induction_count: int = 8,
+    seed: int = 0,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = True,
+) -> pd.DataFrame:
+    """Per-head statistics as a tidy table `layer, head, kv_head, statistic, value` (meta in `.attrs["meta"]`).
+
+    `batches`: an iterable of (input_ids [B, T], attention_mask [B, T], ...) tuples, or None to take calibration
+    windows of `data` (embedded corpus by default). Encoder windows get [CLS] .. [SEP] around them (2 of the
+    seq_len tokens). See `wide_statistics` for one row per head.
+    """
+    from tqdm.auto import tqdm
+
+    from headlab.data import calibration_batches
+
+    model, adapter, layers = loaded.model, loaded.adapter, loaded.layers
+    max_positions = loaded.max_positions
+    prefix, suffix = _frame_tokens(loaded)
+    framed = adapter.is_encoder and len(prefix) == 1 and len(suffix) == 1
+    if induction:
+        if induction_len < 2 or induction_count < 1:
+            raise HeadlabError(f"induction needs length >= 2 and count >= 1, got {induction_len}, {induction_count}")
+        need = 2 * induction_len + len(prefix) + len(suffix)
+        if max_positions is not None and need > max_positions:
+            raise HeadlabError(f"induction sequences of {need} tokens exceed the model's {max_positions} positions")
+    data_meta = {}
+    if batches is None:
+        if seq_len < (4 if framed else 2):
+            raise HeadlabError(f"--seq-len must be at least {4 if framed else 2}, got {seq_len}")
+        if max_positions is not None and seq_len > max_positions:
+            raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({max_positions})")
+        if loaded.tokenizer is None:
+            raise HeadlabError("the model has no tokenizer; pass token batches instead of a corpus")
+        batches = calibration_batches(
+            loaded.tokenizer,
+            data,
+            part=part,
+            seq_len=seq_len - 2 if framed else seq_len,
+            batch_size=batch_size,
+            max_tokens=max_tokens,
+            text_column=text_column,
+        )
+        data_meta = dict(batches.meta, seq_len=seq_len, framed_with_cls_sep=framed)
+    tokenizer = loaded.tokenizer
+    sep_id = getattr(tokenizer, "sep_token_id", None) if adapter.is_encoder else None
+    pad_id = getattr(tokenizer, "pad_token_id", None) or 0
+
+    collector = StatisticsCollector(layers, is_encoder=adapter.is_encoder)
+    tokens = 0
+    total = len(batches) if hasattr(batches, "__len__") else None
+    with torch.no_grad(), capture_attention(model, layers, collector.on_chunk, collector.on_output, chunk_size):
+        for batch in tqdm(batches, total=total, desc="attention statistics", disable=not progress, unit="batch"):
+            input_ids, attention_mask = batch[0], batch[1]
+            if framed and data_meta:
+                input_ids, attention_mask = _frame_encoder_batch(input_ids, attention_mask, *prefix, *suffix, pad_id)
+            sep_keys = (input_ids == sep_id) if sep_id is not None else None
+            collector.set_batch(sep_keys=None if sep_keys is None else sep_keys.to(loaded.device))
+            model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
+            tokens += int(attention_mask.sum())
+    if tokens == 0:
+        raise HeadlabError("no tokens to collect statistics on")
+    means = collector.means()
+
+    induction_meta = None
+    if induction:
+        inductor = StatisticsCollector(layers, induction_only=True)
+        runs = induction_batches(loaded, length=induction_len, count=induction_count, seed=seed, batch_size=batch_size)
+        steps = math.ceil(induction_count / batch_size)
+        with torch.no_grad(), capture_attention(model, layers, inductor.on_chunk, None, chunk_size):
+            for input_ids, attention_mask, target in tqdm(
+                runs, total=steps, desc="induction", disable=not progress, unit="batch"
+            ):
+                inductor.set_batch(target=target.to(loaded.device))
+                model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
+        for index, values in inductor.means().items():
+            means[index]["induction"] = values["induction"]
+        induction_meta = {
+            "length": induction_len,
+            "sequences": induction_count,
+            "seed": seed,
+            "prefix_tokens": prefix,
+            "suffix_tokens": suffix,
+        }
+
+    rows, denominators = [], {}
+    for layer in layers:
+        values = means[layer.index]
+        prev, nxt = values["positional_prev"][0], values["positional_next"][0]
+        positional = (torch.maximum(prev.nan_to_num(0.0), nxt.nan_to_num(0.0)) >= POSITIONAL_THRESHOLD).double()
+        for name in STATISTICS:
+            if name == "is_positional":
+                column = positional
+            elif name in values:
+                column, count = values[name]
+                denominators.setdefault(name, {})[layer.index] = count
+            else:
+                column = torch.full((layer.num_heads,), math.nan, dtype=torch.float64)
+            for head in range(layer.num_heads):
+                rows.append((layer.index, head, layer.kv_head_of(head), name, float(column[head])))
+    table = pd.DataFrame(rows, columns=["layer", "head", "kv_head", "statistic", "value"])
+    table.attrs["meta"] = {
+        **loaded.describe(),
+        "data": data_meta or {"data": "caller batches"},
+        "tokens": tokens,
+        "seq_len": data_meta.get("seq_len") if data_meta else None,
+        "seed": seed,
+        "chunk_size": chunk_size,
+        "induction": induction_meta,
+        "positional_threshold": POSITIONAL_THRESHOLD,
+        "sink_tokens": SINK_TOKENS,
+        "blocks": {layer.index: layer.block for layer in layers},
+        "output_norm_before_gate": adapter.gated,
+        "denominators": {name: [counts.get(i) for i in sorted(counts)] for name, counts in denominators.items()},
+        "edge_rules": EDGE_RULES,
+    }
+    return table
+
+
+def wide_statistics(tidy: pd.DataFrame) -> pd.DataFrame:
+    """One row per head: `layer, head, kv_head` and one column per statistic (STATISTICS order; NaN where n/a)."""
+    wide = tidy.pivot(index=["layer", "head", "kv_head"], columns="statistic", values="value")
+    wide = wide.reindex(columns=[name for name in STATISTICS if name in wide.columns]).reset_index()
+    wide.columns.name = None
+    if "is_positional" in wide:
+        wide["is_positional"] = wide["is_positional"].astype(bool)
+    wide.attrs = dict(tidy.attrs)
+    return wide
+
+
+def write_statistics(out: Path, tidy: pd.DataFrame, *, overwrite: bool = False) -> Path:
+    """`stats.csv/.parquet` (tidy), `stats_wide.csv/.parquet` (one row per head) and meta.json, atomically."""
+    from headlab.tables import write_run
+
+    meta = dict(tidy.attrs.get("meta", {}))
+    return write_run(out, {"stats": tidy, "stats_wide": wide_statistics(tidy)}, meta, overwrite=overwrite)
