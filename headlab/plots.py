@@ -121,14 +121,16 @@ def colour_scale(values: np.ndarray, bounded: tuple[float, float] | None = None)
 
 
 def kv_boundaries(table: pd.DataFrame) -> dict[int, list[int]]:
-    """Per layer, the head indices h where kv_head(h) != kv_head(h-1): the left edges of KV groups after the first."""
+    """Per layer, the head indices h where kv_head(h) != kv_head(h-1): the left edges of KV groups after the first.
+    Layers where every query head has its own KV head (MHA) have no groups to mark."""
     if "kv_head" not in table:
         return {}
     edges = {}
     for layer, part in table.sort_values(["layer", "head"]).groupby("layer"):
         kv = part["kv_head"].to_numpy()
         heads = part["head"].to_numpy()
-        edges[int(layer)] = [int(heads[i]) for i in range(1, len(kv)) if kv[i] != kv[i - 1]]
+        shared = len(set(kv.tolist())) < len(kv)
+        edges[int(layer)] = [int(heads[i]) for i in range(1, len(kv)) if kv[i] != kv[i - 1]] if shared else []
     return edges
 
 

@@ -1,0 +1,39 @@
+"""`headlab demo`: the report on the embedded SmolLM2-135M and the embedded corpus, written to runs/demo."""
+
+from __future__ import annotations
+
+import click
+
+from headlab.cli.options import model_options
+from headlab.cli.report import report_options
+from headlab.report import DEMO_MARKER, DEMO_OUT
+
+
+@click.command("demo")
+@model_options
+@report_options
+@click.option(
+    "--out",
+    type=click.Path(),
+    default=str(DEMO_OUT),
+    show_default=True,
+    help="report directory; a previous demo's output there is replaced, anything else needs --overwrite",
+)
+@click.option("--overwrite", is_flag=True, help="replace an existing directory that is not a previous demo")
+def command(load, data, text_column, quick, fmt, out, overwrite):
+    """Run every analysis on the embedded model (about 5 minutes on 2 CPU cores; --quick about 1) and write
+    runs/demo/report.md and report.html."""
+    from pathlib import Path
+
+    from headlab.data import load_corpus
+    from headlab.report import check_report_out, run_report
+
+    out = Path(out)
+    check_report_out(out, overwrite, demo=True)
+    load_corpus(data, text_column)
+    report = run_report(
+        load(), out, data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt, command=DEMO_MARKER
+    )
+    for line in report.summary:
+        click.echo(f"- {line}")
+    click.echo(f"wrote {out}/report.md and {out}/report.html ({len(report.figures)} figures)")

@@ -1,0 +1,218 @@
+"""`headlab report` / `headlab demo` end to end on a saved tiny checkpoint and a small text file, and the pieces the
+report is built from: the attention gallery (against eager attention), the KV grouping and the trade summaries."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pandas as pd
+import pytest
+import torch
+from conftest import tiny_model
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
+
+from headlab import report
+from headlab.errors import HeadlabError
+from headlab.loading import from_model
+
+SECTIONS = [
+    "Summary",
+    "Model",
+    "Per-head attention statistics",
+    "Head importance",
+    "Attention patterns",
+    "Pruning sweep",
+    "KV heads: GQA conversion",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One quick report of a tiny Llama (4 query heads, 2 KV heads) on a small text file."""
+    from headlab.cli import main
+
+    root = tmp_path_factory.mktemp("report")
+    checkpoint = save_tiny("llama", root / "ckpt")
+    corpus = root / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    out = root / "report"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["report", "--model", str(checkpoint), "--data", str(corpus), "--quick", "--out", str(out)])
+    assert exit_info.value.code == 0
+    return {"root": root, "checkpoint": checkpoint, "corpus": corpus, "out": out}
+
+
+def test_report_holds_every_section_figure_and_command(tiny_run):
+    out = tiny_run["out"]
+    meta = json.loads((out / "meta.json").read_text())
+    markdown = (out / "report.md").read_text()
+    assert [line[3:] for line in markdown.splitlines() if line.startswith("## ")] == SECTIONS
+    figures = sorted(p.stem for p in (out / "figures").glob("*.png"))
+    assert figures == meta["figures"]
+    assert {"heatmap_entropy", "heatmap_importance", "importance_vs_entropy", "importance_vs_sink_first"} <= set(
+        figures
+    )
+    assert {"sweep", "gqa_sweep", "attention_gallery", "gqa_grouping"} <= set(figures)
+    for name in figures:  # every figure is in the markdown ...
+        assert f"(figures/{name}.png)" in markdown
+    # ... and embedded in the HTML, which refers to no other file.
+    page = (out / "report.html").read_text()
+    assert page.count("src='data:image/png;base64,") == len(figures)
+    assert "figures/" not in page and "<link" not in page and "<script" not in page
+    for section in SECTIONS:
+        assert f"<h2>{section}</h2>" in page
+    commands = re.findall(r"```bash\n(.*?)\n```", markdown, re.S)
+    assert len(commands) == 6 and all(c.startswith("headlab ") for block in commands for c in block.splitlines())
+    assert meta["command_line"].startswith("headlab report --model") and "--quick" in meta["command_line"]
+    for step in ("stats", "importance", "sweep", "gqa_sweep", "gqa_groups", "attention"):
+        assert (out / step / "meta.json").is_file()
+
+
+def test_summary_numbers_come_from_the_tables(tiny_run):
+    out = tiny_run["out"]
+    meta = json.loads((out / "meta.json").read_text())
+    sweep = pd.read_csv(out / "sweep" / "sweep.csv")
+    gqa = pd.read_csv(out / "gqa_sweep" / "sweep.csv")
+    assert meta["summary"] == report.pruning_trades(sweep) + report.gqa_trades(gqa)
+    base = sweep.loc[sweep["pruned_heads"] == 0, "perplexity"].mean()
+    assert f"against {base:.2f} unpruned" in meta["summary"][0]
+    markdown = (out / "report.md").read_text()
+    assert all(line in markdown for line in meta["summary"])
+
+
+def test_reproduce_command_gives_the_same_table(tiny_run, tmp_path, capsys):
+    """The stats command printed in the report, run on its own, writes the report's statistics."""
+    out = tiny_run["out"]
+    args = shlex.split(json.loads((out / "meta.json").read_text())["commands"]["stats"])[1:]
+    args[args.index("--out") + 1] = str(tmp_path / "stats")
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    again = pd.read_csv(tmp_path / "stats" / "stats_wide.csv")
+    pd.testing.assert_frame_equal(again, pd.read_csv(out / "stats" / "stats_wide.csv"))
+
+
+def test_plot_redraws_the_report(tiny_run, tmp_path, capsys):
+    out = tiny_run["out"]
+    code, _, err = run_cli(["plot", out, "--out", tmp_path / "figures"], capsys)
+    assert code == 0, err
+    assert (
+        sorted(p.stem for p in (tmp_path / "figures").glob("*.png"))
+        == json.loads((out / "meta.json").read_text())["figures"]
+    )
+
+
+def test_report_bad_input_fails_before_work(tiny_run, tmp_path, capsys):
+    args = ["report", "--model", tiny_run["checkpoint"], "--quick"]
+    code, _, err = run_cli([*args, "--data", tmp_path / "missing.txt", "--out", tmp_path / "r"], capsys)
+    assert code == 2 and "no such corpus" in err and not (tmp_path / "r").exists()
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--out" in err
+    code, _, err = run_cli([*args, "--data", tiny_run["corpus"], "--out", tiny_run["out"]], capsys)
+    assert code == 2 and "--overwrite" in err
+
+
+def test_demo_replaces_only_its_own_output(tiny_run, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    user = tmp_path / "runs" / "demo"
+    user.mkdir(parents=True)
+    (user / "notes.txt").write_text("mine")
+    args = ["demo", "--model", tiny_run["checkpoint"], "--data", tiny_run["corpus"], "--quick"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--overwrite" in err and (user / "notes.txt").read_text() == "mine"
+    # A previous demo's directory (its meta.json says so) is replaced without --overwrite.
+    (user / "notes.txt").unlink()
+    (user / "meta.json").write_text(json.dumps({"command": report.DEMO_MARKER}))
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    meta = json.loads((user / "meta.json").read_text())
+    assert meta["command"] == "headlab demo" and meta["quick"] and (user / "report.html").is_file()
+    assert "wrote runs/demo/report.md" in out
+    report.check_report_out(user, overwrite=False, demo=True)  # a demo may run again
+    with pytest.raises(HeadlabError, match="--overwrite"):
+        report.check_report_out(user, overwrite=False, demo=False)
+
+
+def test_attention_maps_equal_eager_attentions():
+    """The gallery's weights are the model's own eager attention probabilities for the selected heads."""
+    from tiny_text import tiny_tokenizer
+
+    model = tiny_model("llama", attn_implementation="eager")
+    loaded = from_model(model, tiny_tokenizer())
+    importance = pd.DataFrame(
+        {"layer": [0, 0, 0, 0, 1, 1, 1, 1], "head": [0, 1, 2, 3] * 2, "kv_head": [0, 0, 1, 1] * 2}
+    ).assign(importance=[0.9, 0.1, 0.5, 0.4, 0.3, 1.0, 0.2, 0.0])
+    importance["rank"] = importance["importance"].rank(ascending=False).astype(int)
+    maps = report.attention_maps(loaded, importance, "ab cd", heads=2)
+    chosen = maps.drop_duplicates(["layer", "head"])
+    assert list(zip(chosen["selection"], chosen["layer"], chosen["head"])) == [
+        ("most important", 1, 1),
+        ("most important", 0, 0),
+        ("least important", 1, 3),
+        ("least important", 0, 1),
+    ]
+    ids = [1] + [10 + ord(c) - 32 for c in "ab cd"]  # BOS then characters (tiny tokenizer)
+    assert maps.drop_duplicates("key").sort_values("key")["key_token"].tolist() == ["<s>", "a", "b", "_", "c", "d"]
+    with torch.no_grad():
+        attentions = model(torch.tensor([ids]), output_attentions=True).attentions  # L x [1, H, T, T]
+    for (layer, head), part in maps.groupby(["layer", "head"]):
+        expected = attentions[layer][0, head]
+        assert len(part) == 6 * 7 // 2  # causal: query i sees keys 0..i
+        assert (part["key"] <= part["query"]).all()
+        got = torch.tensor(part["weight"].to_numpy().copy(), dtype=torch.float32)
+        assert torch.allclose(got, expected[part["query"].to_numpy(), part["key"].to_numpy()], atol=1e-5)
+
+
+def test_grouping_table_follows_the_similarity():
+    """4 KV heads where 0~2 and 1~3 are alike: pooling to 2 groups them so, whatever their positions."""
+    loaded = from_model(tiny_model("llama", num_key_value_heads=4, num_attention_heads=8))
+    similarity = torch.eye(4).repeat(2, 1, 1) * 0 + 0.1  # [L, G, G]
+    similarity[:, 0, 2] = similarity[:, 2, 0] = similarity[:, 1, 3] = similarity[:, 3, 1] = 0.9
+    table = report.grouping_table(loaded, 2, {"similarity": similarity}, "similarity")
+    layer0 = table[table["layer"] == 0]
+    assert layer0["kv_head"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert layer0["new_kv_head"].tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert set(table["method"]) == {"exact"}
+    assert report.gqa_target(3) == 1 and report.gqa_target(8) == 4 and report.gqa_target(1) is None
+
+
+def test_trades_are_computed_from_hand_made_tables():
+    sweep = pd.DataFrame(
+        {
+            "order": ["importance"] * 3 + ["random"] * 3,
+            "fraction": [0.0, 0.3, 0.5] * 2,
+            "fraction_pruned": [0.0, 0.3, 0.5] * 2,
+            "pruned_heads": [0, 3, 5] * 2,
+            "perplexity": [10.0, 11.0, 12.5, 10.0, 13.0, 20.0],
+            "parameters": [100, 90, 80] * 2,
+        }
+    )
+    lines = report.pruning_trades(sweep)
+    assert lines[0] == (
+        "Pruning 30% of the attention heads costs importance order +10.0% (11.00); random order +30.0% (13.00) "
+        "perplexity against 10.00 unpruned."
+    )
+    assert "importance order +25.0%" in lines[1] and lines[2] == "At 50% the best order is importance."
+    gqa = pd.DataFrame(
+        {
+            "kv_heads": [9, 3, 1, 1],
+            "action": ["expand", "keep", "pool", "pool"],
+            "grouping": [None, None, "contiguous", "similarity"],
+            "pool": [None, None, "mean", "mean"],
+            "perplexity": [10.0, 10.0, 15.0, 14.0],
+            "kv_bytes_per_token": [3 * 3072, 3072, 1024, 1024],
+        }
+    )
+    lines = report.gqa_trades(gqa)
+    assert lines[0] == (
+        "3 -> 1 KV heads (similarity grouping, mean pooling, no uptraining) saves 66.7% of the KV cache "
+        "(3.00 KiB -> 1.00 KiB per token) for +40.0% perplexity (10.00 -> 14.00)."
+    )
+    assert "multiplies the KV cache by 3.0" in lines[1]
+
+
+def test_fit_settings_respects_the_models_positions():
+    fitted = report.fit_settings(report.PRESETS["full"], 64)
+    assert fitted.seq_len == 64 and 2 * fitted.induction_len + 1 <= 64
+    assert report.fit_settings(report.PRESETS["full"], None) == report.PRESETS["full"]
