@@ -10,17 +10,14 @@ import io
 import math
 from pathlib import Path
 
-import matplotlib
+import matplotlib.ticker
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")  # figures are written to files; never open a window
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-
-from headlab.errors import HeadlabError  # noqa: E402
+from headlab.errors import HeadlabError
 
 FORMATS = ("png", "svg", "pdf")
 DPI = 120
@@ -51,12 +48,18 @@ def _theme(font_scale: float = 1.0) -> None:
     sns.set_theme(style="white", context="notebook", font_scale=font_scale)
 
 
+def _subplots(*args, figsize, **kwargs):
+    """A Figure outside pyplot (no backend, no global figure list to leak into; notebooks still display it)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.subplots(*args, **kwargs)
+
+
 def label_of(column: str) -> str:
     return LABELS.get(column, column.replace("_", " "))
 
 
 def save_figure(fig, path, fmt: str | None = None) -> Path:
-    """Write `fig` to `path` (format from `fmt` or the suffix: png, svg or pdf) and close it."""
+    """Write `fig` to `path` (format from `fmt` or the suffix: png, svg or pdf)."""
     path = Path(path)
     fmt = (fmt or path.suffix.lstrip(".") or "png").lower()
     if fmt not in FORMATS:
@@ -64,15 +67,13 @@ def save_figure(fig, path, fmt: str | None = None) -> Path:
     path = path.with_suffix(f".{fmt}")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
     return path
 
 
 def figure_bytes(fig, fmt: str = "png") -> bytes:
-    """The figure encoded as `fmt` (for run directories written atomically and for HTML embedding); closes it."""
+    """The figure encoded as `fmt` (for run directories written atomically and for HTML embedding)."""
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt, dpi=DPI, bbox_inches="tight")
-    plt.close(fig)
     return buffer.getvalue()
 
 
@@ -146,7 +147,7 @@ def plot_head_heatmap(table: pd.DataFrame, value: str, *, title: str | None = No
     layout = grid_layout(layers, heads)
     _theme()
     values = grid.to_numpy(dtype=float)
-    fig, ax = plt.subplots(figsize=layout["figsize"])
+    fig, ax = _subplots(figsize=layout["figsize"])
     annotate = layout["annotate"]
     sns.heatmap(
         grid,
@@ -187,7 +188,7 @@ def plot_head_heatmap(table: pd.DataFrame, value: str, *, title: str | None = No
 HEATMAP_SKIP = ("is_positional",)  # a 0/1 flag, already shown by positional_prev / positional_next
 
 
-def plot_statistic_heatmaps(wide: pd.DataFrame, model: str = "") -> dict[str, plt.Figure]:
+def plot_statistic_heatmaps(wide: pd.DataFrame, model: str = "") -> dict[str, Figure]:
     """One heatmap per statistic column of a wide statistics table (stats_wide); all-NaN columns are skipped."""
     from headlab.stats import STATISTICS
 
@@ -221,7 +222,7 @@ def plot_importance_scatter(importance: pd.DataFrame, wide: pd.DataFrame, statis
     if data.empty:
         raise HeadlabError(f"no heads with both importance and {statistic}")
     _theme()
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = _subplots(figsize=(7, 5))
     size = max(8.0, min(60.0, 4000.0 / len(data)))
     points = ax.scatter(
         data[statistic], data["importance"], c=data["layer"], cmap="viridis", s=size, alpha=0.8, edgecolors="none"
@@ -247,7 +248,7 @@ def plot_sweep(table: pd.DataFrame, title: str | None = None):
     """Perplexity against the fraction of heads pruned, one line per order (random: mean with a +-1 sd band);
     Michel et al. 2019, Fig. 3. Log y when perplexities span more than 20x."""
     _theme()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _subplots(figsize=(7, 4.5))
     sns.lineplot(
         data=table,
         x="fraction_pruned",
@@ -284,7 +285,7 @@ def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
     data["grouping"] = data["grouping"].fillna(data["action"])
     data["pool"] = data["pool"].fillna("-")
     _theme()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _subplots(figsize=(7, 4.5))
     sns.scatterplot(data=data, x="KiB per token", y="perplexity", hue="grouping", style="pool", s=90, ax=ax)
     if data["perplexity"].max() / max(data["perplexity"].min(), 1e-9) > 10:
         ax.set_yscale("log")
@@ -323,7 +324,7 @@ def plot_attention_gallery(maps: pd.DataFrame, title: str = ""):
     panel = min(4.2, max(2.6, 0.2 * T + 0.8))
     tick = max(5.0, min(9.0, 110.0 / max(T, 1)))
     _theme()
-    fig, axes = plt.subplots(
+    fig, axes = _subplots(
         len(selections), columns, figsize=(panel * columns + 1.2, panel * len(selections) + 0.9), squeeze=False
     )
     image = None
@@ -394,7 +395,7 @@ def plot_grouping(groups: pd.DataFrame, *, query_heads: int | None = None, title
     layout = grid_layout(layers, heads)
     w, h = layout["figsize"]
     _theme()
-    fig, axes = plt.subplots(1, 2, figsize=(2 * (w - 1.2), h + 0.3), sharey=True)
+    fig, axes = _subplots(1, 2, figsize=(2 * (w - 1.2), h + 0.3), sharey=True)
     for ax, grid, name in (
         (axes[0], before, f"before: {_kv_count(groups['kv_head'])}"),
         (axes[1], after, after_label or f"after: {_kv_count(groups['new_kv_head'])}"),
@@ -456,7 +457,7 @@ def _model_name(run_dir: Path) -> str:
     return ""
 
 
-def run_figures(run_dir) -> dict[str, plt.Figure]:
+def run_figures(run_dir) -> dict[str, Figure]:
     """Every figure the saved tables of `run_dir` (or its subdirectories) allow, by file name stem."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
@@ -464,7 +465,7 @@ def run_figures(run_dir) -> dict[str, plt.Figure]:
     model = _model_name(run_dir)
     wide = _read(_find(run_dir, "stats_wide.csv"))
     importance = _read(_find(run_dir, "importance.csv"))
-    figures: dict[str, plt.Figure] = {}
+    figures: dict[str, Figure] = {}
     if wide is not None:
         figures.update(plot_statistic_heatmaps(wide, model))
     if importance is not None:

@@ -13,14 +13,6 @@ from headlab import plots
 from headlab.errors import HeadlabError
 
 
-@pytest.fixture(autouse=True)
-def close_figures():
-    yield
-    import matplotlib.pyplot as plt
-
-    plt.close("all")
-
-
 def wide_table(layers: int, heads: int, kv_heads: int, seed: int = 0) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     r = heads // kv_heads
