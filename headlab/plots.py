@@ -263,13 +263,14 @@ def plot_sweep(table: pd.DataFrame, title: str | None = None):
     baseline = table.loc[table["pruned_heads"] == 0, "perplexity"]
     if len(baseline):
         ax.axhline(float(baseline.iloc[0]), color="grey", linewidth=0.8, linestyle=":", label="unpruned")
-    if table["perplexity"].max() / max(table["perplexity"].min(), 1e-9) > 20:
+    log = table["perplexity"].max() / max(table["perplexity"].min(), 1e-9) > 20
+    if log:
         ax.set_yscale("log")
     else:
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
     ax.set_xlabel("attention heads pruned")
-    ax.set_ylabel("perplexity (eval split)")
+    ax.set_ylabel("perplexity (eval split" + (", log scale)" if log else ")"))
     ax.set_title(title or "Perplexity as heads are pruned")
     ax.grid(True, alpha=0.3)
     ax.legend(title="pruning order", frameon=True)
@@ -324,9 +325,8 @@ def plot_attention_gallery(maps: pd.DataFrame, title: str = ""):
     panel = min(4.2, max(2.6, 0.2 * T + 0.8))
     tick = max(5.0, min(9.0, 110.0 / max(T, 1)))
     _theme()
-    fig, axes = _subplots(
-        len(selections), columns, figsize=(panel * columns + 1.2, panel * len(selections) + 0.9), squeeze=False
-    )
+    fig = Figure(figsize=(panel * columns + 1.4, panel * len(selections) + 1.0), layout="constrained")
+    axes = fig.subplots(len(selections), columns, squeeze=False)
     image = None
     for r, selection in enumerate(selections):
         chosen = heads[heads["selection"] == selection]
@@ -341,7 +341,8 @@ def plot_attention_gallery(maps: pd.DataFrame, title: str = ""):
             grid[part["query"].to_numpy(), part["key"].to_numpy()] = part["weight"].to_numpy()
             image = ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=0, vmax=1, aspect="equal")
             ax.set_xticks(range(T), tokens, rotation=90, fontsize=tick)
-            ax.set_yticks(range(T), tokens, fontsize=tick)
+            # Every panel has the same tokens: label the rows once, on the left, so labels never overlap a panel.
+            ax.set_yticks(range(T), tokens if c == 0 else [], fontsize=tick)
             ax.set_title(
                 f"{selection}: layer {int(head['layer'])}, head {int(head['head'])}\n"
                 f"importance {float(head['importance']):.2f}",
@@ -393,9 +394,10 @@ def plot_grouping(groups: pd.DataFrame, *, query_heads: int | None = None, title
     after = groups.pivot(index="layer", columns="head", values="new_kv_head").sort_index()
     layers, heads = before.shape
     layout = grid_layout(layers, heads)
-    w, h = layout["figsize"]
+    # Narrower cells than a statistics heatmap: two panels side by side, numbers of one digit or two.
+    panel = min(heads * 0.5, 7.0) + 1.8
     _theme()
-    fig, axes = _subplots(1, 2, figsize=(2 * (w - 1.2), h + 0.3), sharey=True)
+    fig, axes = _subplots(1, 2, figsize=(2 * panel, layout["figsize"][1] + 0.3), sharey=True)
     for ax, grid, name in (
         (axes[0], before, f"before: {_kv_count(groups['kv_head'])}"),
         (axes[1], after, after_label or f"after: {_kv_count(groups['new_kv_head'])}"),
@@ -509,3 +511,35 @@ def plot_run(run_dir, out=None, fmt: str = "png") -> list[Path]:
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "figures"
     return [save_figure(fig, out / f"{name}.{fmt}", fmt) for name, fig in run_figures(run_dir).items()]
+
+
+# ---- studies over several models -------------------------------------------------------------------------------
+
+
+def plot_study(table: pd.DataFrame, x: str, xlabel: str, style: str | None = None, title: str = ""):
+    """Perplexity relative to each model's own baseline against `x`, one colour per model (scripts/*_study.py):
+    models of different sizes compare on one scale. Log y when the ratios span more than 20x."""
+    _theme()
+    fig, ax = _subplots(figsize=(7.5, 4.8))
+    sns.lineplot(
+        data=table,
+        x=x,
+        y="relative_perplexity",
+        hue="model",
+        style=style,
+        markers=True,
+        dashes=False,
+        errorbar="sd",
+        ax=ax,
+    )
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+    log = table["relative_perplexity"].max() / max(table["relative_perplexity"].min(), 1e-9) > 20
+    if log:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("perplexity / the model's own" + (" (log scale)" if log else ""))
+    ax.set_title(title or "Perplexity relative to the unchanged model")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    return fig

@@ -167,7 +167,9 @@ def grouping_table(loaded: LoadedModel, target: int, similarity: dict | None, gr
 
 
 def _pct(new: float, old: float) -> str:
-    return f"{(new / old - 1) * 100:+.1f}%"
+    """Relative change: '+12.3%' below a doubling, '10.8x' from there on (a +97,000% reads worse than 971x)."""
+    ratio = new / old
+    return f"{(ratio - 1) * 100:+.1f}%" if ratio < 2 else f"{ratio:,.1f}x"
 
 
 def pruning_trades(sweep: pd.DataFrame, at: float = 0.3) -> list[str]:
