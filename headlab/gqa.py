@@ -28,6 +28,8 @@ from headlab.loading import LoadedModel
 from headlab.tables import check_out, versions, write_run
 
 POOLS = ("mean", "first", "random")
+# mean: pool by POOLS (Ainslie et al. 2023); svd: calibrated, training-free merge (headlab.merge)
+METHODS = ("mean", "svd")
 GROUPINGS = ("contiguous", "similarity")
 # Enumerate every equal-size partition up to this many (9 heads in 3s: 280; 12 in 3s: 15,400; 12 in 4s: 5,775).
 EXACT_SEARCH_LIMIT = 100_000
@@ -338,6 +340,8 @@ class Conversion:
     groups: list[list[list[int]]] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)  # per layer: contiguous, trivial, exact or greedy
     permuted_layers: int = 0
+    method: str = "mean"  # mean (pooled by `pool`) or svd (headlab.merge)
+    merge: dict | None = None  # what the svd merge did (keys/values: svd or mean, calibration tokens)
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -378,12 +382,19 @@ def convert(
     similarity: dict | None = None,
     groups: list[list[list[int]]] | None = None,
     seed: int = 0,
+    method: str = "mean",
+    batches=None,
+    progress: bool = False,
 ) -> Conversion:
     """Change every softmax-attention layer to `kv_heads` KV heads in place (pool, expand, or keep) and write the
     count into the config (num_key_value_heads), so save_pretrained gives a vanilla-loadable checkpoint.
 
     Pooling with grouping="similarity" needs `similarity` (kv_similarity) or explicit per-layer `groups`.
+    method="svd" merges each group with headlab.merge, calibrated on `batches` (calibration windows), instead of
+    pooling by `pool`.
     """
+    if method not in METHODS:
+        raise HeadlabError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     action = check_kv_heads(H, G, kv_heads)
@@ -401,7 +412,11 @@ def convert(
         groups, methods = plan_groups(loaded, kv_heads, grouping, similarity)
     else:
         methods = ["given"] * len(layers)
-    conversion = Conversion(G, kv_heads, "pool", pool, grouping, seed, [canonical(g) for g in groups], methods)
+    conversion = Conversion(
+        G, kv_heads, "pool", pool, grouping, seed, [canonical(g) for g in groups], methods, method=method
+    )
+    if method == "svd" and batches is None:
+        raise ValueError("method='svd' needs calibration batches")
     for layer in layers:
         layer_groups = conversion.groups[layer.index]
         if sorted(i for g in layer_groups for i in g) != list(range(G)) or {len(g) for g in layer_groups} != {
@@ -415,7 +430,15 @@ def convert(
         if order != list(range(G)):
             weights = permute_weights(weights, order)
             conversion.permuted_layers += 1
-        loaded.adapter.write(layer, pool_weights(weights, kv_heads, pool, seed=seed + layer.index))
+            if method == "svd":  # groups made contiguous; the merge below works on contiguous groups
+                loaded.adapter.write(layer, weights)
+        if method == "mean":
+            loaded.adapter.write(layer, pool_weights(weights, kv_heads, pool, seed=seed + layer.index))
+    if method == "svd":
+        from headlab.merge import merge_kv_heads
+
+        conversion.pool = None
+        conversion.merge = merge_kv_heads(loaded, kv_heads, batches, progress=progress)
     loaded.adapter.set_config_heads(loaded.model.config, H, kv_heads, D)
     return conversion
 
@@ -483,6 +506,7 @@ def convert_checkpoint(
     overwrite: bool = False,
     progress: bool = True,
     direction: str = "pool",
+    method: str = "mean",
 ) -> dict:
     """`headlab convert-gqa` / `expand-kv`: perplexity and KV bytes before, convert in place, perplexity and KV
     bytes after, save to `out` verified by a vanilla reload. Bad input fails before any work; the source files are
@@ -496,9 +520,12 @@ def convert_checkpoint(
         raise HeadlabError(f"--kv-heads {kv_heads} is more than the model's {G} KV heads; use `headlab expand-kv`")
     if direction == "expand" and action == "pool":
         raise HeadlabError(f"--kv-heads {kv_heads} is fewer than the model's {G} KV heads; use `headlab convert-gqa`")
-    if pool not in POOLS or grouping not in GROUPINGS:
-        raise HeadlabError(f"--pool must be one of {POOLS} and --grouping one of {GROUPINGS}")
-    if not isinstance(corpus, Corpus) and (evaluate or (action == "pool" and grouping == "similarity")):
+    if pool not in POOLS or grouping not in GROUPINGS or method not in METHODS:
+        raise HeadlabError(
+            f"--pool must be one of {POOLS}, --grouping one of {GROUPINGS} and --method one of {METHODS}"
+        )
+    calibrate = action == "pool" and (grouping == "similarity" or method == "svd")
+    if not isinstance(corpus, Corpus) and (evaluate or calibrate):
         corpus = load_corpus(corpus, text_column)
     eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
     record = {"model": loaded.spec, "source": loaded.source, "kv_heads_before": G, "kv_heads_after": kv_heads}
@@ -510,7 +537,29 @@ def convert_checkpoint(
     if action == "pool" and grouping == "similarity":
         calib = dict(part="calibration", seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens)
         similarity, record["calibration"] = _similarity_for(loaded, corpus, calib, progress)
-    conversion = convert(loaded, kv_heads, pool=pool, grouping=grouping, similarity=similarity, seed=seed)
+    batches = None
+    if action == "pool" and method == "svd":
+        batches = calibration_batches(
+            loaded.tokenizer,
+            corpus,
+            part="calibration",
+            seq_len=seq_len,
+            batch_size=batch_size,
+            max_tokens=calib_tokens,
+            max_positions=loaded.max_positions,
+        )
+        record["merge_calibration"] = batches.meta
+    conversion = convert(
+        loaded,
+        kv_heads,
+        pool=pool,
+        grouping=grouping,
+        similarity=similarity,
+        seed=seed,
+        method=method,
+        batches=batches,
+        progress=progress,
+    )
     record["conversion"] = conversion.to_dict()
     record["kv_bytes_per_token_after"] = kv_bytes_per_token(loaded)
     record["measured_kv_bytes_per_token_after"] = measured_kv_bytes_per_token(loaded)
@@ -529,6 +578,7 @@ def gqa_sweep(
     *,
     groupings: tuple[str, ...] = GROUPINGS,
     pools: tuple[str, ...] = POOLS,
+    methods: tuple[str, ...] = ("mean",),
     corpus: Corpus | str | None = None,
     text_column: str | None = None,
     part: str = "eval",
@@ -543,14 +593,16 @@ def gqa_sweep(
     models get one row each). Default targets: every reachable count, from H (MHA) down to 1 (MQA).
 
     Conversions whose per-layer groups and pool equal an earlier row's give the same weights and reuse its numbers
-    (column same_as). The model is restored to its original weights after each row.
+    (column same_as). The model is restored to its original weights after each row. methods: "mean" pools by each
+    of `pools`; "svd" adds one calibrated merge (headlab.merge) per grouping (pool column "svd").
     """
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     if kv_heads is None:
         kv_heads = [g for g in range(H, 0, -1) if (G % g == 0) or (H % g == 0 and g % G == 0)]
     actions = {g: check_kv_heads(H, G, g) for g in kv_heads}  # validate every target before any work
-    for name, values, allowed in (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS)):
+    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, METHODS))
+    for name, values, allowed in checks:
         unknown = [v for v in values if v not in allowed]
         if unknown or not values:
             raise HeadlabError(f"{name}: unknown {unknown or 'empty list'}; use some of {', '.join(allowed)}")
@@ -563,11 +615,24 @@ def gqa_sweep(
     if "similarity" in groupings and any(a == "pool" for a in actions.values()):
         calib = dict(part="calibration", seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens)
         similarity, meta["calibration"] = _similarity_for(loaded, corpus, calib, progress)
+    batches = None
+    if "svd" in methods and any(a == "pool" for a in actions.values()):
+        batches = calibration_batches(
+            loaded.tokenizer,
+            corpus,
+            part="calibration",
+            seq_len=seq_len,
+            batch_size=batch_size,
+            max_tokens=calib_tokens,
+            max_positions=loaded.max_positions,
+        )
+        meta["merge_calibration"] = batches.meta
 
     jobs = []
     for g in kv_heads:
         if actions[g] == "pool":
-            jobs += [(g, grouping, pool) for grouping in groupings for pool in pools]
+            pooled = [p for p in pools if "mean" in methods] + (["svd"] if "svd" in methods else [])
+            jobs += [(g, grouping, pool) for grouping in groupings for pool in pooled]
         else:
             jobs.append((g, None, None))
     rows, seen = [], {}
@@ -583,7 +648,14 @@ def gqa_sweep(
             rows.append(row)
             continue
         conversion = convert(
-            loaded, g, pool=pool or "mean", grouping=grouping or "contiguous", groups=groups, seed=seed
+            loaded,
+            g,
+            pool="mean" if pool in (None, "svd") else pool,
+            grouping=grouping or "contiguous",
+            groups=groups,
+            seed=seed,
+            method="svd" if pool == "svd" else "mean",
+            batches=batches,
         )
         result = _perplexity(loaded, corpus, eval_args, progress=False)
         row = {

@@ -9,7 +9,7 @@ import click
 
 from headlab.checkpoint import check_checkpoint_out
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.gqa import GROUPINGS, POOLS, convert_checkpoint
+from headlab.gqa import GROUPINGS, METHODS, POOLS, convert_checkpoint
 from headlab.report_text import human_bytes
 
 
@@ -30,7 +30,11 @@ def print_summary(record: dict) -> None:
     conversion = record["conversion"]
     if conversion["action"] == "pool":
         methods = sorted(set(conversion["methods"]))
-        rows.append(("pool / grouping", f"{conversion['pool']} / {conversion['grouping']} ({', '.join(methods)})"))
+        how = conversion["pool"]
+        if conversion.get("method") == "svd":
+            merge = conversion["merge"]
+            how = f"svd merge (keys {merge['keys']}, values {merge['values']}, {merge['calibration_tokens']:,} calib tokens)"
+        rows.append(("pool / grouping", f"{how} / {conversion['grouping']} ({', '.join(methods)})"))
         rows.append(("layers permuted", str(conversion["permuted_layers"])))
         rows.append(("groups, layer 0", str(conversion["groups"][0])))
     check = record["verification"]
@@ -45,6 +49,14 @@ def print_summary(record: dict) -> None:
 @model_options
 @click.option("--kv-heads", type=int, required=True, help="KV heads after conversion; must divide the current count")
 @click.option(
+    "--method",
+    type=click.Choice(METHODS),
+    default="mean",
+    show_default=True,
+    help="mean: pool each group by --pool (Ainslie et al.); svd: calibrated training-free merge (weighted SVD of "
+    "values, complex rank-1 keys per rotary frequency, folded into the query and output projections)",
+)
+@click.option(
     "--pool", type=click.Choice(POOLS), default="mean", show_default=True, help="how a group becomes one head"
 )
 @click.option(
@@ -55,16 +67,21 @@ def print_summary(record: dict) -> None:
     help="contiguous: transformers' layout; similarity: group KV heads that behave alike on calibration text",
 )
 @click.option(
-    "--calib-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="tokens for similarity"
+    "--calib-tokens",
+    type=click.IntRange(min=1),
+    default=2048,
+    show_default=True,
+    help="calibration tokens for similarity grouping and the svd merge",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
-@out_option()
+@out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-gqa]")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
 def command(
     load,
     kv_heads,
+    method,
     pool,
     grouping,
     calib_tokens,
@@ -81,12 +98,16 @@ def command(
     as_json,
 ):
     """Pool groups of KV heads into one (MHA -> GQA, GQA -> fewer groups or MQA) and save a checkpoint."""
+    from pathlib import Path
+
+    out = Path(out) if out is not None else Path("headlab-gqa")
     check_checkpoint_out(out, overwrite)
     record = convert_checkpoint(
         load(),
         kv_heads,
         out,
         pool=pool,
+        method=method,
         grouping=grouping,
         corpus=data,
         text_column=text_column,

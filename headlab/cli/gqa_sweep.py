@@ -7,7 +7,7 @@ import click
 
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.errors import HeadlabError
-from headlab.gqa import GROUPINGS, POOLS, run_sweep
+from headlab.gqa import GROUPINGS, METHODS, POOLS, run_sweep
 from headlab.report_text import human_bytes
 
 
@@ -31,6 +31,12 @@ def _list(text: str | None, cast=str):
 @click.option("--grouping", default=",".join(GROUPINGS), show_default=True, help="comma list of groupings")
 @click.option("--pool", default=",".join(POOLS), show_default=True, help="comma list of pooling rules")
 @click.option(
+    "--method",
+    default="mean",
+    show_default=True,
+    help=f"comma list of {', '.join(METHODS)}: mean pools by each --pool; svd adds the calibrated merge",
+)
+@click.option(
     "--calib-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="tokens for similarity"
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
@@ -41,6 +47,7 @@ def command(
     kv_heads,
     grouping,
     pool,
+    method,
     calib_tokens,
     seed,
     data,
@@ -66,6 +73,7 @@ def command(
         kv_heads=_list(kv_heads, int),
         groupings=tuple(_list(grouping)),
         pools=tuple(_list(pool)),
+        methods=tuple(_list(method)),
         corpus=data,
         text_column=text_column,
         part=part,
