@@ -413,5 +413,7 @@ def test_embedded_model_physical_checkpoints(tmp_path):
         with head_gates(loaded, P.gates_from_pruned(loaded.layers, result.pruned)):
             reference = logits(loaded.model)
         reloaded = load_model(str(tmp_path / tag), device="cpu")
-        # 30 layers of float32 with other matrix shapes: kernel noise of ~1e-4 on logits of magnitude ~20
-        torch.testing.assert_close(logits(reloaded.model), reference, atol=1e-3, rtol=1e-4)
+        # 30 float32 layers through sdpa with other head counts: kernel noise ~1e-4 x the logit scale, where a
+        # mis-mapped head shifts logits by O(1).
+        diff = float((logits(reloaded.model) - reference).abs().max())
+        assert diff <= 1e-3 * max(1.0, float(reference.abs().max())), (tag, diff)
