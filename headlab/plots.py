@@ -40,6 +40,7 @@ LABELS = {
     "importance": "importance (normalised to [0, 1])",
     "importance_raw": "importance (raw)",
 }
+SHORT_NAMES = {"sink_first": "sink mass (first token)", "sink_first4": "sink mass (first 4 tokens)"}
 # Above this many cells a heatmap carries no numbers: they would be unreadable.
 ANNOTATE_MAX_CELLS = 400
 
@@ -233,7 +234,8 @@ def plot_importance_scatter(importance: pd.DataFrame, wide: pd.DataFrame, statis
     ax.set_ylabel(label_of("importance"))
     name = f"{model}: " if model else ""
     ax.set_title(
-        f"{name}importance against {statistic.replace('_', ' ')} (Spearman rho = {rho:.2f}, {len(data)} heads)"
+        f"{name}importance against {SHORT_NAMES.get(statistic, statistic.replace('_', ' '))} "
+        f"(Spearman rho = {rho:.2f}, {len(data)} heads)"
     )
     ax.title.set_fontsize(10)
     ax.grid(True, alpha=0.3)
