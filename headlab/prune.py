@@ -637,10 +637,17 @@ def prune(
     batch_size: int = 4,
     evaluate: bool = True,
     progress: bool = True,
+    compensate: str | None = None,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
-    a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work."""
+    a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
+
+    compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed heads' mean output
+    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning."""
     from headlab.checkpoint import check_checkpoint_out
+    from headlab.compensate import check_compensation
+
+    check_compensation(loaded, compensate)
 
     layers = loaded.layers
     if mode not in MODES:
@@ -704,6 +711,15 @@ def prune(
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
     before = costs(loaded)
     ppl_before = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
+    compensation = None
+    if compensate is not None:
+        from headlab.compensate import apply_compensation, compensation_batches, output_statistics
+
+        batches = compensation_batches(
+            loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
+        )
+        grams = output_statistics(loaded, batches, progress=progress)
+        compensation = apply_compensation(loaded, pruned, grams, compensate)
     layout = None
     if mode == "mask":
         with pruned_in_place(loaded, pruned, "physical") as physical:  # what a physical prune would cost
@@ -747,6 +763,15 @@ def prune(
         "physical_equivalent_layout": equivalent_heads,
         "perplexity_before": ppl_before,
         "perplexity_after": ppl_after,
+        "compensation": None
+        if compensation is None
+        else {
+            "method": compensate,
+            "calibration": batches.meta,
+            "error_before": float(compensation["error_before"].mean()),
+            "error_after": float(compensation["error_after"].mean()),
+            "layers": compensation.to_dict("records"),
+        },
         "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
     }
     verification = None

@@ -43,6 +43,15 @@ from headlab.report_text import human_bytes
     show_default=True,
     help="calibration tokens for on-the-fly importance",
 )
+@click.option(
+    "--compensate",
+    type=click.Choice(["ridge", "bias"]),
+    is_flag=False,
+    flag_value="ridge",
+    default=None,
+    help="refit the kept heads' output projection on calibration text (--compensate = ridge: least squares with a "
+    "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(
     load,
@@ -66,6 +75,7 @@ def command(
     mode,
     method,
     calibration_tokens,
+    compensate,
     as_json,
 ):
     """Prune the lowest-scoring heads (importance computed on the calibration split unless --scores/--heads),
@@ -103,6 +113,7 @@ def command(
         seq_len=seq_len,
         batch_size=batch_size,
         progress=not as_json,
+        compensate=compensate,
     )
     if as_json:
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))
@@ -111,6 +122,17 @@ def command(
     rows = [
         ("pruned heads", f"{result.num_pruned} of {result.meta['total_heads']} ({mode} mode)"),
         ("perplexity", f"{result.ppl_before:.4f} -> {result.ppl_after:.4f}"),
+    ]
+    compensation = result.meta.get("compensation")
+    if compensation:
+        rows.append(
+            (
+                f"compensation ({compensation['method']})",
+                f"block-output error on calibration {compensation['error_before']:.4f} -> "
+                f"{compensation['error_after']:.4f} (mean relative, per layer)",
+            )
+        )
+    rows += [
         ("parameters", f"{b['parameters']:,} -> {a['parameters']:,}"),
         ("query heads / KV heads", f"{b['query_heads']} / {b['kv_heads']} -> {a['query_heads']} / {a['kv_heads']}"),
         (
