@@ -251,14 +251,16 @@ def plot_sweep(table: pd.DataFrame, title: str | None = None):
     Michel et al. 2019, Fig. 3. Log y when perplexities span more than 20x."""
     _theme()
     fig, ax = _subplots(figsize=(7, 4.5))
+    # sweep --compensate: plain and compensated rows of one order are different lines (solid / dashed)
+    compensated = "compensation" in table and table["compensation"].nunique() > 1
     sns.lineplot(
         data=table,
         x="fraction_pruned",
         y="perplexity",
         hue="order",
-        style="order",
+        style="compensation" if compensated else "order",
         markers=True,
-        dashes=False,
+        dashes=compensated,
         errorbar="sd",
         ax=ax,
     )

@@ -6,6 +6,7 @@ Each pruned model is made in memory (prune.pruned_in_place) and restored afterwa
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,13 +84,19 @@ def sweep(
     batch_size: int = 4,
     method: str = "grad",
     progress: bool = True,
+    compensate: str | None = None,
 ) -> SweepResult:
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
     mode="physical" slices the heads out (measured tokens/s is that of the smaller model); where physical pruning
     is approximate (q/k norms spanning heads) the sweep falls back to mask mode, which is exact. Scores come from
-    the calibration split; importance by `method`.
+    the calibration split; importance by `method`. compensate ("ridge" or "bias", headlab.compensate) adds a second
+    row per pruned model with the output projection refitted on `calibration_tokens` calibration tokens (column
+    compensation; "none" for the plain rows).
     """
+    from headlab.compensate import check_compensation
+
+    check_compensation(loaded, compensate)
     from headlab.evaluate import perplexity
 
     fractions = sorted(set(float(f) for f in fractions))
@@ -116,11 +123,22 @@ def sweep(
 
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
     cache: dict[tuple, dict] = {}
+    grams = None
+    if compensate is not None:
+        from headlab.compensate import compensation_batches, output_statistics
 
-    def measure(pruned) -> dict:
-        key = tuple(tuple(sorted(p)) for p in pruned)
+        batches = compensation_batches(
+            loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
+        )
+        grams = output_statistics(loaded, batches, progress=progress)
+
+    def measure(pruned, compensation=None) -> dict:
+        key = (tuple(tuple(sorted(p)) for p in pruned), compensation)
         if key not in cache:
-            with pruned_in_place(loaded, pruned, mode):
+            from headlab.compensate import compensated
+
+            refit = compensated(loaded, pruned, grams, compensation) if compensation else contextlib.nullcontext()
+            with refit, pruned_in_place(loaded, pruned, mode):
                 result = perplexity(loaded, data, part="eval", progress=False, **eval_kwargs)
                 size = costs(loaded, context=seq_len)
             if mode == "mask":  # the model kept its shapes: report what the physical prune would cost
@@ -159,16 +177,18 @@ def sweep(
                 already=pruned if order == "iterative" else None,
             )
             n = sum(len(p) for p in pruned)
-            rows.append(
-                {
-                    "order": order,
-                    "seed": seed,
-                    "fraction": fraction,
-                    "pruned_heads": n,
-                    "fraction_pruned": n / total_heads,
-                    **measure(pruned),
-                }
-            )
+            for compensation in [None] + ([compensate] if compensate else []):
+                rows.append(
+                    {
+                        "order": order,
+                        "seed": seed,
+                        "fraction": fraction,
+                        "pruned_heads": n,
+                        "fraction_pruned": n / total_heads,
+                        "compensation": compensation or "none",
+                        **measure(pruned, compensation),
+                    }
+                )
             bar.update()
     bar.close()
     table = pd.DataFrame(rows)
@@ -181,6 +201,7 @@ def sweep(
         "orders": {o: ORDER_HELP[o] for o in orders},
         "seeds": seeds,
         "method": method,
+        "compensate": compensate,
         "calibration": {"data": data or "pydoc-topics", "split": "calibration", "max_tokens": calibration_tokens},
         "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
         "total_heads": total_heads,

@@ -155,3 +155,29 @@ def test_corpus_object_is_accepted():
         progress=False,
     )
     assert result.meta["compensation"]["calibration"]["tokens"] > 0
+
+
+def test_sweep_with_compensation_adds_compensated_rows(tmp_path):
+    from headlab.sweep import sweep, write_sweep
+
+    loaded = from_model(tiny_model("llama"), tiny_tokenizer())
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    result = sweep(
+        loaded,
+        fractions=(0.0, 0.25),
+        orders=("random",),
+        seeds=(0,),
+        data=str(corpus),
+        seq_len=32,
+        calibration_tokens=256,
+        eval_tokens=256,
+        compensate="ridge",
+        progress=False,
+    )
+    table = result.table
+    assert sorted(table["compensation"].unique()) == ["none", "ridge"]
+    unpruned = table[table["fraction"] == 0.0].set_index("compensation")["perplexity"]
+    assert unpruned["ridge"] == pytest.approx(unpruned["none"], rel=1e-6)  # nothing pruned: nothing refitted
+    write_sweep(result, tmp_path / "run")
+    assert (tmp_path / "run" / "sweep.png").exists()

@@ -41,6 +41,15 @@ from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS,
 )
 @click.option("--calibration-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--method", type=click.Choice(["grad", "taylor"]), default="grad", show_default=True)
+@click.option(
+    "--compensate",
+    type=click.Choice(["ridge", "bias"]),
+    is_flag=False,
+    flag_value="ridge",
+    default=None,
+    help="also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = "
+    "ridge)",
+)
 def command(
     load,
     data,
@@ -59,6 +68,7 @@ def command(
     mode,
     calibration_tokens,
     method,
+    compensate,
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
@@ -92,10 +102,11 @@ def command(
         seq_len=seq_len,
         batch_size=batch_size,
         method=method,
+        compensate=compensate,
     )
     write_sweep(result, out, overwrite=overwrite)
     summary = (
-        result.table.groupby(["order", "fraction"], sort=False)
+        result.table.groupby(["order", "compensation", "fraction"], sort=False)
         .agg(pruned=("pruned_heads", "mean"), perplexity=("perplexity", "mean"), tokens_per_s=("tokens_per_s", "mean"))
         .reset_index()
     )
