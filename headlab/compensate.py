@@ -116,10 +116,16 @@ def ridge_refit(gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kep
 
 
 def compensation_weights(
-    W: torch.Tensor, b: torch.Tensor | None, grams: torch.Tensor, kept: list[int], method: str = "ridge"
+    W: torch.Tensor,
+    b: torch.Tensor | None,
+    grams: torch.Tensor,
+    kept: list[int],
+    method: str = "ridge",
+    alpha: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """New (W [C, H*D], b [C]) for one layer with only columns `kept` live (the others are zeroed), and a record:
-    chosen alpha, and the relative reconstruction error on all calibration tokens before and after."""
+    chosen alpha, and the relative reconstruction error on all calibration tokens before and after. A given `alpha`
+    is used as is (no held-out selection; alpha=0 is plain least squares)."""
     W, b = W.double(), None if b is None else b.double()
     n = W.shape[1]
     pruned_cols = [i for i in range(n) if i not in set(kept)]
@@ -143,11 +149,13 @@ def compensation_weights(
         return W_new, b_new, record
     # alpha by held-out windows; "no compensation" (alpha = inf) competes too
     best_alpha, best = math.inf, _error(target[K0], grams[1], K0, target)
-    for alpha in ALPHAS:
-        theta, K, _ = ridge_refit(grams[0], W, b, kept, alpha)
+    for candidate in ALPHAS if alpha is None else ():
+        theta, K, _ = ridge_refit(grams[0], W, b, kept, candidate)
         error = _error(theta, grams[1], K, target)
         if error < best:
-            best_alpha, best = alpha, error
+            best_alpha, best = candidate, error
+    if alpha is not None:
+        best_alpha = alpha
     W_new = W.clone()
     W_new[:, pruned_cols] = 0
     b_new = b
@@ -163,7 +171,11 @@ def compensation_weights(
 
 @torch.no_grad()
 def apply_compensation(
-    loaded: LoadedModel, pruned: list[set[int]], grams: list[torch.Tensor], method: str = "ridge"
+    loaded: LoadedModel,
+    pruned: list[set[int]],
+    grams: list[torch.Tensor],
+    method: str = "ridge",
+    alpha: float | None = None,
 ) -> pd.DataFrame:
     """Rewrite each layer's output projection in place for the heads `pruned` (original indices) will remove; the
     pruned heads' columns are zeroed (pruning removes them anyway). One row per layer: layer, pruned_heads,
@@ -176,7 +188,7 @@ def apply_compensation(
         w = adapter.read(layer)
         C = w.o.shape[0]
         W = w.o.reshape(C, -1)
-        W_new, b_new, record = compensation_weights(W, w.o_bias, gram, kept, method)
+        W_new, b_new, record = compensation_weights(W, w.o_bias, gram, kept, method, alpha)
         if heads:
             w.o = W_new.to(w.o.dtype).reshape(w.o.shape)
             w.o_bias = None if b_new is None else b_new.to(w.o_bias.dtype)
