@@ -216,3 +216,18 @@ def test_embedded_svd_merge_beats_mean_pooling_and_reloads(tmp_path):
     gqa.convert(mean, 1)
     mean_ppl = perplexity(mean, max_tokens=256, seq_len=128, progress=False).perplexity
     assert after < mean_ppl / 10
+
+
+def test_cli_convert_gqa_svd(tmp_path, capsys):
+    from tiny_text import run_cli, save_tiny
+
+    save_tiny("qwen2", tmp_path / "src")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    args = ["convert-gqa", "--model", tmp_path / "src", "--kv-heads", "1", "--method", "svd", "--data", corpus]
+    args += ["--seq-len", "32", "--max-tokens", "128", "--calib-tokens", "128", "--out", tmp_path / "mqa"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "svd merge (keys svd, values svd" in out
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mqa")
+    assert model.config.num_key_value_heads == 1
