@@ -321,11 +321,29 @@ def check_report_out(out: Path, overwrite: bool, demo: bool = False) -> None:
     raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
 
 
+# What a report directory holds at its top level; a demo replaces a directory only if it holds nothing else.
+REPORT_ENTRIES = {
+    "meta.json",
+    "info.json",
+    "report.md",
+    "report.html",
+    "figures",
+    "stats",
+    "importance",
+    "attention",
+    "sweep",
+    "gqa_sweep",
+    "gqa_groups",
+}
+
+
 def is_demo_run(path: Path) -> bool:
-    meta = Path(path) / "meta.json"
+    """A directory written by `headlab demo` (its meta.json says so) holding nothing a user added at its top level."""
+    path = Path(path)
     try:
-        return json.loads(meta.read_text()).get("command") == DEMO_MARKER
-    except (OSError, ValueError):
+        marked = json.loads((path / "meta.json").read_text()).get("command") == DEMO_MARKER
+        return marked and {p.name for p in path.iterdir()} <= REPORT_ENTRIES
+    except (OSError, ValueError, AttributeError):
         return False
 
 

@@ -122,8 +122,10 @@ def test_demo_replaces_only_its_own_output(tiny_run, tmp_path, monkeypatch, caps
     code, _, err = run_cli(args, capsys)
     assert code == 2 and "--overwrite" in err and (user / "notes.txt").read_text() == "mine"
     # A previous demo's directory (its meta.json says so) is replaced without --overwrite.
-    (user / "notes.txt").unlink()
     (user / "meta.json").write_text(json.dumps({"command": report.DEMO_MARKER}))
+    code, _, err = run_cli(args, capsys)  # a demo's directory, but a user added a file: kept
+    assert code == 2 and "--overwrite" in err and (user / "notes.txt").read_text() == "mine"
+    (user / "notes.txt").unlink()
     code, out, err = run_cli(args, capsys)
     assert code == 0, err
     meta = json.loads((user / "meta.json").read_text())
@@ -161,7 +163,8 @@ def test_attention_maps_equal_eager_attentions():
         assert len(part) == 6 * 7 // 2  # causal: query i sees keys 0..i
         assert (part["key"] <= part["query"]).all()
         got = torch.tensor(part["weight"].to_numpy().copy(), dtype=torch.float32)
-        assert torch.allclose(got, expected[part["query"].to_numpy(), part["key"].to_numpy()], atol=1e-5)
+        queries, keys = torch.tensor(part["query"].tolist()), torch.tensor(part["key"].tolist())
+        assert torch.allclose(got, expected[queries, keys], atol=1e-5)
 
 
 def test_grouping_table_follows_the_similarity():
