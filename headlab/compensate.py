@@ -126,7 +126,7 @@ def compensation_weights(
     """New (W [C, H*D], b [C]) for one layer with only columns `kept` live (the others are zeroed), and a record:
     chosen alpha, and the relative reconstruction error on all calibration tokens before and after. A given `alpha`
     is used as is (no held-out selection; alpha=0 is plain least squares)."""
-    W, b = W.double(), None if b is None else b.double()
+    W, b = W.double().cpu(), None if b is None else b.double().cpu()
     n = W.shape[1]
     pruned_cols = [i for i in range(n) if i not in set(kept)]
     total = grams[0] + grams[1]

@@ -304,6 +304,10 @@ def merge_keys(weights: HeadWeights, kv_heads: int, stats: LayerStats, rotary_di
     )
 
 
+def _cpu(weights: HeadWeights) -> HeadWeights:
+    return replace(weights, **{f: None if t is None else t.cpu() for f, t in weights.tensors().items()})
+
+
 def _bias_col(bias: torch.Tensor | None, shape) -> torch.Tensor:
     if bias is None:
         return torch.zeros(*shape, 1, dtype=torch.float64)
@@ -359,7 +363,7 @@ def merge_kv_heads(
         stats = merge_statistics(loaded, kv_heads, batches, value_weighting=None, progress=progress)
         m = G // kv_heads
         for layer, layer_stats in zip(layers, stats):
-            weights = adapter.read(layer)
+            weights = _cpu(adapter.read(layer))
             merged = merge_keys(weights, kv_heads, layer_stats, adapter.rotary_dim(layer, config))
             # Still G KV heads, each member holding its group's merged key: the function of the merged-keys model
             # with the original values, ready for the value statistics.
@@ -371,7 +375,7 @@ def merge_kv_heads(
         loaded, kv_heads, batches, value_weighting=value_weighting, keys=keys == "svd", progress=progress
     )
     for layer, layer_stats in zip(layers, stats):
-        weights = adapter.read(layer)
+        weights = _cpu(adapter.read(layer))  # the algebra runs in float64 on the CPU; write puts it back in place
         rotary = adapter.rotary_dim(layer, config)
         merged = merge_weights(weights, kv_heads, layer_stats, rotary, keys=keys, values=plan["values"])
         adapter.write(layer, merged)

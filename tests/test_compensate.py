@@ -181,3 +181,33 @@ def test_sweep_with_compensation_adds_compensated_rows(tmp_path):
     assert unpruned["ridge"] == pytest.approx(unpruned["none"], rel=1e-6)  # nothing pruned: nothing refitted
     write_sweep(result, tmp_path / "run")
     assert (tmp_path / "run" / "sweep.png").exists()
+
+
+# ---- the embedded model ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_embedded_compensation_lowers_perplexity_and_reloads(tmp_path):
+    """One query head per KV group (90 heads) by importance: the compensated checkpoint reloads with vanilla
+    transformers to the perplexity prune printed, which is below the uncompensated one."""
+    import pandas as pd
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from headlab.evaluate import perplexity
+    from headlab.loading import load_model
+
+    loaded = load_model(None, device="cpu")
+    scores = P.importance_scores(loaded, seq_len=128, batch_size=4, max_tokens=512, progress=False)
+    table = pd.DataFrame(
+        [(i, h, float(s[h])) for i, s in enumerate(scores) for h in range(len(s))], columns=["layer", "head", "score"]
+    )
+    common = dict(scores=table, count=90, uniform=True, seq_len=128, eval_tokens=256, progress=False)
+    plain = P.prune(loaded, **common)
+    loaded = load_model(None, device="cpu")
+    result = P.prune(loaded, **common, mode="physical", compensate="ridge", calibration_tokens=1024, out=tmp_path / "p")
+    assert result.ppl_after < plain.ppl_after
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "p", dtype=torch.float32)
+    again = perplexity(
+        from_model(model, AutoTokenizer.from_pretrained(tmp_path / "p")), max_tokens=256, seq_len=128, progress=False
+    )
+    assert again.perplexity == pytest.approx(result.ppl_after, rel=1e-4)
