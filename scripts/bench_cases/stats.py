@@ -4,8 +4,10 @@ reduced to the same statistics; peak memory of a long sequence, each measurement
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -30,9 +32,16 @@ def eager_statistics(model, layers, input_ids, attention_mask):
     return collector.means()
 
 
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _peak_child(mode: str, tokens: int) -> None:
-    """Run one forward of `tokens` tokens (plain sdpa or with statistics) and print the peak RSS growth."""
-    import resource
+    """Run one forward of `tokens` tokens (plain sdpa or with statistics) and print the peak resident-set growth
+    over the resident set before it, sampled every millisecond (ru_maxrss cannot be used: loading the model peaks
+    higher than a forward)."""
+    import threading
 
     from headlab.capture import capture_attention
     from headlab.loading import load_model
@@ -43,7 +52,15 @@ def _peak_child(mode: str, tokens: int) -> None:
     mask = torch.ones_like(ids)
     with torch.no_grad():
         loaded.model(input_ids=ids[:, :16], attention_mask=mask[:, :16])  # warm the allocator and kernels
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before, peak, done = _rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     with torch.no_grad():
         if mode == "plain":
             loaded.model(input_ids=ids, attention_mask=mask)
@@ -51,8 +68,10 @@ def _peak_child(mode: str, tokens: int) -> None:
             collector = StatisticsCollector(loaded.layers)
             with capture_attention(loaded.model, loaded.layers, collector.on_chunk, collector.on_output):
                 loaded.model(input_ids=ids, attention_mask=mask)
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"baseline": before, "peak": after, "growth": after - before}))
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], _rss())
+    print(json.dumps({"baseline": before, "peak": peak[0], "growth": peak[0] - before}))
 
 
 def _peak(mode: str, tokens: int) -> dict:
@@ -100,6 +119,7 @@ def run(args) -> dict:
         finally:
             model.set_attn_implementation("sdpa")
 
+    memory = {mode: _peak(mode, LONG) for mode in ("plain", "stats")}
     plain_s, plain_all = median_time(plain, args.repeats)
     stats_s, stats_all = median_time(headlab_stats, args.repeats)
     eager_s, eager_all = median_time(eager, args.repeats)
@@ -108,7 +128,6 @@ def run(args) -> dict:
         for i in theirs["means"]
         for name in theirs["means"][i]
     )
-    memory = {mode: _peak(mode, LONG) for mode in ("plain", "stats")}
     return {
         "batch": BATCH,
         "seq_len": SEQ_LEN,
