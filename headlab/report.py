@@ -387,6 +387,12 @@ def run_report(
     G = layers[0].num_kv_heads
     can_gqa = loaded.adapter.supports_gqa and len({(la.num_heads, la.num_kv_heads) for la in layers}) == 1
     target = gqa_target(G) if can_gqa else None
+    # Similarity grouping differs from contiguous only when pooling to 1 < G' < G groups; otherwise its rows would
+    # repeat the contiguous ones, so the sweep skips them (and their similarity pass).
+    groupings = (
+        s.groupings if any(G % g == 0 for g in range(2, G)) else tuple(g for g in s.groupings if g != "similarity")
+    )
+    s = replace(s, groupings=groupings or ("contiguous",))
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
     report = Report(out)
@@ -431,8 +437,13 @@ def run_report(
         done("gallery")
 
         step("sweep")
+        from headlab.prune import read_scores
+
         result = sweep(
             loaded,
+            # The importance order starts from the scores just computed with the same settings (same numbers as
+            # `headlab sweep` recomputing them, without the second gradient pass).
+            scores={"importance": read_scores(importance.table, layers)},
             fractions=s.fractions,
             orders=s.orders,
             seeds=s.seeds,

@@ -85,6 +85,7 @@ def sweep(
     method: str = "grad",
     progress: bool = True,
     compensate: str | None = None,
+    scores: dict | None = None,
 ) -> SweepResult:
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
@@ -92,7 +93,8 @@ def sweep(
     is approximate (q/k norms spanning heads) the sweep falls back to mask mode, which is exact. Scores come from
     the calibration split; importance by `method`. compensate ("ridge" or "bias", headlab.compensate) adds a second
     row per pruned model with the output projection refitted on `calibration_tokens` calibration tokens (column
-    compensation; "none" for the plain rows).
+    compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
+    scores already computed with the same settings (e.g. the report's importance step), instead of computing them again.
     """
     from headlab.compensate import check_compensation
 
@@ -113,6 +115,8 @@ def sweep(
     importance_kwargs = dict(score_kwargs, text_column=text_column, method=method, max_tokens=calibration_tokens)
 
     def scores_for(order: str, seed: int):
+        if scores is not None and order in scores:
+            return [torch.as_tensor(s, dtype=torch.float64) for s in scores[order]]
         if order in ("importance", "iterative"):
             return importance_scores(loaded, **importance_kwargs)
         if order == "ablation":
