@@ -247,10 +247,12 @@ def plot_importance_scatter(importance: pd.DataFrame, wide: pd.DataFrame, statis
 
 
 def plot_sweep(table: pd.DataFrame, title: str | None = None):
-    """Perplexity against the fraction of heads pruned, one line per order (random: mean with a +-1 sd band);
-    Michel et al. 2019, Fig. 3. Log y when perplexities span more than 20x."""
+    """Perplexity against the fraction of heads pruned, one line per order (random: mean over seeds with a band);
+    Michel et al. 2019, Fig. 3. Log y when perplexities span more than 20x; the band is +-1 sd on a linear axis and
+    the min-max range over seeds on a log axis (mean - sd can fall below 0, which a log axis cannot show)."""
     _theme()
-    fig, ax = _subplots(figsize=(7, 4.5))
+    fig, ax = _subplots(figsize=(9, 4.5))
+    log = table["perplexity"].max() / max(table["perplexity"].min(), 1e-9) > 20
     # sweep --compensate: plain and compensated rows of one order are different lines (solid / dashed)
     compensated = "compensation" in table and table["compensation"].nunique() > 1
     sns.lineplot(
@@ -261,13 +263,12 @@ def plot_sweep(table: pd.DataFrame, title: str | None = None):
         style="compensation" if compensated else "order",
         markers=True,
         dashes=compensated,
-        errorbar="sd",
+        errorbar=("pi", 100) if log else "sd",
         ax=ax,
     )
     baseline = table.loc[table["pruned_heads"] == 0, "perplexity"]
     if len(baseline):
         ax.axhline(float(baseline.iloc[0]), color="grey", linewidth=0.8, linestyle=":", label="unpruned")
-    log = table["perplexity"].max() / max(table["perplexity"].min(), 1e-9) > 20
     if log:
         ax.set_yscale("log")
     else:
@@ -277,7 +278,10 @@ def plot_sweep(table: pd.DataFrame, title: str | None = None):
     ax.set_ylabel("perplexity (eval split" + (", log scale)" if log else ")"))
     ax.set_title(title or "Perplexity as heads are pruned")
     ax.grid(True, alpha=0.3)
-    ax.legend(title="pruning order", frameon=True)
+    seeded = "seed" in table and table.groupby(["order", "fraction"])["seed"].nunique().max() > 1
+    band = (" (band: min-max over seeds)" if log else " (band: +-1 sd over seeds)") if seeded else ""
+    # Outside the axes: curves rise steeply towards the top left, where a legend inside would hide them.
+    ax.legend(title="pruning order" + band, title_fontsize=9, frameon=True, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
 
