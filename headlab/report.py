@@ -179,6 +179,10 @@ def pruning_trades(sweep: pd.DataFrame, at: float = 0.3) -> list[str]:
     if base.empty:
         return ["The sweep has no unpruned row, so no relative costs can be given."]
     base = float(base.mean())
+    if "compensation" in sweep and (sweep["compensation"] != "none").any():  # sweep --compensate: its own lines
+        sweep = sweep.assign(
+            order=[o if c == "none" else f"{o} + {c}" for o, c in zip(sweep["order"], sweep["compensation"])]
+        )
     mean = sweep.groupby(["order", "fraction"], sort=False).agg(
         perplexity=("perplexity", "mean"), pruned=("fraction_pruned", "mean"), params=("parameters", "mean")
     )

@@ -217,6 +217,10 @@ def test_trades_are_computed_from_hand_made_tables():
         "(3.00 KiB -> 1.00 KiB per token) for +40.0% perplexity (10.00 -> 14.00)."
     )
     assert "multiplies the KV cache by 3.0" in lines[1]
+    # sweep --compensate rows are their own line, never averaged with the plain ones.
+    both = pd.concat([sweep.assign(compensation="none"), sweep.assign(compensation="ridge", perplexity=10.0)])
+    assert "importance + ridge order +0.0%" in report.pruning_trades(both)[0]
+    assert "importance order +10.0%" in report.pruning_trades(both)[0]
 
 
 def test_fit_settings_respects_the_models_positions():
