@@ -123,7 +123,10 @@ def uptrain(
     rows = [{"step": 0, "kl": math.nan, "perplexity": evaluate(), "seconds": 0.0}]
     checkpointing = gradient_checkpointing and getattr(model, "supports_gradient_checkpointing", False)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name; the old one is deprecated
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     start = time.perf_counter()
     data = list(batches)
     try:
@@ -158,7 +161,7 @@ def uptrain(
             bar.set_postfix(kl=f"{float(loss.detach()):.4f}")
     finally:
         if checkpointing:
-            model.gradient_checkpointing_disable()
+            getattr(model, "activation_checkpointing_disable", model.gradient_checkpointing_disable)()
         model.eval()
         optimizer.zero_grad(set_to_none=True)
         for p, requires_grad in frozen:
