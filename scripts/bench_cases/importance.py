@@ -161,7 +161,14 @@ def markdown(r: dict) -> str:
             f"| plain sdpa forward | {r['forward_s']:.2f} | {r['forward_peak_extra_bytes'] / mib:.0f} MiB |",
             f"| grad importance | {r['grad_s']:.2f} | {r['grad_peak_extra_bytes'] / mib:.0f} MiB |",
             "",
-            f"Time ratio grad / forward: **{r['ratio']:.2f}x** (goal <= 2.2x). Memory: {r['memory_kind']}.",
+            f"Time ratio grad / forward: **{r['ratio']:.2f}x** (goal <= 2.2x). Memory: {r['memory_kind']}"
+            + (
+                "; on CPU that is the growth of the process's resident set during the pass, measured after the "
+                "timed runs, so memory the allocator kept from earlier passes does not show (the forward's figure "
+                "is a lower bound)."
+                if r["memory_kind"].startswith("peak RSS")
+                else "."
+            ),
             "",
             f"Agreement with exact ablation ({r['heads']} heads; all three methods on the first {r['ablation_tokens']} "
             f"calibration tokens, 2 windows of {r['ablation_seq_len']}, {r['ablation_scored']} scored tokens; raw scores). "
