@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from headlab import distributed
 from headlab.data import calibration_batches
 from headlab.errors import HeadlabError
 from headlab.evaluate import MLM_SEED, _peak_memory, masked_lm_batch
@@ -170,6 +171,10 @@ def _gradient_pass(loaded, batches, *, mask=None, accumulate="per-sequence", wan
                     per_token = (y.detach().to(dtype) * gy.to(dtype)).unflatten(-1, (H, -1)).sum(-1)  # [B, T, H]
                     scores[l] += per_token.abs()[valid].sum(0).cpu()
             total += batch.scored
+    # torchrun: each process scored its share of the batches; the sums add up to one process's.
+    for s in scores:
+        distributed.all_reduce_sum(s)
+    distributed.all_reduce_sum(total)
     return [s / float(total) for s in scores]
 
 
@@ -190,11 +195,11 @@ def taylor_scores(loaded, batches, *, mask=None, accumulate="per-sequence", prog
 
 @torch.no_grad()
 def _total_nll(loaded, batches, gates) -> float:
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64)
     with head_gates(loaded, gates):
         for batch in batches:
-            total += float(sequence_nll(loaded.model, batch, loaded.device).double().sum())
-    return total
+            total += sequence_nll(loaded.model, batch, loaded.device).double().sum().cpu()
+    return float(distributed.all_reduce_sum(total))
 
 
 def ablation_scores(loaded, batches, *, mask=None, accumulate="per-sequence", progress=True) -> list[torch.Tensor]:
@@ -202,7 +207,7 @@ def ablation_scores(loaded, batches, *, mask=None, accumulate="per-sequence", pr
     if accumulate != "per-sequence":
         raise HeadlabError("the bertology compatibility mode applies to --method grad only")
     base = _base_gates(loaded, mask)
-    N = sum(b.scored for b in batches)
+    N = float(distributed.all_reduce_sum(torch.tensor(float(sum(b.scored for b in batches)), dtype=torch.float64)))
     reference = _total_nll(loaded, batches, base)
     scores = [torch.zeros_like(g) for g in base]
     heads = [(l, h) for l, g in enumerate(base) for h in range(g.shape[0])]
@@ -317,6 +322,10 @@ def head_importance(
         data_meta = dict(calibration.meta, seq_len=seq_len)
         batches = calibration
     prepared = scoring_batches(loaded, batches)
+    if distributed.active():
+        if accumulate == "bertology":
+            raise HeadlabError("the bertology compatibility mode depends on batch order; run it in one process")
+        prepared = distributed.shard(prepared)  # masks were drawn before sharding: same as one process
     device = loaded.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -336,9 +345,10 @@ def head_importance(
         "layer_norm": layer_norm,
         "global_norm": global_norm,
         "objective": "masked-lm (15% fixed-seed masking)" if loaded.adapter.is_encoder else "causal",
-        "scored_tokens": sum(b.scored for b in prepared),
-        "sequences": sum(b.input_ids.shape[0] for b in prepared),
-        "batches": len(prepared),
+        "scored_tokens": _global_count(sum(b.scored for b in prepared)),
+        "sequences": _global_count(sum(b.input_ids.shape[0] for b in prepared)),
+        "batches": _global_count(len(prepared)),
+        "processes": distributed.world_size(),
         "mask": mask_path if mask_path is not None else (None if mask is None else "in-memory"),
         "masked_heads": 0 if mask is None else int(sum(int((m == 0).sum()) for m in mask)),
         "definition": _DEFINITIONS[method] if accumulate == "per-sequence" else _DEFINITIONS["bertology"],
@@ -346,6 +356,10 @@ def head_importance(
         "peak_memory_bytes": _peak_memory(device),
     }
     return ImportanceResult(table, groups, scores, raw, meta)
+
+
+def _global_count(local: int) -> int:
+    return int(distributed.all_reduce_sum(torch.tensor(float(local), dtype=torch.float64)))
 
 
 _DEFINITIONS = {

@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from headlab import distributed
 from headlab.capture import DEFAULT_CHUNK, AttentionChunk, capture_attention
 from headlab.errors import HeadlabError
 
@@ -23,6 +24,23 @@ STATISTICS = (
     "positional_prev",
     "positional_next",
     "is_positional",
+    "sink_first",
+    "sink_first4",
+    "prev_share",
+    "self_share",
+    "mean_distance",
+    "induction",
+    "output_norm",
+    "cls_share",
+    "sep_share",
+)
+# Everything a collector sums (STATISTICS less is_positional, which is derived from positional_prev/next).
+ACCUMULATED = (
+    "entropy",
+    "normalized_entropy",
+    "confidence",
+    "positional_prev",
+    "positional_next",
     "sink_first",
     "sink_first4",
     "prev_share",
@@ -152,6 +170,21 @@ class StatisticsCollector:
         norms = output.float().norm(dim=-1).transpose(1, 2)  # [B, H, T]
         self._add(layer.index, "output_norm", norms, valid.float())
 
+    def reduce(self) -> None:
+        """Under torchrun, add every process's sums and counts (every rank runs the same collectives, in the same
+        order, even one that saw no batch)."""
+        if not distributed.active():
+            return
+        for index, layer in self.layers.items():
+            for name in ACCUMULATED:
+                total = self.sums[index].get(name)
+                if total is None:
+                    total = torch.zeros(layer.num_heads, dtype=torch.float64)
+                packed = torch.cat([total.double().cpu(), torch.tensor([self.counts[index].get(name, 0.0)])])
+                distributed.all_reduce_sum(packed)
+                if packed[-1] > 0:
+                    self.sums[index][name], self.counts[index][name] = packed[:-1], float(packed[-1])
+
     def means(self) -> dict[int, dict[str, tuple[torch.Tensor, float]]]:
         """layer -> statistic -> (mean per head [H] float64, NaN without counted rows; rows counted)."""
         out = {}
@@ -274,6 +307,8 @@ def head_statistics(
 
     collector = StatisticsCollector(layers, is_encoder=adapter.is_encoder)
     tokens = 0
+    if distributed.active():  # torchrun: this process takes its share of the windows
+        batches = distributed.shard(list(batches))
     total = len(batches) if hasattr(batches, "__len__") else None
     with torch.no_grad(), capture_attention(model, layers, collector.on_chunk, collector.on_output, chunk_size):
         for batch in tqdm(batches, total=total, desc="attention statistics", disable=not progress, unit="batch"):
@@ -284,6 +319,8 @@ def head_statistics(
             collector.set_batch(sep_keys=None if sep_keys is None else sep_keys.to(loaded.device))
             model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
             tokens += int(attention_mask.sum())
+    collector.reduce()
+    tokens = int(distributed.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
     if tokens == 0:
         raise HeadlabError("no tokens to collect statistics on")
     means = collector.means()
@@ -293,12 +330,16 @@ def head_statistics(
         inductor = StatisticsCollector(layers, induction_only=True)
         runs = induction_batches(loaded, length=induction_len, count=induction_count, seed=seed, batch_size=batch_size)
         steps = math.ceil(induction_count / batch_size)
+        if distributed.active():
+            runs = distributed.shard(list(runs))
+            steps = len(runs)
         with torch.no_grad(), capture_attention(model, layers, inductor.on_chunk, None, chunk_size):
             for input_ids, attention_mask, target in tqdm(
                 runs, total=steps, desc="induction", disable=not progress, unit="batch"
             ):
                 inductor.set_batch(target=target.to(loaded.device))
                 model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
+        inductor.reduce()
         for index, values in inductor.means().items():
             means[index]["induction"] = values["induction"]
         induction_meta = {

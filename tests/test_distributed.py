@@ -57,3 +57,37 @@ def test_eval_two_processes_equal_one(setup):
     single, double = json.loads(one.stdout), json.loads(two.stdout)  # only rank 0 prints
     assert double["scored_tokens"] == single["scored_tokens"]
     assert double["perplexity"] == pytest.approx(single["perplexity"], rel=1e-6)
+
+
+@pytest.mark.parametrize("command", ["importance", "stats"])
+def test_two_processes_give_the_table_of_one(setup, tmp_path, command):
+    import pandas as pd
+
+    model, data = setup
+    tables = []
+    for nproc in (1, 2):
+        out = tmp_path / f"{command}-{nproc}"
+        args = [
+            command,
+            "--model",
+            model,
+            "--data",
+            data,
+            "--seq-len",
+            "24",
+            "--batch-size",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            out,
+        ] + (["--induction-len", "16", "--induction-count", "3"] if command == "stats" else [])
+        done = torchrun(args, nproc)
+        assert done.returncode == 0, done.stderr[-2000:]
+        name = "importance" if command == "importance" else "stats"
+        tables.append(pd.read_csv(out / f"{name}.csv"))
+    one, two = tables
+    keys = [c for c in ("layer", "head", "kv_head", "statistic") if c in one.columns]
+    assert one[keys].equals(two[keys])
+    value = "importance_raw" if command == "importance" else "value"
+    assert one[value].to_numpy() == pytest.approx(two[value].to_numpy(), rel=1e-5, abs=1e-9, nan_ok=True)
