@@ -355,14 +355,21 @@ def _group(layer: AttentionLayer, g: int) -> range:
 @dataclass
 class LayerLayout:
     """Physical layout of one pruned layer, in original indices: query heads kept (in order) and, per new KV head,
-    the original KV head it copies. `zeroed`: an emptied layer keeps one head whose output columns are zero."""
+    the original KV head it keeps. `padding`: pruned heads kept in place with zero output columns, so that every
+    KV group keeps the same number of query heads (repeat_kv needs equal groups), or so that an emptied layer
+    keeps one head (transformers cannot build a 0-head layer)."""
 
     layer: int
     heads: list[int]
     kv_heads: list[int]
     original_heads: int
     original_kv_heads: int
-    zeroed: bool = False
+    padding: list[int] = field(default_factory=list)
+
+    @property
+    def zeroed(self) -> bool:
+        """Every head of the layer is padding: the layer was emptied."""
+        return bool(self.heads) and set(self.heads) == set(self.padding)
 
     @property
     def num_heads(self) -> int:
@@ -381,16 +388,17 @@ class LayerLayout:
             "num_kv_heads": self.num_kv_heads,
             "original_heads": self.original_heads,
             "original_kv_heads": self.original_kv_heads,
-            "zeroed": self.zeroed,
+            "padding_heads": self.padding,
         }
 
 
 def physical_layout(layers: list[AttentionLayer], pruned: list[set[int]]) -> list[LayerLayout]:
     """Kept heads per layer, valid for repeat_kv (query h' reads KV h' // (H'/G')).
 
-    A KV head goes once all its query heads are gone. Groups left with different sizes (GQA pruned head by head)
-    are made equal by splitting each group into chunks of s = gcd(sizes) queries, each chunk with its own copy of
-    the KV head: exact, at the cost of duplicated K/V rows (recorded; --uniform avoids it).
+    A KV head goes once all its query heads are gone, and no KV head is ever added: groups left with different sizes
+    (GQA pruned head by head) are padded up to the largest with some of their own pruned heads, kept with zero
+    output columns (exact, but those heads still cost FLOPs and parameters; recorded; --uniform avoids it). An
+    emptied layer keeps its head 0 as padding.
     """
     out = []
     for layer, heads in zip(layers, pruned):
@@ -399,15 +407,16 @@ def physical_layout(layers: list[AttentionLayer], pruned: list[set[int]]) -> lis
             kept = [h for h in _group(layer, g) if h not in heads]
             if kept:
                 groups.append((g, kept))
-        zeroed = not groups
-        if zeroed:  # transformers cannot build a 0-head layer: keep head 0 with zero output columns
-            groups = [(layer.kv_head_of(0), [0])]
-        s = math.gcd(*[len(kept) for _, kept in groups])
-        kept_heads, kv = [], []
+        if not groups:  # transformers cannot build a 0-head layer
+            groups = [(layer.kv_head_of(0), [])]
+        size = max(1, *(len(kept) for _, kept in groups))
+        kept_heads, kv, padding = [], [], []
         for g, kept in groups:
-            kept_heads += kept
-            kv += [g] * (len(kept) // s)
-        out.append(LayerLayout(layer.index, kept_heads, kv, layer.num_heads, layer.num_kv_heads, zeroed))
+            extra = [h for h in _group(layer, g) if h not in kept][: size - len(kept)]
+            kept_heads += sorted(kept + extra)
+            padding += extra
+            kv.append(g)
+        out.append(LayerLayout(layer.index, kept_heads, kv, layer.num_heads, layer.num_kv_heads, sorted(padding)))
     return out
 
 
@@ -416,11 +425,13 @@ def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
     adapter = loaded.adapter
     with torch.no_grad():
         for layer, lay in zip(loaded.layers, layout):
-            if lay.num_heads == layer.num_heads and lay.kv_heads == list(range(layer.num_kv_heads)):
+            unchanged = lay.num_heads == layer.num_heads and lay.kv_heads == list(range(layer.num_kv_heads))
+            if unchanged and not lay.padding:
                 continue
             w = adapter.read(layer).take(lay.heads, lay.kv_heads)
-            if lay.zeroed:
-                w.o.zero_()
+            for position, head in enumerate(lay.heads):
+                if head in lay.padding:
+                    w.o[:, position] = 0  # [C, D] block of the padding head: it contributes nothing
             adapter.write(layer, w)
 
 
@@ -484,11 +495,9 @@ def _compose(config, layout: list[LayerLayout]) -> list[LayerLayout]:
         old = earlier[lay.layer]
         heads = [old["heads"][h] for h in lay.heads]
         kv = [old["kv_heads"][g] for g in lay.kv_heads]
-        out.append(
-            LayerLayout(
-                lay.layer, heads, kv, old["original_heads"], old["original_kv_heads"], lay.zeroed or old["zeroed"]
-            )
-        )
+        # Padding of the earlier pruning that survives stays padding (its output columns are already zero).
+        padding = sorted({old["heads"][h] for h in lay.padding} | (set(heads) & set(old.get("padding_heads", []))))
+        out.append(LayerLayout(lay.layer, heads, kv, old["original_heads"], old["original_kv_heads"], padding))
     return out
 
 
@@ -733,7 +742,7 @@ def prune(
     after = costs(loaded)
     ppl_after = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
     loader = prepare_config(loaded, layout)
-    duplicated = sum(max(0, lay.num_kv_heads - len(set(lay.kv_heads))) for lay in layout or [])
+    padding = sum(len(lay.padding) for lay in layout or [])
     meta = {
         **loaded.describe(),
         "mode": mode,
@@ -756,7 +765,7 @@ def prune(
         "pruned_heads": sum(len(p) for p in pruned),
         "total_heads": sum(layer.num_heads for layer in layers),
         "approximate": mode == "physical" and loaded.adapter.norm_spans_heads,
-        "duplicated_kv_heads": duplicated,
+        "padding_heads": padding,
         "costs_before": before,
         "costs_after": after,
         "physical_equivalent": equivalent,

@@ -142,11 +142,11 @@ def sweep(
             from headlab.compensate import compensated
 
             refit = compensated(loaded, pruned, grams, compensation) if compensation else contextlib.nullcontext()
-            with refit, pruned_in_place(loaded, pruned, mode):
+            with refit, pruned_in_place(loaded, pruned, mode) as layout:
                 result = perplexity(loaded, data, part="eval", progress=False, **eval_kwargs)
                 size = costs(loaded, context=seq_len)
             if mode == "mask":  # the model kept its shapes: report what the physical prune would cost
-                with pruned_in_place(loaded, pruned, "physical"):
+                with pruned_in_place(loaded, pruned, "physical") as layout:
                     size = costs(loaded, context=seq_len)
             cache[key] = {
                 "perplexity": result.perplexity,
@@ -157,6 +157,7 @@ def sweep(
                 "attention_flops_per_token": size["attention_flops_per_token"],
                 "kv_bytes_per_token": size["kv_bytes_per_token"],
                 "query_heads": size["query_heads"],
+                "padding_heads": sum(len(lay.padding) for lay in layout),  # zero-output heads kept for equal groups
                 "kv_heads": size["kv_heads"],
             }
         return cache[key]

@@ -160,9 +160,12 @@ def test_gqa_layouts(name):
     groups = [{0, 1} for _ in layers]
     layout = P.physical_layout(layers, groups)
     assert all(lay.heads == [2, 3] and lay.kv_heads == [1] for lay in layout)
-    # One query of group 0: groups of 1 and 2 queries -> KV head 1 is duplicated (chunks of gcd = 1).
+    # One query of group 0: groups of 1 and 2 queries -> head 1 stays as zero-output padding, no KV head is added.
     layout = P.physical_layout(layers, [{1} for _ in layers])
-    assert all(lay.heads == [0, 2, 3] and lay.kv_heads == [0, 1, 1] for lay in layout)
+    assert all(lay.heads == [0, 1, 2, 3] and lay.kv_heads == [0, 1] and lay.padding == [1] for lay in layout)
+    # Groups of 1 and 2 left of groups of 3 would need padding too; here {0, 3}: sizes 1 and 1, no padding.
+    layout = P.physical_layout(layers, [{0, 3} for _ in layers])
+    assert all(lay.heads == [1, 2] and lay.kv_heads == [0, 1] and lay.padding == [] for lay in layout)
     if loaded.adapter.norm_spans_heads:
         return
     for pruned in (groups, [{1} for _ in layers], [{0, 3} for _ in layers]):
@@ -209,7 +212,8 @@ def test_nonuniform_physical_checkpoint_reloads_with_headlab_and_fails_vanilla(n
     else:
         assert result.loader == "headlab" and type(reloaded.model) is type(loaded.model)
         record = json.loads((tmp_path / "p" / "config.json").read_text())[HEAD_LAYOUT_KEY]
-        assert [entry["heads"] for entry in record["layers"]] == [sorted(set(range(4)) - p) for p in pruned]
+        live = [sorted(set(entry["heads"]) - set(entry["padding_heads"])) for entry in record["layers"]]
+        assert live == [sorted(set(range(4)) - p) for p in pruned]
         with pytest.raises(RuntimeError, match="mismatch"):  # vanilla transformers must refuse, never run wrong
             _vanilla(tmp_path / "p", loaded.model)
     # The record beside the weights: tidy table, mask in gates' format, meta.
@@ -261,7 +265,9 @@ def test_repruning_a_nonuniform_checkpoint_composes_layouts(tmp_path):
     # layer 1 now holds original heads [1, 3]; pruning its head 0 removes original head 1
     P.prune(second, heads="1:0", mode="physical", out=tmp_path / "b", evaluate=False, progress=False)
     record = json.loads((tmp_path / "b" / "config.json").read_text())[HEAD_LAYOUT_KEY]
-    assert record["layers"][0]["heads"] == [0, 2, 3] and record["layers"][0]["kv_heads"] == [0, 1, 1]
+    # layer 0 keeps its padding head 1 (zero output) from the first pruning
+    assert record["layers"][0]["heads"] == [0, 1, 2, 3] and record["layers"][0]["kv_heads"] == [0, 1]
+    assert record["layers"][0]["padding_heads"] == [1]
     assert record["layers"][1]["heads"] == [3] and record["layers"][1]["kv_heads"] == [1]
     reference = _gated(_loaded("llama"), [{1}, {0, 1, 2}], "llama")
     third = load_model(str(tmp_path / "b"), device="cpu", attn_implementation="eager")

@@ -60,7 +60,8 @@ def test_sweep_rows_match_gated_perplexity(corpus, tmp_path):
     assert row["perplexity"] == pytest.approx(expected, rel=1e-5)
     # Size columns follow the physical layout: 4 of 8 heads gone; KV bytes fall only with whole KV groups gone.
     unpruned = table[table["fraction"] == 0.0].iloc[0]
-    assert row["query_heads"] == 4 and row["parameters"] < unpruned["parameters"]
+    # (4 heads live; GQA groups left unequal keep zero-output padding heads instead of duplicating KV heads)
+    assert row["query_heads"] - row["padding_heads"] == 4 and row["parameters"] < unpruned["parameters"]
     assert row["kv_bytes_per_token"] == 2 * row["kv_heads"] * 16 * 4
     # The unpruned model was restored after every point.
     assert loaded.layers[0].num_heads == 4

@@ -158,8 +158,14 @@ def command(
     rows += [("checkpoint", str(result.out)), ("loads with", loader)]
     if result.verification:
         rows.append(("reload check", f"max |logit diff| {result.verification['max_abs_diff']:.2e}"))
-    if result.meta.get("duplicated_kv_heads"):
-        rows.append(("note", f"{result.meta['duplicated_kv_heads']} KV heads duplicated to keep groups equal"))
+    if result.meta.get("padding_heads"):
+        rows.append(
+            (
+                "note",
+                f"{result.meta['padding_heads']} pruned query heads kept as zero-output padding so that "
+                "KV groups stay equal (--uniform avoids this)",
+            )
+        )
     if result.meta.get("approximate"):
         rows.append(("warning", "this architecture's q/k norm spans heads: physical pruning is approximate"))
     width = max(len(name) for name, _ in rows)
