@@ -487,6 +487,19 @@ def _similarity_for(loaded, corpus, calib_args, progress):
     return kv_similarity(loaded, batches, progress=progress), batches.meta
 
 
+def _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens):
+    """Calibration windows for the calibrated (svd) merge."""
+    return calibration_batches(
+        loaded.tokenizer,
+        corpus,
+        part="calibration",
+        seq_len=seq_len,
+        batch_size=batch_size,
+        max_tokens=calib_tokens,
+        max_positions=loaded.max_positions,
+    )
+
+
 def convert_checkpoint(
     loaded: LoadedModel,
     kv_heads: int,
@@ -539,15 +552,7 @@ def convert_checkpoint(
         similarity, record["calibration"] = _similarity_for(loaded, corpus, calib, progress)
     batches = None
     if action == "pool" and method == "svd":
-        batches = calibration_batches(
-            loaded.tokenizer,
-            corpus,
-            part="calibration",
-            seq_len=seq_len,
-            batch_size=batch_size,
-            max_tokens=calib_tokens,
-            max_positions=loaded.max_positions,
-        )
+        batches = _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens)
         record["merge_calibration"] = batches.meta
     conversion = convert(
         loaded,
@@ -617,15 +622,7 @@ def gqa_sweep(
         similarity, meta["calibration"] = _similarity_for(loaded, corpus, calib, progress)
     batches = None
     if "svd" in methods and any(a == "pool" for a in actions.values()):
-        batches = calibration_batches(
-            loaded.tokenizer,
-            corpus,
-            part="calibration",
-            seq_len=seq_len,
-            batch_size=batch_size,
-            max_tokens=calib_tokens,
-            max_positions=loaded.max_positions,
-        )
+        batches = _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens)
         meta["merge_calibration"] = batches.meta
 
     jobs = []
