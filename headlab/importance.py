@@ -28,6 +28,7 @@ from headlab.evaluate import MLM_SEED, _peak_memory, masked_lm_batch
 from headlab.gates import head_gates, read_mask
 from headlab.loading import LoadedModel
 from headlab.tables import head_table
+from headlab.uptrain import activation_checkpointing, checkpointing_supported
 
 METHODS = ("grad", "taylor", "ablation")
 ACCUMULATE = ("per-sequence", "bertology")
@@ -131,40 +132,45 @@ def _base_gates(loaded: LoadedModel, mask) -> list[torch.Tensor]:
 # ---- scorers: scorer(loaded, batches, **options) -> list of per-layer raw scores ---------------------------------
 
 
-def _gradient_pass(loaded, batches, *, mask=None, accumulate="per-sequence", want="grad", progress=True):
-    """One forward + backward per batch with per-sequence gates; returns raw grad or taylor scores per layer."""
+def _gradient_pass(
+    loaded, batches, *, mask=None, accumulate="per-sequence", want="grad", progress=True, gradient_checkpointing=False
+):
+    """One forward + backward per batch with per-sequence gates; returns raw grad or taylor scores per layer.
+    gradient_checkpointing: recompute each block in the backward pass instead of keeping its activations."""
     model, device = loaded.model, loaded.device
     base = _base_gates(loaded, mask)
     dtype = base[0].dtype
     total = torch.zeros((), dtype=torch.float64)
     scores = [torch.zeros_like(g) for g in base]  # float32 accumulators [H_l]
     running = [torch.zeros_like(g) for g in base]  # bertology: the never-reset head_mask.grad
-    with frozen(model):
+    with frozen(model), activation_checkpointing(model, gradient_checkpointing):
         for batch in tqdm(batches, desc=f"importance ({want})", disable=not progress, unit="batch"):
             B = batch.input_ids.shape[0]
             if accumulate == "bertology":
                 gates = [g.clone().requires_grad_(True) for g in base]  # [H] shared by the batch
             else:
                 gates = [g.expand(B, -1).clone().requires_grad_(True) for g in base]  # [B, H]
+            # The backward pass stays inside the gates: a checkpointed block recomputes its forward, gates included.
             with head_gates(loaded, gates, keep_outputs=want == "taylor") as handle:
                 nll = sequence_nll(model, batch, device)  # [B]
-                outputs = handle.outputs
+                outputs = list(handle.outputs)  # a recomputation in backward overwrites handle.outputs
+                if accumulate == "bertology":
+                    grads = torch.autograd.grad(nll.sum() / batch.scored, gates)
+                else:
+                    grads = torch.autograd.grad(nll.sum(), gates if want == "grad" else outputs)
             if accumulate == "bertology":
                 # The example's loss is the batch mean over its tokens; it then adds |cumulative gradient| (its
                 # head_mask.grad is never reset) and divides by all input tokens.
-                grads = torch.autograd.grad(nll.sum() / batch.scored, gates)
                 for l, g in enumerate(grads):
                     running[l] += g.detach().to(dtype)
                     scores[l] += running[l].abs()
                 total += int(batch.attention_mask.sum())
                 continue
             if want == "grad":
-                grads = torch.autograd.grad(nll.sum(), gates)  # row b of layer l's grad: dL(x_b)/dxi
-                for l, g in enumerate(grads):
+                for l, g in enumerate(grads):  # row b of layer l's grad: dL(x_b)/dxi
                     scores[l] += g.detach().to(dtype).abs().sum(0)
             else:
                 # d sum_b L(x_b) / dy with y = xi * ctx the gated o_proj input: ctx_h^T dL/dctx_h = y_h^T dL/dy_h.
-                grads = torch.autograd.grad(nll.sum(), outputs)
                 valid = batch.attention_mask.to(device).bool()  # [B, T]
                 for l, (y, gy) in enumerate(zip(outputs, grads)):
                     H = base[l].shape[0]
@@ -178,19 +184,33 @@ def _gradient_pass(loaded, batches, *, mask=None, accumulate="per-sequence", wan
     return [s / float(total) for s in scores]
 
 
-def grad_scores(loaded, batches, *, mask=None, accumulate="per-sequence", progress=True) -> list[torch.Tensor]:
+def grad_scores(
+    loaded, batches, *, mask=None, accumulate="per-sequence", progress=True, gradient_checkpointing=False
+) -> list[torch.Tensor]:
     """I_h = (1/N) sum_x |dL(x)/dxi_h| at xi = 1 (Michel et al. 2019); accumulate="bertology" reproduces the old
     transformers example instead: sum over batches k of |sum_{j<=k} dmeanNLL_j/dxi_h|, divided by input tokens."""
     if accumulate not in ACCUMULATE:
         raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
-    return _gradient_pass(loaded, batches, mask=mask, accumulate=accumulate, want="grad", progress=progress)
+    return _gradient_pass(
+        loaded,
+        batches,
+        mask=mask,
+        accumulate=accumulate,
+        want="grad",
+        progress=progress,
+        gradient_checkpointing=gradient_checkpointing,
+    )
 
 
-def taylor_scores(loaded, batches, *, mask=None, accumulate="per-sequence", progress=True) -> list[torch.Tensor]:
+def taylor_scores(
+    loaded, batches, *, mask=None, accumulate="per-sequence", progress=True, gradient_checkpointing=False
+) -> list[torch.Tensor]:
     """I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}| (Michel et al.'s code: absolute value per token)."""
     if accumulate != "per-sequence":
         raise HeadlabError("the bertology compatibility mode applies to --method grad only")
-    return _gradient_pass(loaded, batches, mask=mask, want="taylor", progress=progress)
+    return _gradient_pass(
+        loaded, batches, mask=mask, want="taylor", progress=progress, gradient_checkpointing=gradient_checkpointing
+    )
 
 
 @torch.no_grad()
@@ -279,6 +299,7 @@ def head_importance(
     accumulate: str = "per-sequence",
     mask=None,
     text_column: str | None = None,
+    gradient_checkpointing: bool = False,
     progress: bool = True,
 ) -> ImportanceResult:
     """Score every attention head with `method` (grad | taylor | ablation) on calibration text (or `batches` of
@@ -286,7 +307,8 @@ def head_importance(
 
     max_tokens defaults to 2048 for grad/taylor and 256 for ablation (one forward pass set per head). `mask`: gates
     ([H_l] per layer) or a mask-file path; scores are taken with those heads already gated. For encoders the windows
-    are seq_len - 2 tokens, wrapped in [CLS] ... [SEP].
+    are seq_len - 2 tokens, wrapped in [CLS] ... [SEP]. gradient_checkpointing (grad, taylor): recompute each block
+    in the backward pass instead of keeping its activations (long windows; same scores, one more forward).
     """
     if method not in SCORERS:
         raise HeadlabError(f"unknown importance method {method!r}; use one of {', '.join(SCORERS)}")
@@ -294,6 +316,8 @@ def head_importance(
         raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
     if accumulate == "bertology" and method != "grad":
         raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    if gradient_checkpointing and method == "ablation":
+        raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
     layers = loaded.layers
     mask_path = None
     if mask is not None and not isinstance(mask, (list, tuple)):
@@ -330,7 +354,8 @@ def head_importance(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    raw = SCORERS[method](loaded, prepared, mask=mask, accumulate=accumulate, progress=progress)
+    options = {"gradient_checkpointing": gradient_checkpointing} if method != "ablation" else {}
+    raw = SCORERS[method](loaded, prepared, mask=mask, accumulate=accumulate, progress=progress, **options)
     seconds = time.perf_counter() - start
     raw = [r.cpu() for r in raw]
     if not all(bool(torch.isfinite(r).all()) for r in raw):
@@ -342,6 +367,7 @@ def head_importance(
         **data_meta,
         "method": method,
         "accumulate": accumulate,
+        "gradient_checkpointing": bool(gradient_checkpointing and checkpointing_supported(loaded.model)),
         "layer_norm": layer_norm,
         "global_norm": global_norm,
         "objective": "masked-lm (15% fixed-seed masking)" if loaded.adapter.is_encoder else "causal",

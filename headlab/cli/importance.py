@@ -30,6 +30,11 @@ from headlab.tables import check_out, write_run
     is_flag=True,
     help="grad only: reproduce transformers' old run_bertology.py, which never reset the gradient between batches",
 )
+@click.option(
+    "--gradient-checkpointing",
+    is_flag=True,
+    help="grad/taylor: recompute each block in the backward pass instead of keeping activations (long windows)",
+)
 @out_option(required=False, help_text="output directory, written atomically [default: runs/importance-METHOD]")
 def command(
     load,
@@ -44,6 +49,7 @@ def command(
     no_global_norm,
     mask,
     bertology_compat,
+    gradient_checkpointing,
     out,
     overwrite,
 ):
@@ -59,6 +65,8 @@ def command(
         )
     if bertology_compat and method != "grad":
         raise HeadlabError("--bertology-compat applies to --method grad only")
+    if gradient_checkpointing and method == "ablation":
+        raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
     if mask is not None and not mask.is_file():
         raise HeadlabError(f"no such mask file: {mask}")
     out = out if out is not None else Path("runs") / f"importance-{method}"
@@ -76,6 +84,7 @@ def command(
         global_norm=not no_global_norm,
         accumulate="bertology" if bertology_compat else "per-sequence",
         mask=mask,
+        gradient_checkpointing=gradient_checkpointing,
     )
     write_run(out, {"importance": result.table, "kv_groups": result.kv_groups}, result.meta, overwrite=overwrite)
     top = result.table.sort_values("rank").head(10)
