@@ -26,7 +26,9 @@ def eager_statistics(model, layers, input_ids, attention_mask):
         attentions = model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True).attentions
         T = input_ids.shape[1]
         valid = attention_mask.bool()
-        visible = (torch.ones(T, T, dtype=torch.bool).tril()[None] & valid[:, None, :])[:, None]  # [B, 1, T, T]
+        visible = (torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()[None] & valid[:, None, :])[
+            :, None
+        ]  # [B, 1, T, T]
         for layer, A in zip(layers, attentions):
             collector.on_chunk(AttentionChunk(layer, A.float(), visible, 0, valid, valid))
     return collector.means()
@@ -37,21 +39,26 @@ def _rss() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_child(mode: str, tokens: int) -> None:
+def _peak_child(mode: str, tokens: int, device: str = "cpu") -> None:
     """Run one forward of `tokens` tokens (plain sdpa or with statistics) and print the peak resident-set growth
     over the resident set before it, sampled every millisecond (ru_maxrss cannot be used: loading the model peaks
-    higher than a forward)."""
+    higher than a forward). On CUDA the growth is the allocator's peak over what the loaded model holds."""
     import threading
 
     from headlab.capture import capture_attention
     from headlab.loading import load_model
     from headlab.stats import StatisticsCollector
 
-    loaded = load_model(None, device="cpu")
-    ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    loaded = load_model(None, device=device)
+    ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(loaded.device)
     mask = torch.ones_like(ids)
     with torch.no_grad():
         loaded.model(input_ids=ids[:, :16], attention_mask=mask[:, :16])  # warm the allocator and kernels
+    cuda = loaded.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(loaded.device)
+        allocated = torch.cuda.memory_allocated(loaded.device)
     before, peak, done = _rss(), [0], threading.Event()
 
     def sample():
@@ -71,11 +78,16 @@ def _peak_child(mode: str, tokens: int) -> None:
     done.set()
     sampler.join()
     peak[0] = max(peak[0], _rss())
+    if cuda:
+        growth = torch.cuda.max_memory_allocated(loaded.device) - allocated
+        print(json.dumps({"baseline": allocated, "peak": allocated + growth, "growth": growth, "kind": "cuda"}))
+        return
     print(json.dumps({"baseline": before, "peak": peak[0], "growth": peak[0] - before}))
 
 
-def _peak(mode: str, tokens: int) -> dict:
-    code = f"import sys; sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r}); import stats; stats._peak_child({mode!r}, {tokens})"
+def _peak(mode: str, tokens: int, device: str = "cpu") -> dict:
+    here = str(__file__.rsplit("/", 1)[0])
+    code = f"import sys; sys.path.insert(0, {here!r}); import stats; stats._peak_child({mode!r}, {tokens}, {device!r})"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -119,7 +131,7 @@ def run(args) -> dict:
         finally:
             model.set_attn_implementation("sdpa")
 
-    memory = {mode: _peak(mode, LONG) for mode in ("plain", "stats")}
+    memory = {mode: _peak(mode, LONG, args.device) for mode in ("plain", "stats")}
     plain_s, plain_all = median_time(plain, args.repeats)
     stats_s, stats_all = median_time(headlab_stats, args.repeats)
     eager_s, eager_all = median_time(eager, args.repeats)
@@ -165,8 +177,9 @@ def markdown(r: dict) -> str:
             f"approach: **{r['speedup_vs_eager']:.2f}x** (goal >= 1.2). Largest difference of any statistic between "
             f"the two: {r['max_difference_vs_eager']:.1e}.",
             "",
-            f"Peak memory, batch 1 x {r['long_tokens']} tokens, growth of the peak resident set over the loaded "
-            "model (fresh process per measurement):",
+            f"Peak memory, batch 1 x {r['long_tokens']} tokens, growth of the peak "
+            + ("CUDA allocation" if m["plain"].get("kind") == "cuda" else "resident set")
+            + " over the loaded model (fresh process per measurement):",
             "",
             "| run | peak RSS growth (MiB) |",
             "|---|---|",

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One short GPU check for a lent CUDA machine (about 15 minutes of device time): the cuda tests, the CLI on the
+# embedded model, and the stats/importance/eval benchmarks. Logs and benchmark results go to $OUT (or gpu-check/).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-gpu-check}"
+mkdir -p "$OUT"
+status=0
+step() {  # step NAME COMMAND...: run, log to $OUT/NAME.log, remember a failure, go on
+    local name=$1
+    shift
+    echo "== $name: $*" | tee -a "$OUT/summary.txt"
+    local start=$SECONDS
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "   rc=$rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+    tail -n 5 "$OUT/$name.log"
+    [ "$rc" -eq 0 ] || status=1
+}
+# torch is preinstalled with CUDA; nothing else is added. Without an index (an offline machine) fall back to what is
+# already installed.
+step install bash -c "python -m pip install -q -e '.[test]' || python -m pip install -q --no-deps --no-build-isolation -e ."
+step env python -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__, torch.cuda.get_device_name(0))"
+step pytest python -m pytest -q -m cuda tests/test_cuda.py
+step eval headlab eval --device cuda
+step stats headlab stats --device cuda --max-tokens 4096 --out "$OUT/runs/stats" --overwrite
+step importance headlab importance --device cuda --out "$OUT/runs/importance-grad" --overwrite
+step benchmark python scripts/benchmark.py --case stats --case importance --case eval --device cuda --repeats 3
+mkdir -p "$OUT/benchmarks"
+cp -r benchmarks/results "$OUT/benchmarks/" 2>/dev/null
+cp BENCHMARKS.md "$OUT/" 2>/dev/null
+echo "overall: $([ $status -eq 0 ] && echo ok || echo FAILED)" | tee -a "$OUT/summary.txt"
+exit $status
