@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ENCODER_TYPES, tiny_inputs, tiny_model
+from conftest import ALL_TYPES, ENCODER_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab.errors import HeadlabError
@@ -60,6 +60,20 @@ def test_checkpointed_scores_equal_plain_and_blocks_are_recomputed(name, overrid
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     assert checkpointed.meta["gradient_checkpointing"] is True and plain.meta["gradient_checkpointing"] is False
     assert not loaded.model.training and not loaded.model.is_gradient_checkpointing
+
+
+@pytest.mark.parametrize("name", ALL_TYPES)
+def test_every_architecture_recomputes_and_scores_the_same(name):
+    loaded = _loaded(name)
+    batches = _batches(name)
+    plain = head_importance(loaded, batches, progress=False)
+    counts, hooks = _count_calls(loaded)
+    checkpointed = head_importance(loaded, batches, gradient_checkpointing=True, progress=False)
+    for hook in hooks:
+        hook.remove()
+    assert counts == [2 * len(batches)] * len(loaded.layers)
+    for a, b in zip(plain.raw, checkpointed.raw):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
 
 
 def test_state_is_restored():
