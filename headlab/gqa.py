@@ -533,6 +533,9 @@ def convert_checkpoint(
         raise HeadlabError(f"--kv-heads {kv_heads} is more than the model's {G} KV heads; use `headlab expand-kv`")
     if direction == "expand" and action == "pool":
         raise HeadlabError(f"--kv-heads {kv_heads} is fewer than the model's {G} KV heads; use `headlab convert-gqa`")
+    if direction == "expand" and action == "keep":
+        # Expanding to the current count would only copy the checkpoint (e.g. expand-kv on an MHA model).
+        raise HeadlabError(f"the model already has {G} KV heads for its {H} query heads: nothing to expand")
     if pool not in POOLS or grouping not in GROUPINGS or method not in METHODS:
         raise HeadlabError(
             f"--pool must be one of {POOLS}, --grouping one of {GROUPINGS} and --method one of {METHODS}"

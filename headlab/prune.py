@@ -41,10 +41,14 @@ def read_scores(source, layers: list[AttentionLayer]) -> list[torch.Tensor]:
         raise HeadlabError(f"score table {name} needs columns layer, head and importance or score")
     expected = {(layer.index, h) for layer in layers for h in range(layer.num_heads)}
     try:
-        got = [(int(a), int(b)) for a, b in zip(frame["layer"], frame["head"])]
+        pairs = [(float(a), float(b)) for a, b in zip(frame["layer"], frame["head"])]
         values = [float(v) for v in frame[column]]
     except (TypeError, ValueError):
-        raise HeadlabError(f"score table {name}: layer and head must be integers, {column} numbers") from None
+        pairs = None
+    # int() would truncate 0.5 to head 0 (and fail on inf): only whole numbers name a head.
+    if pairs is None or not all(math.isfinite(x) and x.is_integer() for pair in pairs for x in pair):
+        raise HeadlabError(f"score table {name}: layer and head must be integers, {column} numbers")
+    got = [(int(a), int(b)) for a, b in pairs]
     if len(set(got)) != len(got) or set(got) != expected:
         n_layers = len({a for a, _ in got})
         raise HeadlabError(

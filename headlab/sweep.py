@@ -105,6 +105,8 @@ def sweep(
     orders, seeds = list(dict.fromkeys(orders)), list(dict.fromkeys(seeds))
     check_sweep(fractions, orders, seeds)
     check_unit(loaded.layers, unit)
+    if loaded.max_positions is not None and seq_len > loaded.max_positions:  # fail before the first score pass
+        raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
     if mode not in ("mask", "physical"):
         raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
     if mode == "physical" and loaded.adapter.norm_spans_heads:
