@@ -1,0 +1,404 @@
+"""Bad input to every command: exit 2, one stderr line, nothing written; fuzzed score/mask tables; --seed determinism.
+
+One table of (command line, expected message fragment) cases drives the CLI checks; hypothesis drives the readers.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
+
+from headlab.errors import HeadlabError
+from headlab.gates import read_mask
+from headlab.loading import load_model
+from headlab.prune import read_scores
+
+# ---- table-driven bad input -------------------------------------------------------------------------------------
+
+# Placeholders in {braces} are paths from the `inputs` fixture; every case runs with the working directory set to an
+# empty temporary directory, so any default output (gqa-sweep/, headlab-uptrain/, runs/demo/ ...) would show up.
+M = ["--device", "cpu"]
+NO_MODEL = ["--model", "{missing}", *M]
+DATA = ["--data", "{text}", "--seq-len", "32"]
+TEXT = ["--data", "{text}"]  # report and demo take no --seq-len
+CASES = [
+    # info
+    (["info", *NO_MODEL], "{missing}"),
+    (["info", "--model", "{llama}", "--device", "tpu"], "tpu"),
+    (["info", "--model", "{llama}", "--device", "cuda"], "cuda"),
+    (["info", "--model", "{llama}", *M, "--context", "0"], "--context"),
+    # eval
+    (["eval", *NO_MODEL, *DATA], "{missing}"),
+    (["eval", "--model", "{llama}", *M, *DATA, "--seq-len", "1000"], "1000"),
+    (["eval", "--model", "{llama}", *M, "--data", "{missing}", "--seq-len", "32"], "{missing}"),
+    (["eval", "--model", "{llama}", "--device", "cuda:7", *DATA], "cuda"),
+    # stats
+    (["stats", *NO_MODEL, *DATA, "--out", "s"], "{missing}"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--no-induction", "--seq-len", "500", "--out", "s"], "500"),
+    # importance
+    (["importance", "--model", "{llama}", *M, *DATA, "--split", "eval", "--out", "i"], "--split eval"),
+    (["importance", "--model", "{llama}", *M, *DATA, "--mask", "{badmask}", "--out", "i"], "{badmask}"),
+    (["importance", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
+    (
+        ["importance", "--model", "{llama}", *M, *DATA, "--method", "taylor", "--bertology-compat", "--out", "i"],
+        "--bertology-compat",
+    ),
+    # prune
+    (["prune", "--model", "{llama}", *M, *DATA, "--fraction", "1.5", "--out", "p"], "1.5"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--heads", "9:0", "--out", "p"], "9"),
+    (
+        ["prune", "--model", "{llama}", *M, *DATA, "--scores", "{othertable}", "--fraction", "0.25", "--out", "p"],
+        "another model",
+    ),
+    (["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--out", "{existing}"], "--overwrite"),
+    (["prune", *NO_MODEL, *DATA, "--heads", "0:0", "--out", "p"], "{missing}"),
+    # sweep
+    (["sweep", "--model", "{llama}", *M, *DATA, "--fractions", "0,2", "--out", "w"], "2"),
+    (["sweep", "--model", "{llama}", *M, *DATA, "--orders", "alphabetical", "--out", "w"], "alphabetical"),
+    (["sweep", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
+    (["sweep", "--model", "{llama}", *M, *DATA, "--seq-len", "999", "--out", "w"], "999"),
+    # convert-gqa
+    (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "3", "--out", "c"], "3"),
+    (["convert-gqa", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "2", "--out", "c"], "gpt2"),
+    (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--out", "{existing}"], "--overwrite"),
+    (["convert-gqa", *NO_MODEL, *DATA, "--kv-heads", "2", "--out", "c"], "{missing}"),
+    # expand-kv
+    (["expand-kv", "--model", "{mha}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "4"),
+    (["expand-kv", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "gpt2"),
+    (["expand-kv", "--model", "{llama}", *M, *DATA, "--kv-heads", "3", "--out", "e"], "3"),
+    (["expand-kv", "--model", "{llama}", *M, *DATA, "--kv-heads", "4", "--out", "{existing}"], "--overwrite"),
+    # gqa-sweep
+    (["gqa-sweep", "--model", "{gpt2}", *M, *DATA], "gpt2"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--kv-heads", "3"], "3"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--pool", "median"], "median"),
+    # uptrain
+    (
+        ["uptrain", "--model", "{llama}", "--teacher", "{mha}", *M, *DATA, "--eval-seq-len", "32", "--steps", "-1"],
+        "--steps",
+    ),
+    (["uptrain", "--model", "{llama}", "--teacher", "{mha}", *M, *DATA, "--lr", "0"], "--lr"),
+    (["uptrain", *NO_MODEL, "--teacher", "{mha}", *DATA, "--steps", "1"], "{missing}"),
+    (
+        [
+            "uptrain",
+            "--model",
+            "{llama}",
+            "--teacher",
+            "{mha}",
+            *M,
+            *DATA,
+            "--eval-seq-len",
+            "32",
+            "--steps",
+            "1",
+            "--out",
+            "{existing}",
+        ],
+        "--overwrite",
+    ),
+    (
+        [
+            "uptrain",
+            "--model",
+            "{llama}",
+            "--teacher",
+            "{mha}",
+            *M,
+            *DATA,
+            "--eval-seq-len",
+            "32",
+            "--steps",
+            "1",
+            "--seq-len",
+            "900",
+        ],
+        "900",
+    ),
+    # plot
+    (["plot", "{emptydir}"], "{emptydir}"),
+    (["plot", "{missing}"], "{missing}"),
+    (["plot", "{existing}"], "{existing}"),
+    # report
+    (["report", *NO_MODEL, *TEXT, "--quick", "--out", "r"], "{missing}"),
+    (["report", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{existing}"], "--overwrite"),
+    (["report", "--model", "{llama}", "--device", "tpu", *TEXT, "--quick", "--out", "r"], "tpu"),
+    # demo
+    (["demo", *NO_MODEL, *TEXT, "--quick", "--out", "d"], "{missing}"),
+    (["demo", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{existing}"], "--overwrite"),
+    (["demo", "--model", "{llama}", "--device", "cuda", *TEXT, "--quick", "--out", "d"], "cuda"),
+]
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("bad_input")
+    paths = {
+        "llama": save_tiny("llama", root / "llama"),  # 4 query heads, 2 KV heads, 64 positions
+        "mha": save_tiny("llama_mha", root / "mha"),
+        "gpt2": save_tiny("gpt2", root / "gpt2"),
+        "missing": root / "no-such-thing",
+        "text": root / "sample.txt",
+        "existing": root / "existing",
+        "badmask": root / "mask.csv",
+        "othertable": root / "other.csv",
+        "emptydir": root / "empty",
+    }
+    paths["text"].write_text(SAMPLE_TEXT)
+    paths["existing"].mkdir()
+    (paths["existing"] / "keep.txt").write_text("an earlier result")
+    paths["badmask"].write_text("layer,head\n0,1\n")  # no gate column
+    # An importance table of a 3-layer, 2-head model: does not match the tiny 2-layer, 4-head llama.
+    pd.DataFrame([{"layer": layer, "head": head, "importance": 0.5} for layer in range(3) for head in range(2)]).to_csv(
+        paths["othertable"], index=False
+    )
+    paths["emptydir"].mkdir()
+    (paths["emptydir"] / "notes.txt").write_text("no tables here")
+    return {name: str(path) for name, path in paths.items()}
+
+
+def _listing(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+@pytest.mark.parametrize(("args", "fragment"), CASES, ids=[f"{c[0][0]}-{i}" for i, c in enumerate(CASES)])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(args, fragment, inputs, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # "cuda" must be unavailable even on a GPU machine
+    args = [a.format(**inputs) for a in args]
+    fragment = fragment.format(**inputs)
+    inputs_root = Path(inputs["llama"]).parent
+    before = (_listing(tmp_path), _listing(inputs_root))
+    code, out, err = run_cli(args, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert out == ""
+    assert len(lines) == 1 and err.startswith("headlab"), err  # no progress bar started before the check
+    assert "Traceback" not in err
+    assert fragment in lines[0], lines[0]
+    assert (_listing(tmp_path), _listing(inputs_root)) == before
+
+
+# ---- fuzzing the score and mask readers -------------------------------------------------------------------------
+
+FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def layers(inputs):
+    return load_model(inputs["llama"], device="cpu").layers  # 2 layers x 4 heads
+
+
+CELL = st.one_of(
+    st.integers(-2, 5),
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.sampled_from(["", "x", "1.0", "nan", "inf", "-0", "2e0"]),
+)
+
+
+def _row(layer, head, value):
+    return {"layer": layer, "head": head, "importance": value}
+
+
+FULL = [(layer, head) for layer in range(2) for head in range(4)]
+TABLES = st.one_of(
+    # the right pairs, random values (valid whenever the values are finite numbers)
+    st.lists(st.floats(allow_nan=True, allow_infinity=True), min_size=8, max_size=8).map(
+        lambda values: [_row(a, b, v) for (a, b), v in zip(FULL, values)]
+    ),
+    # random rows: wrong, duplicate, out-of-range or non-integer cells
+    st.lists(st.fixed_dictionaries({"layer": CELL, "head": CELL, "importance": CELL}), max_size=10),
+    # the right table with a column renamed, dropped or added
+    st.tuples(
+        st.sampled_from(["drop-layer", "drop-importance", "rename-score", "extra", "floats"]), st.integers(0, 7)
+    ).map(lambda edit: _edited(*edit)),
+)
+
+
+def _edited(kind, index):
+    rows = [_row(a, b, 0.1 * i) for i, (a, b) in enumerate(FULL)]
+    for row in rows:
+        if kind == "drop-layer":
+            del row["layer"]
+        elif kind == "drop-importance":
+            del row["importance"]
+        elif kind == "rename-score":
+            row["score"] = row.pop("importance")
+        elif kind == "extra":
+            row["kv_head"] = "?"
+    if kind == "floats":
+        rows[index]["head"] = rows[index]["head"] + 0.5
+    return rows
+
+
+def _expected_scores(rows):
+    """The reference reading: exactly the model's 8 (layer, head) pairs, integer-valued, finite values; else None."""
+    if not rows:
+        return None
+    column = "importance" if "importance" in rows[0] else "score" if "score" in rows[0] else None
+    if column is None or "layer" not in rows[0] or "head" not in rows[0]:
+        return None
+    got, result = [], [[None] * 4 for _ in range(2)]
+    for row in rows:
+        try:
+            layer, head, value = float(row["layer"]), float(row["head"]), float(row[column])
+        except (TypeError, ValueError):
+            return None
+        if not (math.isfinite(layer) and math.isfinite(head) and layer.is_integer() and head.is_integer()):
+            return None
+        if not math.isfinite(value):
+            return None
+        got.append((int(layer), int(head)))
+        if (int(layer), int(head)) in FULL:
+            result[int(layer)][int(head)] = value
+    if len(set(got)) != len(got) or set(got) != set(FULL):
+        return None
+    return result
+
+
+def _check_one_line(error):
+    assert "\n" not in str(error) and str(error).strip()
+
+
+@FUZZ
+@given(rows=TABLES)
+def test_fuzzed_score_tables(rows, layers, tmp_path_factory):
+    path = tmp_path_factory.mktemp("scores") / "scores.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    rows = pd.read_csv(path).to_dict("records") if path.stat().st_size > 1 else []  # what the file really says
+    expected = _expected_scores(rows)
+    try:
+        scores = read_scores(path, layers)
+    except HeadlabError as error:
+        _check_one_line(error)
+        assert expected is None, (rows, str(error))
+        event("rejected")
+        return
+    event("accepted")
+    assert expected is not None, rows
+    assert [s.tolist() for s in scores] == expected
+
+
+@FUZZ
+@given(content=st.binary(max_size=300))
+def test_fuzzed_score_bytes(content, layers, tmp_path_factory):
+    path = tmp_path_factory.mktemp("scores") / "scores.csv"
+    path.write_bytes(content)
+    try:
+        scores = read_scores(path, layers)
+    except HeadlabError as error:
+        _check_one_line(error)
+        return
+    assert [len(s) for s in scores] == [4, 4] and all(torch.isfinite(s).all() for s in scores)
+
+
+def _expected_gates(rows):
+    """Reference mask reading: listed heads take their gate, the rest 1; any bad row -> None."""
+    gates = [[1.0] * 4 for _ in range(2)]
+    if rows and not {"layer", "head", "gate"} <= set(rows[0]):
+        return None
+    seen = set()
+    for row in rows:
+        try:
+            layer, head, gate = float(row["layer"]), float(row["head"]), float(row["gate"])
+        except (TypeError, ValueError):
+            return None
+        if not (math.isfinite(layer) and math.isfinite(head) and layer.is_integer() and head.is_integer()):
+            return None
+        layer, head = int(layer), int(head)
+        if not (0 <= layer < 2 and 0 <= head < 4) or not math.isfinite(gate) or (layer, head) in seen:
+            return None
+        seen.add((layer, head))
+        gates[layer][head] = float(torch.tensor(gate, dtype=torch.float32))
+    return gates
+
+
+MASKS = st.one_of(
+    st.lists(st.fixed_dictionaries({"layer": CELL, "head": CELL, "gate": CELL}), min_size=1, max_size=10),
+    st.lists(st.tuples(st.integers(0, 1), st.integers(0, 3), st.floats(-2, 2, width=32)), min_size=1, max_size=8).map(
+        lambda rows: [{"layer": a, "head": b, "gate": g} for a, b, g in rows]
+    ),
+    st.lists(st.fixed_dictionaries({"layer": CELL, "gate": CELL, "extra": CELL}), min_size=1, max_size=4),
+)
+
+
+@FUZZ
+@given(rows=MASKS)
+def test_fuzzed_mask_tables(rows, layers, tmp_path_factory):
+    path = tmp_path_factory.mktemp("mask") / "mask.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    rows = pd.read_csv(path).to_dict("records")
+    expected = _expected_gates(rows)
+    try:
+        gates = read_mask(path, layers)
+    except HeadlabError as error:
+        _check_one_line(error)
+        assert expected is None, (rows, str(error))
+        event("rejected")
+        return
+    event("accepted")
+    assert expected is not None, rows
+    assert [g.tolist() for g in gates] == expected
+
+
+@FUZZ
+@given(content=st.binary(max_size=300))
+def test_fuzzed_mask_bytes(content, layers, tmp_path_factory):
+    path = tmp_path_factory.mktemp("mask") / "mask.csv"
+    path.write_bytes(content)
+    try:
+        gates = read_mask(path, layers)
+    except HeadlabError as error:
+        _check_one_line(error)
+        return
+    assert [len(g) for g in gates] == [4, 4] and all(torch.isfinite(g).all() for g in gates)
+
+
+# ---- --seed determinism -----------------------------------------------------------------------------------------
+
+
+def _run(args, capsys):
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+
+
+def test_seed_makes_stats_and_importance_deterministic(inputs, tmp_path, capsys):
+    base = ["--model", inputs["llama"], "--device", "cpu", "--data", inputs["text"], "--seq-len", "32"]
+    stats = [*base, "--max-tokens", "128", "--induction-len", "8", "--induction-count", "2"]
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        _run(["stats", *stats, "--seed", str(seed), "--out", tmp_path / f"stats-{name}"], capsys)
+    for table in ("stats.csv", "stats_wide.csv"):
+        assert (tmp_path / "stats-a" / table).read_bytes() == (tmp_path / "stats-b" / table).read_bytes()
+    induction = []
+    for name in "ac":
+        frame = pd.read_csv(tmp_path / f"stats-{name}" / "stats.csv")
+        induction.append(frame[frame["statistic"] == "induction"]["value"].reset_index(drop=True))
+    assert len(induction[0]) == 8 and not induction[0].equals(induction[1])  # another seed, other random tokens
+
+    for name in ("a", "b"):
+        _run(["importance", *base, "--max-tokens", "128", "--out", tmp_path / f"imp-{name}"], capsys)
+    assert (tmp_path / "imp-a" / "importance.csv").read_bytes() == (tmp_path / "imp-b" / "importance.csv").read_bytes()
+
+
+def test_seed_makes_random_sweep_deterministic(inputs, tmp_path, capsys):
+    base = ["--model", inputs["llama"], "--device", "cpu", "--data", inputs["text"], "--seq-len", "32"]
+    args = [*base, "--max-tokens", "64", "--orders", "random", "--fractions", "0.25,0.5", "--mode", "mask"]
+    for name, seeds in (("a", "3"), ("b", "3"), ("c", "4")):
+        _run(["sweep", *args, "--seeds", seeds, "--out", tmp_path / name], capsys)
+    # Every column but the measured speed (tokens_per_s, wall-clock by nature) must match to the byte.
+    a, b, c = (_untimed(pd.read_csv(tmp_path / n / "sweep.csv")) for n in "abc")
+    assert a.to_csv(index=False) == b.to_csv(index=False)
+    assert len(a) == 2 and set(a["order"]) == {"random"}
+    assert not a.drop(columns="seed").equals(c.drop(columns="seed"))  # seed 4 prunes other heads than seed 3
+
+
+def _untimed(frame: pd.DataFrame) -> pd.DataFrame:
+    return frame.drop(columns=[c for c in frame.columns if c.endswith("per_s") or "seconds" in c])
