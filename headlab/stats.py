@@ -324,6 +324,13 @@ def head_statistics(
     if tokens == 0:
         raise HeadlabError("no tokens to collect statistics on")
     means = collector.means()
+    # Entropy is defined for every head whenever any token was seen: a NaN/inf there means the attention itself
+    # overflowed (typically float16), not a missing statistic.
+    if not all(bool(torch.isfinite(values["entropy"][0]).all()) for values in means.values() if "entropy" in values):
+        raise HeadlabError(
+            f"attention statistics are not finite with {str(loaded.dtype).removeprefix('torch.')} "
+            "(overflow?); try --dtype bfloat16 or float32"
+        )
 
     induction_meta = None
     if induction:

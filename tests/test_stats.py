@@ -401,3 +401,18 @@ def test_embedded_model_statistics():
     assert wide["sink_first"].between(0, 1 + 1e-6).all() and wide["induction"].notna().all()
     # SmolLM2 has strong first-token sinks and at least one previous-token head: coarse sanity, not a tuned value.
     assert wide["sink_first"].max() > 0.5 and wide["prev_share"].max() > 0.5
+
+
+def test_non_finite_attention_is_reported_not_written():
+    """A float16-style overflow (inf in the queries) gives a clear error instead of NaN statistics."""
+    from headlab.errors import HeadlabError
+    from headlab.loading import from_model
+
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.fill_(float("inf"))
+    inputs = tiny_inputs("llama")
+    with pytest.raises(HeadlabError, match="not finite"):
+        head_statistics(
+            from_model(model), [(inputs["input_ids"], inputs["attention_mask"])], induction=False, progress=False
+        )
