@@ -1,0 +1,131 @@
+"""Long inputs: peak memory of `head_statistics` on one 8,192-token window of the embedded model against a plain
+forward of the same length, each in a fresh subprocess (resident-set growth on CPU, peak allocation on CUDA)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TITLE = "Long inputs: `head_statistics` on one 8,192-token window against a plain forward"
+TOKENS = 8192
+
+
+def _child(mode: str, device: str) -> None:
+    """One measurement: load, warm up, then run `mode` (plain forward or head_statistics with one window of TOKENS
+    tokens, batch 1, induction off) while sampling the resident set every millisecond; prints JSON."""
+    import threading
+
+    from stats import _rss
+
+    from headlab.data import calibration_batches
+    from headlab.loading import load_model
+    from headlab.stats import head_statistics
+
+    loaded = load_model(None, device=device)
+    batches = calibration_batches(
+        loaded.tokenizer, None, seq_len=TOKENS, batch_size=1, max_tokens=TOKENS, max_positions=loaded.max_positions
+    )
+    windows = list(batches)
+    input_ids, attention_mask = windows[0][0], windows[0][1]  # [1, T]
+    ids, mask = input_ids.to(loaded.device), attention_mask.to(loaded.device)
+    with torch.no_grad():
+        loaded.model(input_ids=ids[:, :16], attention_mask=mask[:, :16])  # warm the allocator and kernels
+    cuda = loaded.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(loaded.device)
+    before, peak, done = _rss(), [0], threading.Event()
+    allocated = torch.cuda.memory_allocated(loaded.device) if cuda else 0
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    start = time.perf_counter()
+    if mode == "plain":
+        with torch.no_grad():
+            loaded.model(input_ids=ids, attention_mask=mask)
+        tokens = int(mask.sum())
+    else:
+        table = head_statistics(
+            loaded,
+            [(input_ids, attention_mask)],
+            seq_len=TOKENS,
+            batch_size=1,
+            max_tokens=TOKENS,
+            induction=False,
+            progress=False,
+        )
+        tokens = int(table.attrs["meta"].get("tokens", int(attention_mask.sum())))
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    peak[0] = max(peak[0], _rss())
+    result = {"tokens": tokens, "seconds": seconds, "baseline": before, "peak": peak[0], "growth": peak[0] - before}
+    if cuda:
+        result["cuda_growth"] = torch.cuda.max_memory_allocated(loaded.device) - allocated
+    print(json.dumps(result))
+
+
+def _measure(mode: str, device: str) -> dict:
+    here = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import long_context; long_context._child({mode!r}, {device!r})"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def run(args) -> dict:
+    runs = {mode: _measure(mode, args.device) for mode in ("plain", "stats")}
+    key = "cuda_growth" if "cuda_growth" in runs["plain"] else "growth"
+    config_bytes = 30 * 9 * TOKENS * TOKENS * 4
+    return {
+        "device": args.device,
+        "tokens": runs["plain"]["tokens"],
+        "runs": runs,
+        "memory_key": key,
+        "memory_ratio": runs["stats"][key] / runs["plain"][key],
+        "all_maps_bytes": config_bytes,
+    }
+
+
+def markdown(r: dict) -> str:
+    mib = 2**20
+    p, s = r["runs"]["plain"], r["runs"]["stats"]
+    what = "peak CUDA allocation growth" if r["memory_key"] == "cuda_growth" else "peak resident-set growth"
+    key = r["memory_key"]
+    return "\n".join(
+        [
+            f"Embedded model, float32, device {r['device']}, batch 1 x {r['tokens']:,} tokens (one calibration window, "
+            "`seq_len` = `max_tokens` = 8192, induction off), each run in a fresh process, measured once. Memory is "
+            f"the {what} over the loaded model.",
+            "",
+            f"| run | {what} (MiB) | seconds |",
+            "|---|---|---|",
+            f"| plain sdpa forward | {p[key] / mib:.0f} | {p['seconds']:.1f} |",
+            f"| `head_statistics` (chunked maps) | {s[key] / mib:.0f} | {s['seconds']:.1f} |",
+            "",
+            f"Ratio: **{r['memory_ratio']:.2f}x**. Materialising every attention map of this length at once (what "
+            "eager attention with output_attentions does) would take 30 layers x 9 heads x 8192^2 x 4 bytes = "
+            f"{r['all_maps_bytes'] / 1e9:.0f} GB; headlab keeps one query chunk of one layer at a time.",
+        ]
+        + (
+            []
+            if r["device"] != "cpu"
+            else [
+                "",
+                "The plain forward's growth is about one layer's score matrix, 9 heads x 8192^2 x 4 bytes = 2.4 GB (2,304 "
+                "MiB), which CPU sdpa can materialise; headlab's chunked statistics stay at or below it. One measurement "
+                "on a shared 2-core CPU (load average about 4.5): the seconds are indicative only.",
+            ]
+        )
+    )
