@@ -39,7 +39,10 @@ class AttentionChunk:
     start: int  # absolute index of the first query row
     query_valid: torch.Tensor  # [B, c] bool: the query is a real (non-padding) token
     token_valid: torch.Tensor  # [B, Tk] bool: the key is a real token
-    log_probs: torch.Tensor | None = None  # [B, H, c, Tk] ln probs (very negative, finite, where not visible)
+    # [B, H, c, Tk] the logits the softmax saw (finfo.min where not visible): with them ln p = scores - lse, so
+    # entropy needs no second exponential pass over the chunk.
+    scores: torch.Tensor | None = None
+    sinks: bool = False  # learned sink logits took part in the softmax (rows sum to less than 1)
 
     @property
     def rows(self) -> torch.Tensor:
@@ -163,16 +166,14 @@ class AttentionCapture:
                 scores.masked_fill_(hidden[..., start:stop, :end], torch.finfo(torch.float32).min)  # in place
                 if sinks is not None:
                     sink = sinks.float().reshape(1, H, 1, 1).expand(B, H, c, 1)
-                    log_probs = torch.log_softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+                    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, H, c, Tk']
                 else:
-                    log_probs = torch.log_softmax(scores, dim=-1)  # [B, H, c, Tk']
-                del scores
-                probs = log_probs.exp()  # [B, H, c, Tk']
+                    probs = torch.softmax(scores, dim=-1)  # [B, H, c, Tk']
                 if exact:
                     v = value.float()[:, :, None, :end]  # [B, G, 1, Tk', D]
                     out = probs.to(value.dtype).float().reshape(B, G, R, c, end) @ v  # [B, G, R, c, D]
                     outputs.append(out.reshape(B, H, c, D).to(value.dtype))
-                    probs, log_probs = probs.detach(), log_probs.detach()
+                    probs, scores = probs.detach(), scores.detach()
                 if Tq == Tk:
                     chunk = AttentionChunk(
                         layer,
@@ -181,7 +182,8 @@ class AttentionCapture:
                         start,
                         query_valid[:, start:stop],
                         token_valid[:, :end],
-                        log_probs,
+                        scores,
+                        sinks is not None,
                     )
                     with torch.no_grad():
                         self.on_chunk(chunk)

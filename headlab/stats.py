@@ -122,15 +122,22 @@ class StatisticsCollector:
         if self.induction_only:
             return
 
-        if chunk.log_probs is not None:  # einsum reduces without a [B, H, c, Tk] temporary
-            entropy = -torch.einsum("bhct,bhct->bhc", p, chunk.log_probs)  # [B, H, c]
+        confidence, argmax = p.max(-1)  # [B, H, c]
+        if chunk.scores is not None:
+            # ln A_ij = s_ij - lse_i, and lse_i = s_i,argmax - ln A_i,argmax, so -sum_j A_ij ln A_ij =
+            # lse_i sum_j A_ij - sum_j A_ij s_ij: one pass over the chunk instead of a log and an exp.
+            top = chunk.scores.gather(-1, argmax[..., None])[..., 0]  # [B, H, c]
+            lse = top - confidence.clamp_min(torch.finfo(p.dtype).tiny).log()
+            mass = p.sum(-1) if chunk.sinks else 1.0
+            entropy = lse * mass - torch.einsum("bhct,bhct->bhc", p, chunk.scores)  # [B, H, c]
+            # Padding rows see no key (all scores finfo.min): their value is meaningless and may overflow.
+            entropy = torch.where(chunk.query_valid[:, None, :], entropy, 0.0)
         else:
             entropy = -torch.special.xlogy(p, p).sum(-1)  # [B, H, c]
         self._add(layer, "entropy", entropy, w)
         num_visible = visible.sum(-1)  # [B, c]
         normalizer = num_visible.clamp(min=2).float().log()  # [B, c]
         self._add(layer, "normalized_entropy", entropy / normalizer[:, None], w * (num_visible > 1).float())
-        confidence, argmax = p.max(-1)  # [B, H, c]
         self._add(layer, "confidence", confidence, w)
 
         expand = rows.expand(B, c)  # [B, c]
