@@ -45,6 +45,8 @@ class Settings:
     seeds: tuple[int, ...] = (0, 1)
     groupings: tuple[str, ...] = ("contiguous", "similarity")
     pools: tuple[str, ...] = ("mean",)
+    # mean pooling (Ainslie et al.) beside the calibrated merge (headlab.merge), so the report shows both
+    methods: tuple[str, ...] = ("mean", "svd")
     gallery_heads: int = 3
 
 
@@ -284,6 +286,7 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             **common,
             grouping=s.groupings,
             pool=s.pools,
+            method=s.methods,
             max_tokens=s.eval_tokens,
             calib_tokens=s.calibration_tokens,
             **size,
@@ -465,6 +468,7 @@ def run_report(
                 loaded,
                 groupings=s.groupings,
                 pools=s.pools,
+                methods=s.methods,
                 corpus=data,
                 text_column=text_column,
                 max_tokens=s.eval_tokens,
@@ -654,8 +658,8 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
             Section(
                 "KV heads: GQA conversion",
                 [
-                    "Perplexity against measured KV-cache bytes per token; pooled by averaging (Ainslie et al. 2023), "
-                    "no uptraining."
+                    "Perplexity against measured KV-cache bytes per token; pool mean: KV heads averaged (Ainslie et "
+                    "al. 2023); pool svd: the calibrated, training-free merge (`--method svd`); no uptraining."
                 ],
                 [("gqa sweep", gqa_table[[c for c in columns if c in gqa_table]])],
                 [figure["gqa_sweep"]] if "gqa_sweep" in figure else [],
