@@ -1,4 +1,21 @@
-"""Small text formatting shared by the CLI and the reports."""
+"""Small text parsing and formatting shared by the CLI, the scripts and the reports."""
+
+from headlab.errors import HeadlabError
+
+
+def parse_list(text: str, cast, name: str, allowed=None) -> list:
+    """`"a,b,c"` -> [cast(a), cast(b), cast(c)]; an empty list, an unreadable value or one outside `allowed` is an
+    error naming the option --name."""
+    try:
+        values = [cast(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise HeadlabError(f"--{name}: cannot read {text!r}; give comma-separated values") from None
+    if not values:
+        raise HeadlabError(f"--{name} is empty")
+    unknown = [v for v in values if allowed is not None and v not in allowed]
+    if unknown:
+        raise HeadlabError(f"--{name}: unknown {unknown}; use some of {', '.join(map(str, allowed))}")
+    return values
 
 
 def human_bytes(n: float) -> str:

@@ -45,16 +45,6 @@ class SweepResult:
     meta: dict = field(default_factory=dict)
 
 
-def parse_list(text: str, cast, name: str) -> list:
-    try:
-        values = [cast(v.strip()) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise HeadlabError(f"--{name}: cannot read {text!r}; give comma-separated values") from None
-    if not values:
-        raise HeadlabError(f"--{name} is empty")
-    return values
-
-
 def check_sweep(fractions, orders, seeds) -> None:
     bad = [f for f in fractions if not 0 <= f < 1]
     if bad:

@@ -24,6 +24,7 @@ from headlab import gqa
 from headlab.errors import HeadlabError
 from headlab.loading import DEFAULT_MODEL, load_model
 from headlab.plots import figure_bytes, plot_gqa_sweep, plot_study
+from headlab.report_text import parse_list
 from headlab.tables import check_out, write_run
 
 
@@ -52,18 +53,10 @@ def slug(spec: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", spec.strip("/")).strip("_") or "model"
 
 
-def _names(text: str, allowed, what: str) -> tuple[str, ...]:
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    bad = [n for n in names if n not in allowed]
-    if bad or not names:
-        raise HeadlabError(f"--{what}: unknown {bad or 'empty list'}; use some of {', '.join(allowed)}")
-    return names
-
-
 def main(argv=None) -> Path:
     args = arguments(argv)
-    groupings = _names(args.groupings, gqa.GROUPINGS, "groupings")
-    pools = _names(args.pools, gqa.POOLS, "pools")
+    groupings = tuple(parse_list(args.groupings, str, "groupings", gqa.GROUPINGS))
+    pools = tuple(parse_list(args.pools, str, "pools", gqa.POOLS))
     check_out(args.out, args.overwrite)
     tables, runs, skipped = [], {}, {}
     for spec in args.models:

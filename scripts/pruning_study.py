@@ -22,7 +22,8 @@ import pandas as pd
 from headlab.errors import HeadlabError
 from headlab.loading import DEFAULT_MODEL, load_model
 from headlab.plots import plot_study
-from headlab.sweep import DEFAULT_FRACTIONS, check_sweep, parse_list, sweep, write_sweep
+from headlab.report_text import parse_list
+from headlab.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, write_sweep
 from headlab.tables import check_out, write_run
 
 

@@ -6,18 +6,8 @@ from __future__ import annotations
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.errors import HeadlabError
 from headlab.gqa import GROUPINGS, METHODS, POOLS, run_sweep
-from headlab.report_text import human_bytes
-
-
-def _list(text: str | None, cast=str):
-    if text is None:
-        return None
-    try:
-        return [cast(part.strip()) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise HeadlabError(f"cannot read the list {text!r}") from None
+from headlab.report_text import human_bytes, parse_list
 
 
 @click.command("gqa-sweep")
@@ -70,10 +60,10 @@ def command(
         load(),
         out,
         overwrite=overwrite,
-        kv_heads=_list(kv_heads, int),
-        groupings=tuple(_list(grouping)),
-        pools=tuple(_list(pool)),
-        methods=tuple(_list(method)),
+        kv_heads=None if kv_heads is None else parse_list(kv_heads, int, "kv-heads"),
+        groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
+        pools=tuple(parse_list(pool, str, "pool", POOLS)),
+        methods=tuple(parse_list(method, str, "method", METHODS)),
         corpus=data,
         text_column=text_column,
         part=part,

@@ -8,7 +8,8 @@ import click
 
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.prune import UNITS
-from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, parse_list, sweep, write_sweep
+from headlab.report_text import parse_list
+from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, sweep, write_sweep
 
 
 @click.command("sweep")
