@@ -38,6 +38,58 @@ def median_time(function, repeats: int, warmup: int = 1) -> tuple[float, list[fl
     return statistics.median(times), times
 
 
+class PeakMemory:
+    """Peak memory while the block runs, above what the process held when it started: on CPU the resident set
+    sampled every millisecond from /proc/self/statm (ru_maxrss cannot be used: loading a model peaks higher than a
+    forward); on CUDA the allocator's peak. `extra` is the growth in bytes."""
+
+    def __init__(self, device):
+        self.device, self.peak, self.base = device, 0, 0
+        self.kind = "cuda" if device.type == "cuda" else "rss"
+
+    @staticmethod
+    def rss() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def __enter__(self):
+        import threading
+
+        import torch
+
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return self
+        self.base = self.peak = self.rss()
+        self.running = True
+
+        def sample():
+            while self.running:
+                self.peak = max(self.peak, self.rss())
+                time.sleep(0.001)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.running = False
+            self.thread.join()
+            self.peak = max(self.peak, self.rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
 def machine() -> dict:
     import torch
     import transformers

@@ -3,8 +3,6 @@ peak memory, and how well grad and taylor rank heads like exact ablation (Spearm
 
 from __future__ import annotations
 
-import os
-import threading
 import time
 
 import torch
@@ -13,50 +11,6 @@ TITLE = "Head importance: cost of the `grad` pass, and grad / taylor against exa
 SEQ_LEN, BATCH, TIMED_TOKENS = 256, 4, 1024  # the timing: grad pass vs plain forward
 # Ablation runs one forward-pass set per head (270 here): 4 windows of 128 tokens take about 5 minutes on 2 idle cores.
 ABLATION_SEQ_LEN, ABLATION_TOKENS = 128, 512
-
-
-class PeakRSS:
-    """Peak resident memory of this process while the block runs, above what it held before (CPU), sampled every
-    5 ms from /proc/self/statm; on CUDA the allocator peak."""
-
-    def __init__(self, device):
-        self.device, self.peak, self.base = device, 0, 0
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-            return self
-        self.base = self.peak = self._rss()
-        self.running = True
-
-        def sample():
-            while self.running:
-                self.peak = max(self.peak, self._rss())
-                time.sleep(0.005)
-
-        self.thread = threading.Thread(target=sample, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self.running = False
-            self.thread.join()
-            self.peak = max(self.peak, self._rss())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.base
 
 
 def spearman(a, b) -> float:
@@ -72,7 +26,7 @@ def run(args) -> dict:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmark import median_time
+    from benchmark import PeakMemory, median_time
 
     from headlab.data import calibration_batches
     from headlab.importance import head_importance, scoring_batches
@@ -107,9 +61,9 @@ def run(args) -> dict:
         forward_times.append(median_time(forward, 1, warmup=0)[0])
         grad_times.append(median_time(grad_pass, 1, warmup=0)[0])
     forward_s, grad_s = sorted(forward_times)[len(forward_times) // 2], sorted(grad_times)[len(grad_times) // 2]
-    with PeakRSS(device) as forward_memory:
+    with PeakMemory(device) as forward_memory:
         forward()
-    with PeakRSS(device) as grad_memory:
+    with PeakMemory(device) as grad_memory:
         grad_pass()
 
     small = dict(seq_len=ABLATION_SEQ_LEN, batch_size=2, max_tokens=ABLATION_TOKENS, progress=False)

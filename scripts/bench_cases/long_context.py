@@ -18,9 +18,7 @@ TOKENS = 8192
 def _child(mode: str, device: str) -> None:
     """One measurement: load, warm up, then run `mode` (plain forward or head_statistics with one window of TOKENS
     tokens, batch 1, induction off) while sampling the resident set every millisecond; prints JSON."""
-    import threading
-
-    from stats import _rss
+    from benchmark import PeakMemory
 
     from headlab.data import calibration_batches
     from headlab.loading import load_model
@@ -36,50 +34,37 @@ def _child(mode: str, device: str) -> None:
     with torch.no_grad():
         loaded.model(input_ids=ids[:, :16], attention_mask=mask[:, :16])  # warm the allocator and kernels
     cuda = loaded.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(loaded.device)
-    before, peak, done = _rss(), [0], threading.Event()
-    allocated = torch.cuda.memory_allocated(loaded.device) if cuda else 0
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    start = time.perf_counter()
-    if mode == "plain":
-        with torch.no_grad():
-            loaded.model(input_ids=ids, attention_mask=mask)
-        tokens = int(mask.sum())
-    else:
-        table = head_statistics(
-            loaded,
-            [(input_ids, attention_mask)],
-            seq_len=TOKENS,
-            batch_size=1,
-            max_tokens=TOKENS,
-            induction=False,
-            progress=False,
-        )
-        tokens = int(table.attrs["meta"].get("tokens", int(attention_mask.sum())))
-    if cuda:
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    done.set()
-    sampler.join()
-    peak[0] = max(peak[0], _rss())
-    result = {"tokens": tokens, "seconds": seconds, "baseline": before, "peak": peak[0], "growth": peak[0] - before}
-    if cuda:
-        result["cuda_growth"] = torch.cuda.max_memory_allocated(loaded.device) - allocated
+    with PeakMemory(loaded.device) as memory:
+        start = time.perf_counter()
+        if mode == "plain":
+            with torch.no_grad():
+                loaded.model(input_ids=ids, attention_mask=mask)
+            tokens = int(mask.sum())
+        else:
+            table = head_statistics(
+                loaded,
+                [(input_ids, attention_mask)],
+                seq_len=TOKENS,
+                batch_size=1,
+                max_tokens=TOKENS,
+                induction=False,
+                progress=False,
+            )
+            tokens = int(table.attrs["meta"].get("tokens", int(attention_mask.sum())))
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    result = {"tokens": tokens, "seconds": seconds, "baseline": memory.base, "peak": memory.peak}
+    result["cuda_growth" if cuda else "growth"] = memory.extra
     print(json.dumps(result))
 
 
 def _measure(mode: str, device: str) -> dict:
     here = str(Path(__file__).resolve().parent)
-    code = f"import sys; sys.path.insert(0, {here!r}); import long_context; long_context._child({mode!r}, {device!r})"
+    code = (
+        f"import sys; sys.path[:0] = [{here!r}, {str(Path(here).parent)!r}]; import long_context; "
+        f"long_context._child({mode!r}, {device!r})"
+    )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 

@@ -4,10 +4,8 @@ reduced to the same statistics; peak memory of a long sequence, each measurement
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import torch
 
@@ -34,16 +32,11 @@ def eager_statistics(model, layers, input_ids, attention_mask):
     return collector.means()
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _peak_child(mode: str, tokens: int, device: str = "cpu") -> None:
     """Run one forward of `tokens` tokens (plain sdpa or with statistics) and print the peak resident-set growth
     over the resident set before it, sampled every millisecond (ru_maxrss cannot be used: loading the model peaks
     higher than a forward). On CUDA the growth is the allocator's peak over what the loaded model holds."""
-    import threading
+    from benchmark import PeakMemory
 
     from headlab.capture import capture_attention
     from headlab.loading import load_model
@@ -54,40 +47,23 @@ def _peak_child(mode: str, tokens: int, device: str = "cpu") -> None:
     mask = torch.ones_like(ids)
     with torch.no_grad():
         loaded.model(input_ids=ids[:, :16], attention_mask=mask[:, :16])  # warm the allocator and kernels
-    cuda = loaded.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(loaded.device)
-        allocated = torch.cuda.memory_allocated(loaded.device)
-    before, peak, done = _rss(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.001)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    with torch.no_grad():
+    with PeakMemory(loaded.device) as memory, torch.no_grad():
         if mode == "plain":
             loaded.model(input_ids=ids, attention_mask=mask)
         else:
             collector = StatisticsCollector(loaded.layers)
             with capture_attention(loaded.model, loaded.layers, collector.on_chunk, collector.on_output):
                 loaded.model(input_ids=ids, attention_mask=mask)
-    done.set()
-    sampler.join()
-    peak[0] = max(peak[0], _rss())
-    if cuda:
-        growth = torch.cuda.max_memory_allocated(loaded.device) - allocated
-        print(json.dumps({"baseline": allocated, "peak": allocated + growth, "growth": growth, "kind": "cuda"}))
-        return
-    print(json.dumps({"baseline": before, "peak": peak[0], "growth": peak[0] - before}))
+    kind = {"kind": "cuda"} if memory.kind == "cuda" else {}
+    print(json.dumps({"baseline": memory.base, "peak": memory.peak, "growth": memory.extra, **kind}))
 
 
 def _peak(mode: str, tokens: int, device: str = "cpu") -> dict:
     here = str(__file__.rsplit("/", 1)[0])
-    code = f"import sys; sys.path.insert(0, {here!r}); import stats; stats._peak_child({mode!r}, {tokens}, {device!r})"
+    code = (
+        f"import sys; sys.path[:0] = [{here!r}, {here.rsplit('/', 1)[0]!r}]; import stats; "
+        f"stats._peak_child({mode!r}, {tokens}, {device!r})"
+    )
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
