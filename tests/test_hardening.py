@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -59,7 +58,7 @@ def test_sigterm_during_save_leaves_no_partial_output(tmp_path, existing):
 def test_sigterm_during_a_real_command(tmp_path):
     """SIGTERM while `headlab eval` works: exit code 130, a one-line message, no traceback."""
     model = save_tiny("llama", tmp_path / "model")
-    (tmp_path / "big.txt").write_text("words and more words " * 20000)
+    (tmp_path / "big.txt").write_text("words and more words " * 100000)
     process = subprocess.Popen(
         [
             sys.executable,
@@ -73,16 +72,21 @@ def test_sigterm_during_a_real_command(tmp_path):
             "--seq-len",
             "64",
             "--max-tokens",
-            "400000",
+            "2000000",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
-    time.sleep(6)
+    # Signal once the progress bar shows the work has started (a fixed sleep races with a fast machine).
+    seen = b""
+    while b"perplexity" not in seen:
+        chunk = os.read(process.stderr.fileno(), 4096)
+        assert chunk, "the command ended before its progress bar appeared"
+        seen += chunk
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
+    _, rest = process.communicate(timeout=60)
+    err = (seen + rest).decode(errors="replace")
     assert process.returncode == 130, err[-500:]
     assert "Traceback" not in err and "interrupted" in err
 
