@@ -254,14 +254,40 @@ def load_model(
         raise HeadlabError(f"cannot load {spec!r}: {lines[0]}") from None
     if device_map is None:
         model.to(torch_device)
+    else:
+        # accelerate placed the layers; inputs (and every tensor made to meet them) go where the embeddings run.
+        torch_device = input_device(model)
     model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype)
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's inputs go: the device its input embeddings run on.
+
+    Under a device map (accelerate dispatch) that is the execution device of the embeddings' hook (an offloaded
+    weight sits on "meta" and is brought there for each forward); otherwise the embedding weight's device, else the
+    first parameter's. Layers on other devices get their inputs moved by their own hooks.
+    """
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a plain module, or a model class without embeddings
+        embeddings = None
+    hook = getattr(embeddings, "_hf_hook", None)
+    for part in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
+        device = getattr(part, "execution_device", None)
+        if device is not None:
+            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
+    return next(model.parameters()).device
+
+
 def from_model(model: nn.Module, tokenizer=None, spec: str = "in-memory") -> LoadedModel:
-    """Wrap a model already in memory (tests, notebooks) so every headlab function can take it."""
+    """Wrap a model already in memory (tests, notebooks) so every headlab function can take it; `device` is where
+    its inputs go (`input_device`), also for a model dispatched over several devices by accelerate."""
     adapter = adapter_for(model)
-    parameter = next(model.parameters())
-    return LoadedModel(model.eval(), tokenizer, adapter, spec, spec, parameter.device, parameter.dtype)
+    dtype = next(model.parameters()).dtype
+    return LoadedModel(model.eval(), tokenizer, adapter, spec, spec, input_device(model), dtype)
