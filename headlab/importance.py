@@ -97,7 +97,7 @@ def sequence_nll(model, batch: ScoringBatch, device) -> torch.Tensor:
     """Summed NLL per sequence, L(x) = sum_t -log p(label_t), [B] in float32 (float64 for a float64 model)."""
     logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
     B, T, V = logits.shape
-    labels = batch.labels.to(device)
+    labels = batch.labels.to(logits.device)  # under a device map the logits may live off the input device
     logits = logits.reshape(B * T, V).to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
     nll = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="none")
     return nll.view(B, T).sum(1)  # [B]
@@ -171,11 +171,12 @@ def _gradient_pass(
                     scores[l] += g.detach().to(dtype).abs().sum(0)
             else:
                 # d sum_b L(x_b) / dy with y = xi * ctx the gated o_proj input: ctx_h^T dL/dctx_h = y_h^T dL/dy_h.
-                valid = batch.attention_mask.to(device).bool()  # [B, T]
+                valid = batch.attention_mask.bool()  # [B, T]
                 for l, (y, gy) in enumerate(zip(outputs, grads)):
                     H = base[l].shape[0]
                     per_token = (y.detach().to(dtype) * gy.to(dtype)).unflatten(-1, (H, -1)).sum(-1)  # [B, T, H]
-                    scores[l] += per_token.abs()[valid].sum(0).cpu()
+                    # y lives on its layer's device (device maps spread layers); the accumulator on the gates'.
+                    scores[l] += per_token.abs()[valid.to(y.device)].sum(0).to(scores[l].device)
             total += batch.scored
     # torchrun: each process scored its share of the batches; the sums add up to one process's.
     for s in scores:

@@ -99,7 +99,8 @@ class StatisticsCollector:
         """Accumulate values [B, H, c] over rows weighted by weights [B, c] (0/1)."""
         total = (values * weights[:, None, :]).sum((0, 2)).double()  # [H]
         sums = self.sums[layer]
-        sums[name] = sums[name] + total if name in sums else total
+        # A layer's sums stay on the device of its first chunk (device maps put layers on different devices).
+        sums[name] = sums[name] + total.to(sums[name].device) if name in sums else total
         self.counts[layer][name] = self.counts[layer].get(name, 0.0) + float(weights.sum())
 
     def on_chunk(self, chunk: AttentionChunk) -> None:
