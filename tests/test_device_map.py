@@ -1,0 +1,122 @@
+"""Device maps (accelerate dispatch, one process): a model whose embeddings, some decoder layers and the LM head are
+offloaded to disk (hooks stream their weights in per forward) gives the numbers of the same model loaded plainly.
+
+Without a GPU every execution device is the CPU, so these tests prove the hook path (capture, gates, offloaded
+weights, input placement); the cross-device moves themselves are checked where a second device can be faked (meta).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
+
+from headlab.evaluate import perplexity
+from headlab.importance import ScoringBatch, head_importance, sequence_nll
+from headlab.loading import from_model, input_device, load_model
+from headlab.stats import head_statistics
+
+# Embeddings, the middle layer and the LM head on disk; the other layers on the CPU.
+DEVICE_MAP = {
+    "model.embed_tokens": "disk",
+    "model.layers.0": "cpu",
+    "model.layers.1": "disk",
+    "model.layers.2": "cpu",
+    "model.norm": "cpu",
+    "model.rotary_emb": "cpu",
+    "lm_head": "disk",
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(plain, dispatched, corpus path): one tiny 3-layer llama checkpoint loaded twice."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("device_map")
+    directory = save_tiny("llama", root / "model", num_hidden_layers=3)
+    corpus = root / "sample.txt"
+    corpus.write_text(SAMPLE_TEXT)
+    plain = load_model(str(directory), device="cpu")
+    model = AutoModelForCausalLM.from_pretrained(
+        directory,
+        device_map=DEVICE_MAP,
+        offload_folder=root / "offload",
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+    )
+    dispatched = from_model(model, AutoTokenizer.from_pretrained(directory))
+    return plain, dispatched, str(corpus)
+
+
+def test_the_model_is_really_dispatched_with_offloaded_weights(models):
+    _, dispatched, _ = models
+    model = dispatched.model
+    assert model.hf_device_map == DEVICE_MAP
+    # Offloaded weights wait on meta; accelerate's hooks bring them to the execution device (the CPU) per forward.
+    assert model.model.layers[1].self_attn.o_proj.weight.device.type == "meta"
+    assert model.get_input_embeddings().weight.device.type == "meta"
+    assert hasattr(model.get_input_embeddings(), "_hf_hook")
+    # Inputs go to where the embeddings run, not to the meta device of their offloaded weight.
+    assert input_device(model) == torch.device("cpu") and dispatched.device == torch.device("cpu")
+
+
+def test_perplexity_equals_the_plain_model(models):
+    plain, dispatched, corpus = models
+    kwargs = dict(seq_len=32, stride=16, batch_size=2, max_tokens=512, progress=False)
+    a, b = perplexity(plain, corpus, **kwargs), perplexity(dispatched, corpus, **kwargs)
+    assert b.scored_tokens == a.scored_tokens > 100
+    assert b.nll == pytest.approx(a.nll, rel=1e-5)
+
+
+def test_head_statistics_equal_the_plain_model(models):
+    plain, dispatched, corpus = models
+    kwargs = dict(data=corpus, seq_len=32, batch_size=2, max_tokens=256, induction_len=8, induction_count=2)
+    a = head_statistics(plain, progress=False, **kwargs)
+    b = head_statistics(dispatched, progress=False, **kwargs)
+    assert a[["layer", "head", "statistic"]].equals(b[["layer", "head", "statistic"]])
+    assert a["value"].notna().sum() > 100  # real numbers, not NaN everywhere
+    assert b["value"].to_numpy() == pytest.approx(a["value"].to_numpy(), rel=1e-5, abs=1e-7, nan_ok=True)
+    assert b.attrs["meta"]["tokens"] == a.attrs["meta"]["tokens"]
+
+
+@pytest.mark.parametrize("method", ["grad", "taylor", "ablation"])
+def test_importance_equals_the_plain_model(models, method):
+    plain, dispatched, corpus = models
+    kwargs = dict(method=method, data=corpus, seq_len=32, batch_size=2, max_tokens=128, progress=False)
+    a, b = head_importance(plain, **kwargs), head_importance(dispatched, **kwargs)
+    raw_a, raw_b = a.table["importance_raw"].to_numpy(), b.table["importance_raw"].to_numpy()
+    assert (raw_a != 0).all()  # every head scored, so equality is not trivial
+    assert raw_b == pytest.approx(raw_a, rel=1e-5, abs=1e-9)
+    # The gates were removed and the offloaded weights went back to disk.
+    o_proj = dispatched.model.model.layers[1].self_attn.o_proj
+    assert not o_proj._forward_pre_hooks and o_proj.weight.device.type == "meta"
+
+
+def test_sequence_nll_moves_labels_to_the_logits_device():
+    """Under a device map the logits come from the last layer's device: a fake model whose logits live on meta
+    (a second device on a CPU-only machine) must get its labels there too."""
+
+    class LogitsOnMeta(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            B, T = input_ids.shape
+            return type("Output", (), {"logits": torch.empty(B, T, 11, device="meta")})
+
+    ids = torch.randint(0, 11, (2, 5))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    nll = sequence_nll(LogitsOnMeta(), ScoringBatch(ids, torch.ones_like(ids), labels), torch.device("cpu"))
+    assert nll.device.type == "meta" and nll.shape == (2,)
+
+
+def test_cli_eval_with_device_map_auto_equals_without(models, tmp_path, capsys):
+    plain, _, corpus = models
+    args = ["eval", "--model", plain.source, "--data", corpus, "--seq-len", "32", "--device", "cpu", "--json"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    code_map, out_map, err_map = run_cli([*args, "--device-map", "auto"], capsys)
+    assert code_map == 0, err_map
+    without, with_map = json.loads(out), json.loads(out_map)
+    assert with_map["device"] == "cpu" and with_map["scored_tokens"] == without["scored_tokens"]
+    assert with_map["perplexity"] == pytest.approx(without["perplexity"], rel=1e-5)
