@@ -120,3 +120,19 @@ def test_cli_eval_with_device_map_auto_equals_without(models, tmp_path, capsys):
     without, with_map = json.loads(out), json.loads(out_map)
     assert with_map["device"] == "cpu" and with_map["scored_tokens"] == without["scored_tokens"]
     assert with_map["perplexity"] == pytest.approx(without["perplexity"], rel=1e-5)
+
+
+def test_input_device_prefers_the_embeddings_execution_device():
+    """A GPU dispatch as accelerate records it (execution_device an index or a name, one hook or a SequentialHook),
+    faked on the hook attribute because init_hook would move the weights to a GPU this machine lacks."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_model
+
+    model = tiny_model("llama")
+    embeddings = model.get_input_embeddings()
+    assert input_device(model) == torch.device("cpu")  # no hook: the embedding weight's device
+    embeddings._hf_hook = SimpleNamespace(execution_device=0)
+    assert input_device(model) == torch.device("cuda", 0)
+    embeddings._hf_hook = SimpleNamespace(hooks=[SimpleNamespace(), SimpleNamespace(execution_device="cuda:1")])
+    assert input_device(model) == torch.device("cuda", 1)
