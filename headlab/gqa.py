@@ -81,6 +81,18 @@ def check_kv_heads(num_heads: int, num_kv_heads: int, kv_heads: int) -> str:
 # ---- grouping ----------------------------------------------------------------------------------------------------
 
 
+def check_direction(direction: str, action: str, num_heads: int, num_kv_heads: int, kv_heads: int) -> None:
+    """convert-gqa ("pool") refuses more KV heads than the model has, expand-kv ("expand") fewer or the same."""
+    G = num_kv_heads
+    if direction == "pool" and action == "expand":
+        raise HeadlabError(f"--kv-heads {kv_heads} is more than the model's {G} KV heads; use `headlab expand-kv`")
+    if direction == "expand" and action == "pool":
+        raise HeadlabError(f"--kv-heads {kv_heads} is fewer than the model's {G} KV heads; use `headlab convert-gqa`")
+    if direction == "expand" and action == "keep":
+        # Expanding to the current count would only copy the checkpoint (e.g. expand-kv on an MHA model).
+        raise HeadlabError(f"the model already has {G} KV heads for its {num_heads} query heads: nothing to expand")
+
+
 def contiguous_groups(num_kv_heads: int, kv_heads: int) -> list[list[int]]:
     """transformers' layout: new KV head g pools old KV heads [g*m, (g+1)*m), m = G_old / G_new."""
     m = num_kv_heads // kv_heads
@@ -529,13 +541,7 @@ def convert_checkpoint(
     layers = gqa_layers(loaded)
     H, G = layers[0].num_heads, layers[0].num_kv_heads
     action = check_kv_heads(H, G, kv_heads)
-    if direction == "pool" and action == "expand":
-        raise HeadlabError(f"--kv-heads {kv_heads} is more than the model's {G} KV heads; use `headlab expand-kv`")
-    if direction == "expand" and action == "pool":
-        raise HeadlabError(f"--kv-heads {kv_heads} is fewer than the model's {G} KV heads; use `headlab convert-gqa`")
-    if direction == "expand" and action == "keep":
-        # Expanding to the current count would only copy the checkpoint (e.g. expand-kv on an MHA model).
-        raise HeadlabError(f"the model already has {G} KV heads for its {H} query heads: nothing to expand")
+    check_direction(direction, action, H, G, kv_heads)
     if pool not in POOLS or grouping not in GROUPINGS or method not in METHODS:
         raise HeadlabError(
             f"--pool must be one of {POOLS}, --grouping one of {GROUPINGS} and --method one of {METHODS}"

@@ -263,6 +263,20 @@ def load_model(
     return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype)
 
 
+def local_checkpoint(spec: str | None) -> Path:
+    """The checkpoint directory behind `spec` without loading the model: the embedded default's safetensors cache
+    or a local directory; anything else (hub id, .gguf) is an error for the commands that read files directly."""
+    if spec is None or spec == DEFAULT_MODEL:
+        return embedded_checkpoint()
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise HeadlabError(
+        f"{spec!r} is not a local checkpoint directory with config.json; layer-by-layer conversion reads the files "
+        "directly (download a hub model first, e.g. `hf download ID --local-dir DIR`)"
+    )
+
+
 def input_device(model: nn.Module) -> torch.device:
     """Where a model's inputs go: the device its input embeddings run on.
 

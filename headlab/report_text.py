@@ -1,6 +1,11 @@
 """Small text parsing and formatting shared by the CLI, the scripts and the reports."""
 
+import re
+
 from headlab.errors import HeadlabError
+
+_BYTE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_BYTE_UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 
 
 def parse_list(text: str, cast, name: str, allowed=None) -> list:
@@ -25,3 +30,14 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
     return f"{n:.2f} TiB"
+
+
+def parse_bytes(text: str, name: str) -> int:
+    """A size as transformers' max_shard_size writes it: '5GB' -> 5 * 10^9, '512MiB' -> 512 * 2^20, '1000' -> 1000."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())
+    if not match or match.group(2) not in _BYTE_UNITS:
+        raise HeadlabError(f"--{name}: cannot read {text!r}; give a size such as 5GB or 512MiB")
+    size = int(float(match.group(1)) * _BYTE_UNITS[match.group(2)])
+    if size < 1:
+        raise HeadlabError(f"--{name} must be at least 1 byte")
+    return size

@@ -9,6 +9,7 @@ import click
 
 from headlab.checkpoint import check_checkpoint_out
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
 from headlab.gqa import GROUPINGS, METHODS, POOLS, convert_checkpoint
 from headlab.report_text import human_bytes
 
@@ -20,13 +21,15 @@ def print_summary(record: dict) -> None:
     if before and after:
         rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))
         rows.append(("scored tokens", f"{after['scored_tokens']:,}"))
-    rows.append(
-        (
-            "KV cache per token",
-            f"{human_bytes(record['measured_kv_bytes_per_token_before'])} -> "
-            f"{human_bytes(record['measured_kv_bytes_per_token_after'])} (measured from a real cache)",
+    if "measured_kv_bytes_per_token_before" in record:
+        before, after, how = (
+            record["measured_kv_bytes_per_token_before"],
+            record["measured_kv_bytes_per_token_after"],
+            "measured from a real cache",
         )
-    )
+    else:  # layer-by-layer conversion never runs the model
+        before, after, how = record["kv_bytes_per_token_before"], record["kv_bytes_per_token_after"], "arithmetic"
+    rows.append(("KV cache per token", f"{human_bytes(before)} -> {human_bytes(after)} ({how})"))
     conversion = record["conversion"]
     if conversion["action"] == "pool":
         methods = sorted(set(conversion["methods"]))
@@ -38,11 +41,55 @@ def print_summary(record: dict) -> None:
         rows.append(("layers permuted", str(conversion["permuted_layers"])))
         rows.append(("groups, layer 0", str(conversion["groups"][0])))
     check = record["verification"]
-    rows.append(("reload check", f"{check['loader']}: max |logit diff| {check['max_abs_diff']:.2e}"))
+    if "max_abs_diff" in check:
+        rows.append(("reload check", f"{check['loader']}: max |logit diff| {check['max_abs_diff']:.2e}"))
+    else:
+        rows.append(("reload check", f"{check['loader']}: {check['tensors']} tensors"))
+        rows.append(("shards", f"{len(record['shards'])} ({human_bytes(record['bytes_written'])})"))
     rows.append(("written", record["out"]))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         click.echo(f"{name:<{width}}  {value}")
+
+
+def streaming_options(function):
+    """--streaming and --max-shard-size, shared with expand-kv."""
+    function = click.option(
+        "--max-shard-size",
+        default="5GB",
+        show_default=True,
+        help="with --streaming: largest output shard (peak memory is about one shard plus one block)",
+    )(function)
+    return click.option(
+        "--streaming",
+        is_flag=True,
+        help="convert a local safetensors checkpoint one block at a time, never holding the whole model (for "
+        "models larger than memory); keeps the stored dtype, checks the result structurally, no perplexity",
+    )(function)
+
+
+def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, as_json, pool="mean", seed=0):
+    """The --streaming path of convert-gqa and expand-kv: files in, files out, the model is never run."""
+    from headlab.loading import local_checkpoint
+    from headlab.report_text import parse_bytes
+    from headlab.streaming import convert_streaming
+
+    max_bytes = parse_bytes(max_shard_size, "max-shard-size")
+    record = convert_streaming(
+        local_checkpoint(load.spec),
+        kv_heads,
+        out,
+        pool=pool,
+        seed=seed,
+        direction=direction,
+        overwrite=overwrite,
+        max_shard_bytes=max_bytes,
+        progress=not as_json,
+    )
+    if as_json:
+        click.echo(json.dumps(record, indent=2, default=str))
+    else:
+        print_summary(record)
 
 
 @click.command("convert-gqa")
@@ -77,6 +124,7 @@ def print_summary(record: dict) -> None:
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-gqa]")
+@streaming_options
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
 def command(
     load,
@@ -95,6 +143,8 @@ def command(
     batch_size,
     out,
     overwrite,
+    streaming,
+    max_shard_size,
     as_json,
 ):
     """Pool groups of KV heads into one (MHA -> GQA, GQA -> fewer groups or MQA) and save a checkpoint."""
@@ -102,6 +152,23 @@ def command(
 
     out = Path(out) if out is not None else Path("headlab-gqa")
     check_checkpoint_out(out, overwrite)
+    if streaming:
+        if method != "mean" or grouping != "contiguous":
+            raise HeadlabError(
+                "--streaming converts weights without running the model, so it takes --method mean and --grouping "
+                "contiguous only (similarity grouping and the svd merge need activations)"
+            )
+        return run_streaming(
+            load,
+            kv_heads,
+            out,
+            overwrite=overwrite,
+            direction="pool",
+            max_shard_size=max_shard_size,
+            as_json=as_json,
+            pool=pool,
+            seed=seed,
+        )
     record = convert_checkpoint(
         load(),
         kv_heads,

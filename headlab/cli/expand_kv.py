@@ -8,7 +8,7 @@ import json
 import click
 
 from headlab.checkpoint import check_checkpoint_out
-from headlab.cli.convert_gqa import print_summary
+from headlab.cli.convert_gqa import print_summary, run_streaming, streaming_options
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.gqa import convert_checkpoint, gqa_layers
 
@@ -24,10 +24,30 @@ from headlab.gqa import convert_checkpoint, gqa_layers
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option()
+@streaming_options
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
-def command(load, kv_heads, no_eval, data, text_column, part, max_tokens, seq_len, batch_size, out, overwrite, as_json):
+def command(
+    load,
+    kv_heads,
+    no_eval,
+    data,
+    text_column,
+    part,
+    max_tokens,
+    seq_len,
+    batch_size,
+    out,
+    overwrite,
+    streaming,
+    max_shard_size,
+    as_json,
+):
     """Repeat KV heads (GQA -> MHA); the model computes exactly what it did, with a larger KV cache."""
     check_checkpoint_out(out, overwrite)
+    if streaming:
+        return run_streaming(
+            load, kv_heads, out, overwrite=overwrite, direction="expand", max_shard_size=max_shard_size, as_json=as_json
+        )
     loaded = load()
     layers = gqa_layers(loaded)
     target = layers[0].num_heads if kv_heads is None else kv_heads

@@ -39,6 +39,7 @@ def model_options(function):
         def load(**overrides) -> LoadedModel:
             return load_model(model_spec, device=device, dtype=dtype, device_map=device_map, **overrides)
 
+        load.spec = model_spec  # for commands that read the checkpoint files without loading the model
         return function(*args, load=load, **kwargs)
 
     return wrapper

@@ -1,0 +1,331 @@
+"""Layer-by-layer KV-head conversion of a safetensors checkpoint: one attention module in memory at a time, for
+models larger than RAM; the same arithmetic as `headlab.gqa.convert`, without running the model.
+
+The model's skeleton is built on the meta device (no storage) only to learn names and layouts. Every tensor outside
+the attention modules (embeddings, MLPs or experts, norms) is copied through as stored; each attention module is
+materialised from the files, converted through its adapter, written out and dropped. Output shards are cut at
+`max_shard_bytes`, so peak memory is about one output shard plus one attention module, whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from headlab.arch import adapter_for
+from headlab.checkpoint import META_FILE, check_checkpoint_out
+from headlab.errors import HeadlabError
+from headlab.gqa import (
+    POOLS,
+    Conversion,
+    check_direction,
+    check_kv_heads,
+    contiguous_groups,
+    expand_weights,
+    gqa_layers,
+    kv_bytes_per_token,
+    pool_weights,
+)
+from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, _auto_class, atomic_directory
+from headlab.tables import versions
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# transformers' own default shard size is 50 GB; 5 GB keeps the peak memory of a conversion near 5 GB + one layer.
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+# safetensors' dtype codes -> torch dtype names (for KV-cache arithmetic in the stored dtype).
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_files(source: Path) -> list[str]:
+    """The safetensors files of a checkpoint directory, in index order (or the single model.safetensors)."""
+    index = source / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError):
+            raise HeadlabError(f"{index} is not a safetensors index (no weight_map)") from None
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [name for name in files if not (source / name).is_file()]
+        if missing:
+            raise HeadlabError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
+        return files
+    if (source / SINGLE_FILE).is_file():
+        return [SINGLE_FILE]
+    raise HeadlabError(
+        f"{source} has no {SINGLE_FILE} or {INDEX_FILE}; layer-by-layer conversion reads safetensors checkpoints "
+        "(convert others without --streaming)"
+    )
+
+
+def model_class(config, adapter):
+    """The class the checkpoint was saved from (config.architectures, e.g. a multimodal wrapper whose names differ
+    from its text model's), else the adapter's Auto class."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return _auto_class(adapter)
+
+
+def skeleton(config):
+    """The model class for `config`, built on the meta device: names, shapes and adapters, no storage."""
+    adapter = adapter_for(config)
+    with torch.device("meta"):
+        model = model_class(config, adapter)(config)
+    return model, adapter
+
+
+class _ShardWriter:
+    """Collects tensors and writes a shard whenever `max_bytes` would be exceeded; `finish` names them
+    model-0000i-of-0000n.safetensors (or model.safetensors when one suffices) and writes the index."""
+
+    def __init__(self, directory: Path, max_bytes: int):
+        from safetensors.torch import save_file
+
+        self.save_file = save_file
+        self.directory, self.max_bytes = directory, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[tuple[str, list[str]]] = []  # (temporary name, keys)
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"part-{len(self.shards):05d}.safetensors"
+        self.save_file(self.pending, str(self.directory / name), metadata={"format": "pt"})
+        self.shards.append((name, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        self.flush()
+        count = len(self.shards)
+        names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        weight_map = {}
+        for (temporary, keys), name in zip(self.shards, names):
+            (self.directory / temporary).rename(self.directory / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
+    """Where each tensor of `module` (a submodule of `model`) is stored: its state-dict name, or the name
+    save_pretrained writes for it (transformers 5 renames some keys on save and back on load, e.g. multimodal
+    wrappers' "model.language_model." <-> "language_model.model."). Raises HeadlabError if neither is there."""
+    prefix = next(name for name, m in model.named_modules() if m is module) + "."
+    relative = list(module.state_dict())
+    candidates = [{k: prefix + k for k in relative}]
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        renamed = {}
+        for k, t in module.state_dict().items():  # meta tensors: renaming reads no data
+            (saved,) = revert_weight_conversion(model, {prefix + k: t})
+            renamed[k] = saved
+        candidates.append(renamed)
+    except (ImportError, ValueError, TypeError, KeyError):  # an older or newer transformers: plain names only
+        pass
+    stored = set(stored)
+    for names in candidates:
+        if set(names.values()) <= stored:
+            return names
+    raise HeadlabError(
+        f"the checkpoint does not hold {prefix}* under the names {type(model).__name__} uses or saves (renamed "
+        "keys in an older checkpoint?); convert it without --streaming"
+    )
+
+
+def verify_meta_load(out: Path, source_keys: set[str]) -> dict:
+    """Load the written checkpoint the way a user would (vanilla from_pretrained) onto the meta device, which checks
+    every name and shape against the new config without allocating storage; also require that no tensor name of
+    the source was lost or added. Raises HeadlabError on any problem."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(out)
+    auto = model_class(config, adapter_for(config))
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers prints its own mismatch table; headlab reports one line
+    try:
+        _, info = auto.from_pretrained(out, device_map="meta", output_loading_info=True)
+    except (OSError, RuntimeError, ValueError) as error:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise HeadlabError(f"the converted checkpoint does not load: {first}; nothing was written") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = {k: sorted(v)[:3] for k, v in info.items() if k != "error_msgs" and v}
+    stored = set()
+    for name in checkpoint_files(out):
+        with safe_open(str(out / name), "pt") as handle:
+            stored.update(handle.keys())
+    if stored != source_keys:
+        problems["changed_names"] = sorted(stored ^ source_keys)[:3]
+    if problems:
+        raise HeadlabError(f"the converted checkpoint does not fit its config: {problems}; nothing was written")
+    return {"loader": f"transformers {auto.__name__}.from_pretrained(device_map='meta')", "tensors": len(stored)}
+
+
+def convert_streaming(
+    source,
+    kv_heads: int | None,
+    out,
+    *,
+    pool: str = "mean",
+    seed: int = 0,
+    direction: str = "pool",
+    overwrite: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    progress: bool = True,
+) -> dict:
+    """`headlab convert-gqa --streaming` / `expand-kv --streaming`: contiguous KV pooling by `pool` (or repetition)
+    of a safetensors checkpoint directory, one layer at a time, into `out` (atomic; the source is never touched).
+
+    Produces the same tensors as `headlab.gqa.convert` on the loaded model (grouping="contiguous", method="mean"),
+    stored in the source's dtypes. Similarity grouping and the svd merge need activations and so the whole model;
+    they are not available here.
+    """
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # headlab shows its own progress
+    source, out = Path(source), Path(out)
+    if not (source / "config.json").is_file():
+        raise HeadlabError(f"{source} is not a checkpoint directory with config.json")
+    check_checkpoint_out(out, overwrite, source)
+    if pool not in POOLS:
+        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
+    if max_shard_bytes < 1:
+        raise HeadlabError("the shard size must be positive")
+    files = checkpoint_files(source)
+    config = AutoConfig.from_pretrained(source)
+    if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
+        raise HeadlabError(
+            f"{source} has a per-layer head layout (a pruned checkpoint); KV conversion needs one layout"
+        )
+    model, adapter = skeleton(config)
+    loaded = LoadedModel(model, None, adapter, str(source), str(source), torch.device("meta"), torch.float32)
+    layers = gqa_layers(loaded)
+    H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
+    kv_heads = H if kv_heads is None else kv_heads  # expand-kv's default: one KV head per query head
+    action = check_kv_heads(H, G, kv_heads)
+    check_direction(direction, action, H, G, kv_heads)
+
+    where: dict[str, str] = {}  # tensor name -> file holding it
+    dtypes: dict[str, str] = {}  # tensor name -> safetensors dtype code
+    for name in files:
+        with safe_open(str(source / name), "pt") as handle:
+            for key in handle.keys():
+                where.setdefault(key, name)
+                dtypes.setdefault(key, handle.get_slice(key).get_dtype())
+
+    def read(key: str) -> torch.Tensor:
+        # One open per tensor: the file is unmapped again at once, so its pages do not pile up in the process's
+        # resident set while the rest of the checkpoint streams through (headers are small; opening is cheap).
+        with safe_open(str(source / where[key]), "pt") as handle:
+            return handle.get_tensor(key)
+
+    file_keys = [stored_names(model, layer.module, where) for layer in layers]  # per layer: module key -> file key
+    owner = {file_key: layer.index for layer in layers for file_key in file_keys[layer.index].values()}
+
+    def convert_layer(layer) -> dict[str, torch.Tensor]:
+        """Materialise one attention module from the files, convert it, return its new tensors, free it."""
+        names = file_keys[layer.index]
+        state = {key: read(stored) for key, stored in names.items()}
+        layer.module.load_state_dict(state, strict=True, assign=True)
+        inside = {id(p) for p in layer.module.parameters()}
+        outside_before = {n: p for n, p in layer.block_module.named_parameters() if id(p) not in inside}
+        with torch.no_grad():
+            weights = adapter.read(layer)
+            if action == "pool":
+                adapter.write(layer, pool_weights(weights, kv_heads, pool, seed=seed + layer.index))
+            elif action == "expand":
+                adapter.write(layer, expand_weights(weights, kv_heads))
+        converted = {names[k]: t for k, t in layer.module.state_dict().items()}
+        inside = {id(p) for p in layer.module.parameters()}
+        outside_after = {n: p for n, p in layer.block_module.named_parameters() if id(p) not in inside}
+        if outside_after.keys() != outside_before.keys() or any(
+            outside_after[n] is not p for n, p in outside_before.items()
+        ):
+            # The adapter rewrote weights outside the attention module (BERT-style output projections), which this
+            # path copies through unread: refuse rather than write a half-converted layer.
+            raise HeadlabError(
+                f"{type(model).__name__} keeps attention weights outside its attention module; convert it without "
+                "--streaming"
+            )
+        layer.module.to("meta")  # drop the storage before the next layer
+        return converted
+
+    # KV bytes per token before and after, by arithmetic in the stored dtype (the model is never run here).
+    first_key = next(iter(file_keys[0].values()))
+    loaded.dtype = getattr(torch, _SAFETENSORS_DTYPES.get(dtypes[first_key], "float32"))
+    kv_bytes_before = kv_bytes_per_token(loaded)
+    emitted: set[int] = set()  # layers already written
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        writer = _ShardWriter(tmp, max_shard_bytes)
+        bar = tqdm(total=len(where), desc="converting", unit="tensor", disable=not progress)
+        for key in where:
+            i = owner.get(key)
+            if i is None:
+                writer.add(key, read(key))
+            elif i not in emitted:  # the whole attention module goes out where its first tensor appears
+                for name, tensor in convert_layer(layers[i]).items():
+                    writer.add(name, tensor)
+                emitted.add(i)
+            bar.update()
+        bar.close()
+        shards = writer.finish()
+        kv_bytes_after = kv_bytes_per_token(loaded)  # the meta modules now have the converted shapes
+        adapter.set_config_heads(model.config, H, kv_heads, D)
+        model.config.save_pretrained(tmp)
+        for item in source.iterdir():
+            skip = item.name in ("config.json", INDEX_FILE, META_FILE) or item.name.endswith(".safetensors")
+            if item.is_file() and not skip:
+                shutil.copy2(item, tmp / item.name)
+        verification = verify_meta_load(tmp, set(where))
+        factor = max(kv_heads // G, 1)
+        groups = (
+            contiguous_groups(G, kv_heads)
+            if action == "pool"
+            else [[g * factor + i for i in range(factor)] for g in range(G)]
+        )
+        conversion = Conversion(G, kv_heads, action, pool if action == "pool" else None, "contiguous", seed)
+        conversion.groups = [groups for _ in layers]
+        conversion.methods = ["contiguous" if action == "pool" else action] * len(layers)
+        record = {
+            "model": str(source),
+            "source": str(source),
+            "streaming": True,
+            "kv_heads_before": G,
+            "kv_heads_after": kv_heads,
+            "kv_bytes_per_token_before": kv_bytes_before,
+            "kv_bytes_per_token_after": kv_bytes_after,
+            "conversion": conversion.to_dict(),
+            "shards": shards,
+            "bytes_written": writer.total_bytes,
+            "max_shard_bytes": max_shard_bytes,
+            "verification": verification,
+            "versions": versions(),
+            "out": str(out),
+        }
+        (tmp / META_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
