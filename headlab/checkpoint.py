@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.loading import HEAD_LAYOUT_KEY, atomic_directory, load_model
+from headlab.loading import HEAD_LAYOUT_KEY, atomic_directory, input_device, load_model, model_class
 from headlab.tables import check_out, versions
 
 META_FILE = "headlab.json"  # what headlab wrote into a checkpoint directory: the edit and its verification
@@ -26,16 +26,24 @@ class CheckpointMismatch(HeadlabError):
 
 @dataclass
 class Verification:
-    """Result of `verify_reload`: how far the reloaded model's logits are from the in-memory model's."""
+    """Result of `verify_reload`: how far the reloaded model's logits are from the in-memory model's; or, for a
+    model spread over several devices (no room for a second copy), of `meta_load_check` (names and shapes only)."""
 
     loader: str  # "transformers.AutoModelForCausalLM.from_pretrained" or "headlab.loading.load_model"
-    max_abs_diff: float
-    max_abs_logit: float
-    tolerance: float
-    probe_shape: tuple[int, int]
+    max_abs_diff: float | None = None  # None: checked by a meta-device load, not by logits
+    max_abs_logit: float | None = None
+    tolerance: float | None = None
+    probe_shape: tuple[int, int] | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def describe_check(check: dict) -> str:
+    """One line for a verification record (Verification.to_dict() or a layer-by-layer conversion's)."""
+    if check.get("max_abs_diff") is not None:
+        return f"{check['loader']}: max |logit diff| {check['max_abs_diff']:.2e}"
+    return f"{check['loader']}: every tensor name and shape fits the config (no second copy loaded)"
 
 
 def check_checkpoint_out(out: Path, overwrite: bool, source: str | Path | None = None) -> None:
@@ -72,8 +80,8 @@ def probe_inputs(model: nn.Module, batch: int = 2, seq_len: int = 16, seed: int 
 
 @torch.no_grad()
 def logits_of(model: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """float32 logits [B, T, V] of `model` on `inputs` (moved to the model's device), without a cache."""
-    device = next(model.parameters()).device
+    """float32 logits [B, T, V] of `model` on `inputs` (moved to the model's input device), without a cache."""
+    device = input_device(model)
     out = model(**{k: v.to(device) for k, v in inputs.items()}, use_cache=False)
     return out.logits.float().cpu()
 
@@ -147,6 +155,44 @@ def verify_reload(
     return result
 
 
+def meta_load_check(path: Path) -> dict:
+    """Load `path` the way a user would (the class its config names, vanilla from_pretrained) onto the meta device:
+    transformers checks every tensor name and shape against the config without allocating storage. For checkpoints
+    too large to reload beside the model (layer-by-layer conversion, models spread over several devices)."""
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from headlab.arch import adapter_for
+
+    config = AutoConfig.from_pretrained(path)
+    adapter = adapter_for(config)
+    cls = model_class(config, adapter)
+    pruned = getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers prints its own mismatch table; headlab reports one line
+    try:
+        if pruned:
+            from headlab.prune import load_pruned  # raises on any missing, unexpected or mismatched tensor
+
+            load_pruned(path, config, adapter, device_map="meta")
+            return {"loader": "headlab.prune.load_pruned(device_map='meta')"}
+        _, info = cls.from_pretrained(path, device_map="meta", output_loading_info=True)
+    except (OSError, RuntimeError, ValueError) as error:
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+        raise CheckpointMismatch(f"the saved checkpoint does not load: {first}; nothing was written") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    problems = {k: sorted(v)[:3] for k, v in info.items() if k != "error_msgs" and v}
+    if problems:
+        raise CheckpointMismatch(f"the saved checkpoint does not fit its config: {problems}; nothing was written")
+    return {"loader": f"transformers {cls.__name__}.from_pretrained(device_map='meta')"}
+
+
+def spans_devices(model: nn.Module) -> bool:
+    """True for a model a device map spread over several devices (reloading a second copy would not fit)."""
+    return len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1
+
+
 def save_checkpoint(
     model: nn.Module,
     tokenizer,
@@ -158,21 +204,25 @@ def save_checkpoint(
     tolerance: float | None = None,
 ) -> Verification | None:
     """Save model (+ tokenizer, + `headlab.json` with `meta`) to `out` atomically; with verify=True reload the saved
-    files first and raise CheckpointMismatch (writing nothing) if their logits differ from the model's."""
+    files first and raise CheckpointMismatch (writing nothing) if their logits differ from the model's. A model a
+    device map spread over several devices is checked by `meta_load_check` instead (no room for a second copy)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-shard bars are noise next to headlab's own progress
     out = Path(out)
     check_out(out, overwrite)
-    inputs = probe_inputs(model) if verify else None
-    expected = logits_of(model, inputs) if verify else None
+    by_logits = verify and not spans_devices(model)
+    inputs = probe_inputs(model) if by_logits else None
+    expected = logits_of(model, inputs) if by_logits else None
     verification = None
     with atomic_directory(out, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if verify:
+        if by_logits:
             verification = verify_reload(tmp, model, inputs=inputs, tolerance=tolerance, expected=expected)
+        elif verify:  # a model filling several devices leaves no room to reload a copy beside it
+            verification = Verification(**meta_load_check(tmp))
         record = {
             **(meta or {}),
             "verification": verification.to_dict() if verification else None,

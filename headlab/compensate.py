@@ -25,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab.errors import HeadlabError
-from headlab.loading import LoadedModel
+from headlab.loading import LoadedModel, check_resident
 
 COMPENSATIONS = ("ridge", "bias")
 ALPHAS = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0)
@@ -35,6 +35,7 @@ def check_compensation(loaded: LoadedModel, method: str | None) -> None:
     """Bad --compensate values fail before any work: unknown names, bias compensation without an o_proj bias."""
     if method is None:
         return
+    check_resident(loaded, "compensation")
     if method not in COMPENSATIONS:
         raise HeadlabError(f"unknown --compensate {method!r}; use one of {', '.join(COMPENSATIONS)}")
     if method == "bias" and loaded.adapter.read(loaded.layers[0]).o_bias is None:
@@ -60,7 +61,7 @@ def output_statistics(loaded: LoadedModel, batches, *, progress: bool = True) ->
             z = args[0].float()  # [B, T, H*D]
             z = torch.cat([z, torch.ones_like(z[..., :1])], -1)  # [B, T, H*D+1]
             for part in (0, 1):
-                rows = state["valid"] & (state["parity"] == part)[:, None]  # [B, T]
+                rows = (state["valid"] & (state["parity"] == part)[:, None]).to(z.device)  # [B, T]
                 if bool(rows.any()):
                     zp = z[rows].double()  # [N, H*D+1]
                     grams[index][part] += (zp.T @ zp).cpu()

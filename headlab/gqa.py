@@ -24,7 +24,7 @@ from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_checkpoi
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
 from headlab.evaluate import DTYPE_BYTES, kv_cache_bytes, perplexity
-from headlab.loading import LoadedModel
+from headlab.loading import LoadedModel, check_resident
 from headlab.tables import check_out, versions, write_run
 
 POOLS = ("mean", "first", "random")
@@ -193,13 +193,15 @@ def kv_similarity(loaded: LoadedModel, batches, progress: bool = True) -> dict[s
     post-rotary ones too. Per-head key norms are not applied (their RMS scaling does not change a cosine; their
     learned scale is shared by all heads except in OLMo2).
     """
+    check_resident(loaded, "KV-head similarity")  # reads each layer's weights
     layers = gqa_layers(loaded)
     adapter, model = loaded.adapter, loaded.model
     weights = {}
     for layer in layers:
         w = adapter.read(layer)
         weights[layer.index] = tuple(
-            None if t is None else t.to(loaded.device, torch.float32) for t in (w.k, w.v, w.k_bias, w.v_bias)
+            None if t is None else t.float()
+            for t in (w.k, w.v, w.k_bias, w.v_bias)  # on the layer's device
         )
     G = layers[0].num_kv_heads
     sums = {kind: torch.zeros(len(layers), G, G, dtype=torch.float64) for kind in ("key", "value")}
@@ -210,8 +212,8 @@ def kv_similarity(loaded: LoadedModel, batches, progress: bool = True) -> dict[s
     def hook_for(layer: AttentionLayer):
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]  # [B, T, C]
-            x = x[state["valid"]].float()  # [N, C], padding dropped
-            k_w, v_w, k_b, v_b = weights[layer.index]
+            x = x[state["valid"].to(x.device)].float()  # [N, C], padding dropped
+            k_w, v_w, k_b, v_b = (None if t is None else t.to(x.device) for t in weights[layer.index])
             for kind, w, b in (("key", k_w, k_b), ("value", v_w, v_b)):
                 proj = torch.einsum("nc,gdc->ngd", x, w)  # [N, G, D]
                 if b is not None:
@@ -407,6 +409,7 @@ def convert(
     """
     if method not in METHODS:
         raise HeadlabError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
+    check_resident(loaded, "KV-head conversion")
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     action = check_kv_heads(H, G, kv_heads)

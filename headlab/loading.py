@@ -185,6 +185,18 @@ def _auto_class(adapter: Adapter):
     return AutoModelForMaskedLM if adapter.is_encoder else AutoModelForCausalLM
 
 
+def model_class(config, adapter):
+    """The class the checkpoint was saved from (config.architectures, e.g. a multimodal wrapper whose names differ
+    from its text model's), else the adapter's Auto class."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if cls is not None:
+            return cls
+    return _auto_class(adapter)
+
+
 def load_model(
     spec: str | None = None,
     *,
@@ -297,6 +309,27 @@ def input_device(model: nn.Module) -> torch.device:
     if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
         return weight.device
     return next(model.parameters()).device
+
+
+def offloaded_modules(model: nn.Module) -> list[str]:
+    """Modules whose weights a device map keeps offloaded (CPU or disk): accelerate leaves meta placeholders and
+    refills them from its offload store at every forward, so an in-place edit of them would be silently undone."""
+    found = []
+    for name, module in model.named_modules():
+        hook = getattr(module, "_hf_hook", None)
+        if any(getattr(part, "offload", False) for part in getattr(hook, "hooks", None) or [hook]):
+            found.append(name)
+    return found
+
+
+def check_resident(loaded: LoadedModel, what: str) -> None:
+    """Commands that edit weights (pruning, KV conversion, compensation, uptraining) need every weight on a device."""
+    offloaded = offloaded_modules(loaded.model)
+    if offloaded:
+        raise HeadlabError(
+            f"{what} edits weights in place, but the device map offloaded {len(offloaded)} modules to CPU or disk "
+            f"({offloaded[0]}, ...); give it enough GPU memory, or convert KV heads with `convert-gqa --streaming`"
+        )
 
 
 def from_model(model: nn.Module, tokenizer=None, spec: str = "in-memory") -> LoadedModel:

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from headlab.arch import HeadWeights
 from headlab.errors import HeadlabError
-from headlab.loading import LoadedModel
+from headlab.loading import LoadedModel, check_resident
 
 METHODS = ("mean", "svd")
 VALUE_WEIGHTINGS = ("attention", "uniform")
@@ -94,15 +94,16 @@ def merge_statistics(
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     m = G // kv_heads
     device = loaded.device
-    f64 = dict(dtype=torch.float64, device=device)
-    projections = {}
+    check_resident(loaded, "the svd merge")
+    projections, layer_device = {}, {}
     for layer in layers:
         w = loaded.adapter.read(layer)
         C = w.k.shape[2]
+        layer_device[layer.index] = w.k.device  # under a device map each layer's statistics stay on its device
 
         def aug(weight, bias, rows, C=C):  # [rows, C + 1]: the bias as the weight of a constant-1 input column
             b = bias.reshape(rows) if bias is not None else torch.zeros(rows)
-            return torch.cat([weight.reshape(rows, C), b.reshape(rows, 1).to(weight)], 1).to(device, torch.float32)
+            return torch.cat([weight.reshape(rows, C), b.reshape(rows, 1).to(weight)], 1).float()
 
         q_bias = None if w.q_bias is None else w.q_bias[:, :D]
         projections[layer.index] = (
@@ -110,15 +111,15 @@ def merge_statistics(
             aug(w.q[:, :D], q_bias, H * D),
             aug(w.v, w.v_bias, G * D),
         )
-    stats = {
-        layer.index: LayerStats(
+    stats = {}
+    for layer in layers:
+        f64 = dict(dtype=torch.float64, device=layer_device[layer.index])
+        stats[layer.index] = LayerStats(
             torch.zeros(G * D, G * D, **f64) if keys else None,
             torch.zeros(H, D, D, **f64) if keys else None,
             torch.zeros(H, m * D, m * D, **f64),
             0,
         )
-        for layer in layers
-    }
     state: dict = {"values": {}}
 
     def pre_hook_for(layer):
@@ -127,7 +128,7 @@ def merge_statistics(
             B, T, _ = x.shape
             x = torch.cat([x, torch.ones(B, T, 1, dtype=x.dtype, device=x.device)], -1)  # [B, T, C+1]
             k_w, q_w, v_w = projections[layer.index]
-            valid = state["valid"]  # [B, T]
+            valid = state["valid"].to(x.device)  # [B, T]
             s = stats[layer.index]
             s.tokens += int(valid.sum())
             xv = x[valid]  # [N, C+1]
@@ -172,7 +173,11 @@ def merge_statistics(
     finally:
         for handle in handles:
             handle.remove()
-    out = [stats[layer.index] for layer in layers]
+    # The closed forms run in float64 on the CPU, whichever device each layer's statistics were summed on.
+    out = [
+        LayerStats(*(t.cpu() if torch.is_tensor(t) else t for t in vars(stats[layer.index]).values()))
+        for layer in layers
+    ]
     if not out or out[0].tokens == 0:
         raise HeadlabError("no calibration tokens to merge KV heads on")
     return out

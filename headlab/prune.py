@@ -18,7 +18,7 @@ import torch
 
 from headlab.arch import Adapter, AttentionLayer
 from headlab.errors import HeadlabError
-from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel
+from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, check_resident
 
 UNITS = ("head", "kv-group")
 MODES = ("mask", "physical")
@@ -333,6 +333,7 @@ def apply_mask(loaded: LoadedModel, pruned: list[set[int]]) -> None:
     only to make the removal visible in the weights, and not where the q/k norm spans heads (OLMo2), where a zero
     head would change the other heads' normalisation.
     """
+    check_resident(loaded, "mask pruning")
     adapter = loaded.adapter
     with torch.no_grad():
         for layer, heads in zip(loaded.layers, pruned):
@@ -426,6 +427,7 @@ def physical_layout(layers: list[AttentionLayer], pruned: list[set[int]]) -> lis
 
 def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
     """Physical mode, in place: slice q/k/v/o weights, biases and per-head norms to the layout through the adapter."""
+    check_resident(loaded, "physical pruning")
     adapter = loaded.adapter
     with torch.no_grad():
         for layer, lay in zip(loaded.layers, layout):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
-from headlab.loading import LoadedModel
+from headlab.loading import LoadedModel, check_resident
 
 CURVE_DIR = "uptrain"  # inside the saved checkpoint: curve.csv/.parquet, meta.json, curve.png
 
@@ -132,9 +132,9 @@ def activation_checkpointing(model, enabled: bool = True):
 def distillation_loss(student_logits, teacher_logits, valid) -> torch.Tensor:
     """Mean over valid positions of KL(p_teacher || p_student) (nats); logits [B, T, V], valid [B, T] bool."""
     log_s = torch.log_softmax(student_logits.float(), -1)
-    log_t = torch.log_softmax(teacher_logits.float(), -1)
+    log_t = torch.log_softmax(teacher_logits.to(student_logits.device).float(), -1)  # device maps: the LM heads'
     kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # [B, T]
-    return kl[valid].mean()
+    return kl[valid.to(kl.device)].mean()
 
 
 def check_uptrain(steps: int, lr: float, eval_every: int) -> None:
@@ -172,6 +172,7 @@ def uptrain(
     from headlab.evaluate import perplexity
 
     check_uptrain(steps, lr, eval_every)
+    check_resident(student, "uptraining")
     if student.tokenizer is not None and teacher.tokenizer is not None:
         if student.tokenizer.get_vocab() != teacher.tokenizer.get_vocab():
             raise HeadlabError(

@@ -136,3 +136,82 @@ def test_input_device_prefers_the_embeddings_execution_device():
     assert input_device(model) == torch.device("cuda", 0)
     embeddings._hf_hook = SimpleNamespace(hooks=[SimpleNamespace(), SimpleNamespace(execution_device="cuda:1")])
     assert input_device(model) == torch.device("cuda", 1)
+
+
+# ---- editing weights under a device map ---------------------------------------------------------------------------
+
+
+def _edits(dispatched):
+    """Every headlab entry point that rewrites weights in place, as (name, call) pairs."""
+    from headlab import gqa, merge, prune, uptrain
+    from headlab.compensate import check_compensation
+
+    layers = dispatched.layers
+    pruned = [{0}] + [set() for _ in layers[1:]]
+    return [
+        ("convert", lambda: gqa.convert(dispatched, 1)),
+        ("similarity", lambda: gqa.kv_similarity(dispatched, [], progress=False)),
+        ("merge", lambda: merge.merge_kv_heads(dispatched, 1, [], progress=False)),
+        ("mask", lambda: prune.apply_mask(dispatched, pruned)),
+        ("physical", lambda: prune.apply_physical(dispatched, prune.physical_layout(layers, pruned))),
+        ("compensate", lambda: check_compensation(dispatched, "ridge")),
+        ("uptrain", lambda: uptrain.uptrain(dispatched, dispatched, steps=1, progress=False)),
+    ]
+
+
+@pytest.mark.parametrize("edit", ["convert", "similarity", "merge", "mask", "physical", "compensate", "uptrain"])
+def test_edits_of_offloaded_weights_are_refused(models, edit):
+    """accelerate refills offloaded weights from its store at every forward, so an in-place edit would be silently
+    undone: each command that edits weights refuses, with one line, and leaves the model as it was."""
+    from headlab.errors import HeadlabError
+    from headlab.loading import offloaded_modules
+
+    _, dispatched, _ = models
+    assert "model.layers.1.self_attn.k_proj" in offloaded_modules(dispatched.model)
+    before = {k: v.clone() for k, v in dispatched.model.state_dict().items() if v.device.type != "meta"}
+    call = dict(_edits(dispatched))[edit]
+    with pytest.raises(HeadlabError, match="offloaded"):
+        call()
+    after = dispatched.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_models_on_several_devices_are_verified_without_a_second_copy(tmp_path):
+    """save_checkpoint on a model spread over devices checks the saved files by a meta-device load (names and
+    shapes against the config) instead of reloading a copy for logits; a mismatch is still caught."""
+    from conftest import tiny_model
+
+    from headlab import gqa
+    from headlab.checkpoint import CheckpointMismatch, meta_load_check, save_checkpoint
+
+    model = tiny_model("llama")
+    gqa.convert(from_model(model), 1)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers": 1, "lm_head": 1}  # as accelerate records it
+    check = save_checkpoint(model, None, tmp_path / "out")
+    assert check.max_abs_diff is None and "device_map='meta'" in check.loader
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    config["num_key_value_heads"] = 2  # the weights hold 1
+    (tmp_path / "out" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointMismatch):
+        meta_load_check(tmp_path / "out")
+
+
+def test_meta_load_check_of_a_non_uniform_pruned_checkpoint(tmp_path):
+    from headlab.checkpoint import meta_load_check
+    from headlab.errors import HeadlabError
+    from headlab.prune import prune
+
+    loaded = load_model(str(save_tiny("llama", tmp_path / "source")), device="cpu")
+    # A whole KV group of layer 0: 2 heads there, 4 in layer 1, so the layout is recorded per layer.
+    prune(loaded, heads="0:0,1", mode="physical", out=tmp_path / "pruned", evaluate=False, progress=False)
+    assert "load_pruned" in meta_load_check(tmp_path / "pruned")["loader"]
+    config = json.loads((tmp_path / "pruned" / "config.json").read_text())
+    entry = config["headlab_head_layout"]["layers"][0]
+    entry["heads"], entry["kv_heads"] = [0, 1, 2, 3], [0, 1]  # claims the pruned heads are still there
+    (tmp_path / "pruned" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HeadlabError, match="does not load|do not fit"):
+        meta_load_check(tmp_path / "pruned")

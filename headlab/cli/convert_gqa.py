@@ -7,7 +7,7 @@ import json
 
 import click
 
-from headlab.checkpoint import check_checkpoint_out
+from headlab.checkpoint import check_checkpoint_out, describe_check
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.errors import HeadlabError
 from headlab.gqa import GROUPINGS, METHODS, POOLS, convert_checkpoint
@@ -41,10 +41,8 @@ def print_summary(record: dict) -> None:
         rows.append(("layers permuted", str(conversion["permuted_layers"])))
         rows.append(("groups, layer 0", str(conversion["groups"][0])))
     check = record["verification"]
-    if "max_abs_diff" in check:
-        rows.append(("reload check", f"{check['loader']}: max |logit diff| {check['max_abs_diff']:.2e}"))
-    else:
-        rows.append(("reload check", f"{check['loader']}: {check['tensors']} tensors"))
+    rows.append(("reload check", describe_check(check)))
+    if "shards" in record:
         rows.append(("shards", f"{len(record['shards'])} ({human_bytes(record['bytes_written'])})"))
     rows.append(("written", record["out"]))
     width = max(len(name) for name, _ in rows)

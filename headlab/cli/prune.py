@@ -6,6 +6,7 @@ import json
 
 import click
 
+from headlab.checkpoint import describe_check
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
@@ -157,7 +158,7 @@ def command(
     )
     rows += [("checkpoint", str(result.out)), ("loads with", loader)]
     if result.verification:
-        rows.append(("reload check", f"max |logit diff| {result.verification['max_abs_diff']:.2e}"))
+        rows.append(("reload check", describe_check(result.verification)))
     if result.meta.get("padding_heads"):
         rows.append(
             (

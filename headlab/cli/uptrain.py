@@ -53,7 +53,7 @@ def command(
 ):
     """Distil --model towards --teacher (KL on calibration text), training only attention parameters; print and save
     the eval perplexity per step (uptrain/curve.csv, curve.png inside the checkpoint)."""
-    from headlab.checkpoint import check_checkpoint_out
+    from headlab.checkpoint import check_checkpoint_out, describe_check
     from headlab.loading import load_model
     from headlab.uptrain import check_uptrain, save_uptrained, uptrain
 
@@ -83,5 +83,5 @@ def command(
         kl = "" if row.kl != row.kl else f"   KL {row.kl:.4f}"
         click.echo(f"step {row.step:>5}   perplexity {row.perplexity:10.4f}{kl}   {row.seconds:7.1f} s")
     if verification:
-        click.echo(f"reload check: {verification['loader']}: max |logit diff| {verification['max_abs_diff']:.2e}")
+        click.echo(f"reload check: {describe_check(verification)}")
     click.echo(f"written: {out} (curve: {out}/uptrain/curve.csv, curve.png)")
