@@ -250,7 +250,8 @@ def load_model(
 
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
     if device_map == "auto":
-        kwargs["device_map"] = "auto"
+        # accelerate's "auto" spreads over every visible GPU; an explicit --device cpu must keep the model off them.
+        kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
     try:
         if layout is not None:
             from headlab.prune import load_pruned  # non-uniform checkpoints are rebuilt layer by layer

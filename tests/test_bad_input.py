@@ -70,11 +70,17 @@ CASES = [
     (["convert-gqa", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "2", "--out", "c"], "gpt2"),
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--out", "{existing}"], "--overwrite"),
     (["convert-gqa", *NO_MODEL, *DATA, "--kv-heads", "2", "--out", "c"], "{missing}"),
+    (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--method", "svd", "--out", "c"], "mean"),
+    (["convert-gqa", "--model", "org/name", "--streaming", "--kv-heads", "2", "--out", "c"], "local checkpoint"),
+    (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "3", "--out", "c"], "3"),
+    (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--max-shard-size", "0", "--out", "c"], "1"),
     # expand-kv
     (["expand-kv", "--model", "{mha}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "4"),
     (["expand-kv", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "gpt2"),
     (["expand-kv", "--model", "{llama}", *M, *DATA, "--kv-heads", "3", "--out", "e"], "3"),
     (["expand-kv", "--model", "{llama}", *M, *DATA, "--kv-heads", "4", "--out", "{existing}"], "--overwrite"),
+    (["expand-kv", "--model", "{llama}", "--streaming", "--kv-heads", "3", "--out", "e"], "3"),
+    (["expand-kv", "--model", "{gpt2}", "--streaming", "--out", "e"], "gpt2"),
     # gqa-sweep
     (["gqa-sweep", "--model", "{gpt2}", *M, *DATA], "gpt2"),
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--kv-heads", "3"], "3"),

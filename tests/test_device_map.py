@@ -215,3 +215,20 @@ def test_meta_load_check_of_a_non_uniform_pruned_checkpoint(tmp_path):
     (tmp_path / "pruned" / "config.json").write_text(json.dumps(config))
     with pytest.raises(HeadlabError, match="does not load|do not fit"):
         meta_load_check(tmp_path / "pruned")
+
+
+def test_device_cpu_keeps_a_device_map_on_the_cpu(tmp_path, monkeypatch):
+    """`--device cpu --device-map auto` on a GPU machine must not let accelerate place layers on the GPUs."""
+    from transformers import AutoModelForCausalLM
+
+    directory = save_tiny("llama", tmp_path / "model")
+    seen = {}
+    original = AutoModelForCausalLM.from_pretrained.__func__
+
+    def recording(cls, *args, **kwargs):
+        seen.update(kwargs)
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
+    loaded = load_model(str(directory), device="cpu", device_map="auto")
+    assert seen["device_map"] == {"": "cpu"} and loaded.device == torch.device("cpu")
