@@ -25,6 +25,10 @@ step pytest python -m pytest -q -m cuda tests/test_cuda.py
 step eval headlab eval --device cuda
 step stats headlab stats --device cuda --max-tokens 4096 --out "$OUT/runs/stats" --overwrite
 step importance headlab importance --device cuda --out "$OUT/runs/importance-grad" --overwrite
+step device_map_eval headlab eval --device cuda --device-map auto --dtype bfloat16
+step prune_bf16 headlab prune --device cuda --dtype bfloat16 --fraction 0.2 --mode physical --out "$OUT/runs/pruned" --overwrite
+step convert_bf16 headlab convert-gqa --device cuda --dtype bfloat16 --kv-heads 1 --out "$OUT/runs/mqa" --overwrite
+step streaming headlab convert-gqa --streaming --kv-heads 1 --out "$OUT/runs/mqa-streamed" --overwrite
 step benchmark python scripts/benchmark.py --case stats --case importance --case eval --device cuda --repeats 3
 mkdir -p "$OUT/benchmarks"
 cp -r benchmarks/results "$OUT/benchmarks/" 2>/dev/null
