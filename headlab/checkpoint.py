@@ -155,10 +155,11 @@ def verify_reload(
     return result
 
 
-def meta_load_check(path: Path) -> dict:
+def meta_load_check(path: Path, tolerated: set[str] = frozenset()) -> dict:
     """Load `path` the way a user would (the class its config names, vanilla from_pretrained) onto the meta device:
     transformers checks every tensor name and shape against the config without allocating storage. For checkpoints
-    too large to reload beside the model (layer-by-layer conversion, models spread over several devices)."""
+    too large to reload beside the model (layer-by-layer conversion, models spread over several devices).
+    `tolerated`: stored names transformers may ignore as unexpected (ones the source already held)."""
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
@@ -182,6 +183,7 @@ def meta_load_check(path: Path) -> dict:
         raise CheckpointMismatch(f"the saved checkpoint does not load: {first}; nothing was written") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    info["unexpected_keys"] = set(info.get("unexpected_keys") or ()) - set(tolerated)
     problems = {k: sorted(v)[:3] for k, v in info.items() if k != "error_msgs" and v}
     if problems:
         raise CheckpointMismatch(f"the saved checkpoint does not fit its config: {problems}; nothing was written")

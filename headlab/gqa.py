@@ -99,6 +99,12 @@ def contiguous_groups(num_kv_heads: int, kv_heads: int) -> list[list[int]]:
     return [list(range(g * m, (g + 1) * m)) for g in range(kv_heads)]
 
 
+def identity_groups(num_kv_heads: int, kv_heads: int) -> list[list[int]]:
+    """Expansion (or keep): KV head g of the original becomes new heads g*f .. g*f+f-1, f = kv_heads / G."""
+    factor = max(kv_heads // num_kv_heads, 1)
+    return [[g * factor + i for i in range(factor)] for g in range(num_kv_heads)]
+
+
 def canonical(groups) -> list[list[int]]:
     """Members ascending, groups ordered by their smallest member (so identity stays identity)."""
     return sorted((sorted(int(i) for i in g) for g in groups), key=lambda g: g[0])
@@ -420,8 +426,7 @@ def convert(
             for layer in layers:
                 loaded.adapter.write(layer, expand_weights(loaded.adapter.read(layer), kv_heads))
             loaded.adapter.set_config_heads(loaded.model.config, H, kv_heads, D)
-        factor = max(kv_heads // G, 1)
-        identity = [[[g * factor + i for i in range(factor)] for g in range(G)] for _ in layers]
+        identity = [identity_groups(G, kv_heads) for _ in layers]
         return Conversion(G, kv_heads, action, None, None, seed, identity, [action] * len(layers))
     if groups is None:
         groups, methods = plan_groups(loaded, kv_heads, grouping, similarity)

@@ -29,6 +29,7 @@ from headlab.gqa import (
     contiguous_groups,
     expand_weights,
     gqa_layers,
+    identity_groups,
     kv_bytes_per_token,
     pool_weights,
 )
@@ -145,7 +146,7 @@ def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
 
 def verify_streamed(out: Path, source_keys: set[str]) -> dict:
     """The vanilla meta-device load of `checkpoint.meta_load_check`, and no tensor name of the source lost or added."""
-    result = meta_load_check(out)
+    result = meta_load_check(out, tolerated=source_keys)  # names the source held pass through as they were
     stored = set()
     for name in checkpoint_files(out):
         with safe_open(str(out / name), "pt") as handle:
@@ -274,12 +275,7 @@ def convert_streaming(
             if item.is_file() and not skip:
                 shutil.copy2(item, tmp / item.name)
         verification = verify_streamed(tmp, set(where))
-        factor = max(kv_heads // G, 1)
-        groups = (
-            contiguous_groups(G, kv_heads)
-            if action == "pool"
-            else [[g * factor + i for i in range(factor)] for g in range(G)]
-        )
+        groups = contiguous_groups(G, kv_heads) if action == "pool" else identity_groups(G, kv_heads)
         conversion = Conversion(G, kv_heads, action, pool if action == "pool" else None, "contiguous", seed)
         conversion.groups = [groups for _ in layers]
         conversion.methods = ["contiguous" if action == "pool" else action] * len(layers)

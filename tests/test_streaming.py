@@ -204,3 +204,17 @@ def test_cli_round_trip(tmp_path, capsys):
     assert code == 0, err
     record = json.loads(out)
     assert record["kv_heads_after"] == 4 and record["conversion"]["action"] == "expand"
+
+
+def test_extra_tensors_of_the_source_pass_through(tmp_path):
+    """A tensor transformers ignores on loading (an old checkpoint's rotary inv_freq buffer) is copied as stored and
+    does not fail the meta-device check, since the source held it already."""
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "source")
+    extra = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    tensors = {**stored_tensors(tmp_path / "source"), extra: torch.arange(8.0)}
+    save_file(tensors, str(tmp_path / "source" / "model.safetensors"), metadata={"format": "pt"})
+    convert_streaming(tmp_path / "source", 1, tmp_path / "out", progress=False)
+    assert torch.equal(stored_tensors(tmp_path / "out")[extra], torch.arange(8.0))
