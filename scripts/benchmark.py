@@ -38,6 +38,20 @@ def median_time(function, repeats: int, warmup: int = 1) -> tuple[float, list[fl
     return statistics.median(times), times
 
 
+def in_fresh_process(case: str, call: str, env: dict | None = None) -> dict:
+    """Run `bench_cases/<case>.py`'s `call` (e.g. "_child('plain', 'cpu')") in a new Python process (with extra
+    environment variables `env`), so memory peaks of earlier measurements do not carry over; the child prints one
+    JSON line last, which is returned."""
+    import subprocess
+
+    code = f"import sys; sys.path[:0] = [{str(CASES)!r}, {str(CASES.parent)!r}]; import {case}; {case}.{call}"
+    environment = {**os.environ, **(env or {})}
+    output = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=environment
+    ).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
 class PeakMemory:
     """Peak memory while the block runs, above what the process held when it started: on CPU the resident set
     sampled every millisecond from /proc/self/statm (ru_maxrss cannot be used: loading a model peaks higher than a

@@ -4,10 +4,7 @@ forward of the same length, each in a fresh subprocess (resident-set growth on C
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -60,13 +57,9 @@ def _child(mode: str, device: str) -> None:
 
 
 def _measure(mode: str, device: str) -> dict:
-    here = str(Path(__file__).resolve().parent)
-    code = (
-        f"import sys; sys.path[:0] = [{here!r}, {str(Path(here).parent)!r}]; import long_context; "
-        f"long_context._child({mode!r}, {device!r})"
-    )
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+    from benchmark import in_fresh_process
+
+    return in_fresh_process("long_context", f"_child({mode!r}, {device!r})")
 
 
 def run(args) -> dict:

@@ -4,8 +4,6 @@ reduced to the same statistics; peak memory of a long sequence, each measurement
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import torch
 
@@ -59,13 +57,9 @@ def _peak_child(mode: str, tokens: int, device: str = "cpu") -> None:
 
 
 def _peak(mode: str, tokens: int, device: str = "cpu") -> dict:
-    here = str(__file__.rsplit("/", 1)[0])
-    code = (
-        f"import sys; sys.path[:0] = [{here!r}, {here.rsplit('/', 1)[0]!r}]; import stats; "
-        f"stats._peak_child({mode!r}, {tokens}, {device!r})"
-    )
-    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    return json.loads(output.strip().splitlines()[-1])
+    from benchmark import in_fresh_process
+
+    return in_fresh_process("stats", f"_peak_child({mode!r}, {tokens}, {device!r})")
 
 
 def run(args) -> dict:
