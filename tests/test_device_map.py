@@ -232,3 +232,27 @@ def test_device_cpu_keeps_a_device_map_on_the_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", classmethod(recording))
     loaded = load_model(str(directory), device="cpu", device_map="auto")
     assert seen["device_map"] == {"": "cpu"} and loaded.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["convert-gqa", "--kv-heads", "1", "--no-eval"],
+        ["prune", "--heads", "0:1", "--mode", "physical", "--max-tokens", "64"],
+    ],
+    ids=["convert-gqa", "prune"],
+)
+def test_cli_edits_with_device_map_auto_write_the_same_weights(models, tmp_path, capsys, command):
+    """`--device-map auto` (here: everything on the CPU) through the commands that edit and save weights gives the
+    checkpoint the plain load gives, tensor for tensor."""
+    from safetensors.torch import load_file
+
+    plain, _, corpus = models
+    common = [*command, "--model", plain.source, "--data", corpus, "--seq-len", "32", "--device", "cpu"]
+    outputs = {}
+    for name, extra in (("plain", []), ("mapped", ["--device-map", "auto"])):
+        code, _, err = run_cli([*common, *extra, "--out", tmp_path / name], capsys)
+        assert code == 0, err
+        outputs[name] = load_file(tmp_path / name / "model.safetensors")
+    assert outputs["plain"].keys() == outputs["mapped"].keys()
+    assert all(torch.equal(outputs["plain"][k], outputs["mapped"][k]) for k in outputs["plain"])
