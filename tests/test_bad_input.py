@@ -73,6 +73,10 @@ CASES = [
     (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--method", "svd", "--out", "c"], "mean"),
     (["convert-gqa", "--model", "org/name", "--streaming", "--kv-heads", "2", "--out", "c"], "local checkpoint"),
     (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "3", "--out", "c"], "3"),
+    (
+        ["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--dtype", "bfloat16", "--out", "c"],
+        "dtype",
+    ),
     (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--max-shard-size", "0", "--out", "c"], "1"),
     # expand-kv
     (["expand-kv", "--model", "{mha}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "4"),

@@ -72,6 +72,9 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     from headlab.report_text import parse_bytes
     from headlab.streaming import convert_streaming
 
+    if load.dtype is not None or load.device_map is not None:
+        # Nothing is loaded onto a device: tensors are read and written in their stored dtype.
+        raise HeadlabError("--streaming never loads the model: it keeps the stored dtype; drop --dtype/--device-map")
     max_bytes = parse_bytes(max_shard_size, "max-shard-size")
     record = convert_streaming(
         local_checkpoint(load.spec),

@@ -39,7 +39,8 @@ def model_options(function):
         def load(**overrides) -> LoadedModel:
             return load_model(model_spec, device=device, dtype=dtype, device_map=device_map, **overrides)
 
-        load.spec = model_spec  # for commands that read the checkpoint files without loading the model
+        # For commands that can read the checkpoint files without loading the model (convert-gqa --streaming).
+        load.spec, load.dtype, load.device_map = model_spec, dtype, device_map
         return function(*args, load=load, **kwargs)
 
     return wrapper
