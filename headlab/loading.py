@@ -290,6 +290,12 @@ def local_checkpoint(spec: str | None) -> Path:
     )
 
 
+def _accelerate_hooks(module: nn.Module | None) -> list:
+    """The accelerate hooks on a module: none, its one hook, or the parts of a SequentialHook."""
+    hook = getattr(module, "_hf_hook", None)
+    return list(getattr(hook, "hooks", None) or ([hook] if hook is not None else []))
+
+
 def input_device(model: nn.Module) -> torch.device:
     """Where a model's inputs go: the device its input embeddings run on.
 
@@ -301,8 +307,7 @@ def input_device(model: nn.Module) -> torch.device:
         embeddings = model.get_input_embeddings()
     except (AttributeError, NotImplementedError):  # a plain module, or a model class without embeddings
         embeddings = None
-    hook = getattr(embeddings, "_hf_hook", None)
-    for part in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):  # SequentialHook or one hook
+    for part in _accelerate_hooks(embeddings):
         device = getattr(part, "execution_device", None)
         if device is not None:
             return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
@@ -315,12 +320,11 @@ def input_device(model: nn.Module) -> torch.device:
 def offloaded_modules(model: nn.Module) -> list[str]:
     """Modules whose weights a device map keeps offloaded (CPU or disk): accelerate leaves meta placeholders and
     refills them from its offload store at every forward, so an in-place edit of them would be silently undone."""
-    found = []
-    for name, module in model.named_modules():
-        hook = getattr(module, "_hf_hook", None)
-        if any(getattr(part, "offload", False) for part in getattr(hook, "hooks", None) or [hook]):
-            found.append(name)
-    return found
+    return [
+        name
+        for name, module in model.named_modules()
+        if any(getattr(part, "offload", False) for part in _accelerate_hooks(module))
+    ]
 
 
 def check_resident(loaded: LoadedModel, what: str) -> None:
