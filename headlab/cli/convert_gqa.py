@@ -50,6 +50,14 @@ def print_summary(record: dict) -> None:
         click.echo(f"{name:<{width}}  {value}")
 
 
+def show(record: dict, as_json: bool) -> None:
+    """The JSON record, or the one-line-per-fact summary."""
+    if as_json:
+        click.echo(json.dumps(record, indent=2, default=str))
+    else:
+        print_summary(record)
+
+
 def streaming_options(function):
     """--streaming and --max-shard-size, shared with expand-kv."""
     function = click.option(
@@ -87,10 +95,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
         max_shard_bytes=max_bytes,
         progress=not as_json,
     )
-    if as_json:
-        click.echo(json.dumps(record, indent=2, default=str))
-    else:
-        print_summary(record)
+    show(record, as_json)
 
 
 @click.command("convert-gqa")
@@ -189,7 +194,4 @@ def command(
         overwrite=overwrite,
         progress=not as_json,
     )
-    if as_json:
-        click.echo(json.dumps(record, indent=2, default=str))
-    else:
-        print_summary(record)
+    show(record, as_json)

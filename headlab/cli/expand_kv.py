@@ -3,12 +3,10 @@ lossless, saved as a vanilla-loadable checkpoint verified by reloading it."""
 
 from __future__ import annotations
 
-import json
-
 import click
 
 from headlab.checkpoint import check_checkpoint_out
-from headlab.cli.convert_gqa import print_summary, run_streaming, streaming_options
+from headlab.cli.convert_gqa import run_streaming, show, streaming_options
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.gqa import convert_checkpoint, gqa_layers
 
@@ -70,7 +68,4 @@ def command(
         overwrite=overwrite,
         progress=not as_json,
     )
-    if as_json:
-        click.echo(json.dumps(record, indent=2, default=str))
-    else:
-        print_summary(record)
+    show(record, as_json)
