@@ -219,3 +219,24 @@ def test_documented_examples_use_existing_commands_and_options():
                 wrong.append(f"{page.relative_to(ROOT)}: headlab {name} has no option {option}")
     assert not wrong, "\n".join(wrong)
     assert names <= shown, f"commands without an example: {', '.join(sorted(names - shown))}"
+
+
+def test_api_reference_names_exist():
+    """Every function docs/api.md lists under a `headlab.X` heading is importable from headlab.X."""
+    import importlib
+
+    missing, module = [], None
+    for line in (DOCS / "api.md").read_text().splitlines():
+        heading = re.match(r"### `(headlab(?:\.\w+)*)`", line)
+        if heading:
+            module = importlib.import_module(heading.group(1))
+            continue
+        if module is None or not line.startswith("| `"):
+            continue
+        # The names before the cell's description ("`f(x)`, `g(y)`: what they do"); `obj.method(...)` is skipped.
+        names = re.split(r"(?<!\\)\|", line)[1].split("`:")[0]
+        for name in re.findall(r"`(\w+)[(`]", names):
+            if not hasattr(module, name):
+                missing.append(f"{module.__name__}.{name}")
+    assert module is not None, "docs/api.md has no `headlab.X` sections"
+    assert not missing, f"docs/api.md lists names that do not exist: {', '.join(missing)}"
