@@ -19,7 +19,7 @@ from headlab.cli import cli
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 PAGES = sorted([ROOT / "README.md", *DOCS.rglob("*.md")])
-# Pages other branches write (issues 13, 14, 15, 16, 18, 20); linked from here before they are merged.
+# Pages other branches write (issues 13, 14, 15, 16, 18, 19, 20); linked from here before they are merged.
 OTHER_BRANCH_PAGES = {
     DOCS / name
     for name in (
@@ -29,6 +29,7 @@ OTHER_BRANCH_PAGES = {
         "selection.md",
         "runtimes.md",
         "performance.md",
+        "reliability.md",
         "commands/export-gguf.md",
         "commands/speed.md",
     )
