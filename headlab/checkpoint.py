@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from headlab.errors import HeadlabError
-from headlab.loading import HEAD_LAYOUT_KEY, atomic_directory, input_device, load_model, model_class
-from headlab.tables import check_out, versions
+from headlab.fsio import atomic_directory, check_out, write_json
+from headlab.loading import HEAD_LAYOUT_KEY, input_device, load_model, model_class
+from headlab.tables import versions
 
 META_FILE = "headlab.json"  # what headlab wrote into a checkpoint directory: the edit and its verification
 
@@ -230,5 +231,5 @@ def save_checkpoint(
             "verification": verification.to_dict() if verification else None,
             "versions": versions(),
         }
-        (tmp / META_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_json(tmp / META_FILE, record)
     return verification

@@ -7,7 +7,6 @@ cut, evaluation text (perplexity) after it, so the two never share a character.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -298,7 +297,3 @@ def calibration_batches(
         "windows": len(windows),
     }
     return CalibrationBatches(ids, windows, batch_size, pad_id, meta)
-
-
-def write_json(path: Path, payload: dict) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")

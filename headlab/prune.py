@@ -603,8 +603,8 @@ def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame
     """Save the pruned model atomically with its record (pruning/heads.csv+.parquet, mask.csv, meta.json), after
     checkpoint.save_checkpoint has reloaded it and compared logits. Returns the verification."""
     from headlab.checkpoint import save_checkpoint
+    from headlab.fsio import atomic_directory
     from headlab.gates import write_mask
-    from headlab.loading import atomic_directory
     from headlab.tables import write_run
 
     out = Path(out)

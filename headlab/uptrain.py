@@ -298,7 +298,7 @@ def save_uptrained(student: LoadedModel, result: UptrainResult, out, *, overwrit
     import matplotlib.pyplot as plt
 
     from headlab.checkpoint import save_checkpoint
-    from headlab.loading import atomic_directory
+    from headlab.fsio import atomic_directory
     from headlab.tables import write_run
 
     fig = plot_curve(result.curve, f"uptraining {student.spec}")
