@@ -24,6 +24,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab.data import calibration_batches
 from headlab.errors import HeadlabError
 from headlab.loading import LoadedModel, check_resident
 
@@ -202,7 +203,6 @@ def compensation_batches(
     loaded: LoadedModel, data=None, *, text_column=None, seq_len=256, batch_size=4, max_tokens=2048
 ):
     """Calibration-split windows for the statistics (never the eval split)."""
-    from headlab.data import calibration_batches
 
     return calibration_batches(
         loaded.tokenizer,

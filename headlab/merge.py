@@ -31,7 +31,9 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab.arch import HeadWeights
+from headlab.capture import capture_attention
 from headlab.errors import HeadlabError
+from headlab.kv_heads import gqa_layers, pool_weights
 from headlab.loading import LoadedModel, check_resident
 
 METHODS = ("mean", "svd")
@@ -85,9 +87,6 @@ def merge_statistics(
 
     The layer input x (after the input norm) comes from a forward pre-hook on the attention module; attention
     weights from headlab.capture (the model keeps its sdpa output)."""
-    from headlab.capture import capture_attention
-    from headlab.gqa import gqa_layers
-
     if value_weighting is not None and value_weighting not in VALUE_WEIGHTINGS:
         raise HeadlabError(f"unknown value weighting {value_weighting!r}; use one of {', '.join(VALUE_WEIGHTINGS)}")
     layers = gqa_layers(loaded)
@@ -324,8 +323,6 @@ def merge_weights(
 ) -> HeadWeights:
     """One layer's contiguous groups of G / kv_heads KV heads merged: mean-pooled first (norms, and the parts left
     to mean), then keys and/or values replaced by the calibrated merge."""
-    from headlab.gqa import pool_weights
-
     merged = pool_weights(weights, kv_heads, "mean")
     if keys == "svd":
         k = merge_keys(weights, kv_heads, stats, rotary_dim)
@@ -353,8 +350,6 @@ def merge_kv_heads(
     attention pattern the merged values will really be mixed by); passes=1 (default) takes both on the original model, which
     measured better on the embedded model (3 -> 1 KV heads: perplexity 86 against 105 with two passes).
     """
-    from headlab.gqa import gqa_layers
-
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     if kv_heads >= G or G % kv_heads:

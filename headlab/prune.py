@@ -17,8 +17,14 @@ import pandas as pd
 import torch
 
 from headlab.arch import AttentionLayer
+from headlab.checkpoint import check_checkpoint_out, save_checkpoint
+from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
 from headlab.costs import costs
 from headlab.errors import HeadlabError
+from headlab.evaluate import perplexity
+from headlab.fsio import atomic_directory
+from headlab.gates import write_mask
+from headlab.importance import head_importance
 from headlab.layout import (
     HEAD_LAYOUT_KEY,
     LAYOUT_VERSION,
@@ -29,6 +35,8 @@ from headlab.layout import (
     physical_layout,
 )
 from headlab.loading import LoadedModel, check_resident
+from headlab.stats import head_statistics
+from headlab.tables import write_run
 
 UNITS = ("head", "kv-group")
 MODES = ("mask", "physical")
@@ -100,7 +108,6 @@ def random_scores(layers: list[AttentionLayer], seed: int) -> list[torch.Tensor]
 
 def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
     """Score = -(mean attention entropy), so the most diffuse heads (highest entropy) are pruned first."""
-    from headlab.stats import head_statistics
 
     table = head_statistics(loaded, induction=False, **kwargs)  # entropy needs no induction sequences
     table = table[table["statistic"] == "entropy"]
@@ -114,7 +121,6 @@ def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
 
 def importance_scores(loaded: LoadedModel, pruned: list[set[int]] | None = None, **kwargs) -> list[torch.Tensor]:
     """Head importance (Michel et al. 2019) from headlab.importance, with already pruned heads masked (gate 0)."""
-    from headlab.importance import head_importance
 
     mask = None if pruned is None else gates_from_pruned(loaded.layers, pruned)
     result = head_importance(loaded, mask=mask, **kwargs)
@@ -451,10 +457,6 @@ class PruneResult:
 def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame, gates, *, overwrite=False) -> dict:
     """Save the pruned model atomically with its record (pruning/heads.csv+.parquet, mask.csv, meta.json), after
     checkpoint.save_checkpoint has reloaded it and compared logits. Returns the verification."""
-    from headlab.checkpoint import save_checkpoint
-    from headlab.fsio import atomic_directory
-    from headlab.gates import write_mask
-    from headlab.tables import write_run
 
     out = Path(out)
     with atomic_directory(out, overwrite=overwrite) as staging:
@@ -508,8 +510,6 @@ def prune(
 
     compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed heads' mean output
     into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning."""
-    from headlab.checkpoint import check_checkpoint_out
-    from headlab.compensate import check_compensation
 
     check_compensation(loaded, compensate)
 
@@ -577,8 +577,6 @@ def prune(
     ppl_before = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
     compensation = None
     if compensate is not None:
-        from headlab.compensate import apply_compensation, compensation_batches, output_statistics
-
         batches = compensation_batches(
             loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
         )
@@ -658,6 +656,5 @@ def prune(
 
 
 def _ppl(loaded, data, eval_kwargs, progress) -> float:
-    from headlab.evaluate import perplexity
 
     return perplexity(loaded, data, part="eval", progress=progress, **eval_kwargs).perplexity

@@ -15,7 +15,9 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab.compensate import check_compensation, compensated, compensation_batches, output_statistics
 from headlab.errors import HeadlabError
+from headlab.evaluate import perplexity
 from headlab.loading import LoadedModel
 from headlab.prune import (
     check_unit,
@@ -26,6 +28,7 @@ from headlab.prune import (
     random_scores,
     select_heads,
 )
+from headlab.tables import write_run
 
 ORDERS = ("importance", "iterative", "random", "entropy", "ablation")
 DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
@@ -86,10 +89,8 @@ def sweep(
     compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
     scores already computed with the same settings (e.g. the report's importance step), instead of computing them again.
     """
-    from headlab.compensate import check_compensation
 
     check_compensation(loaded, compensate)
-    from headlab.evaluate import perplexity
 
     fractions = sorted(set(float(f) for f in fractions))
     orders, seeds = list(dict.fromkeys(orders)), list(dict.fromkeys(seeds))
@@ -121,8 +122,6 @@ def sweep(
     cache: dict[tuple, dict] = {}
     grams = None
     if compensate is not None:
-        from headlab.compensate import compensation_batches, output_statistics
-
         batches = compensation_batches(
             loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
         )
@@ -131,8 +130,6 @@ def sweep(
     def measure(pruned, compensation=None) -> dict:
         key = (tuple(tuple(sorted(p)) for p in pruned), compensation)
         if key not in cache:
-            from headlab.compensate import compensated
-
             refit = compensated(loaded, pruned, grams, compensation) if compensation else contextlib.nullcontext()
             with refit, pruned_in_place(loaded, pruned, mode) as layout:
                 result = perplexity(loaded, data, part="eval", progress=False, **eval_kwargs)
@@ -210,8 +207,8 @@ def sweep(
 
 def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
     """sweep.csv + sweep.parquet + meta.json + sweep.png, atomically."""
+    # seaborn/matplotlib load in about a second: imported only when the sweep draws its figure (saves start-up time elsewhere).
     from headlab.plots import figure_bytes, plot_sweep
-    from headlab.tables import write_run
 
     fig = plot_sweep(result.table, f"{result.meta.get('model', 'model')}: perplexity as heads are pruned")
     return write_run(

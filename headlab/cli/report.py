@@ -34,6 +34,7 @@ def report_options(function):
 def command(load, data, text_column, quick, fmt, out, overwrite):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
+    # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
     from headlab.data import load_corpus
     from headlab.report import check_report_out, run_report
 

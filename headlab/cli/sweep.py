@@ -7,9 +7,11 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
+from headlab.fsio import check_out
 from headlab.prune import UNITS
 from headlab.report_text import parse_list
-from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, sweep, write_sweep
+from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, check_sweep, sweep, write_sweep
 
 
 @click.command("sweep")
@@ -73,9 +75,6 @@ def command(
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
-    from headlab.errors import HeadlabError
-    from headlab.fsio import check_out
-    from headlab.sweep import check_sweep
 
     if part != "eval":
         raise HeadlabError("sweep scores perplexity on the eval split; scores always use the calibration split")
