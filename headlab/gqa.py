@@ -41,6 +41,7 @@ from headlab.kv_heads import (
 )
 from headlab.loading import LoadedModel, check_resident
 from headlab.merge import merge_kv_heads
+from headlab.restore import restoring
 from headlab.tables import versions, write_run
 
 # mean: pool by POOLS (Ainslie et al. 2023); svd: calibrated, training-free merge (headlab.merge)
@@ -315,33 +316,23 @@ def gqa_sweep(
     if kv_heads is None:
         kv_heads = [g for g in range(H, 0, -1) if (G % g == 0) or (H % g == 0 and g % G == 0)]
     actions = {g: check_kv_heads(H, G, g) for g in kv_heads}  # validate every target before any work
-    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, METHODS))
-    for name, values, allowed in checks:
-        unknown = [v for v in values if v not in allowed]
-        if unknown or not values:
-            raise HeadlabError(f"{name}: unknown {unknown or 'empty list'}; use some of {', '.join(allowed)}")
+    _check_choices(groupings, pools, methods)
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus, text_column)
     eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
-    originals = [loaded.adapter.read(layer) for layer in layers]
     meta = {"model": loaded.spec, "source": loaded.source, "eval": {"data": corpus.spec, **eval_args}, "seed": seed}
+    pooling = any(a == "pool" for a in actions.values())
     similarity = None
-    if "similarity" in groupings and any(a == "pool" for a in actions.values()):
+    if "similarity" in groupings and pooling:
         calib = dict(part="calibration", seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens)
         similarity, meta["calibration"] = _similarity_for(loaded, corpus, calib, progress)
     batches = None
-    if "svd" in methods and any(a == "pool" for a in actions.values()):
+    if "svd" in methods and pooling:
         batches = _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens)
         meta["merge_calibration"] = batches.meta
 
-    jobs = []
-    for g in kv_heads:
-        if actions[g] == "pool":
-            pooled = [p for p in pools if "mean" in methods] + (["svd"] if "svd" in methods else [])
-            jobs += [(g, grouping, pool) for grouping in groupings for pool in pooled]
-        else:
-            jobs.append((g, None, None))
     rows, seen = [], {}
+    jobs = _sweep_jobs(kv_heads, actions, groupings, pools, methods)
     for g, grouping, pool in tqdm(jobs, desc="GQA sweep", disable=not progress, unit="variant"):
         groups = None
         if grouping is not None:
@@ -350,43 +341,60 @@ def gqa_sweep(
         key = (g, pool, repr(groups))
         label = f"{g}/{grouping or actions[g]}/{pool or '-'}"
         if key in seen:
-            row = dict(seen[key], grouping=grouping, pool=pool, variant=label, same_as=seen[key]["variant"])
-            rows.append(row)
+            rows.append(dict(seen[key], grouping=grouping, pool=pool, variant=label, same_as=seen[key]["variant"]))
             continue
-        conversion = convert(
-            loaded,
-            g,
-            pool="mean" if pool in (None, "svd") else pool,
-            grouping=grouping or "contiguous",
-            groups=groups,
-            seed=seed,
-            method="svd" if pool == "svd" else "mean",
-            batches=batches,
-        )
-        result = _perplexity(loaded, corpus, eval_args, progress=False)
-        row = {
-            "variant": label,
-            "kv_heads": g,
-            "action": conversion.action,
-            "grouping": grouping,
-            "pool": pool,
-            "perplexity": result.perplexity,
-            "nll": result.nll,
-            "scored_tokens": result.scored_tokens,
-            "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
-            "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
-            "permuted_layers": conversion.permuted_layers,
-            "same_as": None,
-        }
+        with restoring(loaded):  # back to the original model for the next variant, also after an error
+            conversion = convert(
+                loaded,
+                g,
+                pool="mean" if pool in (None, "svd") else pool,
+                grouping=grouping or "contiguous",
+                groups=groups,
+                seed=seed,
+                method="svd" if pool == "svd" else "mean",
+                batches=batches,
+            )
+            result = _perplexity(loaded, corpus, eval_args, progress=False)
+            row = {
+                "variant": label,
+                "kv_heads": g,
+                "action": conversion.action,
+                "grouping": grouping,
+                "pool": pool,
+                "perplexity": result.perplexity,
+                "nll": result.nll,
+                "scored_tokens": result.scored_tokens,
+                "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
+                "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
+                "permuted_layers": conversion.permuted_layers,
+                "same_as": None,
+            }
         rows.append(row)
         seen[key] = row
-        for layer, weights in zip(layers, originals):  # back to the original model for the next variant
-            loaded.adapter.write(layer, weights)
-        loaded.adapter.set_config_heads(loaded.model.config, H, G, D)
     frame = pd.DataFrame(rows)
     frame["relative_kv_bytes"] = frame["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
     meta.update({"query_heads": H, "kv_heads": G, "head_dim": D, "targets": kv_heads, "dtype": str(loaded.dtype)})
     return frame, meta
+
+
+def _check_choices(groupings, pools, methods) -> None:
+    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, METHODS))
+    for name, values, allowed in checks:
+        unknown = [v for v in values if v not in allowed]
+        if unknown or not values:
+            raise HeadlabError(f"{name}: unknown {unknown or 'empty list'}; use some of {', '.join(allowed)}")
+
+
+def _sweep_jobs(kv_heads, actions, groupings, pools, methods) -> list[tuple[int, str | None, str | None]]:
+    """(target, grouping, pool) per variant: every grouping x pool for a pooled target, one row otherwise."""
+    jobs = []
+    for g in kv_heads:
+        if actions[g] == "pool":
+            pooled = [p for p in pools if "mean" in methods] + (["svd"] if "svd" in methods else [])
+            jobs += [(g, grouping, pool) for grouping in groupings for pool in pooled]
+        else:
+            jobs.append((g, None, None))
+    return jobs
 
 
 def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) -> tuple[pd.DataFrame, dict]:

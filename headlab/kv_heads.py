@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from headlab.arch import ADAPTERS, AttentionLayer, HeadWeights
 from headlab.errors import HeadlabError
+from headlab.hooks import hooks
 from headlab.loading import LoadedModel, check_resident
 
 POOLS = ("mean", "first", "random")
@@ -207,8 +208,7 @@ def kv_similarity(loaded: LoadedModel, batches, progress: bool = True) -> dict[s
     last = layers[-1].index
 
     def hook_for(layer: AttentionLayer):
-        def hook(module, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]  # [B, T, C]
+        def hook(x):  # [B, T, C]
             x = x[state["valid"].to(x.device)].float()  # [N, C], padding dropped
             k_w, v_w, k_b, v_b = (None if t is None else t.to(x.device) for t in weights[layer.index])
             for kind, w, b in (("key", k_w, k_b), ("value", v_w, v_b)):
@@ -222,8 +222,7 @@ def kv_similarity(loaded: LoadedModel, batches, progress: bool = True) -> dict[s
 
         return hook
 
-    handles = [layer.module.register_forward_pre_hook(hook_for(layer), with_kwargs=True) for layer in layers]
-    try:
+    with hooks(adapter, [("attn_in", layer, hook_for(layer)) for layer in layers]):
         for input_ids, attention_mask, *_ in tqdm(batches, desc="KV similarity", disable=not progress, unit="batch"):
             state["valid"] = attention_mask.bool().to(loaded.device)
             count += float(attention_mask.sum())
@@ -231,9 +230,6 @@ def kv_similarity(loaded: LoadedModel, batches, progress: bool = True) -> dict[s
                 model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
             except _Stop:
                 pass
-    finally:
-        for handle in handles:
-            handle.remove()
     if count == 0:
         raise HeadlabError("no calibration tokens to measure KV-head similarity on")
     key, value = sums["key"] / count, sums["value"] / count

@@ -25,6 +25,7 @@ each output dimension after attention, which a dense M_j does not commute with, 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +34,7 @@ from tqdm.auto import tqdm
 from headlab.arch import HeadWeights
 from headlab.capture import capture_attention
 from headlab.errors import HeadlabError
+from headlab.hooks import hooks
 from headlab.kv_heads import gqa_layers, pool_weights
 from headlab.loading import LoadedModel, check_resident
 
@@ -122,8 +124,8 @@ def merge_statistics(
     state: dict = {"values": {}}
 
     def pre_hook_for(layer):
-        def hook(module, args, kwargs):
-            x = (args[0] if args else kwargs["hidden_states"]).float()  # [B, T, C]
+        def hook(x):
+            x = x.float()  # [B, T, C]
             B, T, _ = x.shape
             x = torch.cat([x, torch.ones(B, T, 1, dtype=x.dtype, device=x.device)], -1)  # [B, T, C+1]
             k_w, q_w, v_w = projections[layer.index]
@@ -155,23 +157,13 @@ def merge_statistics(
         y = y * chunk.query_valid[:, None, :, None]
         stats[chunk.layer.index].value_gram += torch.einsum("bhcn,bhck->hnk", y, y).double()
 
-    handles = [layer.module.register_forward_pre_hook(pre_hook_for(layer), with_kwargs=True) for layer in layers]
     model = loaded.model
-    try:
-        if value_weighting == "attention":
-            context = capture_attention(model, layers, on_chunk)
-        else:
-            import contextlib
-
-            context = contextlib.nullcontext()
-        with context:
-            for input_ids, attention_mask, *_ in tqdm(batches, desc="merge calibration", disable=not progress):
-                state["valid"] = attention_mask.bool().to(device)
-                model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-                state["values"].clear()
-    finally:
-        for handle in handles:
-            handle.remove()
+    capturing = capture_attention(model, layers, on_chunk) if value_weighting == "attention" else nullcontext()
+    with hooks(loaded.adapter, [("attn_in", layer, pre_hook_for(layer)) for layer in layers]), capturing:
+        for input_ids, attention_mask, *_ in tqdm(batches, desc="merge calibration", disable=not progress):
+            state["valid"] = attention_mask.bool().to(device)
+            model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+            state["values"].clear()
     # The closed forms run in float64 on the CPU, whichever device each layer's statistics were summed on.
     out = [
         LayerStats(*(t.cpu() if torch.is_tensor(t) else t for t in vars(stats[layer.index]).values()))

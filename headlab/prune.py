@@ -35,6 +35,7 @@ from headlab.layout import (
     physical_layout,
 )
 from headlab.loading import LoadedModel, check_resident
+from headlab.restore import restoring
 from headlab.stats import head_statistics
 from headlab.tables import write_run
 
@@ -387,9 +388,7 @@ def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
 @contextlib.contextmanager
 def pruned_in_place(loaded: LoadedModel, pruned: list[set[int]], mode: str = "physical"):
     """Apply a selection for the duration of a block, then write the original weights back (also on error)."""
-    adapter = loaded.adapter
-    originals = [(layer, adapter.read(layer)) for layer in loaded.layers]
-    try:
+    with restoring(loaded):
         if mode == "physical":
             layout = physical_layout(loaded.layers, pruned)
             apply_physical(loaded, layout)
@@ -397,9 +396,6 @@ def pruned_in_place(loaded: LoadedModel, pruned: list[set[int]], mode: str = "ph
         else:
             apply_mask(loaded, pruned)
             yield None
-    finally:
-        for layer, w in originals:
-            adapter.write(layer, w)
 
 
 # ---- saving and loading -------------------------------------------------------------------------------------------

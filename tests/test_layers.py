@@ -38,7 +38,9 @@ LAYERS = {
     # mechanisms: how headlab reaches inside a running model
     "headlab.capture": "mechanisms",
     "headlab.gates": "mechanisms",
+    "headlab.hooks": "mechanisms",
     "headlab.recompute": "mechanisms",
+    "headlab.restore": "mechanisms",
     # foundations: adapters, saved layouts, loading, text, tables, files, checkpoints
     "headlab.arch": "foundations",
     "headlab.checkpoint": "foundations",
