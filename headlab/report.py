@@ -27,8 +27,8 @@ from headlab.errors import HeadlabError
 from headlab.fsio import atomic_directory, write_json
 from headlab.importance import head_importance
 from headlab.loading import DEFAULT_MODEL, LoadedModel
-from headlab.prune import read_scores
 from headlab.report_text import human_bytes
+from headlab.scores import read_scores
 from headlab.stats import _frame_tokens, head_statistics, write_statistics
 from headlab.sweep import sweep, write_sweep
 from headlab.tables import versions, write_run

@@ -12,7 +12,7 @@ from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.gates import head_gates
 from headlab.loading import from_model
-from headlab.prune import random_scores
+from headlab.scores import random_scores
 from headlab.sweep import sweep, write_sweep
 
 EVAL = dict(seq_len=32, batch_size=2)
