@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_inputs, tiny_model
+from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
 from headlab import prune as P
