@@ -21,6 +21,7 @@ from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out
 from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
 from headlab.costs import costs
+from headlab.data import Corpus, load_corpus
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.fsio import atomic_directory
@@ -458,7 +459,10 @@ def prune(
     check_compensation(loaded, compensate)
     spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
     _check_prune(loaded, spec, heads=heads, scores=scores, iterative=iterative, mode=mode, out=out, overwrite=overwrite)
-    request = ScoreRequest(data, text_column, seq_len, batch_size, calibration_tokens, progress, table=scores)
+    # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
+    reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
+    corpus = load_corpus(data, text_column) if reads_text and not isinstance(data, Corpus) else data
+    request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress, table=scores)
     # Everything cheap is checked; explicit heads and score tables are validated before any forward pass.
     table_scores = score_heads("table", loaded, request) if scores is not None else None
     if heads is not None:
@@ -471,12 +475,12 @@ def prune(
 
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
     before = costs(loaded)
-    ppl_before = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
+    ppl_before = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate else None
     compensation = None if compensate is None else _compensate(loaded, pruned, compensate, request)
     equivalent = _physical_equivalent(loaded, pruned) if mode == "mask" else (None, None)
     layout = apply(loaded, pruned, mode)
     after = costs(loaded)
-    ppl_after = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
+    ppl_after = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate else None
     loader = prepare_config(loaded, layout)
     selection = {
         "heads": heads,

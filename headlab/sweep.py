@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 
 from headlab.compensate import check_compensation, compensated, compensation_batches, output_statistics
 from headlab.costs import costs
+from headlab.data import Corpus, load_corpus
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.importance import METHODS as IMPORTANCE_METHODS
@@ -100,15 +101,21 @@ def sweep(
         raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
     if mode == "physical" and loaded.adapter.norm_spans_heads:
         mode = "mask"  # physical is approximate here; the sweep reports exact masked perplexity instead
-    request = ScoreRequest(data, text_column, seq_len, batch_size, calibration_tokens, progress)
+    corpus = data if isinstance(data, Corpus) else load_corpus(data, text_column)  # resolved once for every pass
+    request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress)
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
     grams = None
     if compensate is not None:
         batches = compensation_batches(
-            loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
+            loaded,
+            corpus,
+            text_column=text_column,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            max_tokens=calibration_tokens,
         )
         grams = output_statistics(loaded, batches, progress=progress)
-    measure = _Measure(loaded, mode, grams, eval_kwargs, data)
+    measure = _Measure(loaded, mode, grams, eval_kwargs, corpus)
     spec = PruneSpec(per_layer=per_layer, unit=unit, allow_empty_layer=allow_empty_layer)
     total_heads = sum(layer.num_heads for layer in loaded.layers)
     runs = [(order, seed) for order in orders for seed in (seeds if order == "random" else [None])]
