@@ -241,3 +241,26 @@ def test_api_reference_names_exist():
                 missing.append(f"{module.__name__}.{name}")
     assert module is not None, "docs/api.md has no `headlab.X` sections"
     assert not missing, f"docs/api.md lists names that do not exist: {', '.join(missing)}"
+
+
+def test_dotted_names_in_the_docs_exist():
+    """Every `headlab.module.name` the README and docs/ mention (in code spans and blocks) can be imported."""
+    import importlib
+
+    missing = set()
+    for page in PAGES:
+        for dotted in set(re.findall(r"\bheadlab(?:\.[A-Za-z_]\w*)+", page.read_text())):
+            parts = dotted.split(".")
+            if parts[-1] in ("py", "json", "md"):  # file names such as headlab.json
+                continue
+            for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+                try:
+                    target = importlib.import_module(".".join(parts[:cut]))
+                except ImportError:
+                    continue
+                for attribute in parts[cut:]:
+                    target = getattr(target, attribute, None)
+                if target is None:
+                    missing.add(f"{page.relative_to(ROOT)}: {dotted}")
+                break
+    assert not missing, "\n".join(sorted(missing))
