@@ -8,6 +8,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import socket
 import tempfile
@@ -18,7 +19,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from headlab import distributed
+from headlab import distributed, validate
 from headlab.arch import Adapter, AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
 
@@ -58,12 +59,17 @@ class LoadedModel:
         return None
 
     def describe(self) -> dict:
+        try:  # recorded so a score table can be matched to its model's layout (headlab.validate.check_table_origin)
+            heads = [layer.num_heads for layer in self.layers]
+        except HeadlabError:
+            heads = None
         return {
             "model": self.spec,
             "source": self.source,
             "model_type": self.model.config.model_type,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "heads_per_layer": heads,
             **self.meta,
         }
 
@@ -204,8 +210,13 @@ def load_model(
     dtype: str | None = None,
     device_map: str | None = None,
     attn_implementation: str = "sdpa",
+    check_weights: bool = True,
 ) -> LoadedModel:
-    """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id."""
+    """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id.
+
+    Validated before use (headlab.validate): the config's head arithmetic before transformers builds the model, the
+    safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
+    """
     from transformers import AutoConfig, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -243,28 +254,38 @@ def load_model(
     try:
         config = AutoConfig.from_pretrained(source, **load_kwargs)
     except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        raise HeadlabError(f"cannot load a model config from {spec!r}: {lines[0]}") from None
+        raise HeadlabError(f"cannot load a model config from {spec!r}: {validate.error_line(error)}") from None
     adapter = adapter_for(config)
+    validate.check_config_heads(config, adapter, spec)
+    if Path(source).is_dir():
+        validate.check_weight_files(source)
     layout = getattr(config, HEAD_LAYOUT_KEY, None)
 
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
     if device_map == "auto":
         # accelerate's "auto" spreads over every visible GPU; an explicit --device cpu must keep the model off them.
         kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # transformers' load report is summarised in headlab's one line, not printed
     try:
         if layout is not None:
             from headlab.prune import load_pruned  # non-uniform checkpoints are rebuilt layer by layer
 
             model = load_pruned(source, config, adapter, **kwargs)
         else:
-            model = _auto_class(adapter).from_pretrained(source, **kwargs)
+            model, info = _auto_class(adapter).from_pretrained(source, output_loading_info=True, **kwargs)
+            _refuse_missing_weights(spec, info)
         tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
+    except pickle.UnpicklingError as error:
+        raise validate.pickle_refusal(source, error) from None
     except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
         # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head
         # count: "size mismatch") or for configs it cannot build a model from: user input, not a headlab bug.
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        raise HeadlabError(f"cannot load {spec!r}: {lines[0]}") from None
+        raise HeadlabError(f"cannot load {spec!r}: {validate.error_line(error)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if check_weights:
+        validate.check_finite_weights(model, spec)
     if device_map is None:
         model.to(torch_device)
     else:
@@ -273,7 +294,19 @@ def load_model(
     model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype)
+    fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""))
+    meta = {"fingerprint": fingerprint} if fingerprint else {}
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype, meta)
+
+
+def _refuse_missing_weights(spec: str, info: dict) -> None:
+    """transformers initialises weights missing from a checkpoint at random and only logs it: refuse instead."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise HeadlabError(
+            f"cannot load {spec!r}: {len(missing)} weight(s) missing from the checkpoint would be random "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        )
 
 
 def local_checkpoint(spec: str | None) -> Path:
@@ -283,6 +316,7 @@ def local_checkpoint(spec: str | None) -> Path:
         return embedded_checkpoint()
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
+        validate.check_weight_files(path)
         return path
     raise HeadlabError(
         f"{spec!r} is not a local checkpoint directory with config.json; layer-by-layer conversion reads the files "

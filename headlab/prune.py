@@ -19,6 +19,7 @@ import torch
 from headlab.arch import Adapter, AttentionLayer
 from headlab.errors import HeadlabError
 from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, check_resident
+from headlab.validate import check_layout_record
 
 UNITS = ("head", "kv-group")
 MODES = ("mask", "physical")
@@ -49,7 +50,11 @@ def read_scores(source, layers: list[AttentionLayer]) -> list[torch.Tensor]:
     if pairs is None or not all(math.isfinite(x) and x.is_integer() for pair in pairs for x in pair):
         raise HeadlabError(f"score table {name}: layer and head must be integers, {column} numbers")
     got = [(int(a), int(b)) for a, b in pairs]
-    if len(set(got)) != len(got) or set(got) != expected:
+    twice = sorted({pair for pair in got if got.count(pair) > 1})
+    if twice:
+        listed = ", ".join(f"layer {a} head {b}" for a, b in twice[:3])
+        raise HeadlabError(f"score table {name} lists {listed}{', ...' if len(twice) > 3 else ''} more than once")
+    if set(got) != expected:
         n_layers = len({a for a, _ in got})
         raise HeadlabError(
             f"score table {name} does not match the model: it lists {len(set(got))} heads in {n_layers} layers, "
@@ -548,6 +553,7 @@ def load_pruned(source, config, adapter: Adapter, **kwargs):
         raise HeadlabError("a pruned checkpoint with a per-layer layout is safetensors, not GGUF")
     if not isinstance(record, dict) or record.get("version") != LAYOUT_VERSION:
         raise HeadlabError(f"{source}: unsupported {HEAD_LAYOUT_KEY} record (headlab version mismatch?)")
+    check_layout_record(record, f"{source}/config.json {HEAD_LAYOUT_KEY}")
     auto = _auto_class(adapter)
     try:
         base = auto._model_mapping[type(config)]
@@ -558,7 +564,9 @@ def load_pruned(source, config, adapter: Adapter, **kwargs):
     def __init__(self, config, *args, **kw):
         base.__init__(self, config, *args, **kw)
         with torch.no_grad():
-            for layer in adapter.attention_layers(self):
+            layers = adapter.attention_layers(self)
+            check_layout_record(record, f"{source}/config.json {HEAD_LAYOUT_KEY}", num_layers=len(layers))
+            for layer in layers:
                 entry = entries.get(layer.index)
                 if entry is None:
                     raise HeadlabError(f"{source}: {HEAD_LAYOUT_KEY} has no entry for attention layer {layer.index}")

@@ -35,6 +35,7 @@ from headlab.gqa import (
 )
 from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, atomic_directory, model_class
 from headlab.tables import versions
+from headlab.validate import check_config_heads
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -191,6 +192,7 @@ def convert_streaming(
         raise HeadlabError("the shard size must be positive")
     files = checkpoint_files(source)
     config = AutoConfig.from_pretrained(source)
+    check_config_heads(config, adapter_for(config), str(source))
     if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
         raise HeadlabError(
             f"{source} has a per-layer head layout (a pruned checkpoint); KV conversion needs one layout"

@@ -12,7 +12,7 @@ from headlab.loading import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
 
 
 def model_options(function):
-    """--model, --device, --dtype, --device-map."""
+    """--model, --device, --dtype, --device-map, --check-weights."""
 
     @click.option(
         "--model",
@@ -34,10 +34,17 @@ def model_options(function):
         default=None,
         help="spread a model larger than one GPU over the available devices (accelerate)",
     )
+    @click.option(
+        "--check-weights/--no-check-weights",
+        default=True,
+        show_default=True,
+        help="refuse a model with a non-finite (nan/inf) weight, naming the tensor (one cheap pass on load)",
+    )
     @functools.wraps(function)
-    def wrapper(*args, model_spec, device, dtype, device_map, **kwargs):
+    def wrapper(*args, model_spec, device, dtype, device_map, check_weights, **kwargs):
         def load(**overrides) -> LoadedModel:
-            return load_model(model_spec, device=device, dtype=dtype, device_map=device_map, **overrides)
+            options = dict(device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
+            return load_model(model_spec, **(options | overrides))
 
         # For commands that can read the checkpoint files without loading the model (convert-gqa --streaming).
         load.spec, load.dtype, load.device_map = model_spec, dtype, device_map

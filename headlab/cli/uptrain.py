@@ -31,6 +31,12 @@ from headlab.loading import DEFAULT_MODEL, DTYPES
     "--out", type=click.Path(path_type=Path), default=None, help="checkpoint directory [default: headlab-uptrained]"
 )
 @click.option("--overwrite", is_flag=True, help="replace an existing output directory")
+@click.option(
+    "--check-weights/--no-check-weights",
+    default=True,
+    show_default=True,
+    help="refuse a student or teacher with a non-finite (nan/inf) weight, naming the tensor",
+)
 def command(
     student,
     teacher,
@@ -50,6 +56,7 @@ def command(
     seed,
     out,
     overwrite,
+    check_weights,
 ):
     """Distil --model towards --teacher (KL on calibration text), training only attention parameters; print and save
     the eval perplexity per step (uptrain/curve.csv, curve.png inside the checkpoint)."""
@@ -60,8 +67,8 @@ def command(
     check_uptrain(steps, lr, eval_every)
     out = out or Path("headlab-uptrained")
     check_checkpoint_out(out, overwrite, student)
-    student_model = load_model(student, device=device, dtype=dtype)
-    teacher_model = load_model(teacher, device=device, dtype=dtype)
+    student_model = load_model(student, device=device, dtype=dtype, check_weights=check_weights)
+    teacher_model = load_model(teacher, device=device, dtype=dtype, check_weights=check_weights)
     result = uptrain(
         student_model,
         teacher_model,
