@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from torch import nn
 
 from headlab.arch import AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
+from headlab.fsio import atomic_write_text
 from headlab.loading import LoadedModel
 
 MASK_COLUMNS = ("layer", "head", "gate")
@@ -179,14 +178,4 @@ def write_mask(path, gates, layers) -> Path:
                 f"layer {layer.index}: a mask file holds one gate per head ([H]), got {tuple(gate.shape)}"
             )
         lines += [f"{layer.index},{head},{float(value)!r}" for head, value in enumerate(gate.detach().cpu().tolist())]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(Path(path), "\n".join(lines) + "\n")

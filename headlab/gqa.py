@@ -21,11 +21,13 @@ from tqdm.auto import tqdm
 
 from headlab.arch import ADAPTERS, AttentionLayer, HeadWeights
 from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_checkpoint
+from headlab.costs import DTYPE_BYTES, kv_cache_bytes
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
-from headlab.evaluate import DTYPE_BYTES, kv_cache_bytes, perplexity
+from headlab.evaluate import perplexity
+from headlab.fsio import check_out
 from headlab.loading import LoadedModel, check_resident
-from headlab.tables import check_out, versions, write_run
+from headlab.tables import versions, write_run
 
 POOLS = ("mean", "first", "random")
 # mean: pool by POOLS (Ainslie et al. 2023); svd: calibrated, training-free merge (headlab.merge)

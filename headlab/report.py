@@ -20,7 +20,8 @@ import pandas as pd
 import torch
 
 from headlab.errors import HeadlabError
-from headlab.loading import DEFAULT_MODEL, LoadedModel, atomic_directory
+from headlab.fsio import atomic_directory, write_json
+from headlab.loading import DEFAULT_MODEL, LoadedModel
 from headlab.report_text import human_bytes
 
 SAMPLE_SENTENCE = "The cat sat on the mat because it was tired, and then it slept."
@@ -377,8 +378,8 @@ def run_report(
     report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
     """
     from headlab import gqa, plots
+    from headlab.costs import model_info
     from headlab.data import calibration_batches, load_corpus
-    from headlab.evaluate import model_info
     from headlab.importance import head_importance
     from headlab.stats import head_statistics, write_statistics
     from headlab.sweep import sweep, write_sweep
@@ -417,7 +418,7 @@ def run_report(
     with atomic_directory(out, overwrite=True) as tmp:
         step("info")
         info = model_info(loaded, context=s.seq_len)
-        (tmp / "info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+        write_json(tmp / "info.json", info)
         done("info")
 
         step("stats")
@@ -522,7 +523,7 @@ def run_report(
             "summary": report.summary,
             "versions": versions(),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        write_json(tmp / "meta.json", meta)
         sections = build_sections(tmp, meta, info, fmt)
         (tmp / "report.md").write_text(render_markdown(sections, meta))
         (tmp / "report.html").write_text(render_html(sections, meta, tmp))

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from headlab.arch import adapter_for
 from headlab.checkpoint import META_FILE, check_checkpoint_out, meta_load_check
 from headlab.errors import HeadlabError
+from headlab.fsio import atomic_directory, write_json
 from headlab.gqa import (
     POOLS,
     Conversion,
@@ -33,7 +34,8 @@ from headlab.gqa import (
     kv_bytes_per_token,
     pool_weights,
 )
-from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, atomic_directory, model_class
+from headlab.layout import HEAD_LAYOUT_KEY, model_class
+from headlab.loading import LoadedModel
 from headlab.tables import versions
 from headlab.validate import check_config_heads
 
@@ -297,5 +299,5 @@ def convert_streaming(
             "versions": versions(),
             "out": str(out),
         }
-        (tmp / META_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_json(tmp / META_FILE, record)
     return record

@@ -22,10 +22,11 @@ import pandas as pd
 
 from headlab import gqa
 from headlab.errors import HeadlabError
+from headlab.fsio import check_out
 from headlab.loading import DEFAULT_MODEL, load_model
 from headlab.plots import figure_bytes, plot_gqa_sweep, plot_study
 from headlab.report_text import parse_list
-from headlab.tables import check_out, write_run
+from headlab.tables import write_run
 
 
 def arguments(argv=None) -> argparse.Namespace:

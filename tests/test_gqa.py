@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from headlab import gqa
 from headlab.checkpoint import CheckpointMismatch, save_checkpoint, verify_reload
+from headlab.costs import model_info
 from headlab.errors import HeadlabError
-from headlab.evaluate import model_info
 from headlab.loading import from_model
 
 NO_GQA = ["gpt2", "gpt_neox", "opt", "bert", "roberta"]

@@ -52,7 +52,7 @@ def command(
     """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool, with a plot."""
     from pathlib import Path
 
-    from headlab.tables import check_out
+    from headlab.fsio import check_out
 
     out = out or Path("gqa-sweep")
     check_out(out, overwrite)

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.tables import check_out
+from headlab.fsio import check_out
 
 DEFAULT_OUT = Path("runs/stats")
 

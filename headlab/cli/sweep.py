@@ -74,8 +74,8 @@ def command(
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
     from headlab.errors import HeadlabError
+    from headlab.fsio import check_out
     from headlab.sweep import check_sweep
-    from headlab.tables import check_out
 
     if part != "eval":
         raise HeadlabError("sweep scores perplexity on the eval split; scores always use the calibration split")
