@@ -261,6 +261,30 @@ def _refuse_missing_weights(spec: str, info: dict) -> None:
         )
 
 
+def model_location(spec: str | None) -> Path | None:
+    """Where a model spec's files are, without loading or downloading anything: the embedded model's cache
+    directory, a local directory or .gguf file, or a hub id's folder in the hub cache; for the output guard."""
+    if spec is None or spec == DEFAULT_MODEL:
+        return cache_dir() / DEFAULT_MODEL
+    path = Path(spec).expanduser()
+    if os.path.lexists(path) or _looks_like_path(spec):
+        return path
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return Path(HF_HUB_CACHE) / f"models--{spec.replace('/', '--')}"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's distinct parameters and persistent buffers as save_pretrained stores them (tied weights once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
 def local_checkpoint(spec: str | None) -> Path:
     """The checkpoint directory behind `spec` without loading the model: the embedded default's safetensors cache
     or a local directory; anything else (hub id, .gguf) is an error for the commands that read files directly."""

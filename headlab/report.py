@@ -415,7 +415,9 @@ def run_report(
         report.seconds[name] = round(time.perf_counter() - report.seconds[name], 2)
 
     common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
-    with atomic_directory(out, overwrite=True) as tmp:
+    # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
+    replaceable = is_demo_run if command == DEMO_MARKER else None
+    with atomic_directory(out, overwrite=overwrite, replaceable=replaceable) as tmp:
         step("info")
         info = model_info(loaded, context=s.seq_len)
         write_json(tmp / "info.json", info)

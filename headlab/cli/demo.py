@@ -25,11 +25,12 @@ def command(load, data, text_column, quick, fmt, out, overwrite):
     runs/demo/report.md and report.html."""
     from pathlib import Path
 
+    from headlab.cli.options import guard
     from headlab.data import load_corpus
-    from headlab.report import check_report_out, run_report
+    from headlab.report import is_demo_run, run_report
 
     out = Path(out)
-    check_report_out(out, overwrite, demo=True)
+    guard(out, overwrite or is_demo_run(out), {"model": load.spec}, data=data)
     load_corpus(data, text_column)
     report = run_report(
         load(), out, data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt, command=DEMO_MARKER

@@ -52,10 +52,10 @@ def command(
     """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool, with a plot."""
     from pathlib import Path
 
-    from headlab.fsio import check_out
+    from headlab.cli.options import guard
 
     out = out or Path("gqa-sweep")
-    check_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data)
     frame, _ = run_sweep(
         load(),
         out,

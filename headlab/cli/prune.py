@@ -7,7 +7,14 @@ import json
 import click
 
 from headlab.checkpoint import describe_check
-from headlab.cli.options import data_options, model_options, out_option
+from headlab.cli.options import (
+    allow_foreign_option,
+    data_options,
+    guard,
+    guard_checkpoint_space,
+    model_options,
+    out_option,
+)
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
 
@@ -54,6 +61,7 @@ from headlab.report_text import human_bytes
     "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+@allow_foreign_option
 def command(
     load,
     data,
@@ -78,20 +86,23 @@ def command(
     calibration_tokens,
     compensate,
     as_json,
+    allow_foreign_scores,
 ):
     """Prune the lowest-scoring heads (importance computed on the calibration split unless --scores/--heads),
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
     checkpoint that is reloaded and compared before the command returns."""
     from pathlib import Path
 
-    from headlab.checkpoint import check_checkpoint_out
     from headlab.errors import HeadlabError
+    from headlab.validate import check_table_origin
 
     if part != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
     out = Path(out) if out is not None else Path("headlab-pruned")
-    check_checkpoint_out(out, overwrite)  # before loading anything
+    guard(out, overwrite, {"model": load.spec}, data=data, scores=scores, run_dir_bytes=False)  # before loading
     loaded = load()
+    guard_checkpoint_space(out, loaded)
+    check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
     result = prune(
         loaded,
         scores=scores,

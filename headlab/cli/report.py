@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from headlab.cli.options import model_options, out_option
+from headlab.cli.options import guard, model_options, out_option
 from headlab.plots import FORMATS
 
 
@@ -35,9 +35,9 @@ def command(load, data, text_column, quick, fmt, out, overwrite):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
     from headlab.data import load_corpus
-    from headlab.report import check_report_out, run_report
+    from headlab.report import run_report
 
-    check_report_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data)
     load_corpus(data, text_column)
     report = run_report(load(), out, data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt)
     for line in report.summary:

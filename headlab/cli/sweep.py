@@ -73,8 +73,8 @@ def command(
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
+    from headlab.cli.options import guard
     from headlab.errors import HeadlabError
-    from headlab.fsio import check_out
     from headlab.sweep import check_sweep
 
     if part != "eval":
@@ -86,7 +86,7 @@ def command(
     if any(o not in ORDERS for o in order_list):
         raise HeadlabError(f"unknown order; use {', '.join(ORDERS)}")
     out = Path(out) if out is not None else Path("headlab-sweep")
-    check_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data)
     loaded = load()
     result = sweep(
         loaded,

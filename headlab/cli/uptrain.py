@@ -60,15 +60,17 @@ def command(
 ):
     """Distil --model towards --teacher (KL on calibration text), training only attention parameters; print and save
     the eval perplexity per step (uptrain/curve.csv, curve.png inside the checkpoint)."""
-    from headlab.checkpoint import check_checkpoint_out, describe_check
+    from headlab.checkpoint import describe_check
+    from headlab.cli.options import guard, guard_checkpoint_space
     from headlab.loading import load_model
     from headlab.uptrain import check_uptrain, save_uptrained, uptrain
 
     check_uptrain(steps, lr, eval_every)
     out = out or Path("headlab-uptrained")
-    check_checkpoint_out(out, overwrite, student)
+    guard(out, overwrite, {"student model": student, "teacher": teacher}, data=data, run_dir_bytes=False)
     student_model = load_model(student, device=device, dtype=dtype, check_weights=check_weights)
     teacher_model = load_model(teacher, device=device, dtype=dtype, check_weights=check_weights)
+    guard_checkpoint_space(out, student_model)
     result = uptrain(
         student_model,
         teacher_model,
