@@ -205,6 +205,8 @@ def load_model(
                     "pass a local checkpoint directory instead"
                 ) from None
 
+    if (Path(source) / "config.json").is_file():
+        validate.check_config_file(Path(source) / "config.json", spec)  # before transformers' own validators
     try:
         config = AutoConfig.from_pretrained(source, **load_kwargs)
     except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input

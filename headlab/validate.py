@@ -12,6 +12,7 @@ import re
 import struct
 from pathlib import Path
 
+from headlab.arch import ADAPTERS
 from headlab.errors import HeadlabError
 
 # safetensors element sizes by dtype tag (https://github.com/huggingface/safetensors, "Format")
@@ -63,6 +64,37 @@ def check_config_heads(config, adapter, where: str) -> None:
             f"{where}: config field {_field(text, 'hidden_size')} = {hidden} is not divisible by "
             f"{_field(text, 'num_attention_heads')} = {heads} (head_dim is hidden_size // heads here)"
         )
+
+
+class _RawConfig:
+    """A config.json dict read like a transformers config (attribute_map aliases, get_text_config), so the head
+    arithmetic is checked before transformers parses it: its own validators fail on a zero head count with
+    "integer modulo by zero", which names no field."""
+
+    def __init__(self, raw: dict, attribute_map: dict):
+        self._raw, self.attribute_map = raw, attribute_map
+
+    def __getattr__(self, name):
+        return self._raw.get(self.attribute_map.get(name, name))
+
+    def get_text_config(self):
+        text = self._raw.get("text_config")
+        return _RawConfig(text, {}) if isinstance(text, dict) else self
+
+
+def check_config_file(path, where: str) -> None:
+    """check_config_heads on a checkpoint's config.json as stored, for model types headlab has an adapter for."""
+    from transformers import CONFIG_MAPPING  # here, not at the top: importing transformers costs seconds
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return  # transformers' own parser reports unreadable JSON
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in ADAPTERS or model_type not in CONFIG_MAPPING:
+        return
+    attribute_map = getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) or {}
+    check_config_heads(_RawConfig(raw, dict(attribute_map)), ADAPTERS[model_type], where)
 
 
 # ---- weight files ---------------------------------------------------------------------------------------------
