@@ -73,9 +73,24 @@ def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str
             raise HeadlabError(
                 f"{option} {out} {relation} the {label} {source}, which this command reads; choose another"
             )
+    for label, source in inputs.items():
+        if source is not None and os.path.exists(Path(source).expanduser()):
+            check_readable(label, Path(source).expanduser())
     if os.path.lexists(Path(out).expanduser()) and not overwrite and not (replaceable and replaceable(Path(out))):
         raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
     check_writable(out, option)
+
+
+def check_readable(label: str, source: Path) -> None:
+    """An input (a file, or a directory and the files directly in it) can be read, before any work starts."""
+    paths = [source]
+    if source.is_dir():
+        if not os.access(source, os.R_OK | os.X_OK):
+            raise HeadlabError(f"cannot read the {label} {source}: permission denied")
+        paths = sorted(p for p in source.iterdir() if p.is_file())
+    for path in paths:
+        if not os.access(path, os.R_OK):
+            raise HeadlabError(f"cannot read the {label} {path}: permission denied")
 
 
 def check_writable(out, option: str = "--out") -> None:
