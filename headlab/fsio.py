@@ -271,6 +271,8 @@ def atomic_directory(target: Path, overwrite: bool = False, replaceable=None):
     untouched, and the error is one line.
     """
     target = Path(target)
+    if _relation(real(target), real(Path.cwd())) in ("is", "contains"):  # renaming it would fail with EBUSY
+        raise HeadlabError(f"{target} is the working directory or holds it; name a new directory")
     if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
         raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
     try:

@@ -417,3 +417,33 @@ def test_load_report_is_not_printed(tmp_path, capfd):
     load_model(str(model), device="cpu")
     captured = capfd.readouterr()
     assert "LOAD REPORT" not in captured.err + captured.out
+
+
+def test_unreadable_input_and_unwritable_location_are_refused_before_work(tmp_path, monkeypatch):
+    """As root every file is readable and writable, so access(2) is simulated: the guard asks it about each input
+    and about the folder that will hold the output."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "locked").mkdir()
+    real_access = os.access
+
+    def access(path, mode):
+        if Path(path).name in ("config.json", "locked"):
+            return False
+        return real_access(path, mode)
+
+    monkeypatch.setattr(os, "access", access)
+    with pytest.raises(HeadlabError, match="cannot read the model .*config.json"):
+        fsio.guard_output(tmp_path / "out", False, {"model": tmp_path / "model"})
+    with pytest.raises(HeadlabError, match="cannot write in .*locked"):
+        fsio.guard_output(tmp_path / "locked" / "out", False, {})
+    with pytest.raises(HeadlabError, match="cannot write in .*locked"):  # also when folders are still to be made
+        fsio.guard_output(tmp_path / "locked" / "a" / "b", False, {})
+
+
+def test_library_writes_refuse_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HeadlabError, match="working directory"):
+        with fsio.atomic_directory(Path("."), overwrite=True):
+            pass
+    assert list(tmp_path.iterdir()) == []
