@@ -232,8 +232,11 @@ def _publish_existing(tmp: Path, target: Path, overwrite: bool, replaceable) -> 
             f"{target} appeared while this command ran (another run writing there?) and was not replaced; the "
             f"finished result is in {kept}: move it into place, or rerun with --overwrite"
         )
-    if _renameat2(tmp, target, _RENAME_EXCHANGE):
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
+    if _renameat2(tmp, target, _RENAME_EXCHANGE):  # `tmp` now holds the old output
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink()
         return
     old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
     os.replace(target, old / target.name)

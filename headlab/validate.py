@@ -305,8 +305,8 @@ def _same_source(recorded, current) -> bool:
 def check_table_origin(source, loaded, option: str, allow_foreign: bool = False) -> None:
     """Refuse a score or mask table whose run metadata names another model or head layout than `loaded`.
 
-    Same model: equal fingerprints where both runs recorded one, else the same resolved source. Same layout: equal
-    query heads per layer where recorded. A bare table with no meta.json beside it is checked by its reader only.
+    Same model: equal fingerprints where both runs recorded one; else the same resolved source and, where recorded,
+    the same query heads per layer. A bare table with no meta.json beside it is checked by its reader only.
     """
     if source is None or allow_foreign or not isinstance(source, (str, Path)):
         return
@@ -322,7 +322,9 @@ def check_table_origin(source, loaded, option: str, allow_foreign: bool = False)
             f"on {current['model']!r}; pass --allow-foreign-scores to use it anyway"
         )
     recorded = meta.get("heads_per_layer")
-    if recorded is not None and recorded != current.get("heads_per_layer"):
+    # Equal fingerprints settle it (a prune run records its layout after pruning, while its mask.csv is in the
+    # original model's indices); by path alone, a checkpoint replaced in place would still show its other layout.
+    if not (theirs and ours) and recorded is not None and recorded != current.get("heads_per_layer"):
         raise HeadlabError(
             f"{option} {source} was computed on a layout with heads per layer {recorded}, this model has "
             f"{current.get('heads_per_layer')}; pass --allow-foreign-scores to use it anyway"

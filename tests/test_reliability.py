@@ -376,7 +376,11 @@ def test_score_table_of_a_copied_model_is_not_foreign(tmp_path):
     with pytest.raises(HeadlabError, match="--allow-foreign-scores"):
         validate.check_table_origin(run / "importance.csv", copy, "--scores")
     validate.check_table_origin(run, copy, "--scores", allow_foreign=True)
+    # A prune run records its layout after pruning: with the same fingerprint its mask still fits the original.
     (run / "meta.json").write_text(json.dumps({**loaded.describe(), "heads_per_layer": [3, 4]}))
+    validate.check_table_origin(run, loaded, "--mask")
+    # Without fingerprints (runs of older versions) the same path with another layout is refused.
+    (run / "meta.json").write_text(json.dumps({**loaded.describe(), "heads_per_layer": [3, 4], "fingerprint": None}))
     with pytest.raises(HeadlabError, match="layout"):
         validate.check_table_origin(run, loaded, "--scores")
 
