@@ -112,3 +112,9 @@ def costs(loaded: LoadedModel, context: int = 1024) -> dict:
         "kv_heads": sum(layer.num_kv_heads for layer in layers),
         "flops_context": context,
     }
+
+
+def kv_bytes_per_token(loaded: LoadedModel) -> int:
+    """Arithmetic (as `headlab info`): 2 x sum over softmax layers of G x D x bytes per element (model dtype)."""
+    element = DTYPE_BYTES[str(loaded.dtype).removeprefix("torch.")]
+    return kv_cache_bytes([(layer.num_kv_heads, layer.head_dim) for layer in loaded.layers], 1, 1, element)

@@ -20,18 +20,18 @@ from tqdm.auto import tqdm
 
 from headlab.arch import adapter_for
 from headlab.checkpoint import META_FILE, check_checkpoint_out, meta_load_check
+from headlab.costs import kv_bytes_per_token
 from headlab.errors import HeadlabError
 from headlab.fsio import atomic_directory, write_json
-from headlab.gqa import (
+from headlab.gqa import Conversion
+from headlab.kv_heads import (
     POOLS,
-    Conversion,
     check_direction,
     check_kv_heads,
     contiguous_groups,
     expand_weights,
     gqa_layers,
     identity_groups,
-    kv_bytes_per_token,
     pool_weights,
 )
 from headlab.layout import HEAD_LAYOUT_KEY, model_class

@@ -20,10 +20,14 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab.checkpoint import save_checkpoint
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
+from headlab.evaluate import perplexity
+from headlab.fsio import atomic_directory
 from headlab.loading import LoadedModel, check_resident
 from headlab.recompute import activation_checkpointing
+from headlab.tables import write_run
 
 CURVE_DIR = "uptrain"  # inside the saved checkpoint: curve.csv/.parquet, meta.json, curve.png
 
@@ -87,7 +91,6 @@ def uptrain(
 
     bf16: autocast to bfloat16 (default: on CUDA only). gradient_checkpointing: transformers' checkpointing of the
     blocks (less memory, one more forward per step)."""
-    from headlab.evaluate import perplexity
 
     check_uptrain(steps, lr, eval_every)
     check_resident(student, "uptraining")
@@ -214,10 +217,6 @@ def plot_curve(curve: pd.DataFrame, title: str = ""):
 def save_uptrained(student: LoadedModel, result: UptrainResult, out, *, overwrite: bool = False) -> dict:
     """The checkpoint (verified by a reload, headlab.checkpoint) with the curve (CSV, Parquet, PNG) under uptrain/."""
     import matplotlib.pyplot as plt
-
-    from headlab.checkpoint import save_checkpoint
-    from headlab.fsio import atomic_directory
-    from headlab.tables import write_run
 
     fig = plot_curve(result.curve, f"uptraining {student.spec}")
     buffer = io.BytesIO()

@@ -84,7 +84,7 @@ class _RawConfig:
 
 def check_config_file(path, where: str) -> None:
     """check_config_heads on a checkpoint's config.json as stored, for model types headlab has an adapter for."""
-    from transformers import CONFIG_MAPPING  # here, not at the top: importing transformers costs seconds
+    from transformers import CONFIG_MAPPING  # here, not at the top: importing transformers costs start-up time
 
     try:
         raw = json.loads(Path(path).read_text())

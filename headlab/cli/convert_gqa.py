@@ -7,11 +7,16 @@ import json
 
 import click
 
+from headlab.arch import adapter_for
 from headlab.checkpoint import describe_check
 from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
 from headlab.errors import HeadlabError
-from headlab.gqa import GROUPINGS, METHODS, POOLS, convert_checkpoint
-from headlab.report_text import human_bytes
+from headlab.fsio import check_free_space
+from headlab.gqa import METHODS, convert_checkpoint
+from headlab.kv_heads import GROUPINGS, POOLS
+from headlab.loading import local_checkpoint
+from headlab.report_text import human_bytes, parse_bytes
+from headlab.streaming import convert_streaming
 
 
 def print_summary(record: dict) -> None:
@@ -78,9 +83,7 @@ def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
     """Bytes a layer-by-layer conversion writes, estimated before it starts: the source's weight files (pooling only
     shrinks them), plus for expansion the repeated K and V projections, 2 x layers x hidden x head_dim x added KV
     heads x the stored element size."""
-    from transformers import AutoConfig
-
-    from headlab.arch import adapter_for
+    from transformers import AutoConfig  # here, not at the top: importing transformers costs start-up time
 
     total = sum(path.stat().st_size for path in source.glob("*.safetensors"))
     if direction != "expand":
@@ -95,10 +98,6 @@ def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
 
 def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, as_json, pool="mean", seed=0):
     """The --streaming path of convert-gqa and expand-kv: files in, files out, the model is never run."""
-    from headlab.fsio import check_free_space
-    from headlab.loading import local_checkpoint
-    from headlab.report_text import parse_bytes
-    from headlab.streaming import convert_streaming
 
     if load.dtype is not None or load.device_map is not None:
         # Nothing is loaded onto a device: tensors are read and written in their stored dtype.

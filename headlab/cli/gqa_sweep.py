@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import click
 
-from headlab.cli.options import data_options, model_options, out_option
-from headlab.gqa import GROUPINGS, METHODS, POOLS, run_sweep
+from headlab.cli.options import data_options, guard, model_options, out_option
+from headlab.gqa import METHODS, run_sweep
+from headlab.kv_heads import GROUPINGS, POOLS
 from headlab.report_text import human_bytes, parse_list
 
 
@@ -51,8 +52,6 @@ def command(
 ):
     """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool, with a plot."""
     from pathlib import Path
-
-    from headlab.cli.options import guard
 
     out = out or Path("gqa-sweep")
     guard(out, overwrite, {"model": load.spec}, data=data)

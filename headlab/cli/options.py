@@ -9,7 +9,15 @@ import click
 
 from headlab.data import PARTS
 from headlab.fsio import RUN_DIR_BYTES, check_free_space, guard_output
-from headlab.loading import DEFAULT_MODEL, DTYPES, LoadedModel, load_model, model_location, weight_bytes
+from headlab.loading import (
+    DEFAULT_MODEL,
+    DEVICE_MAPS,
+    DTYPES,
+    LoadedModel,
+    load_model,
+    model_location,
+    weight_bytes,
+)
 
 
 def model_options(function):
@@ -31,7 +39,7 @@ def model_options(function):
     )
     @click.option(
         "--device-map",
-        type=click.Choice(["auto"]),
+        type=click.Choice(DEVICE_MAPS),
         default=None,
         help="spread a model larger than one GPU over the available devices (accelerate)",
     )

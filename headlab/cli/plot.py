@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from headlab.fsio import guard_output
 from headlab.plots import FORMATS, plot_run
 
 
@@ -19,8 +20,6 @@ from headlab.plots import FORMATS, plot_run
 def command(run_dir, out, fmt):
     """Heatmaps of every statistic and of importance, importance scatters, the pruning and GQA sweeps, the
     attention gallery and the KV grouping: whatever tables RUN_DIR (or its subdirectories) holds."""
-    from headlab.fsio import guard_output
-
     # Figures go into an existing folder too (no --overwrite), but never onto or around a table being drawn.
     tables = sorted(run_dir.rglob("*.csv")) + sorted(run_dir.rglob("*.parquet")) if run_dir.is_dir() else []
     target = out if out is not None else run_dir / "figures"

@@ -15,8 +15,12 @@ from headlab.cli.options import (
     model_options,
     out_option,
 )
+from headlab.compensate import COMPENSATIONS
+from headlab.errors import HeadlabError
+from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
+from headlab.validate import check_table_origin
 
 
 @click.command("prune")
@@ -39,7 +43,7 @@ from headlab.report_text import human_bytes
 )
 @click.option(
     "--method",
-    type=click.Choice(["grad", "taylor", "ablation"]),
+    type=click.Choice(IMPORTANCE_METHODS),
     default="grad",
     show_default=True,
     help="importance scorer when no --scores is given",
@@ -53,7 +57,7 @@ from headlab.report_text import human_bytes
 )
 @click.option(
     "--compensate",
-    type=click.Choice(["ridge", "bias"]),
+    type=click.Choice(COMPENSATIONS),
     is_flag=False,
     flag_value="ridge",
     default=None,
@@ -92,9 +96,6 @@ def command(
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
     checkpoint that is reloaded and compared before the command returns."""
     from pathlib import Path
-
-    from headlab.errors import HeadlabError
-    from headlab.validate import check_table_origin
 
     if part != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")

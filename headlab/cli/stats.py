@@ -47,6 +47,7 @@ def command(
 ):
     """Entropy, confidence, positional, sink, previous-token, distance, induction, output-norm and [CLS]/[SEP]
     statistics per (layer, head): stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
+    # torch and transformers load here, not at import: `headlab stats --help` keeps its start-up time short.
     from headlab.stats import head_statistics, wide_statistics, write_statistics
 
     out = out or DEFAULT_OUT
