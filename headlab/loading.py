@@ -172,7 +172,7 @@ def load_model(
     Validated before use (headlab.validate): the config's head arithmetic before transformers builds the model, the
     safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
     """
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # headlab shows its own progress; per-tensor loading bars are noise
@@ -216,14 +216,36 @@ def load_model(
     validate.check_config_heads(config, adapter, spec)
     if Path(source).is_dir():
         validate.check_weight_files(source)
-    layout = getattr(config, HEAD_LAYOUT_KEY, None)
 
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
     if device_map == "auto":
         # accelerate's "auto" spreads over every visible GPU; an explicit --device cpu must keep the model off them.
         kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
+    model, tokenizer = _load_weights(spec, source, config, adapter, kwargs, load_kwargs)
+    if check_weights:
+        validate.check_finite_weights(model, spec)
+    if device_map is None:
+        model.to(torch_device)
+    else:
+        # accelerate placed the layers; inputs (and every tensor made to meet them) go where the embeddings run.
+        torch_device = input_device(model)
+    model.eval()
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""))
+    meta = {"fingerprint": fingerprint} if fingerprint else {}
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype, meta)
+
+
+def _load_weights(spec: str, source: str, config, adapter: Adapter, kwargs: dict, load_kwargs: dict):
+    """Model and tokenizer from a validated config; every loading failure is one HeadlabError line, and
+    transformers' own load report is summarised there instead of printed."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    layout = getattr(config, HEAD_LAYOUT_KEY, None)
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # transformers' load report is summarised in headlab's one line, not printed
+    hf_logging.set_verbosity_error()
     try:
         if layout is not None:
             model = load_pruned(source, config, adapter, **kwargs)  # non-uniform: rebuilt layer by layer
@@ -239,19 +261,7 @@ def load_model(
         raise HeadlabError(f"cannot load {spec!r}: {validate.error_line(error)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    if check_weights:
-        validate.check_finite_weights(model, spec)
-    if device_map is None:
-        model.to(torch_device)
-    else:
-        # accelerate placed the layers; inputs (and every tensor made to meet them) go where the embeddings run.
-        torch_device = input_device(model)
-    model.eval()
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
-    fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""))
-    meta = {"fingerprint": fingerprint} if fingerprint else {}
-    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype, meta)
+    return model, tokenizer
 
 
 def _refuse_missing_weights(spec: str, info: dict) -> None:
