@@ -222,6 +222,7 @@ def load_model(
         # accelerate's "auto" spreads over every visible GPU; an explicit --device cpu must keep the model off them.
         kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
     model, tokenizer = _load_weights(spec, source, config, adapter, kwargs, load_kwargs)
+    adapter.attention_layers(model)  # a model whose heads headlab cannot find fails here, as one line
     if check_weights:
         validate.check_finite_weights(model, spec)
     if device_map is None:

@@ -45,12 +45,13 @@ def _positive_int(config, name: str, where: str, required: bool = True) -> int |
 
 
 def check_config_heads(config, adapter, where: str) -> None:
-    """Head arithmetic of a config, checked before transformers builds a model from it: positive counts,
+    """Head arithmetic of a config, checked before transformers builds a model from it: positive counts (and layers),
     num_attention_heads a multiple of num_key_value_heads (repeat_kv's equal groups), and hidden_size divisible by the
     heads where the family derives head_dim = hidden_size // heads (adapter.free_head_dim False or head_dim unset)."""
     text = config.get_text_config()
     heads = _positive_int(text, "num_attention_heads", where)
     hidden = _positive_int(text, "hidden_size", where)
+    _positive_int(text, "num_hidden_layers", where, required=False)  # 0 blocks: weights silently unused
     if adapter.supports_gqa:
         kv_heads = _positive_int(text, "num_key_value_heads", where, required=False)
         if kv_heads is not None and heads % kv_heads:

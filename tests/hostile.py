@@ -68,6 +68,8 @@ def damaged_checkpoints(healthy: Path, root: Path) -> dict[str, Path]:
     _edit_config(made["kvnotdividing"], num_key_value_heads=3)
     made["zeroheads"] = _copy(healthy, root / "zeroheads")
     _edit_config(made["zeroheads"], num_attention_heads=0)
+    made["zerolayers"] = _copy(healthy, root / "zerolayers")
+    _edit_config(made["zerolayers"], num_hidden_layers=0)
     made["hiddennotdividing"] = _copy(healthy, root / "hiddennotdividing")
     _edit_config(made["hiddennotdividing"], num_attention_heads=5, num_key_value_heads=5, head_dim=None)
     return made

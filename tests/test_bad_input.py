@@ -198,6 +198,7 @@ CASES = [
     # ---- issue 19: validation of what is loaded ----
     (["info", "--model", "{kvnotdividing}", *M], "num_key_value_heads"),
     (["info", "--model", "{zeroheads}", *M], "num_attention_heads"),
+    (["info", "--model", "{zerolayers}", *M], "num_hidden_layers"),
     (["info", "--model", "{hiddennotdividing}", *M], "hidden_size"),
     (["eval", "--model", "{kvnotdividing}", *M, *DATA], "num_key_value_heads"),
     (
