@@ -255,11 +255,13 @@ _WRITE_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "dis
 
 def _write_failure(error: BaseException) -> str | None:
     """Why writing failed, for the environment's failures (full disk, quota, permissions); None for anything else.
-    safetensors reports a full disk as SafetensorError("... code: 28, kind: StorageFull ...")."""
+    safetensors reports a full disk as SafetensorError("... No space left on device (os error 28)")."""
     if isinstance(error, OSError) and error.errno in _WRITE_ERRORS:
         return _WRITE_ERRORS[error.errno]
     text = str(error)
-    if type(error).__name__ == "SafetensorError" and ("code: 28" in text or "StorageFull" in text):
+    if type(error).__name__ == "SafetensorError" and any(
+        sign in text for sign in ("os error 28", "code: 28", "StorageFull", "No space left on device")
+    ):
         return _WRITE_ERRORS[errno.ENOSPC]
     return None
 

@@ -451,3 +451,14 @@ def test_library_writes_refuse_the_working_directory(tmp_path, monkeypatch):
         with fsio.atomic_directory(Path("."), overwrite=True):
             pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_write_failures_the_environment_causes_are_recognised():
+    """Messages as safetensors and the OS give them (safetensors' text seen on a full tmpfs)."""
+    from safetensors import SafetensorError
+
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert fsio._write_failure(full) == "no space left on the device"
+    assert fsio._write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "disk quota exceeded"
+    assert fsio._write_failure(SafetensorError("Error while deserializing header: HeaderTooLarge")) is None
+    assert fsio._write_failure(ValueError("a bug")) is None
