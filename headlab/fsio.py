@@ -71,7 +71,7 @@ def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str
         relation = _relation(target, real(source))
         if relation is not None:
             raise HeadlabError(
-                f"{option} {out} {relation} the {label} {source}, which this command reads; choose another"
+                f"{option} {out} {relation} the {label} {source}, a source this command reads; choose another"
             )
     for label, source in inputs.items():
         if source is not None and os.path.exists(Path(source).expanduser()):
