@@ -34,6 +34,7 @@ LAYERS = {
     "headlab.kv_heads": "capabilities",
     "headlab.merge": "capabilities",
     "headlab.plots": "capabilities",
+    "headlab.report_render": "capabilities",
     "headlab.scores": "capabilities",
     "headlab.stats": "capabilities",
     # mechanisms: how headlab reaches inside a running model
