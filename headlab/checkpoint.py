@@ -118,8 +118,15 @@ def reload(path: Path, like: nn.Module) -> tuple[nn.Module, str]:
         dtype = str(parameter.dtype).removeprefix("torch.")
         loaded = load_model(str(path), device=device, dtype=dtype, attn_implementation=attn)
         return loaded.model.to(parameter.device), "headlab.loading.load_model"
+    from transformers.utils import logging as hf_logging
+
     auto = _auto_class_for(like)
-    model = auto.from_pretrained(str(path), dtype=parameter.dtype, attn_implementation=attn)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # a mismatch is reported as one line by verify_reload, not as transformers' table
+    try:
+        model = auto.from_pretrained(str(path), dtype=parameter.dtype, attn_implementation=attn)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     name = f"transformers.{auto.__name__}.from_pretrained"
     return model.to(parameter.device).eval(), name
 

@@ -7,6 +7,8 @@ cut, evaluation text (perplexity) after it, so the two never share a character.
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,25 +69,64 @@ def _read_table(path: Path, text_column: str | None) -> list[str]:
     import pandas as pd
 
     suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        return _read_jsonl(path, text_column)
     try:
-        if suffix == ".csv":
-            frame = pd.read_csv(path)
-        elif suffix == ".parquet":
+        if suffix == ".csv":  # CSV cells are text: read the column as str so "1984" stays a string, not a number
+            frame = pd.read_csv(path, dtype={text_column or "text": str}, keep_default_na=False, na_values=[""])
+        else:
             frame = pd.read_parquet(path)
-        else:  # .jsonl
-            frame = pd.read_json(path, lines=True)
     except (ValueError, OSError, UnicodeDecodeError) as error:
         raise HeadlabError(f"cannot read {path}: {str(error).splitlines()[0]}") from None
-    return _column(frame.to_dict("list"), text_column, str(path))
+    return _column(frame.to_dict("list"), text_column, str(path), first_row=2 if suffix == ".csv" else 0)
 
 
-def _column(table: dict, text_column: str | None, where: str) -> list[str]:
+def _read_jsonl(path: Path, text_column: str | None) -> list[str]:
+    """One JSON object per line; read with json (pandas would turn "1984" into a number and hide the line)."""
+    column = text_column or "text"
+    values, columns = [], {}
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise HeadlabError(f"cannot read {path}: {str(error).splitlines()[0]}") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise HeadlabError(f"{path}:{number}: not a JSON object") from None
+        if not isinstance(record, dict):
+            raise HeadlabError(f"{path}:{number}: not a JSON object, a {type(record).__name__}")
+        columns.update(dict.fromkeys(record))
+        values.append(record.get(column))
+    if column not in columns:
+        raise HeadlabError(
+            f"{path} has no column {column!r}; columns: {', '.join(map(str, columns))} (use --text-column)"
+        )
+    return _column({column: values}, text_column, str(path), first_row=1)
+
+
+def _column(table: dict, text_column: str | None, where: str, first_row: int = 0) -> list[str]:
+    """The text column's strings; missing cells (None, NaN) are skipped, any other non-string is refused with its
+    row (line of a .jsonl or .csv file, 0-based index otherwise): numbers, lists or dicts are not text to score."""
     column = text_column or "text"
     if column not in table:
         raise HeadlabError(
             f"{where} has no column {column!r}; columns: {', '.join(map(str, table))} (use --text-column)"
         )
-    return [str(value) for value in table[column] if value is not None and str(value) != "nan"]
+    texts = []
+    for row, value in enumerate(table[column], start=first_row):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            continue
+        if not isinstance(value, str):
+            kind = "row" if first_row == 0 else "line"
+            raise HeadlabError(
+                f"{where}: {kind} {row}: column {column!r} holds a {type(value).__name__} ({str(value)[:40]!r}), "
+                "not text"
+            )
+        texts.append(value)
+    return texts
 
 
 def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corpus:
@@ -107,6 +148,8 @@ def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corp
             meta = {"source": str(path)}
         elif path.is_dir():
             documents, meta = _load_saved_dataset(path, text_column), {"source": str(path)}
+        elif path.exists():
+            raise HeadlabError(f"corpus {spec} is not a regular file or directory (a FIFO or device?)")
         elif spec.startswith((".", "/", "~")) or path.suffix.lower() in (".txt", ".jsonl", ".csv", ".parquet"):
             raise HeadlabError(f"no such corpus file or directory: {spec}")
         else:

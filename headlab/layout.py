@@ -12,6 +12,7 @@ import torch
 
 from headlab.arch import Adapter, AttentionLayer
 from headlab.errors import HeadlabError
+from headlab.validate import check_layout_record
 
 # config.json key where a non-uniform (per-layer) head layout is recorded by physical pruning.
 HEAD_LAYOUT_KEY = "headlab_head_layout"
@@ -148,6 +149,8 @@ def load_pruned(source, config, adapter: Adapter, **kwargs):
         raise HeadlabError("a pruned checkpoint with a per-layer layout is safetensors, not GGUF")
     if not isinstance(record, dict) or record.get("version") != LAYOUT_VERSION:
         raise HeadlabError(f"{source}: unsupported {HEAD_LAYOUT_KEY} record (headlab version mismatch?)")
+    where = f"{source}/config.json {HEAD_LAYOUT_KEY}"
+    check_layout_record(record, where)  # ids in range and distinct, counts equal to the lists
     auto = auto_class(adapter)
     try:
         base = auto._model_mapping[type(config)]
@@ -158,7 +161,9 @@ def load_pruned(source, config, adapter: Adapter, **kwargs):
     def __init__(self, config, *args, **kw):
         base.__init__(self, config, *args, **kw)
         with torch.no_grad():
-            for layer in adapter.attention_layers(self):
+            layers = adapter.attention_layers(self)
+            check_layout_record(record, where, num_layers=len(layers))  # one entry per attention layer
+            for layer in layers:
                 entry = entries.get(layer.index)
                 if entry is None:
                     raise HeadlabError(f"{source}: {HEAD_LAYOUT_KEY} has no entry for attention layer {layer.index}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pickle
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from urllib.parse import urlparse
 import torch
 from torch import nn
 
-from headlab import distributed
+from headlab import distributed, validate
 from headlab.arch import Adapter, AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
 from headlab.fsio import atomic_directory
@@ -56,12 +57,17 @@ class LoadedModel:
         return None
 
     def describe(self) -> dict:
+        try:  # recorded so a score table can be matched to its model's layout (headlab.validate.check_table_origin)
+            heads = [layer.num_heads for layer in self.layers]
+        except HeadlabError:
+            heads = None
         return {
             "model": self.spec,
             "source": self.source,
             "model_type": self.model.config.model_type,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "heads_per_layer": heads,
             **self.meta,
         }
 
@@ -159,9 +165,14 @@ def load_model(
     dtype: str | None = None,
     device_map: str | None = None,
     attn_implementation: str = "sdpa",
+    check_weights: bool = True,
 ) -> LoadedModel:
-    """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id.
+
+    Validated before use (headlab.validate): the config's head arithmetic before transformers builds the model, the
+    safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
+    """
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # headlab shows its own progress; per-tensor loading bars are noise
@@ -195,29 +206,25 @@ def load_model(
                     "pass a local checkpoint directory instead"
                 ) from None
 
+    if (Path(source) / "config.json").is_file():
+        validate.check_config_file(Path(source) / "config.json", spec)  # before transformers' own validators
     try:
         config = AutoConfig.from_pretrained(source, **load_kwargs)
     except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        raise HeadlabError(f"cannot load a model config from {spec!r}: {lines[0]}") from None
+        raise HeadlabError(f"cannot load a model config from {spec!r}: {validate.error_line(error)}") from None
     adapter = adapter_for(config)
-    layout = getattr(config, HEAD_LAYOUT_KEY, None)
+    validate.check_config_heads(config, adapter, spec)
+    if Path(source).is_dir():
+        validate.check_weight_files(source)
 
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
     if device_map == "auto":
         # accelerate's "auto" spreads over every visible GPU; an explicit --device cpu must keep the model off them.
         kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
-    try:
-        if layout is not None:
-            model = load_pruned(source, config, adapter, **kwargs)  # non-uniform: rebuilt layer by layer
-        else:
-            model = auto_class(adapter).from_pretrained(source, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
-    except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
-        # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head
-        # count: "size mismatch") or for configs it cannot build a model from: user input, not a headlab bug.
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-        raise HeadlabError(f"cannot load {spec!r}: {lines[0]}") from None
+    model, tokenizer = _load_weights(spec, source, config, adapter, kwargs, load_kwargs)
+    adapter.attention_layers(model)  # a model whose heads headlab cannot find fails here, as one line
+    if check_weights:
+        validate.check_finite_weights(model, spec)
     if device_map is None:
         model.to(torch_device)
     else:
@@ -226,7 +233,70 @@ def load_model(
     model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype)
+    fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""))
+    meta = {"fingerprint": fingerprint} if fingerprint else {}
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype, meta)
+
+
+def _load_weights(spec: str, source: str, config, adapter: Adapter, kwargs: dict, load_kwargs: dict):
+    """Model and tokenizer from a validated config; every loading failure is one HeadlabError line, and
+    transformers' own load report is summarised there instead of printed."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    layout = getattr(config, HEAD_LAYOUT_KEY, None)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        if layout is not None:
+            model = load_pruned(source, config, adapter, **kwargs)  # non-uniform: rebuilt layer by layer
+        else:
+            model, info = auto_class(adapter).from_pretrained(source, output_loading_info=True, **kwargs)
+            _refuse_missing_weights(spec, info)
+        tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
+    except pickle.UnpicklingError as error:
+        raise validate.pickle_refusal(source, error) from None
+    except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
+        # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head
+        # count: "size mismatch") or for configs it cannot build a model from: user input, not a headlab bug.
+        raise HeadlabError(f"cannot load {spec!r}: {validate.error_line(error)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model, tokenizer
+
+
+def _refuse_missing_weights(spec: str, info: dict) -> None:
+    """transformers initialises weights missing from a checkpoint at random and only logs it: refuse instead."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise HeadlabError(
+            f"cannot load {spec!r}: {len(missing)} weight(s) missing from the checkpoint would be random "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        )
+
+
+def model_location(spec: str | None) -> Path | None:
+    """Where a model spec's files are, without loading or downloading anything: the embedded model's cache
+    directory, a local directory or .gguf file, or a hub id's folder in the hub cache; for the output guard."""
+    if spec is None or spec == DEFAULT_MODEL:
+        return cache_dir() / DEFAULT_MODEL
+    path = Path(spec).expanduser()
+    if os.path.lexists(path) or _looks_like_path(spec):
+        return path
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return Path(HF_HUB_CACHE) / f"models--{spec.replace('/', '--')}"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's distinct parameters and persistent buffers as save_pretrained stores them (tied weights once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def local_checkpoint(spec: str | None) -> Path:
@@ -236,6 +306,7 @@ def local_checkpoint(spec: str | None) -> Path:
         return embedded_checkpoint()
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
+        validate.check_weight_files(path)
         return path
     raise HeadlabError(
         f"{spec!r} is not a local checkpoint directory with config.json; layer-by-layer conversion reads the files "

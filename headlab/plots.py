@@ -149,6 +149,8 @@ def plot_head_heatmap(table: pd.DataFrame, value: str, *, title: str | None = No
     layout = grid_layout(layers, heads)
     _theme()
     values = grid.to_numpy(dtype=float)
+    if not np.isfinite(values).any():  # an empty heatmap would look like a drawn result
+        raise HeadlabError(f"column {value!r} holds no finite value (only nan/inf): nothing to draw")
     fig, ax = _subplots(figsize=layout["figsize"])
     annotate = layout["annotate"]
     sns.heatmap(
@@ -195,7 +197,11 @@ def plot_statistic_heatmaps(wide: pd.DataFrame, model: str = "") -> dict[str, Fi
 
     figures = {}
     for name in STATISTICS:
-        if name in HEATMAP_SKIP or name not in wide or wide[name].isna().all():
+        if (
+            name in HEATMAP_SKIP
+            or name not in wide
+            or not np.isfinite(pd.to_numeric(wide[name], errors="coerce")).any()
+        ):
             continue
         title = f"{model}: {label_of(name)}" if model else label_of(name)
         figures[f"heatmap_{name}"] = plot_head_heatmap(wide, name, title=title)
@@ -453,7 +459,10 @@ def _read(path: Path | None) -> pd.DataFrame | None:
     if path is None:
         return None
     parquet = path.with_suffix(".parquet")
-    return pd.read_parquet(parquet) if parquet.is_file() else pd.read_csv(path)
+    try:
+        return pd.read_parquet(parquet) if parquet.is_file() else pd.read_csv(path)
+    except (ValueError, OSError, UnicodeDecodeError) as error:
+        raise HeadlabError(f"cannot read table {path}: {str(error).splitlines()[0]}") from None
 
 
 def _model_name(run_dir: Path) -> str:

@@ -524,7 +524,9 @@ def run_report(
     steps = [(name, function) for name, function in REPORT_STEPS if name != "gqa" or can_gqa]
     started = time.perf_counter()
     common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
-    with atomic_directory(out, overwrite=True) as tmp:
+    # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
+    replaceable = is_demo_run if command == DEMO_MARKER else None
+    with atomic_directory(out, overwrite=overwrite, replaceable=replaceable) as tmp:
         run = ReportRun(loaded, s, tmp, common, sentence, target)
         for name, function in steps + [("figures", lambda run: _figures_step(run, fmt))]:
             _say(progress, f"[{len(report.seconds) + 1}/{len(steps) + 1}] {name}")

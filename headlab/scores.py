@@ -43,7 +43,11 @@ def read_scores(source, layers: list[AttentionLayer]) -> list[torch.Tensor]:
     if pairs is None or not all(math.isfinite(x) and x.is_integer() for pair in pairs for x in pair):
         raise HeadlabError(f"score table {name}: layer and head must be integers, {column} numbers")
     got = [(int(a), int(b)) for a, b in pairs]
-    if len(set(got)) != len(got) or set(got) != expected:
+    twice = sorted({pair for pair in got if got.count(pair) > 1})
+    if twice:
+        listed = ", ".join(f"layer {a} head {b}" for a, b in twice[:3])
+        raise HeadlabError(f"score table {name} lists {listed}{', ...' if len(twice) > 3 else ''} more than once")
+    if set(got) != expected:
         n_layers = len({a for a, _ in got})
         raise HeadlabError(
             f"score table {name} does not match the model: it lists {len(set(got))} heads in {n_layers} layers, "

@@ -37,6 +37,7 @@ from headlab.kv_heads import (
 from headlab.layout import HEAD_LAYOUT_KEY, model_class
 from headlab.loading import LoadedModel
 from headlab.tables import versions
+from headlab.validate import check_config_file, check_config_heads
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -192,7 +193,9 @@ def convert_streaming(
     if max_shard_bytes < 1:
         raise HeadlabError("the shard size must be positive")
     files = checkpoint_files(source)
+    check_config_file(source / "config.json", str(source))
     config = AutoConfig.from_pretrained(source)
+    check_config_heads(config, adapter_for(config), str(source))
     if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
         raise HeadlabError(
             f"{source} has a per-layer head layout (a pruned checkpoint); KV conversion needs one layout"

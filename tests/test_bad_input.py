@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import hostile
 import pandas as pd
 import pytest
 import torch
@@ -145,6 +146,92 @@ CASES = [
     (["demo", *NO_MODEL, *TEXT, "--quick", "--out", "d"], "{missing}"),
     (["demo", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{existing}"], "--overwrite"),
     (["demo", "--model", "{llama}", "--device", "cuda", *TEXT, "--quick", "--out", "d"], "cuda"),
+    # ---- issue 19: outputs that are, contain or lie inside an input (symlinks resolved), with --overwrite ----
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", "{llama}", "--overwrite"], "is the model"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", "{llamalink}", "--overwrite"], "is the model"),
+    (["stats", "--model", "{llamalink}", *M, *DATA, "--out", "{llama}/stats"], "lies inside the model"),
+    (["stats", "--model", "{nested}", *M, *DATA, "--out", "{nestparent}", "--overwrite"], "contains the model"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", "{text}", "--overwrite"], "is the corpus"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", "{text}/x"], "lies inside the corpus"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", ".", "--overwrite"], "working directory"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", "..", "--overwrite"], "working directory"),
+    (["importance", "--model", "{llama}", *M, *DATA, "--out", "{llama}", "--overwrite"], "is the model"),
+    (
+        ["importance", "--model", "{llama}", *M, *DATA, "--mask", "{goodmask}", "--out", "{goodmask}", "--overwrite"],
+        "is the table",
+    ),
+    (["sweep", "--model", "{llama}", *M, *DATA, "--out", "{llama}", "--overwrite"], "is the model"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--out", "{mha}", "--overwrite"], "is the model"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--out", "{llama}", "--overwrite"], "is the model"),
+    (
+        [
+            "prune",
+            "--model",
+            "{llama}",
+            *M,
+            *DATA,
+            "--scores",
+            "{foreign}",
+            "--fraction",
+            "0.25",
+            "--out",
+            "{foreign}",
+            "--overwrite",
+        ],
+        "is the table",
+    ),
+    (
+        ["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--out", "{mhalink}", "--overwrite"],
+        "is the model",
+    ),
+    (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--out", "{mha}/x"], "lies inside"),
+    (["expand-kv", "--model", "{llama}", *M, *DATA, "--out", "{text}", "--overwrite"], "is the corpus"),
+    (
+        ["uptrain", "--model", "{llama}", "--teacher", "{mha}", *M, *DATA, "--out", "{mha}", "--overwrite"],
+        "is the teacher",
+    ),
+    (["report", "--model", "{nested}", *M, *TEXT, "--quick", "--out", "{nestparent}", "--overwrite"], "contains"),
+    (["demo", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{text}", "--overwrite"], "is the corpus"),
+    (["plot", "{infrun}", "--out", "{infrun}"], "contains the table"),
+    # ---- issue 19: outputs that cannot be written, checked before any work ----
+    (["stats", "--model", "{llama}", *M, *DATA, "--out", "{badmask}/x"], "not a directory"),
+    # ---- issue 19: validation of what is loaded ----
+    (["info", "--model", "{kvnotdividing}", *M], "num_key_value_heads"),
+    (["info", "--model", "{zeroheads}", *M], "num_attention_heads"),
+    (["info", "--model", "{zerolayers}", *M], "num_hidden_layers"),
+    (["info", "--model", "{hiddennotdividing}", *M], "hidden_size"),
+    (["eval", "--model", "{kvnotdividing}", *M, *DATA], "num_key_value_heads"),
+    (
+        ["convert-gqa", "--model", "{kvnotdividing}", "--streaming", "--kv-heads", "1", "--out", "c"],
+        "num_key_value_heads",
+    ),
+    (["info", "--model", "{truncated}", *M], "model.safetensors"),
+    (["info", "--model", "{emptyweights}", *M], "empty"),
+    (["info", "--model", "{badheader}", *M], "header"),
+    (["convert-gqa", "--model", "{truncated}", "--streaming", "--kv-heads", "1", "--out", "c"], "model.safetensors"),
+    (["info", "--model", "{unsafepickle}", *M], "pytorch_model.bin"),
+    (["info", "--model", "{nanweight}", *M], "model.layers.1.mlp.up_proj.weight"),
+    (["info", "--model", "{missingweight}", *M], "model.layers.0.self_attn.q_proj.weight"),
+    (["info", "--model", "{layout_count}", *M], "num_heads"),
+    (["info", "--model", "{layout_range}", *M], "outside"),
+    (["info", "--model", "{layout_duplicate}", *M], "more than once"),
+    (["info", "--model", "{layout_layers}", *M], "layers"),
+    (
+        ["prune", "--model", "{llama}", *M, *DATA, "--scores", "{foreign}", "--fraction", "0.25", "--out", "p"],
+        "--allow-foreign-scores",
+    ),
+    (
+        ["importance", "--model", "{llama}", *M, *DATA, "--mask", "{foreignmask}", "--out", "i"],
+        "--allow-foreign-scores",
+    ),
+    (
+        ["prune", "--model", "{llama}", *M, *DATA, "--scores", "{duplicates}", "--fraction", "0.25", "--out", "p"],
+        "more than once",
+    ),
+    (["eval", "--model", "{llama}", *M, "--data", "{numbercells}", "--seq-len", "32"], "line 2"),
+    (["eval", "--model", "{llama}", *M, "--data", "{listcells}", "--seq-len", "32"], "line 2"),
+    (["eval", "--model", "{llama}", *M, "--data", "{fifo}", "--seq-len", "32"], "not a regular file"),
+    (["plot", "{infrun}"], "no finite value"),
 ]
 
 
@@ -172,7 +259,35 @@ def inputs(tmp_path_factory) -> dict[str, str]:
     )
     paths["emptydir"].mkdir()
     (paths["emptydir"] / "notes.txt").write_text("no tables here")
+    _hostile(paths, root)
     return {name: str(path) for name, path in paths.items()}
+
+
+def _hostile(paths: dict, root: Path) -> None:
+    """Issue 19's inputs: symlinks and nesting for the output guard, damaged checkpoints, contradicting layouts,
+    foreign and duplicate score tables, non-text corpus cells, a FIFO, an all-inf run."""
+    from headlab.prune import prune
+
+    paths["llamalink"] = root / "llama-link"
+    paths["llamalink"].symlink_to(paths["llama"], target_is_directory=True)
+    paths["mhalink"] = root / "mha-link"
+    paths["mhalink"].symlink_to(paths["mha"], target_is_directory=True)
+    paths["nestparent"] = root / "project"
+    paths["nested"] = save_tiny("llama", paths["nestparent"] / "model")
+    paths["goodmask"] = root / "good-mask.csv"
+    paths["goodmask"].write_text("layer,head,gate\n0,1,0\n")
+    paths.update(hostile.damaged_checkpoints(Path(paths["llama"]), root))
+    pruned = root / "pruned-mha"
+    mha = load_model(str(paths["mha"]), device="cpu")
+    prune(mha, heads="0:0", mode="physical", out=pruned, data=str(paths["text"]), seq_len=32, evaluate=False,
+          progress=False)  # fmt: skip
+    paths.update(hostile.layout_variants(pruned, root))
+    paths["foreign"] = hostile.foreign_run(root)
+    paths["foreignmask"] = paths["foreign"] / "mask.csv"
+    paths["foreignmask"].write_text("layer,head,gate\n0,1,0\n")
+    paths["duplicates"] = hostile.duplicate_scores(root)
+    paths.update(hostile.corpora(root, SAMPLE_TEXT))
+    paths["infrun"] = hostile.infinite_run(root)
 
 
 def _listing(root: Path) -> dict[str, tuple[int, int]]:

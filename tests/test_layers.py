@@ -52,6 +52,7 @@ LAYERS = {
     "headlab.loading": "foundations",
     "headlab.report_text": "foundations",
     "headlab.tables": "foundations",
+    "headlab.validate": "foundations",
     # base: imported by everything, imports nothing of headlab's but errors
     "headlab": "base",
     "headlab.distributed": "base",

@@ -63,6 +63,8 @@ def _quiet_other_ranks() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    if hasattr(signal, "SIGHUP"):  # a closed terminal: clean up like SIGTERM instead of dying mid-write
+        signal.signal(signal.SIGHUP, _raise_on_sigterm)
     _quiet_other_ranks()
     try:
         cli.main(args=argv, prog_name="headlab", standalone_mode=False)

@@ -7,9 +7,11 @@ import json
 
 import click
 
-from headlab.checkpoint import check_checkpoint_out, describe_check
-from headlab.cli.options import data_options, model_options, out_option
+from headlab.arch import adapter_for
+from headlab.checkpoint import describe_check
+from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
 from headlab.errors import HeadlabError
+from headlab.fsio import check_free_space
 from headlab.gqa import METHODS, convert_checkpoint
 from headlab.kv_heads import GROUPINGS, POOLS
 from headlab.loading import local_checkpoint
@@ -77,6 +79,23 @@ def streaming_options(function):
     )(function)
 
 
+def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
+    """Bytes a layer-by-layer conversion writes, estimated before it starts: the source's weight files (pooling only
+    shrinks them), plus for expansion the repeated K and V projections, 2 x layers x hidden x head_dim x added KV
+    heads x the stored element size."""
+    from transformers import AutoConfig  # here, not at the top: importing transformers costs start-up time
+
+    total = sum(path.stat().st_size for path in source.glob("*.safetensors"))
+    if direction != "expand":
+        return total
+    config = AutoConfig.from_pretrained(source)
+    text = config.get_text_config()
+    fields = adapter_for(config).layout_fields(config)
+    added = max(0, (kv_heads or fields["num_heads"]) - fields["num_kv_heads"])
+    itemsize = 4 if str(getattr(text, "dtype", "float32")).endswith("float32") else 2
+    return total + 2 * text.num_hidden_layers * text.hidden_size * fields["head_dim"] * added * itemsize
+
+
 def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, as_json, pool="mean", seed=0):
     """The --streaming path of convert-gqa and expand-kv: files in, files out, the model is never run."""
 
@@ -84,8 +103,10 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
         # Nothing is loaded onto a device: tensors are read and written in their stored dtype.
         raise HeadlabError("--streaming never loads the model: it keeps the stored dtype; drop --dtype/--device-map")
     max_bytes = parse_bytes(max_shard_size, "max-shard-size")
+    source = local_checkpoint(load.spec)
+    check_free_space(out, streaming_bytes(source, direction, kv_heads), "the source's weight files, plus KV growth")
     record = convert_streaming(
-        local_checkpoint(load.spec),
+        source,
         kv_heads,
         out,
         pool=pool,
@@ -157,7 +178,7 @@ def command(
     from pathlib import Path
 
     out = Path(out) if out is not None else Path("headlab-gqa")
-    check_checkpoint_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data, run_dir_bytes=False)
     if streaming:
         if method != "mean" or grouping != "contiguous":
             raise HeadlabError(
@@ -175,8 +196,10 @@ def command(
             pool=pool,
             seed=seed,
         )
+    loaded = load()
+    guard_checkpoint_space(out, loaded)
     record = convert_checkpoint(
-        load(),
+        loaded,
         kv_heads,
         out,
         pool=pool,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from headlab.cli.options import model_options
+from headlab.cli.options import guard, model_options
 from headlab.cli.report import report_options
 from headlab.data import load_corpus
-from headlab.report import DEMO_MARKER, DEMO_OUT, check_report_out, run_report
+from headlab.report import DEMO_MARKER, DEMO_OUT, is_demo_run, run_report
 
 
 @click.command("demo")
@@ -27,7 +27,7 @@ def command(load, data, text_column, quick, fmt, out, overwrite):
     from pathlib import Path
 
     out = Path(out)
-    check_report_out(out, overwrite, demo=True)
+    guard(out, overwrite or is_demo_run(out), {"model": load.spec}, data=data)
     load_corpus(data, text_column)
     report = run_report(
         load(), out, data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt, command=DEMO_MARKER

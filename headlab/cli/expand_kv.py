@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import click
 
-from headlab.checkpoint import check_checkpoint_out
 from headlab.cli.convert_gqa import run_streaming, show, streaming_options
-from headlab.cli.options import data_options, model_options, out_option
+from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
 from headlab.gqa import convert_checkpoint
 from headlab.kv_heads import gqa_layers
 
@@ -42,7 +41,7 @@ def command(
     as_json,
 ):
     """Repeat KV heads (GQA -> MHA); the model computes exactly what it did, with a larger KV cache."""
-    check_checkpoint_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data, run_dir_bytes=False)
     if streaming:
         return run_streaming(
             load, kv_heads, out, overwrite=overwrite, direction="expand", max_shard_size=max_shard_size, as_json=as_json
@@ -54,6 +53,11 @@ def command(
         raise click.UsageError(
             f"--kv-heads {target} is fewer than the current {layers[0].num_kv_heads}; use convert-gqa"
         )
+    hidden = loaded.model.config.get_text_config().hidden_size
+    itemsize = next(loaded.model.parameters()).element_size()
+    # Repeated K and V projections: 2 x hidden x head_dim per added KV head and layer.
+    added = sum(2 * hidden * layer.head_dim * (target - layer.num_kv_heads) * itemsize for layer in layers)
+    guard_checkpoint_space(out, loaded, extra=max(0, added))
     record = convert_checkpoint(
         loaded,
         target,

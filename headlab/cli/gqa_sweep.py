@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import click
 
-from headlab.cli.options import data_options, model_options, out_option
-from headlab.fsio import check_out
+from headlab.cli.options import data_options, guard, model_options, out_option
 from headlab.gqa import METHODS, run_sweep
 from headlab.kv_heads import GROUPINGS, POOLS
 from headlab.report_text import human_bytes, parse_list
@@ -55,7 +54,7 @@ def command(
     from pathlib import Path
 
     out = out or Path("gqa-sweep")
-    check_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data)
     frame, _ = run_sweep(
         load(),
         out,

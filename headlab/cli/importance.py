@@ -7,11 +7,11 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, model_options, out_option
+from headlab.cli.options import allow_foreign_option, data_options, guard, model_options, out_option
 from headlab.errors import HeadlabError
-from headlab.fsio import check_out
 from headlab.importance import DEFAULT_MAX_TOKENS, METHODS, head_importance
 from headlab.tables import write_run
+from headlab.validate import check_table_origin
 
 
 @click.command("importance")
@@ -36,6 +36,7 @@ from headlab.tables import write_run
     is_flag=True,
     help="grad/taylor: recompute each block in the backward pass instead of keeping activations (long windows)",
 )
+@allow_foreign_option
 @out_option(required=False, help_text="output directory, written atomically [default: runs/importance-METHOD]")
 def command(
     load,
@@ -51,6 +52,7 @@ def command(
     mask,
     bertology_compat,
     gradient_checkpointing,
+    allow_foreign_scores,
     out,
     overwrite,
 ):
@@ -71,8 +73,9 @@ def command(
     if mask is not None and not mask.is_file():
         raise HeadlabError(f"no such mask file: {mask}")
     out = out if out is not None else Path("runs") / f"importance-{method}"
-    check_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data, mask=mask)
     loaded = load()
+    check_table_origin(mask, loaded, "--mask", allow_foreign_scores)
     result = head_importance(
         loaded,
         method=method,

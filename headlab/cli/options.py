@@ -8,11 +8,20 @@ from pathlib import Path
 import click
 
 from headlab.data import PARTS
-from headlab.loading import DEFAULT_MODEL, DEVICE_MAPS, DTYPES, LoadedModel, load_model
+from headlab.fsio import RUN_DIR_BYTES, check_free_space, guard_output
+from headlab.loading import (
+    DEFAULT_MODEL,
+    DEVICE_MAPS,
+    DTYPES,
+    LoadedModel,
+    load_model,
+    model_location,
+    weight_bytes,
+)
 
 
 def model_options(function):
-    """--model, --device, --dtype, --device-map."""
+    """--model, --device, --dtype, --device-map, --check-weights."""
 
     @click.option(
         "--model",
@@ -34,10 +43,17 @@ def model_options(function):
         default=None,
         help="spread a model larger than one GPU over the available devices (accelerate)",
     )
+    @click.option(
+        "--check-weights/--no-check-weights",
+        default=True,
+        show_default=True,
+        help="refuse a model with a non-finite (nan/inf) weight, naming the tensor (one cheap pass on load)",
+    )
     @functools.wraps(function)
-    def wrapper(*args, model_spec, device, dtype, device_map, **kwargs):
+    def wrapper(*args, model_spec, device, dtype, device_map, check_weights, **kwargs):
         def load(**overrides) -> LoadedModel:
-            return load_model(model_spec, device=device, dtype=dtype, device_map=device_map, **overrides)
+            options = dict(device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
+            return load_model(model_spec, **(options | overrides))
 
         # For commands that can read the checkpoint files without loading the model (convert-gqa --streaming).
         load.spec, load.dtype, load.device_map = model_spec, dtype, device_map
@@ -100,3 +116,37 @@ def out_option(required: bool = True, help_text: str = "output directory (writte
         )
 
     return decorate
+
+
+def _local(spec) -> Path | None:
+    """A --data/--scores/--mask value as a local path when it names one (a hub data set or the embedded corpus
+    does not)."""
+    return None if spec is None else Path(spec).expanduser()
+
+
+def guard(out, overwrite: bool, models: dict, *, data=None, run_dir_bytes: bool = True, **tables) -> None:
+    """The output guard of a writing command (headlab.fsio.guard_output), before anything is loaded: `out` is not,
+    does not contain and does not lie inside a model, the corpus or a table the command reads.
+    `models`: label -> spec (None: the embedded default); `tables`: option name -> path. run_dir_bytes: also
+    require RUN_DIR_BYTES free (commands that write checkpoints check their size after loading instead)."""
+    inputs = {label: model_location(spec) for label, spec in models.items()}
+    inputs["corpus (--data)"] = _local(data)
+    inputs.update({f"table (--{name})": _local(path) for name, path in tables.items()})
+    guard_output(out, overwrite, inputs)
+    if run_dir_bytes:
+        check_free_space(out, RUN_DIR_BYTES, "tables, figures and metadata, assumed at most 16 MiB")
+
+
+def guard_checkpoint_space(out, loaded: LoadedModel, extra: int = 0) -> None:
+    """Before the first forward pass: room for a checkpoint of the loaded model (its parameter and buffer bytes, in
+    the dtype it runs in; pruning and KV pooling only shrink it, `extra` is what KV expansion adds)."""
+    check_free_space(out, weight_bytes(loaded.model) + extra, "the loaded model's weights in its dtype")
+
+
+def allow_foreign_option(function):
+    """--allow-foreign-scores: use a score or mask run whose meta.json names another model or head layout."""
+    return click.option(
+        "--allow-foreign-scores",
+        is_flag=True,
+        help="use a score or mask table whose run metadata names another model or head layout",
+    )(function)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from headlab.fsio import guard_output
 from headlab.plots import FORMATS, plot_run
 
 
@@ -19,6 +20,10 @@ from headlab.plots import FORMATS, plot_run
 def command(run_dir, out, fmt):
     """Heatmaps of every statistic and of importance, importance scatters, the pruning and GQA sweeps, the
     attention gallery and the KV grouping: whatever tables RUN_DIR (or its subdirectories) holds."""
+    # Figures go into an existing folder too (no --overwrite), but never onto or around a table being drawn.
+    tables = sorted(run_dir.rglob("*.csv")) + sorted(run_dir.rglob("*.parquet")) if run_dir.is_dir() else []
+    target = out if out is not None else run_dir / "figures"
+    guard_output(target, True, {f"table {path.name}": path for path in tables}, option="--out")
     written = plot_run(run_dir, out, fmt)
     for path in written:
         click.echo(str(path))

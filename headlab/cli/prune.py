@@ -6,13 +6,21 @@ import json
 
 import click
 
-from headlab.checkpoint import check_checkpoint_out, describe_check
-from headlab.cli.options import data_options, model_options, out_option
+from headlab.checkpoint import describe_check
+from headlab.cli.options import (
+    allow_foreign_option,
+    data_options,
+    guard,
+    guard_checkpoint_space,
+    model_options,
+    out_option,
+)
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
+from headlab.validate import check_table_origin
 
 
 @click.command("prune")
@@ -57,6 +65,7 @@ from headlab.report_text import human_bytes
     "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+@allow_foreign_option
 def command(
     load,
     data,
@@ -81,6 +90,7 @@ def command(
     calibration_tokens,
     compensate,
     as_json,
+    allow_foreign_scores,
 ):
     """Prune the lowest-scoring heads (importance computed on the calibration split unless --scores/--heads),
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
@@ -90,8 +100,10 @@ def command(
     if part != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
     out = Path(out) if out is not None else Path("headlab-pruned")
-    check_checkpoint_out(out, overwrite)  # before loading anything
+    guard(out, overwrite, {"model": load.spec}, data=data, scores=scores, run_dir_bytes=False)  # before loading
     loaded = load()
+    guard_checkpoint_space(out, loaded)
+    check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
     result = prune(
         loaded,
         scores=scores,

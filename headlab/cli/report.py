@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from headlab.cli.options import model_options, out_option
+from headlab.cli.options import guard, model_options, out_option
 from headlab.plots import FORMATS
 
 
@@ -38,9 +38,9 @@ def command(load, data, text_column, quick, fmt, out, overwrite):
     (redraw the figures with `headlab plot OUT`)."""
     # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
     from headlab.data import load_corpus
-    from headlab.report import check_report_out, run_report
+    from headlab.report import run_report
 
-    check_report_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data)
     load_corpus(data, text_column)
     report = run_report(load(), out, data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt)
     for line in report.summary:

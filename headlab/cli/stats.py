@@ -7,8 +7,7 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, model_options, out_option
-from headlab.fsio import check_out
+from headlab.cli.options import data_options, guard, model_options, out_option
 
 DEFAULT_OUT = Path("runs/stats")
 
@@ -52,7 +51,7 @@ def command(
     from headlab.stats import head_statistics, wide_statistics, write_statistics
 
     out = out or DEFAULT_OUT
-    check_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data)
     loaded = load()
     tidy = head_statistics(
         loaded,

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, model_options, out_option
+from headlab.cli.options import data_options, guard, model_options, out_option
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
-from headlab.fsio import check_out
 from headlab.prune import MODES, UNITS
 from headlab.report_text import parse_list
 from headlab.sweep import (
@@ -95,7 +94,7 @@ def command(
     if any(o not in ORDERS for o in order_list):
         raise HeadlabError(f"unknown order; use {', '.join(ORDERS)}")
     out = Path(out) if out is not None else Path("headlab-sweep")
-    check_out(out, overwrite)
+    guard(out, overwrite, {"model": load.spec}, data=data)
     loaded = load()
     result = sweep(
         loaded,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import click
 
-from headlab.checkpoint import check_checkpoint_out, describe_check
+from headlab.checkpoint import describe_check
+from headlab.cli.options import guard, guard_checkpoint_space
 from headlab.loading import DEFAULT_MODEL, DTYPES, load_model
 from headlab.uptrain import check_uptrain, save_uptrained, uptrain
 
@@ -33,6 +34,12 @@ from headlab.uptrain import check_uptrain, save_uptrained, uptrain
     "--out", type=click.Path(path_type=Path), default=None, help="checkpoint directory [default: headlab-uptrained]"
 )
 @click.option("--overwrite", is_flag=True, help="replace an existing output directory")
+@click.option(
+    "--check-weights/--no-check-weights",
+    default=True,
+    show_default=True,
+    help="refuse a student or teacher with a non-finite (nan/inf) weight, naming the tensor",
+)
 def command(
     student,
     teacher,
@@ -52,15 +59,17 @@ def command(
     seed,
     out,
     overwrite,
+    check_weights,
 ):
     """Distil --model towards --teacher (KL on calibration text), training only attention parameters; print and save
     the eval perplexity per step (uptrain/curve.csv, curve.png inside the checkpoint)."""
 
     check_uptrain(steps, lr, eval_every)
     out = out or Path("headlab-uptrained")
-    check_checkpoint_out(out, overwrite, student)
-    student_model = load_model(student, device=device, dtype=dtype)
-    teacher_model = load_model(teacher, device=device, dtype=dtype)
+    guard(out, overwrite, {"student model": student, "teacher": teacher}, data=data, run_dir_bytes=False)
+    student_model = load_model(student, device=device, dtype=dtype, check_weights=check_weights)
+    teacher_model = load_model(teacher, device=device, dtype=dtype, check_weights=check_weights)
+    guard_checkpoint_space(out, student_model)
     result = uptrain(
         student_model,
         teacher_model,
