@@ -282,3 +282,19 @@ def lm_eval_rolling_perplexity(
     return run_tasks(
         loaded, [ROLLING_TASK], include_path=include, max_length=max_length, batch_size=batch_size, bootstrap_iters=0
     )
+
+
+def task_columns(result: TaskResults) -> dict[str, float]:
+    """Wide columns for one model's results beside its perplexity (sweep rows): "task/metric" and its
+    "task/metric_stderr"; a filter other than lm-eval's "none" is appended as "task/metric/filter"."""
+    columns = {}
+    for row in result.table.itertuples(index=False):
+        name = f"{row.task}/{row.metric}" + ("" if row.filter == "none" else f"/{row.filter}")
+        columns[name] = row.value
+        columns[f"{name}_stderr"] = row.stderr
+    return columns
+
+
+def metric_columns(table: pd.DataFrame) -> list[str]:
+    """The task-metric columns task_columns added to a table (not their stderr)."""
+    return [c for c in table.columns if "/" in str(c) and not str(c).endswith("_stderr")]

@@ -372,9 +372,12 @@ def run_report(
     command: str = "headlab report",
     sentence: str = SAMPLE_SENTENCE,
     fmt: str = "png",
+    tasks: list[str] | None = None,
+    include_path: str | None = None,
 ) -> Report:
     """Run every analysis on `loaded`, write each step's tables under `out`, draw every figure and write
     report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
+    tasks: lm-eval tasks the pruning sweep also runs on every pruned model (accuracy against heads pruned).
     """
     from headlab import gqa, plots
     from headlab.data import calibration_batches, load_corpus
@@ -402,6 +405,8 @@ def run_report(
     s = replace(s, groupings=groupings or ("contiguous",))
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
+    if tasks:  # the sweep ran lm-eval tasks too
+        commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
     report = Report(out)
     steps = ["info", "stats", "importance", "gallery", "sweep"] + (["gqa"] if can_gqa else [])
     started = time.perf_counter()
@@ -456,6 +461,8 @@ def run_report(
             seeds=s.seeds,
             calibration_tokens=s.importance_tokens,
             eval_tokens=s.eval_tokens,
+            tasks=tasks,
+            include_path=include_path,
             **common,
         )
         write_sweep(result, tmp / "sweep")
@@ -639,6 +646,10 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
         )
         .reset_index()
     )
+    task_metrics = [c for c in sweep_table.columns if "/" in c and not c.endswith("_stderr")]  # sweep --tasks
+    if task_metrics:
+        means = sweep_table.groupby(["order", "fraction"], sort=False)[task_metrics].mean().reset_index()
+        shown = shown.merge(means, on=["order", "fraction"])
     sections.append(
         Section(
             "Pruning sweep",
@@ -646,7 +657,7 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
                 "Perplexity on the eval split with the lowest-scoring fraction of heads removed (random: mean over seeds)."
             ],
             [("sweep", shown)],
-            [figure["sweep"]] if "sweep" in figure else [],
+            [figure[name] for name in ("sweep", "sweep_tasks") if name in figure],
             commands["sweep"],
         )
     )

@@ -76,6 +76,9 @@ def sweep(
     progress: bool = True,
     compensate: str | None = None,
     scores: dict | None = None,
+    tasks: list[str] | None = None,
+    include_path: str | Path | None = None,
+    task_limit: int | None = None,
 ) -> SweepResult:
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
@@ -85,6 +88,8 @@ def sweep(
     row per pruned model with the output projection refitted on `calibration_tokens` calibration tokens (column
     compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
     scores already computed with the same settings (e.g. the report's importance step), instead of computing them again.
+    tasks: lm-eval tasks (headlab.lm_eval_bridge) run on every pruned model too, as "task/metric" columns; at most
+    task_limit documents each; include_path holds local task YAMLs.
     """
     from headlab.compensate import check_compensation
 
@@ -97,6 +102,11 @@ def sweep(
     check_unit(loaded.layers, unit)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:  # fail before the first score pass
         raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
+    manager = None
+    if tasks:  # unknown names, bad YAMLs and a missing lm-eval fail here, before the first score pass
+        from headlab.lm_eval_bridge import task_manager
+
+        manager = task_manager(list(tasks), include_path)
     if mode not in ("mask", "physical"):
         raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
     if mode == "physical" and loaded.adapter.norm_spans_heads:
@@ -137,6 +147,7 @@ def sweep(
             with refit, pruned_in_place(loaded, pruned, mode) as layout:
                 result = perplexity(loaded, data, part="eval", progress=False, **eval_kwargs)
                 size = costs(loaded, context=seq_len)
+                task_values = _task_values(loaded, tasks, include_path, task_limit, batch_size, manager)
             if mode == "mask":  # the model kept its shapes: report what the physical prune would cost
                 with pruned_in_place(loaded, pruned, "physical") as layout:
                     size = costs(loaded, context=seq_len)
@@ -151,6 +162,7 @@ def sweep(
                 "query_heads": size["query_heads"],
                 "padding_heads": sum(len(lay.padding) for lay in layout),  # zero-output heads kept for equal groups
                 "kv_heads": size["kv_heads"],
+                **task_values,
             }
         return cache[key]
 
@@ -202,22 +214,42 @@ def sweep(
         "calibration": {"data": data or "pydoc-topics", "split": "calibration", "max_tokens": calibration_tokens},
         "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
         "total_heads": total_heads,
+        "tasks": {"names": list(tasks), "include_path": include_path, "limit": task_limit} if tasks else None,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
     }
     return SweepResult(table, meta)
 
 
+def _task_values(loaded, tasks, include_path, limit, batch_size, manager) -> dict:
+    """lm-eval task metrics of the model as it is now (pruned in place), as sweep columns; {} without tasks."""
+    if not tasks:
+        return {}
+    from headlab.lm_eval_bridge import run_tasks, task_columns
+
+    # bootstrap_iters 1000: stderr of perplexity-type metrics by bootstrap, bounded (lm-eval's CLI default is 1e5).
+    result = run_tasks(
+        loaded,
+        list(tasks),
+        include_path=include_path,
+        batch_size=batch_size,
+        limit=limit,
+        bootstrap_iters=1000,
+        manager=manager,
+    )
+    return task_columns(result)
+
+
 def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
-    """sweep.csv + sweep.parquet + meta.json + sweep.png, atomically."""
-    from headlab.plots import figure_bytes, plot_sweep
+    """sweep.csv + sweep.parquet + meta.json + sweep.png (+ sweep_tasks.png with task metrics), atomically."""
+    from headlab.lm_eval_bridge import metric_columns
+    from headlab.plots import figure_bytes, plot_sweep, plot_sweep_tasks
     from headlab.tables import write_run
 
-    fig = plot_sweep(result.table, f"{result.meta.get('model', 'model')}: perplexity as heads are pruned")
-    return write_run(
-        Path(out),
-        {"sweep": result.table},
-        result.meta,
-        overwrite=overwrite,
-        extra_files={"sweep.png": figure_bytes(fig)},
-    )
+    model = result.meta.get("model", "model")
+    files = {"sweep.png": figure_bytes(plot_sweep(result.table, f"{model}: perplexity as heads are pruned"))}
+    if metric_columns(result.table):
+        files["sweep_tasks.png"] = figure_bytes(
+            plot_sweep_tasks(result.table, f"{model}: lm-eval tasks as heads are pruned")
+        )
+    return write_run(Path(out), {"sweep": result.table}, result.meta, overwrite=overwrite, extra_files=files)

@@ -90,9 +90,9 @@ def test_rolling_perplexity_equals_lm_eval_on_a_tiny_model(max_length, batch_siz
 @pytest.mark.slow
 def test_rolling_perplexity_equals_lm_eval_on_the_embedded_model(tmp_path):
     loaded = load_model(None, device="cpu")
-    _, text = tokenize(loaded.tokenizer, split_text(load_corpus(None), "eval").text, 1100)
-    ours, _ = _assert_equal_to_lm_eval(loaded, text, 512, 2, tmp_path)
-    assert ours.windows == 3 and ours.scored_tokens == 1100
+    _, text = tokenize(loaded.tokenizer, split_text(load_corpus(None), "eval").text, 600)
+    ours, _ = _assert_equal_to_lm_eval(loaded, text, 256, 2, tmp_path)
+    assert ours.windows == 3 and ours.scored_tokens == 600  # two full windows and a full-context last one
 
 
 # ---- lm-eval tasks on in-memory models ---------------------------------------------------------------------------
@@ -224,3 +224,40 @@ def test_task_errors_are_headlab_errors(tmp_path):
     (tmp_path / "bad" / "broken.yaml").write_text("task: [unclosed\n")
     with pytest.raises(HeadlabError, match="broken.yaml does not parse"):
         task_manager(["broken"], tmp_path / "bad")
+
+
+def _hand_accuracy(model, tokenizer, labels: list[int]) -> float:
+    picks = [max(range(len(c)), key=_hand_choice_logliks(model, tokenizer, q, c).__getitem__) for q, c in MC_ITEMS]
+    return sum(p == label for p, label in zip(picks, labels, strict=True)) / len(labels)
+
+
+def test_sweep_tasks_adds_the_task_metric_of_each_pruned_model(tmp_path):
+    from headlab.prune import pruned_in_place, random_scores, select_heads
+    from headlab.sweep import sweep, write_sweep
+
+    loaded = from_model(tiny_model("llama"), tiny_tokenizer())
+    labels, _ = _labels_with_one_wrong(loaded.model, loaded.tokenizer)
+    include = write_mc_task(tmp_path / "tasks", labels)
+    corpus = tmp_path / "sample.txt"
+    corpus.write_text(SAMPLE_TEXT)
+    result = sweep(
+        loaded,
+        fractions=[0.0, 0.5],
+        orders=["random"],
+        seeds=[0],
+        data=str(corpus),
+        eval_tokens=200,
+        seq_len=32,
+        progress=False,
+        tasks=["tiny_mc"],
+        include_path=include,
+    )
+    assert {"tiny_mc/acc", "tiny_mc/acc_stderr"} <= set(result.table.columns)
+    assert len(result.table) == 2
+    for row in result.table.to_dict("records"):
+        pruned = select_heads(loaded.layers, random_scores(loaded.layers, 0), fraction=row["fraction"])
+        assert row["pruned_heads"] == sum(len(p) for p in pruned)
+        with pruned_in_place(loaded, pruned, "mask"):
+            assert row["tiny_mc/acc"] == pytest.approx(_hand_accuracy(loaded.model, loaded.tokenizer, labels))
+    out = write_sweep(result, tmp_path / "sweep")
+    assert (out / "sweep_tasks.png").stat().st_size > 10_000

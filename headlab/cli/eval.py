@@ -33,7 +33,7 @@ from headlab.report_text import human_bytes, parse_list
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="few-shot examples per task")
 @out_option(required=False, help_text="with --tasks: write tasks.csv/.parquet and meta.json here (atomically)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(
+def command(  # click passes every option as a parameter
     load,
     data,
     text_column,
