@@ -18,7 +18,8 @@ from pathlib import Path
 import pandas as pd
 
 from headlab.errors import HeadlabError
-from headlab.loading import LoadedModel
+from headlab.evaluate import check_max_length
+from headlab.loading import LoadedModel, _hub_reachable
 
 INSTALL_HINT = "install the extra: pip install 'headlab[lmeval]' (lm-eval 0.4.13)"
 ROLLING_TASK = "headlab_rolling"
@@ -135,8 +136,6 @@ def task_manager(tasks: list[str], include_path: str | Path | None = None):
 def _go_offline_if_unreachable() -> bool:
     """Without network, put huggingface_hub and datasets in offline mode so a hub data set fails at once with one
     error instead of retrying; returns whether the hub is reachable."""
-    from headlab.loading import _hub_reachable
-
     if _hub_reachable():
         return True
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -234,8 +233,6 @@ def run_tasks(
     """lm-eval's simple_evaluate on the in-memory model; max_length None is lm-eval's own default for the model.
     manager: a TaskManager from task_manager() (checks done before the model was loaded)."""
     lm_eval = require_lm_eval()
-    from headlab.evaluate import check_max_length
-
     if max_length is not None:
         check_max_length(loaded, max_length)
     manager = manager or task_manager(tasks, include_path)

@@ -16,13 +16,31 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from headlab.arch import Adapter, AttentionLayer
+from headlab.arch import AttentionLayer
+from headlab.checkpoint import check_checkpoint_out, save_checkpoint
+from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
+from headlab.costs import costs
 from headlab.errors import HeadlabError
-from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, check_resident
+from headlab.evaluate import perplexity
+from headlab.fsio import atomic_directory
+from headlab.gates import write_mask
+from headlab.importance import head_importance
+from headlab.layout import (
+    HEAD_LAYOUT_KEY,
+    LAYOUT_VERSION,
+    LayerLayout,
+    compose,
+    group_heads,
+    is_uniform,
+    physical_layout,
+)
+from headlab.loading import LoadedModel, check_resident
+from headlab.restore import restoring
+from headlab.stats import head_statistics
+from headlab.tables import write_run
 
 UNITS = ("head", "kv-group")
 MODES = ("mask", "physical")
-LAYOUT_VERSION = 1
 RECORD_DIR = "pruning"  # inside a pruned checkpoint: heads.csv/.parquet, mask.csv (gates format), meta.json
 
 
@@ -91,7 +109,6 @@ def random_scores(layers: list[AttentionLayer], seed: int) -> list[torch.Tensor]
 
 def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
     """Score = -(mean attention entropy), so the most diffuse heads (highest entropy) are pruned first."""
-    from headlab.stats import head_statistics
 
     table = head_statistics(loaded, induction=False, **kwargs)  # entropy needs no induction sequences
     table = table[table["statistic"] == "entropy"]
@@ -105,7 +122,6 @@ def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
 
 def importance_scores(loaded: LoadedModel, pruned: list[set[int]] | None = None, **kwargs) -> list[torch.Tensor]:
     """Head importance (Michel et al. 2019) from headlab.importance, with already pruned heads masked (gate 0)."""
-    from headlab.importance import head_importance
 
     mask = None if pruned is None else gates_from_pruned(loaded.layers, pruned)
     result = head_importance(loaded, mask=mask, **kwargs)
@@ -346,83 +362,11 @@ def apply_mask(loaded: LoadedModel, pruned: list[set[int]]) -> None:
                 w.q[index] = 0
                 if w.q_bias is not None:
                     w.q_bias[index] = 0
-                dead = [g for g in range(layer.num_kv_heads) if all(h in heads for h in _group(layer, g))]
+                dead = [g for g in range(layer.num_kv_heads) if all(h in heads for h in group_heads(layer, g))]
                 for t in (w.k, w.v, w.k_bias, w.v_bias):
                     if t is not None and dead:
                         t[torch.tensor(dead)] = 0
             adapter.write(layer, w)
-
-
-def _group(layer: AttentionLayer, g: int) -> range:
-    return range(g * layer.group_size, (g + 1) * layer.group_size)
-
-
-@dataclass
-class LayerLayout:
-    """Physical layout of one pruned layer, in original indices: query heads kept (in order) and, per new KV head,
-    the original KV head it keeps. `padding`: pruned heads kept in place with zero output columns, so that every
-    KV group keeps the same number of query heads (repeat_kv needs equal groups), or so that an emptied layer
-    keeps one head (transformers cannot build a 0-head layer)."""
-
-    layer: int
-    heads: list[int]
-    kv_heads: list[int]
-    original_heads: int
-    original_kv_heads: int
-    padding: list[int] = field(default_factory=list)
-
-    @property
-    def zeroed(self) -> bool:
-        """Every head of the layer is padding: the layer was emptied."""
-        return bool(self.heads) and set(self.heads) == set(self.padding)
-
-    @property
-    def num_heads(self) -> int:
-        return len(self.heads)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return len(self.kv_heads)
-
-    def to_dict(self) -> dict:
-        return {
-            "layer": self.layer,
-            "heads": self.heads,
-            "kv_heads": self.kv_heads,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "original_heads": self.original_heads,
-            "original_kv_heads": self.original_kv_heads,
-            "padding_heads": self.padding,
-        }
-
-
-def physical_layout(layers: list[AttentionLayer], pruned: list[set[int]]) -> list[LayerLayout]:
-    """Kept heads per layer, valid for repeat_kv (query h' reads KV h' // (H'/G')).
-
-    A KV head goes once all its query heads are gone, and no KV head is ever added: groups left with different sizes
-    (GQA pruned head by head) are padded up to the largest with some of their own pruned heads, kept with zero
-    output columns (exact, but those heads still cost FLOPs and parameters; recorded; --uniform avoids it). An
-    emptied layer keeps its head 0 as padding.
-    """
-    out = []
-    for layer, heads in zip(layers, pruned):
-        groups = []
-        for g in range(layer.num_kv_heads):
-            kept = [h for h in _group(layer, g) if h not in heads]
-            if kept:
-                groups.append((g, kept))
-        if not groups:  # transformers cannot build a 0-head layer
-            groups = [(layer.kv_head_of(0), [])]
-        size = max(1, *(len(kept) for _, kept in groups))
-        kept_heads, kv, padding = [], [], []
-        for g, kept in groups:
-            extra = [h for h in _group(layer, g) if h not in kept][: size - len(kept)]
-            kept_heads += sorted(kept + extra)
-            padding += extra
-            kv.append(g)
-        out.append(LayerLayout(layer.index, kept_heads, kv, layer.num_heads, layer.num_kv_heads, sorted(padding)))
-    return out
 
 
 def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
@@ -441,21 +385,10 @@ def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
             adapter.write(layer, w)
 
 
-def is_uniform(layout: list[LayerLayout], adapter: Adapter) -> bool:
-    """Every layer has the same counts and the config can say so (free head_dim): vanilla from_pretrained loads it."""
-    counts = {(lay.num_heads, lay.num_kv_heads) for lay in layout}
-    if len(counts) != 1 or not adapter.free_head_dim:
-        return False
-    H, G = counts.pop()
-    return adapter.supports_gqa or H == G
-
-
 @contextlib.contextmanager
 def pruned_in_place(loaded: LoadedModel, pruned: list[set[int]], mode: str = "physical"):
     """Apply a selection for the duration of a block, then write the original weights back (also on error)."""
-    adapter = loaded.adapter
-    originals = [(layer, adapter.read(layer)) for layer in loaded.layers]
-    try:
+    with restoring(loaded):
         if mode == "physical":
             layout = physical_layout(loaded.layers, pruned)
             apply_physical(loaded, layout)
@@ -463,55 +396,16 @@ def pruned_in_place(loaded: LoadedModel, pruned: list[set[int]], mode: str = "ph
         else:
             apply_mask(loaded, pruned)
             yield None
-    finally:
-        for layer, w in originals:
-            adapter.write(layer, w)
-
-
-# ---- costs --------------------------------------------------------------------------------------------------------
-
-
-def costs(loaded: LoadedModel, context: int = 1024) -> dict:
-    """Parameters, attention FLOPs per token at `context`, and KV-cache bytes per token (model dtype)."""
-    from headlab.evaluate import DTYPE_BYTES, attention_flops_per_token, kv_cache_bytes, parameter_counts
-
-    element = DTYPE_BYTES.get(str(loaded.dtype).removeprefix("torch."), 4)
-    layers = loaded.layers
-    return {
-        **parameter_counts(loaded),
-        "attention_flops_per_token": attention_flops_per_token(loaded, context),
-        "kv_bytes_per_token": kv_cache_bytes([(layer.num_kv_heads, layer.head_dim) for layer in layers], 1, 1, element),
-        "query_heads": sum(layer.num_heads for layer in layers),
-        "kv_heads": sum(layer.num_kv_heads for layer in layers),
-        "flops_context": context,
-    }
 
 
 # ---- saving and loading -------------------------------------------------------------------------------------------
-
-
-def _compose(config, layout: list[LayerLayout]) -> list[LayerLayout]:
-    """Re-pruning a checkpoint that already has a headlab layout: map indices back to the original model's."""
-    previous = getattr(config, HEAD_LAYOUT_KEY, None)
-    if not previous:
-        return layout
-    earlier = {entry["layer"]: entry for entry in previous["layers"]}
-    out = []
-    for lay in layout:
-        old = earlier[lay.layer]
-        heads = [old["heads"][h] for h in lay.heads]
-        kv = [old["kv_heads"][g] for g in lay.kv_heads]
-        # Padding of the earlier pruning that survives stays padding (its output columns are already zero).
-        padding = sorted({old["heads"][h] for h in lay.padding} | (set(heads) & set(old.get("padding_heads", []))))
-        out.append(LayerLayout(lay.layer, heads, kv, old["original_heads"], old["original_kv_heads"], padding))
-    return out
 
 
 def layout_record(loaded: LoadedModel, layout: list[LayerLayout]) -> dict:
     return {
         "version": LAYOUT_VERSION,
         "approximate": bool(loaded.adapter.norm_spans_heads),
-        "layers": [lay.to_dict() for lay in _compose(loaded.model.config, layout)],
+        "layers": [lay.to_dict() for lay in compose(loaded.model.config, layout)],
     }
 
 
@@ -532,49 +426,6 @@ def prepare_config(loaded: LoadedModel, layout: list[LayerLayout] | None) -> str
         return "vanilla"
     setattr(config, HEAD_LAYOUT_KEY, layout_record(loaded, layout))
     return "headlab"
-
-
-def load_pruned(source, config, adapter: Adapter, **kwargs):
-    """Load a checkpoint whose config records a per-layer head layout (HEAD_LAYOUT_KEY).
-
-    The model class is built from the config (original head counts), each attention layer is rewritten to its
-    recorded shapes through the adapter, and only then does transformers load the weights into it; any missing,
-    unexpected or mismatched tensor is an error. kwargs: dtype, attn_implementation, device_map.
-    """
-    from headlab.loading import _auto_class
-
-    record = getattr(config, HEAD_LAYOUT_KEY)
-    if kwargs.pop("gguf_file", None):
-        raise HeadlabError("a pruned checkpoint with a per-layer layout is safetensors, not GGUF")
-    if not isinstance(record, dict) or record.get("version") != LAYOUT_VERSION:
-        raise HeadlabError(f"{source}: unsupported {HEAD_LAYOUT_KEY} record (headlab version mismatch?)")
-    auto = _auto_class(adapter)
-    try:
-        base = auto._model_mapping[type(config)]
-    except KeyError:
-        raise HeadlabError(f"{source}: no {auto.__name__} class for {type(config).__name__}") from None
-    entries = {entry["layer"]: entry for entry in record["layers"]}
-
-    def __init__(self, config, *args, **kw):
-        base.__init__(self, config, *args, **kw)
-        with torch.no_grad():
-            for layer in adapter.attention_layers(self):
-                entry = entries.get(layer.index)
-                if entry is None:
-                    raise HeadlabError(f"{source}: {HEAD_LAYOUT_KEY} has no entry for attention layer {layer.index}")
-                if (entry["original_heads"], entry["original_kv_heads"]) != (layer.num_heads, layer.num_kv_heads):
-                    raise HeadlabError(f"{source}: layer {layer.index} layout does not match the config's head counts")
-                adapter.write(layer, adapter.read(layer).take(entry["heads"], entry["kv_heads"]))
-
-    # A subclass whose constructor builds the pruned shapes, so transformers' own loading (key renames, tied
-    # weights, dtype, device_map) fills them; the class is swapped back to the plain one afterwards.
-    pruned_class = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
-    model, info = pruned_class.from_pretrained(source, config=config, output_loading_info=True, **kwargs)
-    model.__class__ = base
-    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if problems:
-        raise HeadlabError(f"{source}: the weights do not fit the recorded head layout: {problems}")
-    return model
 
 
 @dataclass
@@ -602,10 +453,6 @@ class PruneResult:
 def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame, gates, *, overwrite=False) -> dict:
     """Save the pruned model atomically with its record (pruning/heads.csv+.parquet, mask.csv, meta.json), after
     checkpoint.save_checkpoint has reloaded it and compared logits. Returns the verification."""
-    from headlab.checkpoint import save_checkpoint
-    from headlab.gates import write_mask
-    from headlab.loading import atomic_directory
-    from headlab.tables import write_run
 
     out = Path(out)
     with atomic_directory(out, overwrite=overwrite) as staging:
@@ -659,8 +506,6 @@ def prune(
 
     compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed heads' mean output
     into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning."""
-    from headlab.checkpoint import check_checkpoint_out
-    from headlab.compensate import check_compensation
 
     check_compensation(loaded, compensate)
 
@@ -728,8 +573,6 @@ def prune(
     ppl_before = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
     compensation = None
     if compensate is not None:
-        from headlab.compensate import apply_compensation, compensation_batches, output_statistics
-
         batches = compensation_batches(
             loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
         )
@@ -809,6 +652,5 @@ def prune(
 
 
 def _ppl(loaded, data, eval_kwargs, progress) -> float:
-    from headlab.evaluate import perplexity
 
     return perplexity(loaded, data, part="eval", progress=progress, **eval_kwargs).perplexity

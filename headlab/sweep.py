@@ -15,7 +15,10 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab.compensate import check_compensation, compensated, compensation_batches, output_statistics
 from headlab.errors import HeadlabError
+from headlab.evaluate import perplexity
+from headlab.lm_eval_bridge import metric_columns, run_tasks, task_columns, task_manager
 from headlab.loading import LoadedModel
 from headlab.prune import (
     check_unit,
@@ -26,6 +29,7 @@ from headlab.prune import (
     random_scores,
     select_heads,
 )
+from headlab.tables import write_run
 
 ORDERS = ("importance", "iterative", "random", "entropy", "ablation")
 DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
@@ -91,10 +95,8 @@ def sweep(
     tasks: lm-eval tasks (headlab.lm_eval_bridge) run on every pruned model too, as "task/metric" columns; at most
     task_limit documents each; include_path holds local task YAMLs.
     """
-    from headlab.compensate import check_compensation
 
     check_compensation(loaded, compensate)
-    from headlab.evaluate import perplexity
 
     fractions = sorted(set(float(f) for f in fractions))
     orders, seeds = list(dict.fromkeys(orders)), list(dict.fromkeys(seeds))
@@ -104,8 +106,6 @@ def sweep(
         raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
     manager = None
     if tasks:  # unknown names, bad YAMLs and a missing lm-eval fail here, before the first score pass
-        from headlab.lm_eval_bridge import task_manager
-
         manager = task_manager(list(tasks), include_path)
     if mode not in ("mask", "physical"):
         raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
@@ -131,8 +131,6 @@ def sweep(
     cache: dict[tuple, dict] = {}
     grams = None
     if compensate is not None:
-        from headlab.compensate import compensation_batches, output_statistics
-
         batches = compensation_batches(
             loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
         )
@@ -141,8 +139,6 @@ def sweep(
     def measure(pruned, compensation=None) -> dict:
         key = (tuple(tuple(sorted(p)) for p in pruned), compensation)
         if key not in cache:
-            from headlab.compensate import compensated
-
             refit = compensated(loaded, pruned, grams, compensation) if compensation else contextlib.nullcontext()
             with refit, pruned_in_place(loaded, pruned, mode) as layout:
                 result = perplexity(loaded, data, part="eval", progress=False, **eval_kwargs)
@@ -225,8 +221,6 @@ def _task_values(loaded, tasks, include_path, limit, batch_size, manager) -> dic
     """lm-eval task metrics of the model as it is now (pruned in place), as sweep columns; {} without tasks."""
     if not tasks:
         return {}
-    from headlab.lm_eval_bridge import run_tasks, task_columns
-
     # bootstrap_iters 1000: stderr of perplexity-type metrics by bootstrap, bounded (lm-eval's CLI default is 1e5).
     result = run_tasks(
         loaded,
@@ -242,9 +236,8 @@ def _task_values(loaded, tasks, include_path, limit, batch_size, manager) -> dic
 
 def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
     """sweep.csv + sweep.parquet + meta.json + sweep.png (+ sweep_tasks.png with task metrics), atomically."""
-    from headlab.lm_eval_bridge import metric_columns
+    # seaborn/matplotlib load in about a second: imported only when the sweep draws its figure (saves start-up time elsewhere).
     from headlab.plots import figure_bytes, plot_sweep, plot_sweep_tasks
-    from headlab.tables import write_run
 
     model = result.meta.get("model", "model")
     files = {"sweep.png": figure_bytes(plot_sweep(result.table, f"{model}: perplexity as heads are pruned"))}

@@ -143,14 +143,14 @@ def test_input_device_prefers_the_embeddings_execution_device():
 
 def _edits(dispatched):
     """Every headlab entry point that rewrites weights in place, as (name, call) pairs."""
-    from headlab import gqa, merge, prune, uptrain
+    from headlab import gqa, kv_heads, merge, prune, uptrain
     from headlab.compensate import check_compensation
 
     layers = dispatched.layers
     pruned = [{0}] + [set() for _ in layers[1:]]
     return [
         ("convert", lambda: gqa.convert(dispatched, 1)),
-        ("similarity", lambda: gqa.kv_similarity(dispatched, [], progress=False)),
+        ("similarity", lambda: kv_heads.kv_similarity(dispatched, [], progress=False)),
         ("merge", lambda: merge.merge_kv_heads(dispatched, 1, [], progress=False)),
         ("mask", lambda: prune.apply_mask(dispatched, pruned)),
         ("physical", lambda: prune.apply_physical(dispatched, prune.physical_layout(layers, pruned))),

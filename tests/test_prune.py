@@ -17,7 +17,8 @@ from headlab.arch import adapter_for
 from headlab.checkpoint import _auto_class_for
 from headlab.errors import HeadlabError
 from headlab.gates import head_gates, read_mask
-from headlab.loading import HEAD_LAYOUT_KEY, from_model, load_model
+from headlab.layout import HEAD_LAYOUT_KEY
+from headlab.loading import from_model, load_model
 
 
 def _loaded(name, **overrides):

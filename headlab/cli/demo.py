@@ -6,7 +6,8 @@ import click
 
 from headlab.cli.options import model_options
 from headlab.cli.report import report_options
-from headlab.report import DEMO_MARKER, DEMO_OUT
+from headlab.data import load_corpus
+from headlab.report import DEMO_MARKER, DEMO_OUT, check_report_out, run_report
 
 
 @click.command("demo")
@@ -24,9 +25,6 @@ def command(load, data, text_column, quick, fmt, out, overwrite):
     """Run every analysis on the embedded model (measured: 80 s on 2 CPU cores, --quick 47 s) and write
     runs/demo/report.md and report.html."""
     from pathlib import Path
-
-    from headlab.data import load_corpus
-    from headlab.report import check_report_out, run_report
 
     out = Path(out)
     check_report_out(out, overwrite, demo=True)

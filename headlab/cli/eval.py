@@ -7,8 +7,12 @@ import json
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
+from headlab.fsio import check_out
+from headlab.lm_eval_bridge import run_tasks, task_manager
 from headlab.report_text import human_bytes, parse_list
+from headlab.tables import write_run
 
 
 @click.command("eval")
@@ -68,8 +72,6 @@ def command(  # click passes every option as a parameter
         )
         return
     if out is not None or include_path is not None:
-        from headlab.errors import HeadlabError
-
         raise HeadlabError("--out and --include-path go with --tasks")
     loaded = load()
     result = perplexity(
@@ -110,9 +112,6 @@ def command(  # click passes every option as a parameter
 
 def _run_tasks(load, tasks, include_path, max_length, batch_size, limit, num_fewshot, out, overwrite, as_json):
     """lm-eval tasks on the loaded model; names, YAMLs and the output directory are checked before loading it."""
-    from headlab.lm_eval_bridge import run_tasks, task_manager
-    from headlab.tables import check_out, write_run
-
     names = parse_list(tasks, str, "tasks")
     manager = task_manager(names, include_path)
     check_out(out, overwrite)

@@ -6,8 +6,9 @@ import json
 
 import click
 
-from headlab.checkpoint import describe_check
+from headlab.checkpoint import check_checkpoint_out, describe_check
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
 
@@ -83,9 +84,6 @@ def command(
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
     checkpoint that is reloaded and compared before the command returns."""
     from pathlib import Path
-
-    from headlab.checkpoint import check_checkpoint_out
-    from headlab.errors import HeadlabError
 
     if part != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")

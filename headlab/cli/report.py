@@ -41,7 +41,9 @@ def report_options(function):
 def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_path):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
+    # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
     from headlab.data import load_corpus
+    from headlab.lm_eval_bridge import task_manager
     from headlab.report import check_report_out, run_report
     from headlab.report_text import parse_list
 
@@ -49,8 +51,6 @@ def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_
     load_corpus(data, text_column)
     task_list = parse_list(tasks, str, "tasks") if tasks is not None else None
     if task_list:  # names, YAMLs and lm-eval itself are checked before the model loads
-        from headlab.lm_eval_bridge import task_manager
-
         task_manager(task_list, include_path)
     report = run_report(
         load(),

@@ -7,9 +7,12 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
+from headlab.fsio import check_out
+from headlab.lm_eval_bridge import metric_columns, task_manager
 from headlab.prune import UNITS
 from headlab.report_text import parse_list
-from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, sweep, write_sweep
+from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, check_sweep, sweep, write_sweep
 
 
 @click.command("sweep")
@@ -85,9 +88,6 @@ def command(  # click passes every option as a parameter
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
-    from headlab.errors import HeadlabError
-    from headlab.sweep import check_sweep
-    from headlab.tables import check_out
 
     if part != "eval":
         raise HeadlabError("sweep scores perplexity on the eval split; scores always use the calibration split")
@@ -99,8 +99,6 @@ def command(  # click passes every option as a parameter
         raise HeadlabError(f"unknown order; use {', '.join(ORDERS)}")
     task_list = parse_list(tasks, str, "tasks") if tasks is not None else None
     if task_list:  # names, YAMLs and lm-eval itself are checked before the model loads
-        from headlab.lm_eval_bridge import task_manager
-
         task_manager(task_list, include_path)
     out = Path(out) if out is not None else Path("headlab-sweep")
     check_out(out, overwrite)
@@ -131,8 +129,6 @@ def command(  # click passes every option as a parameter
         .agg(pruned=("pruned_heads", "mean"), perplexity=("perplexity", "mean"), tokens_per_s=("tokens_per_s", "mean"))
         .reset_index()
     )
-    from headlab.lm_eval_bridge import metric_columns
-
     metrics = metric_columns(result.table)
     if metrics:  # sweep --tasks: the task metrics beside perplexity
         means = result.table.groupby(["order", "compensation", "fraction"], sort=False)[metrics].mean().reset_index()
