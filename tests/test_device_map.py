@@ -127,7 +127,7 @@ def test_input_device_prefers_the_embeddings_execution_device():
     faked on the hook attribute because init_hook would move the weights to a GPU this machine lacks."""
     from types import SimpleNamespace
 
-    from conftest import tiny_model
+    from models import tiny_model
 
     model = tiny_model("llama")
     embeddings = model.get_input_embeddings()
@@ -179,7 +179,7 @@ def test_edits_of_offloaded_weights_are_refused(models, edit):
 def test_models_on_several_devices_are_verified_without_a_second_copy(tmp_path):
     """save_checkpoint on a model spread over devices checks the saved files by a meta-device load (names and
     shapes against the config) instead of reloading a copy for logits; a mismatch is still caught."""
-    from conftest import tiny_model
+    from models import tiny_model
 
     from headlab import gqa
     from headlab.checkpoint import CheckpointMismatch, meta_load_check, save_checkpoint

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_model
+from models import tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
 from headlab.costs import kv_cache_bytes, model_info, parameter_counts

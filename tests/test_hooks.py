@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_TYPES, GQA_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, GQA_TYPES, tiny_inputs, tiny_model
 
 from headlab.errors import HeadlabError
 from headlab.hooks import SITES, hooks

@@ -35,6 +35,8 @@ LAYERS = {
     "headlab.lm_eval_bridge": "capabilities",
     "headlab.merge": "capabilities",
     "headlab.plots": "capabilities",
+    "headlab.report_render": "capabilities",
+    "headlab.scores": "capabilities",
     "headlab.stats": "capabilities",
     # mechanisms: how headlab reaches inside a running model
     "headlab.capture": "mechanisms",

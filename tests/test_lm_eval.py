@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from models import tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab.data import Corpus, load_corpus, rolling_windows, split_text, tokenize

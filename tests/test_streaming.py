@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import GQA_TYPES, VLM_TYPES, tiny_model
+from models import GQA_TYPES, VLM_TYPES, tiny_model
 from safetensors import safe_open
 from tiny_text import run_cli, save_tiny
 

@@ -8,7 +8,9 @@ import click
 
 from headlab.checkpoint import check_checkpoint_out, describe_check
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
+from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
 
@@ -33,7 +35,7 @@ from headlab.report_text import human_bytes
 )
 @click.option(
     "--method",
-    type=click.Choice(["grad", "taylor", "ablation"]),
+    type=click.Choice(IMPORTANCE_METHODS),
     default="grad",
     show_default=True,
     help="importance scorer when no --scores is given",
@@ -47,7 +49,7 @@ from headlab.report_text import human_bytes
 )
 @click.option(
     "--compensate",
-    type=click.Choice(["ridge", "bias"]),
+    type=click.Choice(COMPENSATIONS),
     is_flag=False,
     flag_value="ridge",
     default=None,

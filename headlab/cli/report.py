@@ -14,7 +14,9 @@ def report_options(function):
     function = click.option(
         "--format", "fmt", type=click.Choice(FORMATS), default="png", show_default=True, help="figure format"
     )(function)
-    function = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about 2x faster)")(function)
+    function = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about half the time)")(
+        function
+    )
     function = click.option("--text-column", default=None, help="text column of a table corpus [default: text]")(
         function
     )
