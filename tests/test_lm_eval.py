@@ -232,7 +232,8 @@ def _hand_accuracy(model, tokenizer, labels: list[int]) -> float:
 
 
 def test_sweep_tasks_adds_the_task_metric_of_each_pruned_model(tmp_path):
-    from headlab.prune import pruned_in_place, random_scores, select_heads
+    from headlab.prune import pruned_in_place, select_heads
+    from headlab.scores import random_scores
     from headlab.sweep import sweep, write_sweep
 
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())

@@ -23,7 +23,8 @@ def run(args) -> dict:
     from headlab.evaluate import perplexity
     from headlab.lm_eval_bridge import ROLLING_TASK, lm_eval_rolling_perplexity
     from headlab.loading import load_model
-    from headlab.prune import importance_scores, pruned_in_place, select_heads
+    from headlab.prune import pruned_in_place, select_heads
+    from headlab.scores import importance_scores
 
     loaded = load_model(None, device=args.device)
     corpus = load_corpus(None)
