@@ -295,7 +295,9 @@ def plot_sweep_tasks(table: pd.DataFrame, title: str | None = None):
     _theme()
     fig, axes = _subplots(1, len(metrics), figsize=(4.5 * len(metrics) + 2, 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):
-        sns.lineplot(data=table, x="fraction_pruned", y=metric, hue="order", style="order", markers=True, ax=ax)
+        sns.lineplot(
+            data=table, x="fraction_pruned", y=metric, hue="order", style="order", markers=True, errorbar="sd", ax=ax
+        )
         baseline = table.loc[table["pruned_heads"] == 0, metric]
         if len(baseline):
             ax.axhline(float(baseline.iloc[0]), color="grey", linewidth=0.8, linestyle=":", label="unpruned")

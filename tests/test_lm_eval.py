@@ -7,6 +7,7 @@ import json
 import math
 import sys
 
+import pandas as pd
 import pytest
 import torch
 from models import tiny_model
@@ -262,3 +263,19 @@ def test_sweep_tasks_adds_the_task_metric_of_each_pruned_model(tmp_path):
             assert row["tiny_mc/acc"] == pytest.approx(_hand_accuracy(loaded.model, loaded.tokenizer, labels))
     out = write_sweep(result, tmp_path / "sweep")
     assert (out / "sweep_tasks.png").stat().st_size > 10_000
+
+
+def test_report_tasks_draw_accuracy_against_heads_pruned(tmp_path, capsys):
+    model_dir = save_tiny("llama", tmp_path / "ckpt")
+    include = write_mc_task(tmp_path / "tasks", [0, 1, 2])
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    out = tmp_path / "report"
+    args = ["report", "--model", model_dir, "--data", corpus, "--quick", "--out", out]
+    code, _, err = run_cli([*args, "--tasks", "tiny_mc", "--include-path", include], capsys)
+    assert code == 0, err
+    sweep_table = pd.read_csv(out / "sweep" / "sweep.csv")
+    assert sweep_table["tiny_mc/acc"].between(0, 1).all() and len(sweep_table) > 1
+    markdown = (out / "report.md").read_text()
+    assert "figures/sweep_tasks.png" in markdown and "tiny_mc/acc" in markdown
+    assert f"--tasks tiny_mc --include-path {include}" in markdown  # the reproduce command of the sweep step
