@@ -238,27 +238,47 @@ class Window:
     score_from: int
 
 
-def sliding_windows(num_tokens: int, seq_len: int, stride: int) -> list[Window]:
-    """Windows of at most seq_len tokens moved by stride (transformers docs, "Perplexity of fixed-length models"):
-    every token after the first is scored exactly once, with up to seq_len - stride earlier tokens as extra context.
+@dataclass
+class ScoredWindow:
+    """One model input, stream tokens [start, end), whose last `scored` positions are scored: position p predicts
+    token p + 1, so the targets are tokens [end - scored + 1, end + 1)."""
 
-    A token is predicted from the position before it, so a window scores at most seq_len - 1 new tokens: a stride
-    equal to seq_len moves by seq_len - 1 (one token of overlap), where the docs' loop would drop one token per
-    window.
+    start: int
+    end: int
+    scored: int
+
+    @property
+    def first_target(self) -> int:
+        return self.end - self.scored + 1
+
+
+def rolling_windows(num_tokens: int, max_length: int, stride: int | None = None) -> list[ScoredWindow]:
+    """Perplexity windows over a stream of num_tokens tokens whose first (the prefix token) is never scored:
+    lm-evaluation-harness `loglikelihood_rolling` (lm_eval/utils.py get_rolling_token_windows; context_len
+    = max_length - stride + 1; stride = max_length is the hf model's context_len=1).
+
+    Every window feeds up to max_length tokens and scores the next-token predictions of its last positions; each
+    token after the first is scored exactly once. The first window scores all its predictions (min(max_length,
+    num_tokens - 1)); each later one scores up to `stride` new tokens, and its input reaches max_length tokens to the
+    left, so the unscored extra context is max_length - stride tokens, also for the last, shorter window. With
+    stride < max_length this is the transformers-docs strided evaluation ("Perplexity of fixed-length models")
+    with windows of max_length + 1 tokens counting the scored target.
     """
-    if seq_len < 2:
-        raise HeadlabError(f"--seq-len must be at least 2, got {seq_len}")
-    if stride <= 0 or stride > seq_len:
-        raise HeadlabError(f"--stride must be in 1..seq-len ({seq_len}), got {stride}")
-    step = min(stride, seq_len - 1)
-    windows, previous_end = [], 1  # token 0 has no context and is never scored
-    for begin in range(0, num_tokens, step):
-        end = min(begin + seq_len, num_tokens)
-        if end > previous_end:
-            windows.append(Window(begin, end, previous_end))
-        previous_end = max(previous_end, end)
-        if end == num_tokens:
-            break
+    stride = max_length if stride is None else stride
+    if max_length < 1:
+        raise HeadlabError(f"--max-length must be at least 1, got {max_length}")
+    if stride <= 0 or stride > max_length:
+        raise HeadlabError(f"--stride must be in 1..max-length ({max_length}), got {stride}")
+    targets = num_tokens - 1  # stream positions 1 .. num_tokens - 1 are predicted
+    if targets <= 0:
+        return []
+    first = min(max_length, targets)
+    windows, predicted = [ScoredWindow(0, first, first)], first
+    while predicted < targets:
+        scored = min(targets - predicted, stride)
+        end = predicted + scored  # the input ends where its last prediction's target sits
+        windows.append(ScoredWindow(max(0, end - max_length), end, scored))
+        predicted = end
     return windows
 
 
@@ -273,7 +293,7 @@ def chunk_windows(num_tokens: int, seq_len: int, min_len: int = 2) -> list[Windo
     ]
 
 
-def batch_windows(ids: torch.Tensor, windows: list[Window], batch_size: int, pad_id: int = 0):
+def batch_windows(ids: torch.Tensor, windows: list[Window] | list[ScoredWindow], batch_size: int, pad_id: int = 0):
     """Group windows into right-padded batches: yields (input_ids [B, T], attention_mask [B, T], windows)."""
     if batch_size <= 0:
         raise HeadlabError(f"--batch-size must be positive, got {batch_size}")

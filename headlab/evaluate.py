@@ -1,8 +1,10 @@
-"""Perplexity (sliding window, lm-evaluation-harness conventions): how every change is judged; costs are in costs.py.
+"""Perplexity (rolling windows, lm-evaluation-harness conventions): how every change is judged; costs are in costs.py.
 
-Perplexity follows lm-evaluation-harness: the text is tokenized without special tokens, a prefix token (BOS,
-else EOS) is put in front so that every token of the text is scored, and word perplexity and bits per byte divide
-the summed log-likelihood by the words and UTF-8 bytes of exactly the text scored.
+Perplexity follows lm-evaluation-harness `loglikelihood_rolling` (docs/evaluation.md): the text is tokenized without
+special tokens, a prefix token (BOS, else EOS) is put in front so that every token of the text is scored, each
+window feeds max_length tokens and scores max_length predictions (the last window reaches back to a full max_length
+of context), and word perplexity and bits per byte divide the summed log-likelihood by the words and UTF-8 bytes of
+exactly the text scored.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from headlab.data import (
     load_corpus,
     masked_lm_batch,
     require_tokens,
-    sliding_windows,
+    rolling_windows,
     split_text,
     tokenize,
 )
 from headlab.errors import HeadlabError
 from headlab.loading import LoadedModel
+
+WINDOW_CONVENTION = "lm-eval loglikelihood_rolling (prefix token; max_length inputs; full-context last window)"
 
 
 @dataclass
@@ -49,9 +53,11 @@ class Perplexity:
     seconds: float
     peak_memory_bytes: int
     objective: str  # "causal" or "masked-lm (15% fixed-seed masking)"
-    seq_len: int
+    max_length: int  # model input tokens per window (lm-eval's max_length; --seq-len is the same option)
     stride: int
     prefix_token: int | None
+    windows: int = 0
+    convention: str = WINDOW_CONVENTION
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,22 +72,47 @@ def _prefix_token(tokenizer) -> int | None:
 
 
 @torch.no_grad()
-def token_nll(model, input_ids, attention_mask, score_from) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed NLL (float64) and count of scored labels per row. score_from[r]: first position of row r whose token
-    is scored (>= 1: a token is scored from the logits of the position before it)."""
+def token_nll(model, input_ids, attention_mask, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed NLL (float64) and count of scored tokens per row: the last len(targets[r]) real positions of row r
+    predict targets[r] (position p predicts token p + 1; lm-eval's continuation slice)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
     nll_sum = torch.zeros(input_ids.shape[0], dtype=torch.float64)
     counts = torch.zeros(input_ids.shape[0], dtype=torch.long)
-    for row in range(input_ids.shape[0]):
-        length = int(attention_mask[row].sum())
-        first = max(int(score_from[row]), 1)
-        if first >= length:
-            continue
-        log_probs = torch.log_softmax(logits[row, first - 1 : length - 1].float(), dim=-1)  # [n, V]
-        targets = input_ids[row, first:length].to(log_probs.device)
-        nll_sum[row] = -log_probs.gather(1, targets[:, None]).sum().double().cpu()
-        counts[row] = length - first
+    for row, row_targets in enumerate(targets):
+        length, scored = int(attention_mask[row].sum()), len(row_targets)
+        log_probs = torch.log_softmax(logits[row, length - scored : length].float(), dim=-1)  # [scored, V]
+        picked = log_probs.gather(1, row_targets.to(log_probs.device)[:, None]).flatten()  # [scored]
+        # Summed in float32 per window as lm-eval does (float(logits.sum())), so that word perplexity agrees to
+        # 1e-6 even over few words; windows are then added in float64.
+        nll_sum[row] = -float(picked.sum())
+        counts[row] = scored
     return nll_sum, counts
+
+
+def rolling_nll(loaded: LoadedModel, ids: torch.Tensor, max_length: int, stride: int, batch_size: int, progress=True):
+    """Summed NLL, scored-token count, window count and seconds of the rolling windows over `ids` (prefix token
+    first, never scored); see data.rolling_windows for the layout."""
+    windows = rolling_windows(len(ids), max_length, stride)
+    pad_id = loaded.tokenizer.pad_token_id or 0
+    device = loaded.device
+    totals = torch.zeros(2, dtype=torch.float64)  # summed NLL, scored tokens
+    start = time.perf_counter()
+    batches = list(batch_windows(ids, distributed.shard(windows), batch_size, pad_id))
+    for input_ids, attention_mask, group in tqdm(batches, desc="perplexity", disable=not progress, unit="batch"):
+        targets = [ids[w.first_target : w.end + 1] for w in group]
+        nll_sum, counts = token_nll(loaded.model, input_ids.to(device), attention_mask.to(device), targets)
+        totals += torch.stack([nll_sum.sum(), counts.sum().double()])
+    distributed.all_reduce_sum(totals)
+    seconds = distributed.all_reduce_max(time.perf_counter() - start)
+    return float(totals[0]), int(totals[1]), windows, seconds
+
+
+def check_max_length(loaded: LoadedModel, max_length: int) -> None:
+    """Refuse a window longer than the model's positions (a one-line error instead of an index error)."""
+    if loaded.max_positions is not None and max_length > loaded.max_positions:
+        raise HeadlabError(
+            f"--max-length/--seq-len {max_length} exceeds the model's maximum positions ({loaded.max_positions})"
+        )
 
 
 def perplexity(
@@ -96,11 +127,14 @@ def perplexity(
     text_column: str | None = None,
     progress: bool = True,
 ) -> Perplexity:
-    """Sliding-window token perplexity exp(-(1/N) sum_i log p(x_i | x_<i)) over the N tokens of the chosen part,
-    plus word perplexity and bits per byte (lm-evaluation-harness wikitext definitions)."""
+    """Token perplexity exp(-(1/N) sum_i log p(x_i | x_<i)) over the N tokens of the chosen part, plus word
+    perplexity and bits per byte (lm-evaluation-harness wikitext definitions), in lm-eval's rolling windows.
+
+    seq_len is the model input length of a window (lm-eval's max_length, the CLI's --max-length); stride (default
+    seq_len, lm-eval's layout) < seq_len gives each scored token seq_len - stride tokens of extra context.
+    """
     stride = seq_len if stride is None else stride
-    if loaded.max_positions is not None and seq_len > loaded.max_positions:
-        raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
+    check_max_length(loaded, seq_len)
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus, text_column)
     text_part = split_text(corpus, part)
@@ -112,21 +146,10 @@ def perplexity(
     prefix = _prefix_token(loaded.tokenizer)
     if prefix is not None:
         ids = torch.cat([torch.tensor([prefix]), ids])
-    windows = sliding_windows(len(ids), seq_len, stride)
-    pad_id = loaded.tokenizer.pad_token_id or 0
     device = loaded.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    totals = torch.zeros(2, dtype=torch.float64)  # summed NLL, scored tokens
-    start = time.perf_counter()
-    batches = list(batch_windows(ids, distributed.shard(windows), batch_size, pad_id))
-    for input_ids, attention_mask, group in tqdm(batches, desc="perplexity", disable=not progress, unit="batch"):
-        score_from = [w.score_from - w.start for w in group]
-        nll_sum, counts = token_nll(loaded.model, input_ids.to(device), attention_mask.to(device), score_from)
-        totals += torch.stack([nll_sum.sum(), counts.sum().double()])
-    distributed.all_reduce_sum(totals)
-    total_nll, total_count = float(totals[0]), int(totals[1])
-    seconds = distributed.all_reduce_max(time.perf_counter() - start)
+    total_nll, total_count, windows, seconds = rolling_nll(loaded, ids, seq_len, stride, batch_size, progress)
     if not math.isfinite(total_nll):
         raise HeadlabError(
             f"the loss is not finite ({total_nll}); with {str(loaded.dtype)} this is usually overflow: "
@@ -149,9 +172,10 @@ def perplexity(
         seconds=seconds,
         peak_memory_bytes=peak_memory(device),
         objective="causal",
-        seq_len=seq_len,
+        max_length=seq_len,
         stride=stride,
         prefix_token=prefix,
+        windows=len(windows),
     )
 
 
@@ -195,4 +219,6 @@ def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> 
         seq_len,
         seq_len,
         None,
+        len(rows),
+        "masked-LM windows of max_length tokens ([CLS] and [SEP] included)",
     )

@@ -292,6 +292,34 @@ def plot_sweep(table: pd.DataFrame, title: str | None = None):
     return fig
 
 
+def plot_sweep_tasks(table: pd.DataFrame, title: str | None = None):
+    """lm-eval task metrics (sweep --tasks: "task/metric" columns) against the fraction of heads pruned, one panel
+    per metric, one line per order (random: mean over seeds, band +-1 sd)."""
+    metrics = [c for c in table.columns if "/" in str(c) and not str(c).endswith("_stderr")]
+    if not metrics:
+        raise HeadlabError("this sweep has no task metrics (run sweep --tasks)")
+    _theme()
+    fig, axes = _subplots(1, len(metrics), figsize=(4.5 * len(metrics) + 2, 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics, strict=True):
+        sns.lineplot(
+            data=table, x="fraction_pruned", y=metric, hue="order", style="order", markers=True, errorbar="sd", ax=ax
+        )
+        baseline = table.loc[table["pruned_heads"] == 0, metric]
+        if len(baseline):
+            ax.axhline(float(baseline.iloc[0]), color="grey", linewidth=0.8, linestyle=":", label="unpruned")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.PercentFormatter(1.0))
+        ax.set_xlabel("attention heads pruned")
+        ax.set_ylabel(metric.split("/")[1])  # the metric; the panel title names the task
+        ax.set_title(metric, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend().remove()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, title="pruning order", loc="upper left", bbox_to_anchor=(1.0, 0.9), frameon=True)
+    fig.suptitle(title or "lm-eval tasks as heads are pruned")
+    fig.tight_layout()
+    return fig
+
+
 def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
     """Perplexity against measured KV-cache KiB per token, one marker per KV-head count x grouping x pool (rows that
     repeat an earlier variant are left out: they would sit on it). Log y when perplexities span more than 10x."""
@@ -500,6 +528,9 @@ def run_figures(run_dir) -> dict[str, Figure]:
             continue
         if "order" in table:
             figures["sweep"] = plot_sweep(table, f"{model}: perplexity as heads are pruned" if model else None)
+            if any("/" in str(c) and not str(c).endswith("_stderr") for c in table.columns):  # sweep --tasks
+                title = f"{model}: lm-eval tasks as heads are pruned" if model else None
+                figures["sweep_tasks"] = plot_sweep_tasks(table, title)
         elif "kv_heads" in table:
             figures["gqa_sweep"] = plot_gqa_sweep(table, f"{model}: perplexity against KV-cache size" if model else "")
     maps = _read(_find(run_dir, "attention_maps.csv"))

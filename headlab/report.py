@@ -376,6 +376,7 @@ class ReportRun:
     common: dict  # data, text_column, seq_len, batch_size, progress
     sentence: str
     target: int | None  # KV heads the grouping step pools to (None: no grouping step)
+    tasks: dict = field(default_factory=dict)  # lm-eval tasks for the sweep: {"tasks": [...], "include_path": DIR}
     info: dict = field(default_factory=dict)
     importance: object = None
     sweep_table: pd.DataFrame | None = None
@@ -424,6 +425,7 @@ def _sweep_step(run: ReportRun) -> None:
         seeds=s.seeds,
         calibration_tokens=s.importance_tokens,
         eval_tokens=s.eval_tokens,
+        **run.tasks,
         **run.common,
     )
     write_sweep(result, run.tmp / "sweep")
@@ -497,9 +499,12 @@ def run_report(
     command: str = "headlab report",
     sentence: str = SAMPLE_SENTENCE,
     fmt: str = "png",
+    tasks: list[str] | None = None,
+    include_path: str | None = None,
 ) -> Report:
     """Run every analysis on `loaded`, write each step's tables under `out`, draw every figure and write
     report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
+    tasks: lm-eval tasks the pruning sweep also runs on every pruned model (accuracy against heads pruned).
     """
 
     out = Path(out)
@@ -520,6 +525,8 @@ def run_report(
     s = replace(s, groupings=groupings or ("contiguous",))
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
+    if tasks:  # the sweep ran lm-eval tasks too
+        commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
     report = Report(out)
     steps = [(name, function) for name, function in REPORT_STEPS if name != "gqa" or can_gqa]
     started = time.perf_counter()
@@ -527,7 +534,8 @@ def run_report(
     # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
     replaceable = is_demo_run if command == DEMO_MARKER else None
     with atomic_directory(out, overwrite=overwrite, replaceable=replaceable) as tmp:
-        run = ReportRun(loaded, s, tmp, common, sentence, target)
+        task_options = {"tasks": tasks, "include_path": include_path} if tasks else {}
+        run = ReportRun(loaded, s, tmp, common, sentence, target, task_options)
         for name, function in steps + [("figures", lambda run: _figures_step(run, fmt))]:
             _say(progress, f"[{len(report.seconds) + 1}/{len(steps) + 1}] {name}")
             begin = time.perf_counter()

@@ -121,11 +121,15 @@ def _sweep_section(run: Path, meta: dict, figure: dict) -> Section:
         )
         .reset_index()
     )
+    task_metrics = [c for c in sweep_table.columns if "/" in c and not c.endswith("_stderr")]  # sweep --tasks
+    if task_metrics:
+        means = sweep_table.groupby(["order", "fraction"], sort=False)[task_metrics].mean().reset_index()
+        shown = shown.merge(means, on=["order", "fraction"])
     return Section(
         "Pruning sweep",
         ["Perplexity on the eval split with the lowest-scoring fraction of heads removed (random: mean over seeds)."],
         [("sweep", shown)],
-        [figure["sweep"]] if "sweep" in figure else [],
+        [figure[name] for name in ("sweep", "sweep_tasks") if name in figure],
         meta["commands"]["sweep"],
     )
 

@@ -21,6 +21,7 @@ from headlab.data import Corpus, load_corpus
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.importance import METHODS as IMPORTANCE_METHODS
+from headlab.lm_eval_bridge import metric_columns, run_tasks, task_columns, task_manager
 from headlab.loading import LoadedModel
 from headlab.prune import MODES, PruneSpec, check_unit, plan, pruned_in_place
 from headlab.scores import ScoreRequest, score_heads
@@ -77,6 +78,9 @@ def sweep(
     progress: bool = True,
     compensate: str | None = None,
     scores: dict | None = None,
+    tasks: list[str] | None = None,
+    include_path: str | Path | None = None,
+    task_limit: int | None = None,
 ) -> SweepResult:
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
@@ -86,6 +90,8 @@ def sweep(
     row per pruned model with the output projection refitted on `calibration_tokens` calibration tokens (column
     compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
     scores already computed with the same settings (e.g. the report's importance step), instead of computing them again.
+    tasks: lm-eval tasks (headlab.lm_eval_bridge) run on every pruned model too, as "task/metric" columns; at most
+    task_limit documents each; include_path holds local task YAMLs.
     """
 
     # More than 12 parameters: the Python face of every `headlab sweep` option (API compatibility); inside, the
@@ -97,6 +103,9 @@ def sweep(
     check_unit(loaded.layers, unit)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:  # fail before the first score pass
         raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
+    manager = None
+    if tasks:  # unknown names, bad YAMLs and a missing lm-eval fail here, before the first score pass
+        manager = task_manager(list(tasks), include_path)
     if mode not in MODES:
         raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
     if mode == "physical" and loaded.adapter.norm_spans_heads:
@@ -115,7 +124,10 @@ def sweep(
             max_tokens=calibration_tokens,
         )
         grams = output_statistics(loaded, batches, progress=progress)
+
     measure = _Measure(loaded, mode, grams, eval_kwargs, corpus)
+    if tasks:  # lm-eval's metrics of each pruned model, beside its perplexity
+        measure.extra = lambda: _task_values(loaded, tasks, include_path, task_limit, batch_size, manager)
     spec = PruneSpec(per_layer=per_layer, unit=unit, allow_empty_layer=allow_empty_layer)
     total_heads = sum(layer.num_heads for layer in loaded.layers)
     runs = [(order, seed) for order in orders for seed in (seeds if order == "random" else [None])]
@@ -145,6 +157,7 @@ def sweep(
         "calibration": {"data": data or "pydoc-topics", "split": "calibration", "max_tokens": calibration_tokens},
         "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
         "total_heads": total_heads,
+        "tasks": {"names": list(tasks), "include_path": include_path, "limit": task_limit} if tasks else None,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
     }
@@ -187,6 +200,7 @@ class _Measure:
     def __init__(self, loaded, mode, grams, eval_kwargs, data):
         self.loaded, self.mode, self.grams, self.eval_kwargs, self.data = loaded, mode, grams, eval_kwargs, data
         self.cache: dict[tuple, dict] = {}
+        self.extra = dict  # more columns measured on the pruned model (sweep --tasks); none by default
 
     def __call__(self, pruned, compensation=None) -> dict:
         key = (tuple(tuple(sorted(p)) for p in pruned), compensation)
@@ -200,6 +214,7 @@ class _Measure:
         with refit, pruned_in_place(loaded, pruned, self.mode) as layout:
             result = perplexity(loaded, self.data, part="eval", progress=False, **self.eval_kwargs)
             size = costs(loaded, context=seq_len)
+            extra = self.extra()
         if self.mode == "mask":  # the model kept its shapes: report what the physical prune would cost
             with pruned_in_place(loaded, pruned, "physical") as layout:
                 size = costs(loaded, context=seq_len)
@@ -214,19 +229,36 @@ class _Measure:
             "query_heads": size["query_heads"],
             "padding_heads": sum(len(lay.padding) for lay in layout),  # zero-output heads kept for equal groups
             "kv_heads": size["kv_heads"],
+            **extra,
         }
 
 
-def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
-    """sweep.csv + sweep.parquet + meta.json + sweep.png, atomically."""
-    # seaborn/matplotlib load in about a second: imported only when the sweep draws its figure (saves start-up time elsewhere).
-    from headlab.plots import figure_bytes, plot_sweep
-
-    fig = plot_sweep(result.table, f"{result.meta.get('model', 'model')}: perplexity as heads are pruned")
-    return write_run(
-        Path(out),
-        {"sweep": result.table},
-        result.meta,
-        overwrite=overwrite,
-        extra_files={"sweep.png": figure_bytes(fig)},
+def _task_values(loaded, tasks, include_path, limit, batch_size, manager) -> dict:
+    """lm-eval task metrics of the model as it is now (pruned in place), as sweep columns; {} without tasks."""
+    if not tasks:
+        return {}
+    # bootstrap_iters 1000: stderr of perplexity-type metrics by bootstrap, bounded (lm-eval's CLI default is 1e5).
+    result = run_tasks(
+        loaded,
+        list(tasks),
+        include_path=include_path,
+        batch_size=batch_size,
+        limit=limit,
+        bootstrap_iters=1000,
+        manager=manager,
     )
+    return task_columns(result)
+
+
+def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
+    """sweep.csv + sweep.parquet + meta.json + sweep.png (+ sweep_tasks.png with task metrics), atomically."""
+    # seaborn/matplotlib load in about a second: imported only when the sweep draws its figure (saves start-up time elsewhere).
+    from headlab.plots import figure_bytes, plot_sweep, plot_sweep_tasks
+
+    model = result.meta.get("model", "model")
+    files = {"sweep.png": figure_bytes(plot_sweep(result.table, f"{model}: perplexity as heads are pruned"))}
+    if metric_columns(result.table):
+        files["sweep_tasks.png"] = figure_bytes(
+            plot_sweep_tasks(result.table, f"{model}: lm-eval tasks as heads are pruned")
+        )
+    return write_run(Path(out), {"sweep": result.table}, result.meta, overwrite=overwrite, extra_files=files)

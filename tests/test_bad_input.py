@@ -5,6 +5,7 @@ One table of (command line, expected message fragment) cases drives the CLI chec
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 
@@ -40,6 +41,8 @@ CASES = [
     (["eval", "--model", "{llama}", *M, *DATA, "--seq-len", "1000"], "1000"),
     (["eval", "--model", "{llama}", *M, "--data", "{missing}", "--seq-len", "32"], "{missing}"),
     (["eval", "--model", "{llama}", "--device", "cuda:7", *DATA], "cuda"),
+    (["eval", "--model", "{llama}", *M, *TEXT, "--max-length", "65"], "maximum positions"),
+    (["eval", "--model", "{llama}", *M, *DATA, "--out", "o"], "--tasks"),
     # stats
     (["stats", *NO_MODEL, *DATA, "--out", "s"], "{missing}"),
     (["stats", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
@@ -234,6 +237,18 @@ CASES = [
     (["plot", "{infrun}"], "no finite value"),
 ]
 
+# lm-eval tasks (the lmeval extra); without lm-eval every --tasks line says how to install it (tests/test_lm_eval.py).
+TASKS = ["eval", "--model", "{llama}", *M, "--tasks"]
+if importlib.util.find_spec("lm_eval") is not None:
+    CASES += [
+        ([*TASKS, "tiny_mcq", "--include-path", "{tasks}"], "close matches: tiny_mc"),
+        ([*TASKS, "x", "--include-path", "{badyaml}"], "broken.yaml does not parse"),
+        ([*TASKS, "tiny_mc", "--include-path", "{tasks}", "--max-length", "65"], "65"),
+        ([*TASKS, "tiny_mc", "--include-path", "{missing}"], "not a directory"),
+        ([*TASKS, ",", "--include-path", "{tasks}"], "--tasks is empty"),
+        ([*TASKS, "tiny_mc", "--include-path", "{tasks}", "--out", "{existing}"], "--overwrite"),
+    ]
+
 
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, str]:
@@ -248,6 +263,8 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "badmask": root / "mask.csv",
         "othertable": root / "other.csv",
         "emptydir": root / "empty",
+        "tasks": root / "tasks",
+        "badyaml": root / "badyaml",
     }
     paths["text"].write_text(SAMPLE_TEXT)
     paths["existing"].mkdir()
@@ -258,6 +275,14 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         paths["othertable"], index=False
     )
     paths["emptydir"].mkdir()
+    paths["tasks"].mkdir()
+    (paths["tasks"] / "tiny_mc.jsonl").write_text('{"q": "Sky?", "choices": ["blue", "red"], "label": 0}\n')
+    (paths["tasks"] / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {paths['tasks'] / 'tiny_mc.jsonl'}\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: q\ndoc_to_target: label\ndoc_to_choice: choices\n"
+    )
+    paths["badyaml"].mkdir()
+    (paths["badyaml"] / "broken.yaml").write_text("task: [unclosed\n")
     (paths["emptydir"] / "notes.txt").write_text("no tables here")
     _hostile(paths, root)
     return {name: str(path) for name, path in paths.items()}

@@ -15,7 +15,7 @@ from headlab.data import (
     calibration_batches,
     chunk_windows,
     load_corpus,
-    sliding_windows,
+    rolling_windows,
     split_text,
     tokenize,
 )
@@ -74,25 +74,29 @@ def test_bad_corpora(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "num_tokens,seq_len,stride", [(100, 16, 16), (100, 16, 4), (17, 16, 16), (5, 16, 8), (64, 8, 1)]
+    "num_tokens,max_length,stride", [(100, 16, 16), (100, 16, 4), (17, 16, 16), (18, 16, 16), (5, 16, 8), (64, 8, 1)]
 )
-def test_sliding_windows_score_every_token_once(num_tokens, seq_len, stride):
-    windows = sliding_windows(num_tokens, seq_len, stride)
-    scored = [t for w in windows for t in range(w.score_from, w.end)]
-    assert scored == list(range(1, num_tokens))  # every token but the first, once, in order
+def test_rolling_windows_score_every_token_once(num_tokens, max_length, stride):
+    # The convention changed from "seq_len tokens scoring seq_len - 1" to lm-eval's "max_length inputs scoring up to
+    # max_length predictions, the last window full-length"; the invariants below are those of the new convention.
+    windows = rolling_windows(num_tokens, max_length, stride)
+    scored = [t for w in windows for t in range(w.first_target, w.end + 1)]
+    assert scored == list(range(1, num_tokens))  # every token but the prefix, once, in order
+    assert windows[0].start == 0 and windows[0].scored == min(max_length, num_tokens - 1)
     for w in windows:
-        assert w.end - w.start <= seq_len
-        assert w.score_from > w.start  # each scored token has a predecessor inside its window
-        # context beyond the scored span: at least seq_len - stride tokens where the text allows it
-        if w.start > 0:
-            assert w.score_from - w.start >= min(seq_len - stride, w.score_from) or stride == seq_len
+        assert w.end - w.start == min(max_length, num_tokens - 1)  # always a full input where the text allows
+        assert w.first_target > w.start  # each scored token's predecessor is inside the input
+        assert 1 <= w.scored <= (max_length if w is windows[0] else stride)
 
 
 def test_window_errors():
     with pytest.raises(HeadlabError, match="stride"):
-        sliding_windows(10, 8, 0)
+        rolling_windows(10, 8, 0)
     with pytest.raises(HeadlabError, match="stride"):
-        sliding_windows(10, 8, 9)
+        rolling_windows(10, 8, 9)
+    with pytest.raises(HeadlabError, match="max-length"):
+        rolling_windows(10, 0, 1)
+    assert rolling_windows(1, 8) == []  # the prefix alone: nothing to score
 
 
 def test_chunks_and_batches():

@@ -16,22 +16,21 @@ from headlab.evaluate import perplexity
 from headlab.loading import from_model
 
 
-def slow_perplexity(model, ids: list[int], seq_len: int, stride: int) -> tuple[float, int]:
-    """One forward per scored token with the context the sliding-window rule gives it: the obvious definition."""
-    step = min(stride, seq_len - 1)
-    nll, count = 0.0, 0
-    previous_end, begin = 1, 0
-    while True:
-        end = min(begin + seq_len, len(ids))
+def slow_perplexity(model, ids: list[int], max_length: int, stride: int) -> tuple[float, int]:
+    """One forward per scored token with the context lm-eval's rolling rule gives it: tokens 1..max_length are
+    predicted from the start of the stream; later tokens come in blocks of `stride` (the last block shorter), and
+    each token of a block ending at e is predicted from the stream tokens [e - max_length, t)."""
+    nll, last = 0.0, len(ids) - 1
+    for t in range(1, len(ids)):
+        if t <= max_length:
+            begin = 0
+        else:
+            block_end = min(max_length + math.ceil((t - max_length) / stride) * stride, last)
+            begin = block_end - max_length
         with torch.no_grad():
-            logits = model(torch.tensor([ids[begin:end]])).logits[0]
-        for t in range(max(previous_end, begin + 1), end):
-            nll -= float(torch.log_softmax(logits[t - 1 - begin].double(), -1)[ids[t]])
-            count += 1
-        previous_end = max(previous_end, end)
-        if end == len(ids):
-            return math.exp(nll / count), count
-        begin += step
+            logits = model(torch.tensor([ids[begin:t]])).logits[0, -1]
+        nll -= float(torch.log_softmax(logits.double(), -1)[ids[t]])
+    return math.exp(nll / last), last
 
 
 @pytest.mark.parametrize("seq_len,stride,batch_size", [(32, 32, 4), (32, 8, 3), (16, 16, 1)])

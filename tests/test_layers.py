@@ -32,6 +32,7 @@ LAYERS = {
     "headlab.evaluate": "capabilities",
     "headlab.importance": "capabilities",
     "headlab.kv_heads": "capabilities",
+    "headlab.lm_eval_bridge": "capabilities",
     "headlab.merge": "capabilities",
     "headlab.plots": "capabilities",
     "headlab.report_render": "capabilities",

@@ -1,4 +1,4 @@
-"""`headlab eval`: sliding-window perplexity on the evaluation part of a corpus."""
+"""`headlab eval`: perplexity in lm-eval's rolling windows on the evaluation part of a corpus, or lm-eval tasks."""
 
 from __future__ import annotations
 
@@ -6,24 +6,73 @@ import json
 
 import click
 
-from headlab.cli.options import data_options, model_options
+from headlab.cli.options import data_options, model_options, out_option
+from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
-from headlab.report_text import human_bytes
+from headlab.fsio import check_out
+from headlab.lm_eval_bridge import run_tasks, task_manager
+from headlab.report_text import human_bytes, parse_list
+from headlab.tables import write_run
 
 
 @click.command("eval")
 @model_options
-@data_options(default_split="eval", max_tokens=4096, seq_len=512, batch_size=4)
+@data_options(default_split="eval", max_tokens=4096, seq_len=512, batch_size=4, perplexity_windows=True)
 @click.option(
     "--stride",
     type=int,
     default=None,
-    help="tokens the window moves by; each scored token gets up to seq-len - stride extra context "
-    "[default: seq-len, no overlap]",
+    help="new tokens scored per window after the first; each gets max-length - stride extra context "
+    "[default: max-length, lm-eval's layout]",
 )
+@click.option(
+    "--tasks",
+    default=None,
+    metavar="NAMES",
+    help="comma-separated lm-eval tasks to run instead of perplexity (needs the lmeval extra); --max-length applies "
+    "only when given, else lm-eval's default for the model",
+)
+@click.option("--include-path", default=None, metavar="DIR", help="directory of local lm-eval task YAMLs")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="at most this many documents per task")
+@click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="few-shot examples per task")
+@out_option(required=False, help_text="with --tasks: write tasks.csv/.parquet and meta.json here (atomically)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(load, data, text_column, part, max_tokens, seq_len, batch_size, stride, as_json):
-    """Perplexity, NLL, bits per token, word perplexity and bits per byte (lm-evaluation-harness definitions)."""
+def command(  # click passes every option as a parameter
+    load,
+    data,
+    text_column,
+    part,
+    max_tokens,
+    seq_len,
+    batch_size,
+    stride,
+    tasks,
+    include_path,
+    limit,
+    num_fewshot,
+    out,
+    overwrite,
+    as_json,
+):
+    """Perplexity, NLL, bits per token, word perplexity and bits per byte (lm-evaluation-harness definitions and
+    windows: docs/evaluation.md), or lm-eval tasks (--tasks) on the model as loaded."""
+    if tasks is not None:
+        explicit = click.get_current_context().get_parameter_source("seq_len").name != "DEFAULT"
+        _run_tasks(
+            load,
+            tasks,
+            include_path,
+            seq_len if explicit else None,
+            batch_size,
+            limit,
+            num_fewshot,
+            out,
+            overwrite,
+            as_json,
+        )
+        return
+    if out is not None or include_path is not None:
+        raise HeadlabError("--out and --include-path go with --tasks")
     loaded = load()
     result = perplexity(
         loaded,
@@ -52,10 +101,37 @@ def command(load, data, text_column, part, max_tokens, seq_len, batch_size, stri
         ("bits per byte", f"{result.bits_per_byte:.5f}"),
         ("scored tokens", f"{result.scored_tokens:,}"),
         ("words / bytes", f"{result.words:,} / {result.bytes:,}"),
-        ("seq-len / stride", f"{result.seq_len} / {result.stride}"),
+        ("max-length / stride", f"{result.max_length} / {result.stride} ({result.windows} windows)"),
         ("tokens/s", f"{result.tokens_per_s:,.1f}"),
         ("peak memory", human_bytes(result.peak_memory_bytes)),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         click.echo(f"{name:<{width}}  {value}")
+
+
+def _run_tasks(load, tasks, include_path, max_length, batch_size, limit, num_fewshot, out, overwrite, as_json):
+    """lm-eval tasks on the loaded model; names, YAMLs and the output directory are checked before loading it."""
+    names = parse_list(tasks, str, "tasks")
+    manager = task_manager(names, include_path)
+    check_out(out, overwrite)
+    loaded = load()
+    result = run_tasks(
+        loaded,
+        names,
+        include_path=include_path,
+        max_length=max_length,
+        batch_size=batch_size,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        manager=manager,
+    )
+    meta = {**loaded.describe(), **result.meta}
+    if out is not None:
+        write_run(out, {"tasks": result.table}, meta, overwrite=overwrite)
+    if as_json:
+        click.echo(json.dumps({**meta, "results": result.table.to_dict("records")}, indent=2, default=str))
+        return
+    click.echo(result.table[["task", "metric", "value", "stderr"]].to_string(index=False, float_format="{:.4f}".format))
+    if out is not None:
+        click.echo(f"\nwrote {out}/tasks.csv, tasks.parquet, meta.json")

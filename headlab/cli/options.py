@@ -62,8 +62,21 @@ def model_options(function):
     return wrapper
 
 
-def data_options(default_split: str, max_tokens: int | None, seq_len: int, batch_size: int):
-    """--data, --text-column, --split, --max-tokens, --seq-len, --batch-size with a command's own defaults."""
+def data_options(
+    default_split: str, max_tokens: int | None, seq_len: int, batch_size: int, perplexity_windows: bool = False
+):
+    """--data, --text-column, --split, --max-tokens, --seq-len, --batch-size with a command's own defaults.
+
+    perplexity_windows: the window option is --max-length (lm-eval's name and meaning: model input tokens per
+    window, each scoring as many predictions) with --seq-len kept as the same option, since both count the tokens
+    fed to the model; the value still arrives as `seq_len`.
+    """
+    window_names = ("--max-length", "--seq-len", "seq_len") if perplexity_windows else ("--seq-len", "seq_len")
+    window_help = (
+        "model input tokens per perplexity window, as lm-eval's max_length (--seq-len is the same option)"
+        if perplexity_windows
+        else "tokens per window"
+    )
 
     def decorate(function):
         @click.option(
@@ -89,9 +102,7 @@ def data_options(default_split: str, max_tokens: int | None, seq_len: int, batch
             show_default=True,
             help="bound on the tokens processed",
         )
-        @click.option(
-            "--seq-len", type=click.IntRange(min=1), default=seq_len, show_default=True, help="tokens per window"
-        )
+        @click.option(*window_names, type=click.IntRange(min=1), default=seq_len, show_default=True, help=window_help)
         @click.option(
             "--batch-size",
             type=click.IntRange(min=1),

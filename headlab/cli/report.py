@@ -33,16 +33,38 @@ def report_options(function):
 @model_options
 @report_options
 @out_option(required=True, help_text="report directory (written atomically)")
-def command(load, data, text_column, quick, fmt, out, overwrite):
+@click.option(
+    "--tasks",
+    default=None,
+    metavar="NAMES",
+    help="comma-separated lm-eval tasks the pruning sweep also runs (accuracy against heads pruned; lmeval extra)",
+)
+@click.option("--include-path", default=None, metavar="DIR", help="directory of local lm-eval task YAMLs")
+def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_path):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
     # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
     from headlab.data import load_corpus
+    from headlab.lm_eval_bridge import task_manager
     from headlab.report import run_report
+    from headlab.report_text import parse_list
 
     guard(out, overwrite, {"model": load.spec}, data=data)
     load_corpus(data, text_column)
-    report = run_report(load(), out, data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt)
+    task_list = parse_list(tasks, str, "tasks") if tasks is not None else None
+    if task_list:  # names, YAMLs and lm-eval itself are checked before the model loads
+        task_manager(task_list, include_path)
+    report = run_report(
+        load(),
+        out,
+        data=data,
+        text_column=text_column,
+        quick=quick,
+        overwrite=overwrite,
+        fmt=fmt,
+        tasks=task_list,
+        include_path=include_path,
+    )
     for line in report.summary:
         click.echo(f"- {line}")
     click.echo(f"wrote {out}/report.md and {out}/report.html ({len(report.figures)} figures)")

@@ -9,6 +9,7 @@ import click
 from headlab.cli.options import data_options, guard, model_options, out_option
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
+from headlab.lm_eval_bridge import metric_columns, task_manager
 from headlab.prune import MODES, UNITS
 from headlab.report_text import parse_list
 from headlab.sweep import (
@@ -25,7 +26,7 @@ from headlab.sweep import (
 
 @click.command("sweep")
 @model_options
-@data_options(default_split="eval", max_tokens=1024, seq_len=256, batch_size=4)
+@data_options(default_split="eval", max_tokens=1024, seq_len=256, batch_size=4, perplexity_windows=True)
 @out_option(
     required=False, help_text="run directory (sweep.csv/.parquet, meta.json, sweep.png) [default: headlab-sweep]"
 )
@@ -62,7 +63,16 @@ from headlab.sweep import (
     help="also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = "
     "ridge)",
 )
-def command(
+@click.option(
+    "--tasks",
+    default=None,
+    metavar="NAMES",
+    help="comma-separated lm-eval tasks also run on every pruned model (task/metric columns, sweep_tasks.png; needs "
+    "the lmeval extra)",
+)
+@click.option("--include-path", default=None, metavar="DIR", help="directory of local lm-eval task YAMLs")
+@click.option("--task-limit", type=click.IntRange(min=1), default=None, help="at most this many documents per task")
+def command(  # click passes every option as a parameter
     load,
     data,
     text_column,
@@ -81,6 +91,9 @@ def command(
     calibration_tokens,
     method,
     compensate,
+    tasks,
+    include_path,
+    task_limit,
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
@@ -93,6 +106,9 @@ def command(
     check_sweep(fraction_list, order_list, seed_list)
     if any(o not in ORDERS for o in order_list):
         raise HeadlabError(f"unknown order; use {', '.join(ORDERS)}")
+    task_list = parse_list(tasks, str, "tasks") if tasks is not None else None
+    if task_list:  # names, YAMLs and lm-eval itself are checked before the model loads
+        task_manager(task_list, include_path)
     out = Path(out) if out is not None else Path("headlab-sweep")
     guard(out, overwrite, {"model": load.spec}, data=data)
     loaded = load()
@@ -112,6 +128,9 @@ def command(
         batch_size=batch_size,
         method=method,
         compensate=compensate,
+        tasks=task_list,
+        include_path=include_path,
+        task_limit=task_limit,
     )
     write_sweep(result, out, overwrite=overwrite)
     summary = (
@@ -119,5 +138,10 @@ def command(
         .agg(pruned=("pruned_heads", "mean"), perplexity=("perplexity", "mean"), tokens_per_s=("tokens_per_s", "mean"))
         .reset_index()
     )
+    metrics = metric_columns(result.table)
+    if metrics:  # sweep --tasks: the task metrics beside perplexity
+        means = result.table.groupby(["order", "compensation", "fraction"], sort=False)[metrics].mean().reset_index()
+        summary = summary.merge(means, on=["order", "compensation", "fraction"])
     click.echo(summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
-    click.echo(f"\nwrote {out}/sweep.csv, sweep.parquet, meta.json, sweep.png ({result.meta['mode']} mode)")
+    figures = "sweep.png" + (", sweep_tasks.png" if metrics else "")
+    click.echo(f"\nwrote {out}/sweep.csv, sweep.parquet, meta.json, {figures} ({result.meta['mode']} mode)")

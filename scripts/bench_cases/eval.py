@@ -11,10 +11,14 @@ SEQ_LEN, STRIDE, MAX_TOKENS, BATCH = 512, 256, 2048, 4
 
 
 def reference_perplexity(model, ids: torch.Tensor, seq_len: int, stride: int) -> tuple[float, int]:
-    """The docs' loop, one window per forward, with the scored labels counted directly (the docs undercount)."""
+    """The docs' loop, one window per forward, with the scored labels counted directly (the docs undercount), in
+    headlab's (lm-eval's) convention: a window is seq_len model inputs plus the scored token after them (the docs'
+    max_length = seq_len + 1), and the last window starts early enough to be full."""
     nll_sum, counted, previous_end = 0.0, 0, 0
+    window = seq_len + 1
     for begin in range(0, len(ids), stride):
-        end = min(begin + seq_len, len(ids))
+        end = min(begin + window, len(ids))
+        begin = max(0, min(begin, end - window))  # the last window reaches back to a full window
         target_len = end - previous_end
         input_ids = ids[begin:end][None]
         labels = input_ids.clone()
