@@ -293,7 +293,9 @@ def test_outputs_unchanged_and_implementation_restored_after_error():
             assert model.config._attn_implementation == FUNCTION_NAME
             captured = model(**inputs).logits
     assert capture.calls == len(loaded.layers)
-    torch.testing.assert_close(captured, plain, atol=1e-5, rtol=0)
+    # Real tokens only: a padding row that sees no key (row 11 in the sliding layer) has no defined output.
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(captured[real], plain[real], atol=1e-5, rtol=0)
     assert model.config._attn_implementation == "sdpa"
 
     def explode(chunk):
