@@ -182,8 +182,13 @@ class AttentionCapture:
                     scores = scores + bias[..., start:stop, :end]
                 if kwargs.get("position_bias") is not None:
                     scores = scores + kwargs["position_bias"][..., start:stop, :end].float()
-                # finfo.min, not -inf: rows with no visible key (padding queries) stay finite instead of NaN.
-                scores.masked_fill_(hidden[..., start:stop, :end], torch.finfo(torch.float32).min)  # in place
+                # finfo.min, not -inf: rows with no visible key (padding queries) stay finite instead of NaN. Only
+                # columns from the first hidden one are filled: for a causal chunk, its diagonal block.
+                masked = hidden[..., start:stop, :end]  # [B|1, 1|H, c, Tk']
+                columns = masked.flatten(0, -2).any(0).nonzero()  # hidden key indices of the chunk
+                if len(columns):
+                    first = int(columns.min())
+                    scores[..., first:].masked_fill_(masked[..., first:], torch.finfo(torch.float32).min)
                 if sinks is not None:
                     sink = sinks.float().reshape(1, H, 1, 1).expand(B, H, c, 1)
                     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, H, c, Tk']
