@@ -77,6 +77,28 @@ def _visibility(mask, module, kwargs, Tq, Tk, device) -> tuple[torch.Tensor, tor
     return bias > torch.finfo(torch.float32).min / 2, bias, False
 
 
+def _last_key(seen: torch.Tensor, causal: bool, unmasked: bool, causal_end: int) -> int:
+    """1 + the last key index any row of the chunk sees ([B|1, 1|H, c, Tk] visibility): keys after it (the causal
+    future) are skipped, about half the work."""
+    Tk = seen.shape[-1]
+    if causal:
+        return min(Tk, causal_end)
+    if unmasked:
+        return Tk
+    columns = seen.any(-2).flatten(0, -2).any(0).nonzero()  # visible key indices of the chunk
+    return int(columns.max()) + 1 if len(columns) else 1
+
+
+def _hide(scores: torch.Tensor, hidden: torch.Tensor) -> None:
+    """Set scores [B, H, c, Tk'] of hidden keys to finfo.min, in place. finfo.min, not -inf: rows with no visible key
+    (padding queries) stay finite instead of NaN. Only columns from the first hidden one are written: for a causal
+    chunk that is its diagonal block."""
+    columns = hidden.flatten(0, -2).any(0).nonzero()  # hidden key indices of the chunk
+    if len(columns):
+        first = int(columns.min())
+        scores[..., first:].masked_fill_(hidden[..., first:], torch.finfo(torch.float32).min)
+
+
 def output_from_chunks(output: str, device: torch.device) -> bool:
     """Whether a captured layer's output is probabilities x V from the chunks (True) or a second sdpa call."""
     if output not in OUTPUTS:
@@ -165,14 +187,7 @@ class AttentionCapture:
                 stop = min(start + self.chunk_size, Tq)
                 c = stop - start
                 seen = visible[..., start:stop, :]  # [B|1, 1|H, c, Tk]
-                # Keys no row of the chunk can see (the causal future) are skipped: about half the work.
-                if causal:
-                    end = min(Tk, stop + offset)
-                elif attention_mask is None:
-                    end = Tk
-                else:
-                    columns = seen.any(-2).flatten(0, -2).any(0).nonzero()  # visible key indices of the chunk
-                    end = int(columns.max()) + 1 if len(columns) else 1
+                end = _last_key(seen, causal, attention_mask is None, stop + offset)
                 seen = seen[..., :end]
                 # Query heads of one KV group side by side: [B, G, R*c, D] @ [B, G, D, Tk'] with no copy of K per head.
                 scores = (q[:, :, :, start:stop].reshape(B, G, R * c, D) @ k[..., :end]).view(B, H, c, end)
@@ -182,13 +197,7 @@ class AttentionCapture:
                     scores = scores + bias[..., start:stop, :end]
                 if kwargs.get("position_bias") is not None:
                     scores = scores + kwargs["position_bias"][..., start:stop, :end].float()
-                # finfo.min, not -inf: rows with no visible key (padding queries) stay finite instead of NaN. Only
-                # columns from the first hidden one are filled: for a causal chunk, its diagonal block.
-                masked = hidden[..., start:stop, :end]  # [B|1, 1|H, c, Tk']
-                columns = masked.flatten(0, -2).any(0).nonzero()  # hidden key indices of the chunk
-                if len(columns):
-                    first = int(columns.min())
-                    scores[..., first:].masked_fill_(masked[..., first:], torch.finfo(torch.float32).min)
+                _hide(scores, hidden[..., start:stop, :end])
                 if sinks is not None:
                     sink = sinks.float().reshape(1, H, 1, 1).expand(B, H, c, 1)
                     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, H, c, Tk']
