@@ -40,7 +40,8 @@ class AttentionChunk:
     """
 
     layer: AttentionLayer
-    probs: torch.Tensor  # [B, H, c, Tk] float32, rows sum to 1 (less the sink mass with attention sinks)
+    # [B, H, c, Tk] float32 (float64 for a float64 model), rows sum to 1 (less the sink mass with attention sinks)
+    probs: torch.Tensor
     visible: torch.Tensor  # [B, 1, c, Tk] bool: key j visible to query i (causal, padding, sliding window)
     start: int  # absolute index of the first query row
     query_valid: torch.Tensor  # [B, c] bool: the query is a real (non-padding) token
@@ -73,7 +74,7 @@ def _visibility(mask, module, kwargs, Tq, Tk, device) -> tuple[torch.Tensor, tor
     if mask.dtype == torch.bool:
         return mask, None, False
     # A float mask is additive (0 where visible, a large negative number where not).
-    bias = mask.float()
+    bias = mask.to(torch.promote_types(mask.dtype, torch.float32))
     return bias > torch.finfo(torch.float32).min / 2, bias, False
 
 
@@ -96,7 +97,7 @@ def _hide(scores: torch.Tensor, hidden: torch.Tensor) -> None:
     columns = hidden.flatten(0, -2).any(0).nonzero()  # hidden key indices of the chunk
     if len(columns):
         first = int(columns.min())
-        scores[..., first:].masked_fill_(hidden[..., first:], torch.finfo(torch.float32).min)
+        scores[..., first:].masked_fill_(hidden[..., first:], torch.finfo(scores.dtype).min)
 
 
 def output_from_chunks(output: str, device: torch.device) -> bool:
@@ -164,6 +165,9 @@ class AttentionCapture:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         self.calls += 1
         from_chunks = exact or output_from_chunks(self.output, query.device)
+        # Weights, statistics and the output are computed in float32 (float64 for a float64 model), whatever the
+        # model's dtype: bfloat16 scores would cost entropy about 3 significant digits (docs/performance.md).
+        work = torch.promote_types(query.dtype, torch.float32)
         scaling = kwargs.get("scaling")
         scaling = scaling if scaling is not None else D**-0.5  # sdpa's default
         visible, bias, causal = _visibility(attention_mask, module, kwargs, Tq, Tk, query.device)
@@ -179,9 +183,9 @@ class AttentionCapture:
         grad = torch.is_grad_enabled() and from_chunks
         with torch.set_grad_enabled(grad):
             # Scale folded into the queries: one pass over [B, H, T, D] instead of one per score chunk.
-            q = (query if grad else query.detach()).float().reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
-            k = (key if grad else key.detach()).float().transpose(-1, -2)  # [B, G, D, Tk]
-            v = (value if grad else value.detach()).float() if from_chunks else None  # [B, G, Tk, D]
+            q = (query if grad else query.detach()).to(work).reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
+            k = (key if grad else key.detach()).to(work).transpose(-1, -2)  # [B, G, D, Tk]
+            v = (value if grad else value.detach()).to(work) if from_chunks else None  # [B, G, Tk, D]
             outputs = []
             for start in range(0, Tq, self.chunk_size):
                 stop = min(start + self.chunk_size, Tq)
@@ -196,16 +200,16 @@ class AttentionCapture:
                 if bias is not None:
                     scores = scores + bias[..., start:stop, :end]
                 if kwargs.get("position_bias") is not None:
-                    scores = scores + kwargs["position_bias"][..., start:stop, :end].float()
+                    scores = scores + kwargs["position_bias"][..., start:stop, :end].to(work)
                 _hide(scores, hidden[..., start:stop, :end])
                 if sinks is not None:
-                    sink = sinks.float().reshape(1, H, 1, 1).expand(B, H, c, 1)
+                    sink = sinks.to(work).reshape(1, H, 1, 1).expand(B, H, c, 1)
                     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, H, c, Tk']
                 else:
                     probs = torch.softmax(scores, dim=-1)  # [B, H, c, Tk']
                 if from_chunks:
                     # Rounded to the value dtype first, as eager attention does (a no-op for float32 models).
-                    weights = probs.to(value.dtype).float().reshape(B, G, R * c, end)
+                    weights = probs.to(value.dtype).to(work).reshape(B, G, R * c, end)
                     outputs.append((weights @ v[:, :, :end]).view(B, H, c, D))  # [B, H, c, D]
                     probs, scores = probs.detach(), scores.detach()
                 if Tq == Tk:

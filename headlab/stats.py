@@ -157,13 +157,13 @@ class StatisticsCollector:
         sets = [real & (rank == 1), real & (rank <= SINK_TOKENS)]
         if self.sep_keys is not None:
             sets.append(real & self.sep_keys[:, :Tk].to(p.device).bool())
-        keys = torch.stack(sets, dim=-1).float()  # [B, Tk, m]
+        keys = torch.stack(sets, dim=-1).to(p.dtype)  # [B, Tk, m]
         # Only columns up to the last key of any set take part (4 columns for a causal batch without padding).
         columns = keys.flatten(0, 1).any(-1).nonzero()
         width = int(columns.max()) + 1 if len(columns) else 1
         keys = keys[:, :width]  # [B, Tk', m]
         shares = p[..., :width] @ keys[:, None]  # [B, H, c, m]
-        sees = (visible[..., :width].float() @ keys) > 0  # [B, c, m]
+        sees = (visible[..., :width].to(keys.dtype) @ keys) > 0  # [B, c, m]
         self._add(layer, "sink_first", shares[..., 0], w * sees[..., 0])
         self._add(layer, "sink_first4", shares[..., 1], w * sees[..., 1])
         if self.is_encoder:
@@ -178,14 +178,14 @@ class StatisticsCollector:
         with a [c, Tk] distance matrix."""
         keys = torch.arange(p.shape[-1], device=p.device)  # [Tk]
         if bool((visible & (keys[None, :] > rows[:, None])).any()):  # a key after its query: bidirectional
-            distance = (rows[:, None] - keys[None, :]).abs().float()  # [c, Tk]
+            distance = (rows[:, None] - keys[None, :]).abs().to(p.dtype)  # [c, Tk]
             return torch.einsum("bhct,ct->bhc", p, distance)
-        return rows.float() * (p @ torch.ones_like(keys, dtype=p.dtype)) - p @ keys.to(p.dtype)
+        return rows.to(p.dtype) * (p @ torch.ones_like(keys, dtype=p.dtype)) - p @ keys.to(p.dtype)
 
     def on_output(self, layer, output: torch.Tensor, valid: torch.Tensor) -> None:
         if self.induction_only:
             return
-        norms = output.float().norm(dim=-1).transpose(1, 2)  # [B, H, T]
+        norms = output.to(torch.promote_types(output.dtype, torch.float32)).norm(dim=-1).transpose(1, 2)  # [B, H, T]
         self._add(layer.index, "output_norm", norms, valid.float())
 
     def reduce(self) -> None:
