@@ -165,8 +165,8 @@ class AttentionCapture:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         self.calls += 1
         from_chunks = exact or output_from_chunks(self.output, query.device)
-        # Weights, statistics and the output are computed in float32 (float64 for a float64 model), whatever the
-        # model's dtype: bfloat16 scores would cost entropy about 3 significant digits (docs/performance.md).
+        # Weights, statistics and the output are computed in float32 (float64 for a float64 model) whatever the
+        # model's dtype, so the statistics keep their float32 error against float64 (docs/performance.md).
         work = torch.promote_types(query.dtype, torch.float32)
         scaling = kwargs.get("scaling")
         scaling = scaling if scaling is not None else D**-0.5  # sdpa's default
