@@ -1,5 +1,6 @@
-"""Capture of attention probabilities while the model keeps its sdpa kernel: a transformers attention function that
-hands softmax(QK^T * scale + mask) to a callback in bounded query chunks, so no T x T map outlives its chunk.
+"""Capture of attention probabilities in one attention computation: a transformers attention function that hands
+softmax(QK^T * scale + mask) to a callback in bounded query chunks (no T x T map outlives its chunk) and, where
+measured faster, computes the layer's output from those chunks (probabilities x V) instead of calling sdpa again.
 
 The function is registered with transformers' AttentionInterface (and sdpa's mask function with
 AttentionMaskInterface under the same name, so layers receive exactly the mask sdpa would get). `capture_attention`
