@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ALL_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, tiny_inputs, tiny_model
 
 from headlab.arch import AttentionLayer
 from headlab.capture import OUTPUTS, capture_attention, output_from_chunks

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ALL_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, tiny_inputs, tiny_model
 
 from headlab import losses
 from headlab.gates import head_gates, ones_gates
