@@ -1,5 +1,6 @@
-"""Capture of attention probabilities while the model keeps its sdpa kernel: a transformers attention function that
-hands softmax(QK^T * scale + mask) to a callback in bounded query chunks, so no T x T map outlives its chunk.
+"""Capture of attention probabilities in one attention computation: a transformers attention function that hands
+softmax(QK^T * scale + mask) to a callback in bounded query chunks (no T x T map outlives its chunk) and, where
+measured faster, computes the layer's output from those chunks (probabilities x V) instead of calling sdpa again.
 
 The function is registered with transformers' AttentionInterface (and sdpa's mask function with
 AttentionMaskInterface under the same name, so layers receive exactly the mask sdpa would get). `capture_attention`
@@ -20,6 +21,12 @@ from headlab.errors import HeadlabError
 
 FUNCTION_NAME = "headlab_capture"  # must not contain "sdpa": transformers would run its sdpa fallback checks on it
 DEFAULT_CHUNK = 256  # query rows per chunk: B*H*256*T float32 scores at most live at once
+# Where a captured layer's output comes from. "chunks": probabilities x V from the chunks the statistics read, so
+# attention is computed once; "sdpa": the fused kernel beside the chunks (attention computed twice). "auto" takes
+# the faster of the two as measured by scripts/bench_cases/stats.py per device type (docs/performance.md); a device
+# type not measured yet keeps sdpa.
+OUTPUTS = ("auto", "chunks", "sdpa")
+MEASURED_FASTER_FROM_CHUNKS = {"cpu": True}
 
 # id(attention module) -> (capture, layer); the attention interface is global, so dispatch is by module identity.
 _ACTIVE: dict[int, tuple[AttentionCapture, AttentionLayer]] = {}
@@ -34,7 +41,8 @@ class AttentionChunk:
     """
 
     layer: AttentionLayer
-    probs: torch.Tensor  # [B, H, c, Tk] float32, rows sum to 1 (less the sink mass with attention sinks)
+    # [B, H, c, Tk] float32 (float64 for a float64 model), rows sum to 1 (less the sink mass with attention sinks)
+    probs: torch.Tensor
     visible: torch.Tensor  # [B, 1, c, Tk] bool: key j visible to query i (causal, padding, sliding window)
     start: int  # absolute index of the first query row
     query_valid: torch.Tensor  # [B, c] bool: the query is a real (non-padding) token
@@ -67,8 +75,39 @@ def _visibility(mask, module, kwargs, Tq, Tk, device) -> tuple[torch.Tensor, tor
     if mask.dtype == torch.bool:
         return mask, None, False
     # A float mask is additive (0 where visible, a large negative number where not).
-    bias = mask.float()
+    bias = mask.to(torch.promote_types(mask.dtype, torch.float32))
     return bias > torch.finfo(torch.float32).min / 2, bias, False
+
+
+def _last_key(seen: torch.Tensor, causal: bool, unmasked: bool, causal_end: int) -> int:
+    """1 + the last key index any row of the chunk sees ([B|1, 1|H, c, Tk] visibility): keys after it (the causal
+    future) are skipped, about half the work."""
+    Tk = seen.shape[-1]
+    if causal:
+        return min(Tk, causal_end)
+    if unmasked:
+        return Tk
+    columns = seen.any(-2).flatten(0, -2).any(0).nonzero()  # visible key indices of the chunk
+    return int(columns.max()) + 1 if len(columns) else 1
+
+
+def _hide(scores: torch.Tensor, hidden: torch.Tensor) -> None:
+    """Set scores [B, H, c, Tk'] of hidden keys to finfo.min, in place. finfo.min, not -inf: rows with no visible key
+    (padding queries) stay finite instead of NaN. Only columns from the first hidden one are written: for a causal
+    chunk that is its diagonal block."""
+    columns = hidden.flatten(0, -2).any(0).nonzero()  # hidden key indices of the chunk
+    if len(columns):
+        first = int(columns.min())
+        scores[..., first:].masked_fill_(hidden[..., first:], torch.finfo(scores.dtype).min)
+
+
+def output_from_chunks(output: str, device: torch.device) -> bool:
+    """Whether a captured layer's output is probabilities x V from the chunks (True) or a second sdpa call."""
+    if output not in OUTPUTS:
+        raise HeadlabError(f"unknown attention output source {output!r}; use one of {', '.join(OUTPUTS)}")
+    if output == "auto":
+        return MEASURED_FASTER_FROM_CHUNKS.get(device.type, False)
+    return output == "chunks"
 
 
 def _attention_function(module, query, key, value, attention_mask, **kwargs):
@@ -97,7 +136,8 @@ class AttentionCapture:
 
     on_chunk(chunk: AttentionChunk) sees every chunk of every captured layer; on_output(layer, output [B, T, H, D],
     token_valid [B, T]) sees each layer's attention output before the output projection (and before any output
-    gate, which gated families apply after the attention function).
+    gate, which gated families apply after the attention function). `output`: where the layer's output comes from
+    (OUTPUTS; soft-capped and sink layers always take it from the chunks, which sdpa cannot compute).
     """
 
     def __init__(
@@ -105,10 +145,12 @@ class AttentionCapture:
         on_chunk: Callable[[AttentionChunk], None],
         on_output: Callable[[AttentionLayer, torch.Tensor, torch.Tensor], None] | None = None,
         chunk_size: int = DEFAULT_CHUNK,
+        output: str = "auto",
     ):
         if chunk_size < 1:
             raise HeadlabError(f"chunk size must be positive, got {chunk_size}")
-        self.on_chunk, self.on_output, self.chunk_size = on_chunk, on_output, chunk_size
+        output_from_chunks(output, torch.device("cpu"))  # validates the name before any forward
+        self.on_chunk, self.on_output, self.chunk_size, self.output = on_chunk, on_output, chunk_size, output
         self.calls = 0  # layer calls captured (tests check the function really ran)
 
     def forward(self, layer, module, query, key, value, attention_mask, kwargs):
@@ -117,13 +159,16 @@ class AttentionCapture:
         B, H, Tq, D = query.shape
         G, Tk = key.shape[1], key.shape[2]
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-        position_bias = kwargs.get("position_bias")
         # sdpa has no soft-capping or sinks: those layers get their output from the chunked weights (eager's math).
         exact = softcap is not None or sinks is not None
         if Tq != Tk and not exact:
             # Decoding against a cache: the statistics are defined on full forward passes only.
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         self.calls += 1
+        from_chunks = exact or output_from_chunks(self.output, query.device)
+        # Weights, statistics and the output are computed in float32 (float64 for a float64 model) whatever the
+        # model's dtype, so the statistics keep their float32 error against float64 (docs/performance.md).
+        work = torch.promote_types(query.dtype, torch.float32)
         scaling = kwargs.get("scaling")
         scaling = scaling if scaling is not None else D**-0.5  # sdpa's default
         visible, bias, causal = _visibility(attention_mask, module, kwargs, Tq, Tk, query.device)
@@ -136,43 +181,37 @@ class AttentionCapture:
 
         R = H // G  # repeat_kv: query head h reads KV head h // R
         hidden = ~visible  # [B|1, 1|H, Tq, Tk], once per call rather than per chunk
-        grad = torch.is_grad_enabled() and exact
-        outputs = []
+        grad = torch.is_grad_enabled() and from_chunks
         with torch.set_grad_enabled(grad):
             # Scale folded into the queries: one pass over [B, H, T, D] instead of one per score chunk.
-            q = (query if grad else query.detach()).float().reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
-            k = (key if grad else key.detach()).float()[:, :, None].transpose(-1, -2)  # [B, G, 1, D, Tk]
+            q = (query if grad else query.detach()).to(work).reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
+            k = (key if grad else key.detach()).to(work).transpose(-1, -2)  # [B, G, D, Tk]
+            v = (value if grad else value.detach()).to(work) if from_chunks else None  # [B, G, Tk, D]
+            outputs = []
             for start in range(0, Tq, self.chunk_size):
                 stop = min(start + self.chunk_size, Tq)
                 c = stop - start
                 seen = visible[..., start:stop, :]  # [B|1, 1|H, c, Tk]
-                # Keys no row of the chunk can see (the causal future) are skipped: about half the work.
-                if causal:
-                    end = min(Tk, stop + offset)
-                elif attention_mask is None:
-                    end = Tk
-                else:
-                    columns = seen.any(-2).flatten(0, -2).any(0).nonzero()  # visible key indices of the chunk
-                    end = int(columns.max()) + 1 if len(columns) else 1
+                end = _last_key(seen, causal, attention_mask is None, stop + offset)
                 seen = seen[..., :end]
-                scores = (q[:, :, :, start:stop] @ k[..., :end]).reshape(B, H, c, end)  # [B, H, c, Tk']
+                # Query heads of one KV group side by side: [B, G, R*c, D] @ [B, G, D, Tk'] with no copy of K per head.
+                scores = (q[:, :, :, start:stop].reshape(B, G, R * c, D) @ k[..., :end]).view(B, H, c, end)
                 if softcap is not None:
                     scores = torch.tanh(scores / softcap) * softcap
                 if bias is not None:
                     scores = scores + bias[..., start:stop, :end]
-                if position_bias is not None:
-                    scores = scores + position_bias[..., start:stop, :end].float()
-                # finfo.min, not -inf: rows with no visible key (padding queries) stay finite instead of NaN.
-                scores.masked_fill_(hidden[..., start:stop, :end], torch.finfo(torch.float32).min)  # in place
+                if kwargs.get("position_bias") is not None:
+                    scores = scores + kwargs["position_bias"][..., start:stop, :end].to(work)
+                _hide(scores, hidden[..., start:stop, :end])
                 if sinks is not None:
-                    sink = sinks.float().reshape(1, H, 1, 1).expand(B, H, c, 1)
+                    sink = sinks.to(work).reshape(1, H, 1, 1).expand(B, H, c, 1)
                     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, H, c, Tk']
                 else:
                     probs = torch.softmax(scores, dim=-1)  # [B, H, c, Tk']
-                if exact:
-                    v = value.float()[:, :, None, :end]  # [B, G, 1, Tk', D]
-                    out = probs.to(value.dtype).float().reshape(B, G, R, c, end) @ v  # [B, G, R, c, D]
-                    outputs.append(out.reshape(B, H, c, D).to(value.dtype))
+                if from_chunks:
+                    # Rounded to the value dtype first, as eager attention does (a no-op for float32 models).
+                    weights = probs.to(value.dtype).to(work).reshape(B, G, R * c, end)
+                    outputs.append((weights @ v[:, :, :end]).view(B, H, c, D))  # [B, H, c, D]
                     probs, scores = probs.detach(), scores.detach()
                 if Tq == Tk:
                     chunk = AttentionChunk(
@@ -187,8 +226,8 @@ class AttentionCapture:
                     )
                     with torch.no_grad():
                         self.on_chunk(chunk)
-        if exact:
-            attn_output = torch.cat(outputs, dim=2).transpose(1, 2).contiguous()  # [B, Tq, H, D]
+        if from_chunks:
+            attn_output = torch.cat(outputs, dim=2).transpose(1, 2).to(value.dtype).contiguous()  # [B, Tq, H, D]
         else:
             attn_output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         if self.on_output is not None and Tq == Tk:
@@ -220,13 +259,14 @@ def capture_attention(
     on_chunk: Callable[[AttentionChunk], None],
     on_output: Callable | None = None,
     chunk_size: int = DEFAULT_CHUNK,
+    output: str = "auto",
 ):
     """Run `model` with headlab's attention function on `layers`; yields the AttentionCapture.
 
     The model's original attention implementation (of every sub-config) is restored on exit, also after an
     exception. Layers not in `layers` run plain sdpa meanwhile.
     """
-    capture = AttentionCapture(on_chunk, on_output, chunk_size)
+    capture = AttentionCapture(on_chunk, on_output, chunk_size, output)
     for layer in layers:
         if id(layer.module) in _ACTIVE:
             raise HeadlabError(f"layer {layer.index} is already being captured; captures cannot nest")
@@ -244,4 +284,12 @@ def capture_attention(
             config._attn_implementation_internal = implementation
 
 
-__all__ = ["AttentionCapture", "AttentionChunk", "FUNCTION_NAME", "capture_attention", "register"]
+__all__ = [
+    "AttentionCapture",
+    "AttentionChunk",
+    "FUNCTION_NAME",
+    "OUTPUTS",
+    "capture_attention",
+    "output_from_chunks",
+    "register",
+]

@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from headlab import distributed
+from headlab import distributed, losses
 from headlab.costs import peak_memory
 from headlab.data import MLM_SEED, calibration_batches, masked_lm_batch
 from headlab.errors import HeadlabError
@@ -93,14 +92,11 @@ def scoring_batches(loaded: LoadedModel, batches: Iterable) -> list[ScoringBatch
     return out
 
 
-def sequence_nll(model, batch: ScoringBatch, device) -> torch.Tensor:
-    """Summed NLL per sequence, L(x) = sum_t -log p(label_t), [B] in float32 (float64 for a float64 model)."""
-    logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device)).logits
-    B, T, V = logits.shape
-    labels = batch.labels.to(logits.device)  # under a device map the logits may live off the input device
-    logits = logits.reshape(B * T, V).to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least
-    nll = F.cross_entropy(logits, labels.reshape(-1), ignore_index=-100, reduction="none")
-    return nll.view(B, T).sum(1)  # [B]
+def sequence_nll(model, batch: ScoringBatch, device, *, chunked: bool = True) -> torch.Tensor:
+    """Summed NLL per sequence, L(x) = sum_t -log p(label_t), [B] in float32 (float64 for a float64 model); the
+    vocabulary is projected in chunks of scored positions (headlab.losses) unless chunked=False."""
+    ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)
+    return losses.sequence_nll(model, ids, mask, batch.labels, chunked=chunked)
 
 
 @contextlib.contextmanager

@@ -131,7 +131,7 @@ class StatisticsCollector:
             # lse_i sum_j A_ij - sum_j A_ij s_ij: one pass over the chunk instead of a log and an exp.
             top = chunk.scores.gather(-1, argmax[..., None])[..., 0]  # [B, H, c]
             lse = top - confidence.clamp_min(torch.finfo(p.dtype).tiny).log()
-            mass = p.sum(-1) if chunk.sinks else 1.0
+            mass = (p @ p.new_ones(Tk)) if chunk.sinks else 1.0  # a matrix-vector product: one fast read
             entropy = lse * mass - torch.einsum("bhct,bhct->bhc", p, chunk.scores)  # [B, H, c]
             # Padding rows see no key (all scores finfo.min): their value is meaningless and may overflow.
             entropy = torch.where(chunk.query_valid[:, None, :], entropy, 0.0)
@@ -151,8 +151,7 @@ class StatisticsCollector:
         self._add(layer, "positional_next", (argmax == (rows + 1)).float(), w * has_next)
         own, has_self = at(expand)
         self._add(layer, "self_share", own, w * has_self)
-        distance = (rows[:, None] - torch.arange(Tk, device=p.device)[None, :]).abs().float()  # [c, Tk]
-        self._add(layer, "mean_distance", torch.einsum("bhct,ct->bhc", p, distance), w)
+        self._add(layer, "mean_distance", self._mean_distance(p, visible, rows), w)
 
         # Key sets as columns of one matrix so one matmul gives every share: first, first 4, SEP.
         real = chunk.token_valid  # [B, Tk]
@@ -160,13 +159,13 @@ class StatisticsCollector:
         sets = [real & (rank == 1), real & (rank <= SINK_TOKENS)]
         if self.sep_keys is not None:
             sets.append(real & self.sep_keys[:, :Tk].to(p.device).bool())
-        keys = torch.stack(sets, dim=-1).float()  # [B, Tk, m]
+        keys = torch.stack(sets, dim=-1).to(p.dtype)  # [B, Tk, m]
         # Only columns up to the last key of any set take part (4 columns for a causal batch without padding).
         columns = keys.flatten(0, 1).any(-1).nonzero()
         width = int(columns.max()) + 1 if len(columns) else 1
         keys = keys[:, :width]  # [B, Tk', m]
         shares = p[..., :width] @ keys[:, None]  # [B, H, c, m]
-        sees = (visible[..., :width].float() @ keys) > 0  # [B, c, m]
+        sees = (visible[..., :width].to(keys.dtype) @ keys) > 0  # [B, c, m]
         self._add(layer, "sink_first", shares[..., 0], w * sees[..., 0])
         self._add(layer, "sink_first4", shares[..., 1], w * sees[..., 1])
         if self.is_encoder:
@@ -174,10 +173,21 @@ class StatisticsCollector:
             if self.sep_keys is not None:
                 self._add(layer, "sep_share", shares[..., 2], w * sees[..., 2])
 
+    @staticmethod
+    def _mean_distance(p: torch.Tensor, visible: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """sum_j A_ij |i - j| per row, [B, H, c]. Where no key after its query is visible (causal layers) it is
+        i sum_j A_ij - sum_j A_ij j: two matrix-vector products, one fast read of the chunk instead of a product
+        with a [c, Tk] distance matrix."""
+        keys = torch.arange(p.shape[-1], device=p.device)  # [Tk]
+        if bool((visible & (keys[None, :] > rows[:, None])).any()):  # a key after its query: bidirectional
+            distance = (rows[:, None] - keys[None, :]).abs().to(p.dtype)  # [c, Tk]
+            return torch.einsum("bhct,ct->bhc", p, distance)
+        return rows.to(p.dtype) * (p @ torch.ones_like(keys, dtype=p.dtype)) - p @ keys.to(p.dtype)
+
     def on_output(self, layer, output: torch.Tensor, valid: torch.Tensor) -> None:
         if self.induction_only:
             return
-        norms = output.float().norm(dim=-1).transpose(1, 2)  # [B, H, T]
+        norms = output.to(torch.promote_types(output.dtype, torch.float32)).norm(dim=-1).transpose(1, 2)  # [B, H, T]
         self._add(layer.index, "output_norm", norms, valid.float())
 
     def reduce(self) -> None:

@@ -42,6 +42,7 @@ LAYERS = {
     "headlab.capture": "mechanisms",
     "headlab.gates": "mechanisms",
     "headlab.hooks": "mechanisms",
+    "headlab.losses": "mechanisms",
     "headlab.recompute": "mechanisms",
     "headlab.restore": "mechanisms",
     # foundations: adapters, saved layouts, loading, text, tables, files, checkpoints

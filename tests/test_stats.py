@@ -210,11 +210,20 @@ def _reference(attentions, values, attention_mask, sep_keys, target) -> dict:
     return out
 
 
+# A float64 model's statistics are computed in float64 (headlab.capture's working dtype). The reference is not
+# fully float64 (most families' eager softmax runs in float32 even in a float64 model, rounding weights to ~1e-8),
+# so float64 is held to 1e-7; float32 to the float32 tolerance of docs/performance.md.
+PRECISIONS = [(torch.float32, 1e-5), (torch.float64, 1e-7)]
+
+
+@pytest.mark.parametrize("dtype, tolerance", PRECISIONS, ids=["float32", "float64"])
 @pytest.mark.parametrize("name", ALL_TYPES)
-def test_parity_with_eager_attention_maps(name):
-    """Every statistic matches the slow implementation on eager output_attentions maps (padded batch, float32)."""
+def test_parity_with_eager_attention_maps(name, dtype, tolerance):
+    """Every statistic matches the slow implementation on eager output_attentions maps (padded batch)."""
+    if dtype == torch.float64 and name == "qwen3_next":
+        pytest.skip("qwen3_next's MoE grouped matmul has no float64 kernel")
     # gemma3: window 4 < 12 tokens, so its sliding layer really masks; mistral's window likewise.
-    model = tiny_model(name, attn_implementation="eager")
+    model = tiny_model(name, attn_implementation="eager").to(dtype)
     loaded = from_model(model)
     inputs = tiny_inputs(name, batch=3, seq=12)
     inputs["attention_mask"][1, 9:] = 0  # right padding
@@ -241,6 +250,11 @@ def test_parity_with_eager_attention_maps(name):
         eager = model(**inputs, output_attentions=True).attentions
     for hook in hooks:
         hook.remove()
+    real = inputs["attention_mask"].bool()[:, None, :, None]
+    if any(bool(A.isnan().masked_select(real).any()) for A in eager):
+        # Seen with float64 sliding-window families: a padding row that sees no key becomes NaN in eager, and the
+        # next layer's maps turn NaN on every row (NaN value x weight 0). No reference to compare with.
+        pytest.skip("the eager reference itself is NaN on real rows")
     values = []
     for layer in layers:
         weights = loaded.adapter.read(layer)
@@ -263,9 +277,9 @@ def test_parity_with_eager_attention_maps(name):
             if statistic in ("sep_share",) and name not in ENCODER_TYPES:
                 continue
             got = means[layer.index][statistic][0].tolist()
-            assert got == pytest.approx(expected[statistic], abs=1e-5, nan_ok=True), (layer.index, statistic)
+            assert got == pytest.approx(expected[statistic], abs=tolerance, nan_ok=True), (layer.index, statistic)
         if name in ENCODER_TYPES:
-            assert means[layer.index]["cls_share"][0].tolist() == pytest.approx(expected["sink_first"], abs=1e-5)
+            assert means[layer.index]["cls_share"][0].tolist() == pytest.approx(expected["sink_first"], abs=tolerance)
         else:
             assert "positional_next" not in expected and means[layer.index]["positional_next"][1] == 0
 
@@ -293,7 +307,9 @@ def test_outputs_unchanged_and_implementation_restored_after_error():
             assert model.config._attn_implementation == FUNCTION_NAME
             captured = model(**inputs).logits
     assert capture.calls == len(loaded.layers)
-    torch.testing.assert_close(captured, plain, atol=1e-5, rtol=0)
+    # Real tokens only: a padding row that sees no key (row 11 in the sliding layer) has no defined output.
+    real = inputs["attention_mask"].bool()
+    torch.testing.assert_close(captured[real], plain[real], atol=1e-5, rtol=0)
     assert model.config._attn_implementation == "sdpa"
 
     def explode(chunk):

@@ -1,0 +1,142 @@
+"""Per-sequence next-token NLL with the vocabulary projection and cross-entropy computed in chunks of scored positions,
+so the [B, T, V] logits never exist whole (the fused linear-cross-entropy idea of Liger Kernel and Cut Cross-Entropy).
+
+The model runs with its LM head swapped for a stand-in that returns the final hidden states; the loss then projects
+chunks of those rows itself and computes d loss / d hidden in the same sweep (the head's weights are frozen).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Bytes of float32 logits per chunk: about the size of a large last-level cache slice, so the chunk is written by the
+# projection and read by logsumexp, exp and the gradient projection while it is still warm.
+CHUNK_BYTES = 8 * 2**20
+IGNORE = -100  # label of an unscored position (padding, the last position of a window), as in transformers
+
+# Models whose forward changes the head's output (soft-capping, scaling, casting): found on their first batch and
+# from then on given the plain loss.
+_TRANSFORMED_LOGITS: weakref.WeakSet = weakref.WeakSet()
+
+
+class _HiddenStates(nn.Module):
+    """Stands in for the LM head during one forward: returns its input (the final hidden states) untouched."""
+
+    def __init__(self):
+        super().__init__()
+        self.returned: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.returned = hidden
+        return hidden
+
+
+def _head_slot(model: nn.Module) -> tuple[nn.Module, str, nn.Linear] | None:
+    """(parent module, attribute, head) of the model's LM head when the chunked loss can use it: a plain Linear whose
+    weights are materialised on a device, not managed by accelerate hooks (device maps, offloading) and frozen."""
+    getter = getattr(model, "get_output_embeddings", None)
+    head = getter() if getter is not None else None
+    if type(head) is not nn.Linear or head.weight.device.type == "meta" or hasattr(head, "_hf_hook"):
+        return None
+    if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
+        return None  # training the head needs its weight gradient, which the chunked loss does not compute
+    for name, module in model.named_modules():
+        if module is head and name:
+            parent_name, _, attribute = name.rpartition(".")
+            return model.get_submodule(parent_name), attribute, head
+    return None
+
+
+@contextlib.contextmanager
+def _hidden_states_instead_of_logits(parent: nn.Module, attribute: str):
+    stand_in = _HiddenStates()
+    head = getattr(parent, attribute)
+    setattr(parent, attribute, stand_in)
+    try:
+        yield stand_in
+    finally:
+        setattr(parent, attribute, head)
+
+
+class _ChunkedNLL(torch.autograd.Function):
+    """nll[b] = sum_t [lse(W h_bt + c) - (W h_bt + c)_{y_bt}] over scored t, with dnll[b]/dh_bt = (softmax - onehot) W
+    computed chunk by chunk in the forward (one sweep) and scaled by the incoming gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels):
+        B, T, C = hidden.shape
+        V = weight.shape[0]
+        accumulate = torch.promote_types(hidden.dtype, torch.float32)  # float32, float64 for a float64 model
+        flat = hidden.reshape(B * T, C)  # [B*T, C]
+        flat_labels = labels.reshape(-1)
+        scored = (flat_labels != IGNORE).nonzero()[:, 0]  # [N] rows that carry a label; the others cost nothing
+        nll = torch.zeros(B, dtype=accumulate, device=hidden.device)  # [B]
+        want_grad = ctx.needs_input_grad[0]
+        grad = torch.zeros(B * T, C, dtype=hidden.dtype, device=hidden.device) if want_grad else None  # [B*T, C]
+        rows = max(1, CHUNK_BYTES // (4 * V))
+        for start in range(0, len(scored), rows):
+            index = scored[start : start + rows]  # [r]
+            targets = flat_labels[index][:, None]  # [r, 1]
+            logits = F.linear(flat[index], weight, bias).to(accumulate)  # [r, V]
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [r, 1]
+            nll.index_add_(0, index // T, (lse - logits.gather(1, targets))[:, 0])
+            if want_grad:
+                probs = logits.sub_(lse).exp_()  # softmax in place: [r, V]
+                probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))  # softmax - onehot
+                grad[index] = (probs.to(weight.dtype) @ weight).to(grad.dtype)  # [r, C]
+        if want_grad:
+            ctx.save_for_backward(grad)
+            ctx.shape = (B, T, C)
+        return nll
+
+    @staticmethod
+    def backward(ctx, grad_nll):
+        (grad,) = ctx.saved_tensors
+        B, T, C = ctx.shape
+        scale = grad_nll.to(grad.dtype).view(B, 1, 1)  # each row's gradient scales with its own sequence's loss
+        return grad.view(B, T, C) * scale, None, None, None
+
+
+def chunked_nll(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
+    """Summed NLL per sequence [B] from final hidden states [B, T, C], the LM head and labels [B, T] (IGNORE = not
+    scored); differentiable in `hidden` only: the head must be frozen (its weight gradient is not computed)."""
+    if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in (head.weight, head.bias)):
+        raise ValueError("chunked_nll needs a frozen head (requires_grad False); use plain_nll to train the head")
+    return _ChunkedNLL.apply(hidden, head.weight, head.bias, labels.to(hidden.device))
+
+
+def plain_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed NLL per sequence [B] from whole logits [B, T, V] (float32 at least), the reference for chunked_nll."""
+    B, T, V = logits.shape
+    labels = labels.to(logits.device)  # under a device map the logits may live off the input device
+    logits = logits.reshape(B * T, V).to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(logits, labels.reshape(-1), ignore_index=IGNORE, reduction="none")
+    return nll.view(B, T).sum(1)  # [B]
+
+
+def sequence_nll(model: nn.Module, input_ids, attention_mask, labels, *, chunked: bool = True) -> torch.Tensor:
+    """L(x) = sum_t -log p(label_t | x) per sequence, [B]. With chunked=True and autograd on, the vocabulary is
+    projected in chunks of scored positions (see chunked_nll) wherever the model hands its head's output back
+    unchanged. Without autograd the loss uses whole logits, like evaluation: a no-grad score (ablation) then equals
+    the same model's under a device map and does not depend on how positions fall into chunks."""
+    wanted = chunked and torch.is_grad_enabled() and model not in _TRANSFORMED_LOGITS
+    slot = _head_slot(model) if wanted else None
+    if slot is None:
+        return plain_nll(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+    parent, attribute, head = slot
+    with _hidden_states_instead_of_logits(parent, attribute) as stand_in:
+        out = model(input_ids=input_ids, attention_mask=attention_mask)
+    if out.logits is not stand_in.returned:
+        # The forward transformed the head's output (soft-capping, a scale, a cast): that transform would have been
+        # applied to hidden states. Remember the model and score this batch again with whole logits.
+        _TRANSFORMED_LOGITS.add(model)
+        return plain_nll(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+    return chunked_nll(out.logits, head, labels)
+
+
+__all__ = ["CHUNK_BYTES", "IGNORE", "chunked_nll", "plain_nll", "sequence_nll"]
