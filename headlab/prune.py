@@ -599,7 +599,9 @@ class PruneResult:
         return sum(len(p) for p in self.pruned)
 
 
-def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame, gates, *, overwrite=False) -> dict:
+def save_pruned(
+    loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame, gates, *, overwrite=False, recovery=None
+) -> dict:
     """Save the pruned model atomically with its record (pruning/heads.csv+.parquet, mask.csv, meta.json), after
     checkpoint.save_checkpoint has reloaded it and compared logits. Returns the verification."""
     from headlab.checkpoint import save_checkpoint
@@ -615,6 +617,10 @@ def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame
         write_run(staging / RECORD_DIR, {"heads": table}, result_meta, overwrite=False)
         # The model may no longer have the original shapes: the mask is indexed by the original heads.
         write_mask(staging / RECORD_DIR / "mask.csv", gates, _original_layers(table))
+        if recovery is not None:
+            from headlab.recover import RECOVERY_DIR, write_recovery
+
+            write_recovery(staging / RECOVERY_DIR, recovery, f"recovery of {loaded.spec}")
     return verification.to_dict() if verification else None
 
 
@@ -653,12 +659,14 @@ def prune(
     evaluate: bool = True,
     progress: bool = True,
     compensate: str | None = None,
+    recovery=None,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
 
     compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed heads' mean output
-    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning."""
+    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning.
+    recovery: a function(loaded) -> record run on the pruned model before saving (headlab.recover)."""
     from headlab.checkpoint import check_checkpoint_out
     from headlab.compensate import check_compensation
 
@@ -747,6 +755,8 @@ def prune(
         equivalent, equivalent_heads = None, None
     after = costs(loaded)
     ppl_after = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
+    recovered = recovery(loaded) if recovery is not None else None
+    ppl_recovered = _ppl(loaded, data, eval_kwargs, progress) if evaluate and recovered is not None else None
     loader = prepare_config(loaded, layout)
     padding = sum(len(lay.padding) for lay in layout or [])
     meta = {
@@ -789,9 +799,12 @@ def prune(
         },
         "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
     }
+    if recovered is not None:
+        meta["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
+        meta["perplexity_recovered"] = ppl_recovered
     verification = None
     if out is not None:
-        verification = save_pruned(loaded, out, meta, table, gates, overwrite=overwrite)
+        verification = save_pruned(loaded, out, meta, table, gates, overwrite=overwrite, recovery=recovered)
     return PruneResult(
         pruned,
         table,

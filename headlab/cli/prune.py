@@ -8,6 +8,7 @@ import click
 
 from headlab.checkpoint import describe_check
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.cli.recovery import recovery_for, recovery_options, recovery_spec
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
 
@@ -53,6 +54,7 @@ from headlab.report_text import human_bytes
     help="refit the kept heads' output projection on calibration text (--compensate = ridge: least squares with a "
     "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
 )
+@recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(
     load,
@@ -77,6 +79,7 @@ def command(
     method,
     calibration_tokens,
     compensate,
+    recovery_options,
     as_json,
 ):
     """Prune the lowest-scoring heads (importance computed on the calibration split unless --scores/--heads),
@@ -91,6 +94,7 @@ def command(
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
     out = Path(out) if out is not None else Path("headlab-pruned")
     check_checkpoint_out(out, overwrite)  # before loading anything
+    recovery = recovery_spec(recovery_options)
     loaded = load()
     result = prune(
         loaded,
@@ -115,6 +119,7 @@ def command(
         batch_size=batch_size,
         progress=not as_json,
         compensate=compensate,
+        recovery=recovery_for(recovery, loaded, data, text_column, not as_json),
     )
     if as_json:
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))
@@ -124,6 +129,9 @@ def command(
         ("pruned heads", f"{result.num_pruned} of {result.meta['total_heads']} ({mode} mode)"),
         ("perplexity", f"{result.ppl_before:.4f} -> {result.ppl_after:.4f}"),
     ]
+    if result.meta.get("recovery"):
+        stages = "+".join(result.meta["recovery"]["stages"])
+        rows.append((f"after recovery ({stages})", f"{result.meta['perplexity_recovered']:.4f}"))
     compensation = result.meta.get("compensation")
     if compensation:
         rows.append(
