@@ -331,7 +331,10 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
         loss = objective_value(kl, ce, config)
         if not torch.isfinite(loss):
             raise HeadlabError(f"the {config.objective} loss is not finite at step {step} (lr {lr:.3g}); lower --lr")
-        (loss / config.accumulation).backward()
+        # KL exactly 0: the student reproduces the teacher on this batch, and the gradient is rounding noise that
+        # Adam's per-parameter normalisation would blow up into a real step. Nothing to learn from it.
+        if not (config.objective == "kl" and float(loss) == 0.0):
+            (loss / config.accumulation).backward()
         sums = {k: v + float(x.detach()) / config.accumulation for (k, v), x in zip(sums.items(), (loss, kl, ce))}
         tokens += int(attention_mask.sum())
     if distributed.active():  # data parallel: every rank applies the mean gradient
