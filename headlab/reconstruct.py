@@ -63,6 +63,8 @@ def check_pair(student: LoadedModel, teacher: LoadedModel) -> None:
         if student.tokenizer.get_vocab() != teacher.tokenizer.get_vocab():
             raise HeadlabError("the student and the teacher use different tokenizers; recovery needs one vocabulary")
     s, t = student.model.config.get_text_config(), teacher.model.config.get_text_config()
+    if s.model_type != t.model_type:
+        raise HeadlabError(f"the student is not derived from the teacher: a {s.model_type} and a {t.model_type} model")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "n_embd", "n_layer"):
         a, b = getattr(s, name, None), getattr(t, name, None)
         if a != b:

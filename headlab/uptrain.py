@@ -257,18 +257,20 @@ def learning_rate(step: int, total: int, config: UptrainConfig) -> float:
 
 
 def heldout_split(tokenizer, text: str, tokens: int) -> tuple[str, torch.Tensor]:
-    """(training text, held-out ids): the last `tokens` tokens of the calibration text are held out; training
-    streams from the text before them, so the two never overlap."""
+    """(training text, held-out ids): the last `tokens` tokens of the calibration text (at most a quarter of a short
+    text) are held out; training streams from the text before them, so the two never overlap."""
     tail = text[-max(4096, 16 * tokens) :]
     offset = len(text) - len(tail)
-    if getattr(tokenizer, "is_fast", False):
+    if offset == 0:  # the whole text was tokenized: keep three quarters of it for training
+        tokens = min(tokens, len(tokenizer(text, add_special_tokens=False)["input_ids"]) // 4)
+    if getattr(tokenizer, "is_fast", False) and tokens > 0:
         encoded = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
         ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
         if len(ids) > tokens:
             ids = ids[-tokens:]
             return text[: offset + offsets[-tokens][0]], torch.tensor(ids, dtype=torch.long)
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
-    return text[:offset], torch.tensor(ids[-tokens:], dtype=torch.long)
+    return text[:offset], torch.tensor(ids[-tokens:] if tokens > 0 else [], dtype=torch.long)
 
 
 def stream_batches(tokenizer, text: str, config: UptrainConfig, pad_id: int, chunk_chars: int = 200_000):

@@ -217,3 +217,34 @@ def test_cli_uptrain_and_convert_gqa_recover(tmp_path, capsys):
     assert "after recovery (local)" in out
     reloaded = from_model(__import__("transformers").AutoModelForCausalLM.from_pretrained(tmp_path / "pruned"))
     assert [dead_heads(reloaded, layer) for layer in reloaded.layers] == [[0], [2]]
+
+
+def test_sigterm_during_recovery_leaves_no_partial_output(tmp_path):
+    """SIGTERM while uptraining runs: exit code 130 and nothing written (not even a staging directory)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    save_tiny("llama", tmp_path / "teacher")
+    save_tiny("llama", tmp_path / "student", seed=1)
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 40)
+    out = tmp_path / "out"
+    args = ["uptrain", "--student", tmp_path / "student", "--teacher", tmp_path / "teacher", "--device", "cpu"]
+    args += ["--data", tmp_path / "text.txt", "--seq-len", "32", "--eval-seq-len", "32", "--heldout-tokens", "64"]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "headlab", *map(str, args), "--minutes", "5", "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+    )
+    seen = b""
+    while b"uptrain:" not in seen:  # the progress bar shows training has started
+        chunk = process.stderr.read1(256)
+        assert chunk, seen.decode(errors="replace")
+        seen += chunk
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 130, err.decode(errors="replace")
+    assert "Traceback" not in err.decode(errors="replace")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["student", "teacher", "text.txt"]

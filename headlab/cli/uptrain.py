@@ -56,6 +56,7 @@ def command(student, teacher, stages, device, device_map, dtype, data, text_colu
     """Train --student towards --teacher on calibration text (KL by default, attention parameters only), keep the
     state best on held-out calibration text, and save it with recovery/curve.csv and curve.png."""
     from headlab.checkpoint import check_checkpoint_out, describe_check
+    from headlab.errors import HeadlabError
     from headlab.loading import load_model
     from headlab.recover import RecoverySpec, before_after, parse_stages, recover, save_recovered
     from headlab.uptrain import UptrainConfig
@@ -65,11 +66,17 @@ def command(student, teacher, stages, device, device_map, dtype, data, text_colu
     if recipe["steps"] is None and minutes is None:
         recipe["steps"] = 40
     config = UptrainConfig(**recipe, minutes=minutes)
+    config.check()  # every setting before any model is loaded
     spec = RecoverySpec(stages=parse_stages(stages), minutes=minutes, uptrain=config)
-    spec.check()  # every setting before any model is loaded
+    spec.check()
     out = out or Path("headlab-uptrained")
     check_checkpoint_out(out, overwrite, student)
     student_model = load_model(student, device=device, dtype=dtype, device_map=device_map)
+    most = student_model.max_positions
+    for name in ("seq_len", "eval_seq_len"):
+        if most is not None and recipe[name] > most:
+            option = "--" + name.replace("_", "-")
+            raise HeadlabError(f"{option} {recipe[name]} exceeds the model's maximum positions ({most})")
     teacher_model = load_model(teacher, device=device, dtype=dtype, device_map=device_map)
     record = recover(student_model, teacher_model, spec, corpus=data, text_column=text_column)
     meta = {"student": student_model.describe(), "teacher": teacher_model.describe()}
