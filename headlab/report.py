@@ -48,6 +48,7 @@ class Settings:
     # mean pooling (Ainslie et al.) beside the calibrated merge (headlab.merge), so the report shows both
     methods: tuple[str, ...] = ("mean", "svd")
     gallery_heads: int = 3
+    recovery_minutes: float = 1.0  # recovery of the svd-merged model (local + uptraining); 0: no recovery step
 
 
 PRESETS = {
@@ -63,6 +64,7 @@ PRESETS = {
         orders=("importance", "random"),
         seeds=(0,),
         groupings=("contiguous",),
+        recovery_minutes=0.5,
     ),
 }
 
@@ -403,7 +405,9 @@ def run_report(
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
     report = Report(out)
+    recovering = target is not None and s.recovery_minutes > 0
     steps = ["info", "stats", "importance", "gallery", "sweep"] + (["gqa"] if can_gqa else [])
+    steps += ["recovery"] if recovering else []
     started = time.perf_counter()
 
     def step(name: str):
@@ -497,8 +501,32 @@ def run_report(
                 )
             done("gqa")
 
+        if recovering:
+            from headlab.recover import report_recovery
+
+            step("recovery")
+            report_recovery(
+                loaded,
+                tmp / "recovery",
+                target,
+                s.recovery_minutes,
+                data=data,
+                text_column=text_column,
+                seq_len=s.seq_len,
+                batch_size=s.batch_size,
+                eval_tokens=s.eval_tokens,
+                calib_tokens=s.calibration_tokens,
+                progress=progress,
+            )
+            done("recovery")
+
         step("figures")
         figures = plots.run_figures(tmp)
+        if (tmp / "recovery" / "curve.csv").is_file():  # drawn from the saved curve, like every other figure
+            from headlab.uptrain import plot_curve
+
+            curve = pd.read_csv(tmp / "recovery" / "curve.csv")
+            figures["recovery_curve"] = plot_curve(curve, f"{loaded.spec}: recovery of the svd merge")
         for name, fig in figures.items():
             plots.save_figure(fig, tmp / "figures" / f"{name}.{fmt}", fmt)
         report.figures = sorted(figures)
@@ -520,6 +548,7 @@ def run_report(
             "command_line": f"{command} "
             + _flags(model=model_flag, data=data, text_column=text_column, quick=quick, out=out),
             "summary": report.summary,
+            "recovery_kv_heads": target if recovering else None,
             "versions": versions(),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
@@ -678,6 +707,22 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
             sections[-1].command += "\n" + commands["gqa_groups"]
     else:
         sections.append(Section("KV heads", ["This architecture cannot hold fewer KV heads (supports_gqa=False)."]))
+    recovery = _table(run / "recovery" / "before_after.csv")
+    if recovery is not None:
+        minutes = meta["settings"].get("recovery_minutes")
+        sections.append(
+            Section(
+                "Recovery",
+                [
+                    f"The svd-merged model recovered towards the original for {minutes:g} min (local reconstruction, "
+                    "then uptraining; every choice on calibration text, docs/recovery.md); eval-split perplexity."
+                ],
+                [("before and after", _round(recovery))],
+                [figure["recovery_curve"]] if "recovery_curve" in figure else [],
+                f"headlab convert-gqa --kv-heads {meta.get('recovery_kv_heads', 1)} --method svd "
+                f"--recover local,uptrain --recover-minutes {minutes:g}",
+            )
+        )
     return sections
 
 

@@ -55,6 +55,7 @@ def training_options(function):
 def command(student, teacher, stages, device, device_map, dtype, data, text_column, out, overwrite, **recipe):
     """Train --student towards --teacher on calibration text (KL by default, attention parameters only), keep the
     state best on held-out calibration text, and save it with recovery/curve.csv and curve.png."""
+    from headlab import distributed
     from headlab.checkpoint import check_checkpoint_out, describe_check
     from headlab.errors import HeadlabError
     from headlab.loading import load_model
@@ -80,6 +81,8 @@ def command(student, teacher, stages, device, device_map, dtype, data, text_colu
     teacher_model = load_model(teacher, device=device, dtype=dtype, device_map=device_map)
     record = recover(student_model, teacher_model, spec, corpus=data, text_column=text_column)
     meta = {"student": student_model.describe(), "teacher": teacher_model.describe()}
+    if not distributed.is_main():  # torchrun: every rank holds the same weights; rank 0 writes them
+        return
     verification = save_recovered(student_model, out, record, meta, overwrite=overwrite)
     curve = record["tables"].get("curve")
     if curve is not None:
