@@ -8,7 +8,6 @@ Budget: with both stages, local reconstruction gets at most a third of --recover
 from __future__ import annotations
 
 import copy
-import io
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -19,7 +18,7 @@ from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
 from headlab.loading import LoadedModel, check_resident, from_model
 from headlab.reconstruct import LocalSpec, check_pair, reconstruct, summary
-from headlab.uptrain import UptrainConfig, plot_curve, uptrain
+from headlab.uptrain import UptrainConfig, uptrain
 
 STAGES = ("local", "uptrain")
 RECOVERY_DIR = "recovery"  # inside a saved checkpoint: local.csv, curve.csv (+ .parquet), curve.png, meta.json
@@ -126,19 +125,14 @@ def recover(
 def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
     """The recovery record's tables (CSV + Parquet), curve.png and meta.json under `directory`; returns the record
     without its tables (for JSON metadata)."""
-    import matplotlib.pyplot as plt
-
+    from headlab.plots import figure_bytes, plot_recovery_curve
     from headlab.tables import write_run
 
     tables = record.get("tables", {})
     meta = {k: v for k, v in record.items() if k != "tables"}
     extra = {}
     if "curve" in tables:
-        fig = plot_curve(tables["curve"], title or "uptraining towards the original")
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
-        plt.close(fig)
-        extra["curve.png"] = buffer.getvalue()
+        extra["curve.png"] = figure_bytes(plot_recovery_curve(tables["curve"], title))
     write_run(Path(directory), dict(tables), meta, extra_files=extra)
     return meta
 

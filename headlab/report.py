@@ -522,11 +522,6 @@ def run_report(
 
         step("figures")
         figures = plots.run_figures(tmp)
-        if (tmp / "recovery" / "curve.csv").is_file():  # drawn from the saved curve, like every other figure
-            from headlab.uptrain import plot_curve
-
-            curve = pd.read_csv(tmp / "recovery" / "curve.csv")
-            figures["recovery_curve"] = plot_curve(curve, f"{loaded.spec}: recovery of the svd merge")
         for name, fig in figures.items():
             plots.save_figure(fig, tmp / "figures" / f"{name}.{fmt}", fmt)
         report.figures = sorted(figures)

@@ -335,7 +335,7 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
             raise HeadlabError(f"the {config.objective} loss is not finite at step {step} (lr {lr:.3g}); lower --lr")
         # KL exactly 0: the student reproduces the teacher on this batch, and the gradient is rounding noise that
         # Adam's per-parameter normalisation would blow up into a real step. Nothing to learn from it.
-        if not (config.objective == "kl" and float(loss) == 0.0):
+        if not (config.objective == "kl" and float(loss.detach()) == 0.0):
             (loss / config.accumulation).backward()
         sums = {k: v + float(x.detach()) / config.accumulation for (k, v), x in zip(sums.items(), (loss, kl, ce))}
         tokens += int(attention_mask.sum())
@@ -532,38 +532,3 @@ def uptrain(
         "seconds": time.perf_counter() - start,
     }
     return UptrainResult(curve, meta)
-
-
-def plot_curve(curve: pd.DataFrame, title: str = ""):
-    """Held-out calibration and eval-split perplexity (left) and the training loss (right) against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import seaborn as sns
-
-    sns.set_theme(style="whitegrid", context="notebook")
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    series = [("heldout_perplexity", "held-out calibration perplexity (chooses the state kept)", "tab:blue")]
-    series.append(("perplexity", "eval-split perplexity (report only)", "tab:green"))
-    values = []
-    for column, label, color in series:
-        points = curve.dropna(subset=[column]) if column in curve else curve.iloc[:0]
-        if len(points):
-            sns.lineplot(x=points["step"], y=points[column], marker="o", label=label, color=color, ax=ax)
-            values += points[column].tolist()
-    ax.set_xlabel("step")
-    ax.set_ylabel("perplexity")
-    if values and max(values) / max(min(values), 1e-9) > 20:
-        ax.set_yscale("log")
-    trained = curve.dropna(subset=["loss"])
-    if len(trained):
-        right = ax.twinx()
-        right.plot(trained["step"], trained["loss"], color="tab:orange", alpha=0.5, label="training loss (step)")
-        right.set_ylabel("training loss (nats / token)")
-        right.grid(False)
-        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-        ax.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
-    ax.set_title(title or "uptraining towards the original")
-    fig.tight_layout()
-    return fig
