@@ -14,10 +14,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from headlab.checkpoint import save_checkpoint
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
+from headlab.fsio import atomic_directory
 from headlab.loading import LoadedModel, check_resident, from_model
 from headlab.reconstruct import LocalSpec, check_pair, reconstruct, summary
+from headlab.tables import write_run
 from headlab.uptrain import UptrainConfig, uptrain
 
 STAGES = ("local", "uptrain")
@@ -125,8 +128,8 @@ def recover(
 def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
     """The recovery record's tables (CSV + Parquet), curve.png and meta.json under `directory`; returns the record
     without its tables (for JSON metadata)."""
+    # seaborn/matplotlib take about a second to import: conversion and pruning without --recover skip that start-up.
     from headlab.plots import figure_bytes, plot_recovery_curve
-    from headlab.tables import write_run
 
     tables = record.get("tables", {})
     meta = {k: v for k, v in record.items() if k != "tables"}
@@ -139,9 +142,6 @@ def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
 
 def save_recovered(student: LoadedModel, out, record: dict, meta: dict, *, overwrite: bool = False) -> dict | None:
     """Save the recovered checkpoint, verified by a reload (headlab.checkpoint), with recovery/ beside it, atomically."""
-    from headlab.checkpoint import save_checkpoint
-    from headlab.loading import atomic_directory
-
     plain = {k: v for k, v in record.items() if k != "tables"}
     with atomic_directory(Path(out), overwrite=overwrite) as staging:
         # save_checkpoint replaces `staging` with its own staged directory: the recovery files go in after it.
@@ -191,54 +191,3 @@ def before_after(record: dict) -> pd.DataFrame:
 
 def spec_record(spec: RecoverySpec) -> dict:
     return asdict(spec)
-
-
-def report_recovery(
-    loaded: LoadedModel,
-    out: Path,
-    kv_heads: int,
-    minutes: float,
-    *,
-    data=None,
-    text_column: str | None = None,
-    seq_len: int = 256,
-    batch_size: int = 4,
-    eval_tokens: int = 1024,
-    calib_tokens: int = 1024,
-    progress: bool = True,
-) -> pd.DataFrame:
-    """The report's recovery step: a copy of `loaded` merged to `kv_heads` KV heads (svd), then local reconstruction
-    and uptraining within `minutes`; writes before_after (eval perplexity), local and curve tables under `out`.
-    The report's model itself is never changed."""
-    from headlab import gqa
-    from headlab.evaluate import perplexity
-
-    corpus = load_corpus(data, text_column)
-    student = teacher_copy(loaded)  # the copy is the student; `loaded` stays the original teacher
-    batches = calibration_batches(
-        student.tokenizer, corpus, seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens
-    )
-    gqa.convert(student, kv_heads, method="svd", batches=batches)
-    for p in student.model.parameters():
-        p.requires_grad_(True)
-    eval_args = dict(part="eval", seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, progress=False)
-    rows = [{"model": "original", "perplexity": perplexity(loaded, corpus, **eval_args).perplexity, "seconds": 0.0}]
-    rows.append(
-        {"model": f"{kv_heads} KV heads, svd merge", "perplexity": perplexity(student, corpus, **eval_args).perplexity}
-    )
-    rows[-1]["seconds"] = 0.0
-    config = UptrainConfig(steps=40, seq_len=min(128, seq_len), heldout_tokens=512, eval_tokens=0)
-    spec = RecoverySpec(minutes=minutes, uptrain=config, local_tokens=calib_tokens, local_seq_len=seq_len)
-    record = recover(student, loaded, spec, corpus=corpus, progress=progress)
-    rows.append(
-        {
-            "model": f"{kv_heads} KV heads, svd merge + local + uptrain",
-            "perplexity": perplexity(student, corpus, **eval_args).perplexity,
-            "seconds": record["seconds"],
-        }
-    )
-    table = pd.DataFrame(rows)
-    record["tables"]["before_after"] = table
-    record["kv_heads"] = kv_heads
-    write_recovery(out, record, f"recovery of the {kv_heads}-KV-head svd merge")
-    return table

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_model
+from models import tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
 from headlab import gqa

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import click
 
-from headlab.uptrain import DEFAULT_LR, OBJECTIVES
+from headlab.recover import RecoverySpec, parse_stages, recover, teacher_copy
+from headlab.uptrain import DEFAULT_LR, OBJECTIVES, UptrainConfig
 
 
 def recovery_options(function):
@@ -50,11 +52,6 @@ def recovery_options(function):
 
 def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | None = None):
     """The checked RecoverySpec of the options, or None without --recover (checked before any model is loaded)."""
-    from dataclasses import replace
-
-    from headlab.recover import RecoverySpec, parse_stages
-    from headlab.uptrain import UptrainConfig
-
     stages = parse_stages(options["stages"])
     if not stages:
         return None
@@ -70,8 +67,6 @@ def recovery_for(spec, loaded, data, text_column, progress: bool):
     `loaded` taken now, before the edit."""
     if spec is None:
         return None
-    from headlab.recover import recover, teacher_copy
-
     teacher = teacher_copy(loaded)
 
     def run(student):

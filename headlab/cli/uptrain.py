@@ -7,8 +7,12 @@ from pathlib import Path
 
 import click
 
-from headlab.loading import DEFAULT_MODEL, DTYPES
-from headlab.uptrain import DEFAULT_LR, OBJECTIVES, TRAINED
+from headlab import distributed
+from headlab.checkpoint import check_checkpoint_out, describe_check
+from headlab.errors import HeadlabError
+from headlab.loading import DEFAULT_MODEL, DTYPES, load_model
+from headlab.recover import RecoverySpec, before_after, parse_stages, recover, save_recovered
+from headlab.uptrain import DEFAULT_LR, OBJECTIVES, TRAINED, UptrainConfig
 
 
 def training_options(function):
@@ -55,12 +59,6 @@ def training_options(function):
 def command(student, teacher, stages, device, device_map, dtype, data, text_column, out, overwrite, **recipe):
     """Train --student towards --teacher on calibration text (KL by default, attention parameters only), keep the
     state best on held-out calibration text, and save it with recovery/curve.csv and curve.png."""
-    from headlab import distributed
-    from headlab.checkpoint import check_checkpoint_out, describe_check
-    from headlab.errors import HeadlabError
-    from headlab.loading import load_model
-    from headlab.recover import RecoverySpec, before_after, parse_stages, recover, save_recovered
-    from headlab.uptrain import UptrainConfig
 
     minutes = recipe.pop("minutes")
     recipe["gradient_checkpointing"] = not recipe.pop("no_gradient_checkpointing")
