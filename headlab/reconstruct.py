@@ -31,6 +31,7 @@ from tqdm.auto import tqdm
 from headlab.arch import AttentionLayer
 from headlab.compensate import ALPHAS, ridge_solve
 from headlab.errors import HeadlabError
+from headlab.hooks import hooks
 from headlab.loading import LoadedModel, check_resident
 
 TARGETS = ("original", "same")
@@ -84,30 +85,25 @@ def dead_heads(loaded: LoadedModel, layer: AttentionLayer) -> list[int]:
     return [h for h in range(layer.num_heads) if not bool(o[:, h].abs().sum() > 0)]
 
 
-def _mask_hook(keep: torch.Tensor):
-    def hook(module, args):
-        return (args[0] * keep.to(args[0].device, args[0].dtype), *args[1:])
-
-    return hook
+def _zeroing(keep: torch.Tensor):
+    """A heads_out site hook multiplying the head outputs [B, T, H*D] by `keep` (1 live, 0 dead)."""
+    return lambda z: z * keep.to(z.device, z.dtype)
 
 
 @contextlib.contextmanager
 def dead_heads_kept(loaded: LoadedModel):
     """While training, dead heads' outputs are zeroed before the output projection, so their (zero) columns get no
-    gradient and stay zero: a pruned head is never revived. The hooks go on exit."""
-    handles = []
-    try:
-        for layer in loaded.layers:
-            dead = dead_heads(loaded, layer)
-            if not dead:
-                continue
+    gradient and stay zero: a pruned head is never revived. Yields the number of dead heads; the hooks go on exit."""
+    site_hooks, count = [], 0
+    for layer in loaded.layers:
+        dead = dead_heads(loaded, layer)
+        if dead:
             keep = torch.ones(layer.num_heads, layer.head_dim)
             keep[dead] = 0
-            handles.append(loaded.adapter.out_proj(layer).register_forward_pre_hook(_mask_hook(keep.reshape(-1))))
-        yield sum(len(dead_heads(loaded, layer)) for layer in loaded.layers) if handles else 0
-    finally:
-        for handle in handles:
-            handle.remove()
+            site_hooks.append(("heads_out", layer, _zeroing(keep.reshape(-1))))
+            count += len(dead)
+    with hooks(loaded.adapter, site_hooks):
+        yield count
 
 
 class _Stop(Exception):
@@ -246,7 +242,7 @@ class _LayerFit:
 
     def masked(self):
         """A pre-hook on the output projection that zeroes dead heads' outputs (their columns are zero anyway)."""
-        return self.loaded.adapter.out_proj(self.layer).register_forward_pre_hook(_mask_hook(self.keep))
+        return hooks(self.loaded.adapter, [("heads_out", self.layer, _zeroing(self.keep))])
 
     def output(self, i):
         return attention_output(self.loaded, self.layer, self.calls[i], self.inputs[i])
@@ -254,15 +250,11 @@ class _LayerFit:
     def errors(self) -> list[float]:
         """Relative squared error on the fit (0) and held-out (1) tokens."""
         sums = [0.0, 0.0]
-        handle = self.masked()
-        try:
-            with torch.no_grad():
-                for i, (y, p) in enumerate(zip(self.targets, self.parts)):
-                    err = ((self.output(i).double() - y.double()) ** 2).sum(-1)  # [B, T]
-                    for part in (0, 1):
-                        sums[part] += float(err[p == part].sum())
-        finally:
-            handle.remove()
+        with self.masked(), torch.no_grad():
+            for i, (y, p) in enumerate(zip(self.targets, self.parts)):
+                err = ((self.output(i).double() - y.double()) ** 2).sum(-1)  # [B, T]
+                for part in (0, 1):
+                    sums[part] += float(err[p == part].sum())
         return [s / max(n, 1e-300) for s, n in zip(sums, self.norms)]
 
 
@@ -285,7 +277,6 @@ def _steps(fit: _LayerFit, spec: LocalSpec, deadline: float, held: float) -> tup
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
     norm = max(fit.norms[0], 1e-300)
     done = 0
-    handle = fit.masked()
     try:
         for p in params:
             p.requires_grad_(True)
@@ -293,23 +284,20 @@ def _steps(fit: _LayerFit, spec: LocalSpec, deadline: float, held: float) -> tup
             if time.perf_counter() > deadline:
                 break
             optimizer.zero_grad(set_to_none=True)
-            for i, (y, part) in enumerate(zip(fit.targets, fit.parts)):
-                mask = (part == 0).to(y.device)
-                if not bool(mask.any()):
-                    continue
-                err = ((fit.output(i).float() - y.float()) ** 2).sum(-1)  # [B, T]
-                (err[mask].sum() / norm).backward()
+            with fit.masked():
+                for i, (y, part) in enumerate(zip(fit.targets, fit.parts)):
+                    mask = (part == 0).to(y.device)
+                    if bool(mask.any()):
+                        err = ((fit.output(i).float() - y.float()) ** 2).sum(-1)  # [B, T]
+                        (err[mask].sum() / norm).backward()
             optimizer.step()
             done += 1
-            handle.remove()
             error = fit.errors()[1]
-            handle = fit.masked()
             if not math.isfinite(error):
                 break
             if error < held:
                 held, best = error, [p.detach().clone() for p in params]
     finally:
-        handle.remove()
         optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for p, b, flag in zip(params, best, flags):
@@ -322,11 +310,13 @@ def _steps(fit: _LayerFit, spec: LocalSpec, deadline: float, held: float) -> tup
 def _output_grams(fit: _LayerFit):
     """Per part (fit, held out): Gram [n+1, n+1] of [z, 1], cross [n+1, C] with the target y, and sum ||y||^2 (float64),
     z = the output projection's input (dead heads zeroed)."""
-    stats = {}
-    out_proj = fit.loaded.adapter.out_proj(fit.layer)
-    captured = {}
-    handles = [fit.masked(), out_proj.register_forward_pre_hook(lambda m, a: captured.__setitem__("z", a[0]))]
-    try:
+    stats, captured = {}, {}
+
+    def capture(z):  # [B, T, H*D], dead heads zeroed
+        captured["z"] = z * fit.keep.to(z.device, z.dtype)
+        return captured["z"]
+
+    with hooks(fit.loaded.adapter, [("heads_out", fit.layer, capture)]):
         for i, (y, part) in enumerate(zip(fit.targets, fit.parts)):
             fit.output(i)
             z = captured["z"].double()
@@ -336,9 +326,6 @@ def _output_grams(fit: _LayerFit):
                 zp, yp = z[rows].cpu(), y.double()[rows.to(y.device)].cpu()  # [N, n+1], [N, C]
                 gram, cross, yy = stats.get(p, (0, 0, 0))
                 stats[p] = (gram + zp.T @ zp, cross + zp.T @ yp, yy + float((yp**2).sum()))
-    finally:
-        for handle in handles:
-            handle.remove()
     return [stats.get(p) for p in (0, 1)]
 
 
