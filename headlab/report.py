@@ -364,6 +364,7 @@ REPORT_ENTRIES = {
     "sweep",
     "gqa_sweep",
     "gqa_groups",
+    "recovery",
 }
 
 
