@@ -8,8 +8,8 @@ import json
 import click
 
 from headlab.checkpoint import check_checkpoint_out, describe_check
+from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.cli.recovery import recovery_for, recovery_options, recovery_spec
 from headlab.errors import HeadlabError
 from headlab.gqa import METHODS, convert_checkpoint
 from headlab.kv_heads import GROUPINGS, POOLS

@@ -7,8 +7,8 @@ import json
 import click
 
 from headlab.checkpoint import check_checkpoint_out, describe_check
+from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.cli.recovery import recovery_for, recovery_options, recovery_spec
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.importance import METHODS as IMPORTANCE_METHODS
