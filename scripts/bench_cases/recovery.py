@@ -189,7 +189,9 @@ def markdown(r: dict) -> str:
     lines += [
         "",
         "Tokens seen: uptraining tokens plus local reconstruction's calibration tokens (each pass reads the same "
-        "tokens again). Held-out calibration perplexity before -> after uptraining (the kept state), and steps run:",
+        "tokens again). Peak memory: growth of the resident set during the row, in one process (a later row reuses "
+        "memory an earlier one freed, so read it as a lower bound). Held-out calibration perplexity before -> after "
+        "uptraining (the kept state), and steps run:",
         "",
     ]
     for name, rows in r["models"].items():
