@@ -107,12 +107,19 @@ def ridge_refit(gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kep
     penalty = torch.ones(len(K), dtype=gram.dtype)
     if b is not None:
         penalty[-1] = 0.0  # the bias is not shrunk
-    k = len(kept)
-    lam = alpha * float(torch.diagonal(Skk)[:k].sum()) / max(k, 1)
-    A = Skk + lam * torch.diag(penalty)
-    rhs = gram[K] @ target + lam * penalty[:, None] * theta0
-    theta = torch.linalg.lstsq(A, rhs).solution if lam == 0 else torch.linalg.solve(A, rhs)
+    theta = ridge_solve(Skk, gram[K] @ target, theta0, penalty, alpha, len(kept))
     return theta, K, target
+
+
+def ridge_solve(Skk, Sky, theta0, penalty, alpha: float, scaled: int) -> torch.Tensor:
+    """argmin_theta tr(theta^T Skk theta) - 2 tr(theta^T Sky) + lam ||diag(penalty)^(1/2) (theta - theta0)||^2, the
+    ridge least squares pulled towards theta0, with lam = alpha x (mean of the first `scaled` diagonal entries of Skk).
+
+    Skk: [k, k] Gram of the inputs; Sky: [k, C] inputs x targets; theta0: [k, C]; penalty: [k] (0: not shrunk)."""
+    lam = alpha * float(torch.diagonal(Skk)[:scaled].sum()) / max(scaled, 1)
+    A = Skk + lam * torch.diag(penalty)
+    rhs = Sky + lam * penalty[:, None] * theta0
+    return torch.linalg.lstsq(A, rhs).solution if lam == 0 else torch.linalg.solve(A, rhs)
 
 
 def compensation_weights(

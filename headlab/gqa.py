@@ -41,6 +41,7 @@ from headlab.kv_heads import (
 )
 from headlab.loading import LoadedModel, check_resident
 from headlab.merge import merge_kv_heads
+from headlab.recover import save_recovered
 from headlab.restore import restoring
 from headlab.tables import versions, write_run
 
@@ -233,11 +234,13 @@ def convert_checkpoint(
     progress: bool = True,
     direction: str = "pool",
     method: str = "mean",
+    recovery=None,
 ) -> dict:
     """`headlab convert-gqa` / `expand-kv`: perplexity and KV bytes before, convert in place, perplexity and KV
     bytes after, save to `out` verified by a vanilla reload. Bad input fails before any work; the source files are
     never touched (an --out equal to or containing the source is refused). direction "pool" (convert-gqa) refuses
-    more KV heads than the model has, "expand" (expand-kv) fewer."""
+    more KV heads than the model has, "expand" (expand-kv) fewer. recovery: a function(loaded) -> record run on the
+    converted model before saving (headlab.recover; the checkpoint then holds recovery/)."""
     check_checkpoint_out(out, overwrite, loaded.source)
     layers = gqa_layers(loaded)
     H, G = layers[0].num_heads, layers[0].num_kv_heads
@@ -281,8 +284,15 @@ def convert_checkpoint(
     if evaluate:
         record["perplexity_after"] = _perplexity(loaded, corpus, eval_args, progress).to_dict()
         record["eval"] = {"data": getattr(corpus, "spec", corpus), **eval_args}
-    verification = save_checkpoint(loaded.model, loaded.tokenizer, out, overwrite=overwrite, meta=record)
-    record["verification"] = verification.to_dict()
+    if recovery is not None:
+        recovered = recovery(loaded)
+        if evaluate:
+            record["perplexity_recovered"] = _perplexity(loaded, corpus, eval_args, progress).to_dict()
+        record["verification"] = save_recovered(loaded, out, recovered, record, overwrite=overwrite)
+        record["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
+    else:
+        verification = save_checkpoint(loaded.model, loaded.tokenizer, out, overwrite=overwrite, meta=record)
+        record["verification"] = verification.to_dict()
     record["out"] = str(out)
     return record
 

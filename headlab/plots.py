@@ -472,6 +472,41 @@ def plot_grouping(groups: pd.DataFrame, *, query_heads: int | None = None, title
     return fig
 
 
+# ---- recovery ------------------------------------------------------------------------------------------------------
+
+
+def plot_recovery_curve(curve: pd.DataFrame, title: str = "") -> Figure:
+    """Uptraining: held-out calibration perplexity (chooses the state kept) and eval-split perplexity (report only)
+    against the step (left axis), the training loss per step (right axis); from recovery/curve.csv."""
+    _theme()
+    fig, ax = _subplots(figsize=(7, 4.5))
+    values = []
+    for column, label, color in (
+        ("heldout_perplexity", "held-out calibration perplexity (chooses the state kept)", "tab:blue"),
+        ("perplexity", "eval-split perplexity (report only)", "tab:green"),
+    ):
+        points = curve.dropna(subset=[column]) if column in curve else curve.iloc[:0]
+        if len(points):
+            sns.lineplot(x=points["step"], y=points[column], marker="o", label=label, color=color, ax=ax)
+            values += points[column].tolist()
+    ax.set_xlabel("step")
+    ax.set_ylabel("perplexity")
+    if values and max(values) / max(min(values), 1e-9) > 20:
+        ax.set_yscale("log")
+    trained = curve.dropna(subset=["loss"]) if "loss" in curve else curve.iloc[:0]
+    if len(trained):
+        right = ax.twinx()
+        right.plot(trained["step"], trained["loss"], color="tab:orange", alpha=0.35, lw=1, label="training loss (step)")
+        right.set_ylabel("training loss (nats / token)")
+        right.grid(False)
+        ax.set_zorder(right.get_zorder() + 1)  # the perplexity points in front of the noisy per-step loss
+        ax.patch.set_visible(False)
+        handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+        ax.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
+    ax.set_title(title or "uptraining towards the original")
+    return fig
+
+
 # ---- a whole run directory -------------------------------------------------------------------------------------
 
 
@@ -544,6 +579,9 @@ def run_figures(run_dir) -> dict[str, Figure]:
         figures["gqa_grouping"] = plot_grouping(
             groups, title=f"{model}: query heads sharing KV heads", after_label=label
         )
+    curve = _read(_find(run_dir, "curve.csv"))
+    if curve is not None and "heldout_perplexity" in curve:
+        figures["recovery_curve"] = plot_recovery_curve(curve, f"{model}: recovery (uptraining)" if model else "")
     if not figures:
         raise HeadlabError(
             f"{run_dir} holds no table headlab can draw (stats_wide, importance, sweep, attention_maps, gqa_groups)"

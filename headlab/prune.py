@@ -36,6 +36,7 @@ from headlab.layout import (
     physical_layout,
 )
 from headlab.loading import LoadedModel, check_resident
+from headlab.recover import RECOVERY_DIR, write_recovery
 from headlab.restore import restoring
 from headlab.scores import ScoreRequest, score_heads
 from headlab.tables import write_run
@@ -348,7 +349,9 @@ class PruneResult:
         return sum(len(p) for p in self.pruned)
 
 
-def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame, gates, *, overwrite=False) -> dict:
+def save_pruned(
+    loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame, gates, *, overwrite=False, recovery=None
+) -> dict:
     """Save the pruned model atomically with its record (pruning/heads.csv+.parquet, mask.csv, meta.json), after
     checkpoint.save_checkpoint has reloaded it and compared logits. Returns the verification."""
 
@@ -362,6 +365,8 @@ def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame
         write_run(staging / RECORD_DIR, {"heads": table}, result_meta, overwrite=False)
         # The model may no longer have the original shapes: the mask is indexed by the original heads.
         write_mask(staging / RECORD_DIR / "mask.csv", gates, _original_layers(table))
+        if recovery is not None:
+            write_recovery(staging / RECOVERY_DIR, recovery, f"recovery of {loaded.spec}")
     return verification.to_dict() if verification else None
 
 
@@ -447,13 +452,15 @@ def prune(
     evaluate: bool = True,
     progress: bool = True,
     compensate: str | None = None,
+    recovery=None,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
 
     The workflow is score -> plan -> compensate -> apply -> evaluate -> save. compensate: "ridge" refits the kept
     heads' output-projection columns, "bias" folds the removed heads' mean output into the o_proj bias
-    (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning."""
+    (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning. recovery: a function(loaded)
+    -> record run on the pruned model before saving (headlab.recover)."""
     # More than 12 parameters: this is the Python face of every `headlab prune` option, kept for API compatibility;
     # inside, they become a PruneSpec (plan) and a ScoreRequest (scores).
     check_compensation(loaded, compensate)
@@ -481,6 +488,8 @@ def prune(
     layout = apply(loaded, pruned, mode)
     after = costs(loaded)
     ppl_after = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate else None
+    recovered = recovery(loaded) if recovery is not None else None
+    ppl_recovered = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate and recovered is not None else None
     loader = prepare_config(loaded, layout)
     selection = {
         "heads": heads,
@@ -507,7 +516,12 @@ def prune(
         "compensation": compensation,
         "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
     }
-    verification = None if out is None else save_pruned(loaded, out, meta, table, gates, overwrite=overwrite)
+    if recovered is not None:
+        meta["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
+        meta["perplexity_recovered"] = ppl_recovered
+    verification = None
+    if out is not None:
+        verification = save_pruned(loaded, out, meta, table, gates, overwrite=overwrite, recovery=recovered)
     out = Path(out) if out is not None else None
     return PruneResult(
         pruned, table, mode, loader, layout, before, after, ppl_before, ppl_after, out, verification, meta

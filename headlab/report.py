@@ -22,15 +22,18 @@ from headlab.capture import capture_attention
 from headlab.costs import model_info
 from headlab.data import calibration_batches, load_corpus
 from headlab.errors import HeadlabError
+from headlab.evaluate import perplexity
 from headlab.fsio import atomic_directory, write_json
 from headlab.importance import head_importance
 from headlab.loading import DEFAULT_MODEL, LoadedModel
+from headlab.recover import RecoverySpec, recover, teacher_copy, write_recovery
 from headlab.report_render import build_sections, render_html, render_markdown
 from headlab.report_text import human_bytes
 from headlab.scores import read_scores
 from headlab.stats import _frame_tokens, head_statistics, write_statistics
 from headlab.sweep import sweep, write_sweep
 from headlab.tables import versions, write_run
+from headlab.uptrain import UptrainConfig
 
 SAMPLE_SENTENCE = "The cat sat on the mat because it was tired, and then it slept."
 DEMO_OUT = Path("runs/demo")
@@ -57,6 +60,7 @@ class Settings:
     # mean pooling (Ainslie et al.) beside the calibrated merge (headlab.merge), so the report shows both
     methods: tuple[str, ...] = ("mean", "svd")
     gallery_heads: int = 3
+    recovery_minutes: float = 1.0  # recovery of the svd-merged model (local + uptraining); 0: no recovery step
 
 
 PRESETS = {
@@ -72,6 +76,7 @@ PRESETS = {
         orders=("importance", "random"),
         seeds=(0,),
         groupings=("contiguous",),
+        recovery_minutes=0.5,
     ),
 }
 
@@ -308,6 +313,18 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             **size,
             out="converted",
         ),
+        "recovery": "headlab convert-gqa "
+        + _flags(
+            **common,
+            kv_heads=target,
+            method="svd",
+            calib_tokens=s.calibration_tokens,
+            max_tokens=s.eval_tokens,
+            **size,
+            recover="local,uptrain",
+            recover_minutes=s.recovery_minutes,
+            out="recovered",
+        ),
         "plot": f"headlab plot {shlex.quote(str(out))}",
     }
 
@@ -347,6 +364,7 @@ REPORT_ENTRIES = {
     "sweep",
     "gqa_sweep",
     "gqa_groups",
+    "recovery",
 }
 
 
@@ -468,6 +486,34 @@ def _gqa_step(run: ReportRun) -> None:
     )
 
 
+def _recovery_step(run: ReportRun) -> None:
+    """The svd merge to the grouping target, recovered (local reconstruction, then uptraining) within
+    Settings.recovery_minutes; eval perplexity of the original, the merge and the recovered merge. The report's
+    model is never changed: the merge is made on a copy."""
+    s, loaded = run.s, run.loaded
+    if run.target is None or s.recovery_minutes <= 0:
+        return
+    corpus = load_corpus(run.common["data"], run.common["text_column"])
+    student = teacher_copy(loaded)  # here the copy is the student; `loaded` is the original (teacher)
+    batches = calibration_batches(
+        student.tokenizer, corpus, seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.calibration_tokens
+    )
+    gqa.convert(student, run.target, method="svd", batches=batches)
+    eval_args = dict(part="eval", seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.eval_tokens, progress=False)
+    rows = [{"model": "original", "perplexity": perplexity(loaded, corpus, **eval_args).perplexity, "seconds": 0.0}]
+    merged = f"{run.target} KV heads, svd merge"
+    rows.append({"model": merged, "perplexity": perplexity(student, corpus, **eval_args).perplexity, "seconds": 0.0})
+    config = UptrainConfig(steps=40, seq_len=min(128, s.seq_len), heldout_tokens=512, eval_tokens=0)
+    spec = RecoverySpec(minutes=s.recovery_minutes, uptrain=config, local_tokens=s.calibration_tokens)
+    spec.local_seq_len = s.seq_len
+    record = recover(student, loaded, spec, corpus=corpus, progress=run.common["progress"])
+    after = perplexity(student, corpus, **eval_args).perplexity
+    rows.append({"model": f"{merged} + local + uptrain", "perplexity": after, "seconds": record["seconds"]})
+    record["tables"]["before_after"] = pd.DataFrame(rows)
+    record["kv_heads"] = run.target
+    write_recovery(run.tmp / "recovery", record, f"recovery of the {run.target}-KV-head svd merge")
+
+
 def _figures_step(run: ReportRun, fmt: str) -> None:
     figures = plots.run_figures(run.tmp)
     for name, fig in figures.items():
@@ -483,6 +529,7 @@ REPORT_STEPS = [
     ("gallery", _gallery_step),
     ("sweep", _sweep_step),
     ("gqa", _gqa_step),
+    ("recovery", _recovery_step),
 ]
 
 
@@ -528,7 +575,9 @@ def run_report(
     if tasks:  # the sweep ran lm-eval tasks too
         commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
     report = Report(out)
-    steps = [(name, function) for name, function in REPORT_STEPS if name != "gqa" or can_gqa]
+    recovering = target is not None and s.recovery_minutes > 0
+    skipped = {"gqa": not can_gqa, "recovery": not recovering}
+    steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
     started = time.perf_counter()
     common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
     # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
@@ -558,6 +607,7 @@ def run_report(
             "command_line": f"{command} "
             + _flags(model=model_flag, data=data, text_column=text_column, quick=quick, out=out),
             "summary": report.summary,
+            "recovery_kv_heads": target if recovering else None,
             "versions": versions(),
         }
         write_json(tmp / "meta.json", meta)

@@ -41,7 +41,21 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
     sections = [Section("Summary", [f"- {line}" for line in meta["summary"]]), _model_section(info, meta["commands"])]
     for build in (_stats_section, _importance_section, _gallery_section, _sweep_section):
         sections.append(build(run, meta, figure))
-    return sections + _gqa_sections(run, meta, figure)
+    return sections + _gqa_sections(run, meta, figure) + _recovery_sections(run, meta, figure)
+
+
+def _recovery_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
+    table = _table(run / "recovery" / "before_after.csv")
+    if table is None:
+        return []
+    minutes = meta["settings"].get("recovery_minutes", 0)
+    text = (
+        f"The svd merge to {meta.get('recovery_kv_heads')} KV heads, recovered towards the original for {minutes:g} "
+        "min (local reconstruction, then uptraining; every choice made on calibration text, docs/recovery.md); "
+        "eval-split perplexity."
+    )
+    figures = [figure["recovery_curve"]] if "recovery_curve" in figure else []
+    return [Section("Recovery", [text], [("before and after", _round(table))], figures, meta["commands"]["recovery"])]
 
 
 def _model_section(info: dict, commands: dict) -> Section:

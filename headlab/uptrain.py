@@ -1,40 +1,39 @@
-"""Short uptraining (`headlab uptrain`): distil a converted or pruned student towards its original (the teacher) by
-the KL divergence of their next-token distributions on calibration text, training only the attention projections.
+"""Uptraining (`headlab uptrain`, `--recover uptrain`): train a converted or pruned student towards its original (the
+teacher) on streamed calibration text, keeping the state that is best on held-out calibration text.
 
-Loss (per unpadded token, averaged): KL(p_teacher || p_student) = sum_v p_t(v) (ln p_t(v) - ln p_s(v)) — the
-logit distillation of Hinton et al. 2015 at temperature 1; Ainslie et al. 2023 uptrain with the LM loss instead.
-Trained: every parameter of each attention module and its output projection (the K/V projections a conversion
-changed and the Q/O maps it folded into); everything else is frozen. The perplexity curve is on the eval split.
+Objective (per unpadded token, averaged): kl = KL(p_teacher || p_student) = sum_v p_t(v) (ln p_t(v) - ln p_s(v)) (logit
+distillation, Hinton et al. 2015, temperature 1), ce = next-token cross-entropy (the LM loss Ainslie et al. 2023
+uptrain with), or mixed = (1 - w) kl + w ce. Recipe: AdamW, linear warmup over 10% of the steps, cosine decay to 0,
+global-norm clipping 1.0, gradient accumulation; trained groups attention (default: every attention module and its
+output projection), norms (plus every norm) or all. The default lr was chosen by held-out calibration perplexity
+(docs/recovery.md); lr 1e-4 without warmup made a merged model worse before it got better.
+Held-out: the calibration part's last tokens, never trained on; the state with the lowest held-out perplexity (the
+start included) is the one returned. The eval split only reports the curve.
 """
 
 from __future__ import annotations
 
 import contextlib
-import io
 import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, replace
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from headlab.checkpoint import save_checkpoint
-from headlab.data import Corpus, calibration_batches, load_corpus
+from headlab import distributed
+from headlab.data import Corpus, batch_windows, chunk_windows, load_corpus, require_tokens, split_text, tokenize
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
-from headlab.fsio import atomic_directory
 from headlab.loading import LoadedModel, check_resident
 from headlab.recompute import activation_checkpointing
-from headlab.tables import write_run
-
-CURVE_DIR = "uptrain"  # inside the saved checkpoint: curve.csv/.parquet, meta.json, curve.png
+from headlab.reconstruct import check_pair, dead_heads_kept
 
 
 @dataclass
 class UptrainResult:
-    curve: pd.DataFrame  # step, kl (training batch), perplexity (eval split; NaN between evaluations), seconds
+    curve: pd.DataFrame  # step, lr, loss, kl, ce, tokens, heldout_perplexity, perplexity (eval split), seconds
     meta: dict = field(default_factory=dict)
     verification: dict | None = None
 
@@ -59,173 +58,394 @@ def distillation_loss(student_logits, teacher_logits, valid) -> torch.Tensor:
     return kl[valid.to(kl.device)].mean()
 
 
-def check_uptrain(steps: int, lr: float, eval_every: int) -> None:
-    if steps < 0:
-        raise HeadlabError(f"--steps must be >= 0, got {steps}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise HeadlabError(f"--lr must be a positive number, got {lr}")
-    if eval_every < 1:
-        raise HeadlabError(f"--eval-every must be >= 1, got {eval_every}")
+TRAINED = ("attention", "norms", "all")
+OBJECTIVES = ("kl", "ce", "mixed")
+# Chosen by measurement on held-out calibration text (never the eval split); the evidence is in docs/recovery.md.
+DEFAULT_LR = 3e-5
 
 
-def uptrain(
-    student: LoadedModel,
-    teacher: LoadedModel,
-    *,
-    corpus: Corpus | str | None = None,
-    text_column: str | None = None,
-    steps: int = 20,
-    lr: float = 1e-4,
-    seq_len: int = 128,
-    batch_size: int = 4,
-    eval_every: int = 5,
-    eval_tokens: int | None = 1024,
-    eval_seq_len: int = 256,
-    gradient_checkpointing: bool = True,
-    bf16: bool | None = None,
-    seed: int = 0,
-    progress: bool = True,
-) -> UptrainResult:
-    """AdamW on the student's attention parameters for `steps` batches of calibration windows (cycled), the teacher's
-    logits as targets; eval-split perplexity at step 0, every `eval_every` steps and at the end. In place.
+@dataclass
+class UptrainConfig:
+    """The uptraining recipe: AdamW, linear warmup then cosine decay to zero, gradient clipping, accumulation."""
 
-    bf16: autocast to bfloat16 (default: on CUDA only). gradient_checkpointing: transformers' checkpointing of the
-    blocks (less memory, one more forward per step)."""
+    steps: int | None = 40  # optimiser steps; None: as many as `minutes` allows (estimated from the first steps)
+    minutes: float | None = None  # wall-clock budget; training stops at it even if steps remain
+    lr: float = DEFAULT_LR
+    warmup: float = 0.1  # fraction of the steps with a linear warmup
+    clip: float = 1.0  # max global gradient norm (0: no clipping)
+    accumulation: int = 1  # micro-batches per optimiser step
+    seq_len: int = 256
+    batch_size: int = 4
+    trained: str = "attention"  # attention | norms (attention + every norm) | all
+    objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed
+    ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
+    heldout_tokens: int = 2048  # held-out calibration tokens (the calibration part's tail) that choose the state kept
+    heldout_every: int | None = None  # steps between held-out checks [default: about 8 checks per run]
+    eval_every: int | None = None  # steps between eval-split perplexities of the curve [default: start and end]
+    eval_tokens: int | None = 1024  # 0: no eval-split perplexity at all (choices made on calibration text only)
+    eval_seq_len: int = 256
+    gradient_checkpointing: bool = True
+    bf16: bool | None = None  # bfloat16 autocast [default: on CUDA only]
+    seed: int = 0
 
-    check_uptrain(steps, lr, eval_every)
-    check_resident(student, "uptraining")
-    if student.tokenizer is not None and teacher.tokenizer is not None:
-        if student.tokenizer.get_vocab() != teacher.tokenizer.get_vocab():
-            raise HeadlabError(
-                "the student and the teacher use different tokenizers; distillation needs one vocabulary"
-            )
-    if not isinstance(corpus, Corpus):
-        corpus = load_corpus(corpus, text_column)
+    def check(self) -> None:
+        """Bad settings fail before any work, each as one line."""
+        if self.steps is not None and not (0 <= self.steps <= 10_000_000):
+            raise HeadlabError(f"--steps must be in 0..10000000, got {self.steps}")
+        if self.minutes is not None and not (0 < self.minutes <= 10_000):
+            raise HeadlabError(f"--minutes must be in (0, 10000], got {self.minutes}")
+        if self.steps is None and self.minutes is None:
+            raise HeadlabError("give --steps or --minutes (or both)")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise HeadlabError(f"--lr must be a positive number, got {self.lr}")
+        if not (0 <= self.warmup < 1):
+            raise HeadlabError(f"--warmup must be a fraction in [0, 1), got {self.warmup}")
+        if not (self.clip >= 0 and math.isfinite(self.clip)):
+            raise HeadlabError(f"--clip must be >= 0, got {self.clip}")
+        for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len"):
+            if getattr(self, name) < 1:
+                raise HeadlabError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("heldout_every", "eval_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise HeadlabError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.eval_tokens is not None and self.eval_tokens < 0:
+            raise HeadlabError(f"--eval-tokens must be >= 0, got {self.eval_tokens}")
+        if self.seq_len < 2:
+            raise HeadlabError(f"--seq-len must be >= 2, got {self.seq_len}")
+        if self.trained not in TRAINED:
+            raise HeadlabError(f"unknown --train {self.trained!r}; use one of {', '.join(TRAINED)}")
+        if self.objective not in OBJECTIVES:
+            raise HeadlabError(f"unknown --objective {self.objective!r}; use one of {', '.join(OBJECTIVES)}")
+        if not (0 <= self.ce_weight <= 1):
+            raise HeadlabError(f"--ce-weight must be in [0, 1], got {self.ce_weight}")
+
+
+def check_uptrain(steps: int | None, lr: float, eval_every: int | None = None, **more) -> UptrainConfig:
+    """The config for these settings, checked (the CLI calls it before loading anything)."""
+    config = UptrainConfig(steps=steps, lr=lr, eval_every=eval_every, **more)
+    config.check()
+    return config
+
+
+def trained_parameters(loaded: LoadedModel, trained: str = "attention") -> list[torch.nn.Parameter]:
+    """attention: attention modules and their output projections; norms: those plus every normalisation layer's
+    parameters (found by class name: *Norm*); all: every parameter. Deduplicated, in model order."""
+    if trained == "all":
+        return list(loaded.model.parameters())
+    params = attention_parameters(loaded)
+    if trained == "norms":
+        seen = {id(p) for p in params}
+        for module in loaded.model.modules():
+            if "norm" in type(module).__name__.lower():
+                for p in module.parameters(recurse=False):
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params.append(p)
+    return params
+
+
+def token_losses(student_logits, teacher_logits, input_ids, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean KL(p_teacher || p_student) over valid positions, or NaN without a teacher; mean next-token
+    cross-entropy -ln p_student(x_{t+1} | x_<=t) over valid pairs). logits [B, T, V], input_ids/valid [B, T]."""
+    valid = valid.to(student_logits.device)
+    kl = torch.tensor(math.nan)
+    if teacher_logits is not None:
+        kl = distillation_loss(student_logits, teacher_logits, valid)
+    log_s = torch.log_softmax(student_logits[:, :-1].float(), -1)  # [B, T-1, V]
+    labels = input_ids[:, 1:].to(log_s.device)
+    pairs = valid[:, 1:] & valid[:, :-1]
+    nll = -log_s.gather(-1, labels[..., None])[..., 0]  # [B, T-1]
+    return kl, nll[pairs].mean()
+
+
+def objective_value(kl, ce, config: UptrainConfig) -> torch.Tensor:
+    if config.objective == "kl":
+        return kl
+    if config.objective == "ce":
+        return ce
+    return (1 - config.ce_weight) * kl + config.ce_weight * ce
+
+
+def learning_rate(step: int, total: int, config: UptrainConfig) -> float:
+    """Step s (1-based) of `total`: linear warmup over ceil(warmup x total) steps, then cosine decay to zero."""
+    warm = math.ceil(config.warmup * total)
+    if step <= warm:
+        return config.lr * step / warm
+    progress = (step - warm) / max(total - warm, 1)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def heldout_split(tokenizer, text: str, tokens: int) -> tuple[str, torch.Tensor]:
+    """(training text, held-out ids): the last `tokens` tokens of the calibration text (at most a quarter of a short
+    text) are held out; training streams from the text before them, so the two never overlap."""
+    tail = text[-max(4096, 16 * tokens) :]
+    offset = len(text) - len(tail)
+    if offset == 0:  # the whole text was tokenized: keep three quarters of it for training
+        tokens = min(tokens, len(tokenizer(text, add_special_tokens=False)["input_ids"]) // 4)
+    if getattr(tokenizer, "is_fast", False) and tokens > 0:
+        encoded = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        if len(ids) > tokens:
+            ids = ids[-tokens:]
+            return text[: offset + offsets[-tokens][0]], torch.tensor(ids, dtype=torch.long)
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    return text[:offset], torch.tensor(ids[-tokens:] if tokens > 0 else [], dtype=torch.long)
+
+
+def stream_batches(tokenizer, text: str, config: UptrainConfig, pad_id: int, chunk_chars: int = 200_000):
+    """Endless training batches (input_ids, attention_mask, epoch) streamed from `text`: tokenized a chunk of
+    characters at a time, cut into seq_len windows, shuffled within the chunk (seeded), cycling over the whole text
+    (no cap: a long run sees every window before any repeats). Under torchrun each rank takes every N-th window."""
+    generator = torch.Generator().manual_seed(config.seed)
+    epoch = 0
+    while True:
+        produced = 0
+        for begin in range(0, len(text), chunk_chars):
+            ids, _ = tokenize(tokenizer, text[begin : begin + chunk_chars])
+            windows = chunk_windows(len(ids), config.seq_len, min_len=max(2, config.seq_len // 4))
+            order = torch.randperm(len(windows), generator=generator).tolist()
+            windows = distributed.shard([windows[i] for i in order])
+            for input_ids, attention_mask, _ in batch_windows(ids, windows, config.batch_size, pad_id):
+                produced += 1
+                yield input_ids, attention_mask, epoch
+        if not produced:
+            raise HeadlabError(f"the calibration text is too short for --seq-len {config.seq_len}")
+        epoch += 1
+
+
+@torch.no_grad()
+def heldout_perplexity(student: LoadedModel, batches: list, bf16: bool = False) -> float:
+    """exp(mean next-token cross-entropy) of the student on the held-out calibration batches (token-weighted)."""
+    total, count = 0.0, 0
     device = student.device
-    bf16 = device.type == "cuda" if bf16 is None else bf16
-    batches = calibration_batches(
-        student.tokenizer,
-        corpus,
-        part="calibration",
-        seq_len=seq_len,
-        batch_size=batch_size,
-        max_tokens=max(steps, 1) * batch_size * seq_len,
-        max_positions=student.max_positions,
-    )
-    model = student.model
-    params = attention_parameters(student)
-    trained = {id(p) for p in params}
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    for p in model.parameters():
-        p.requires_grad_(id(p) in trained)
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    torch.manual_seed(seed)
-    eval_args = dict(part="eval", seq_len=eval_seq_len, max_tokens=eval_tokens, batch_size=batch_size)
+    for input_ids, attention_mask, *_ in batches:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = student.model(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+            ).logits
+        _, ce = token_losses(logits, None, input_ids, attention_mask.bool())
+        pairs = int((attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()).sum())
+        total, count = total + float(ce) * pairs, count + pairs
+    return math.exp(total / max(count, 1))
 
-    def evaluate() -> float:
-        model.eval()
-        return perplexity(student, corpus, progress=False, **eval_args).perplexity
 
-    rows = [{"step": 0, "kl": math.nan, "perplexity": evaluate(), "seconds": 0.0}]
-    start = time.perf_counter()
-    data = list(batches)
-    restore = contextlib.ExitStack()
-    checkpointing = restore.enter_context(activation_checkpointing(model, gradient_checkpointing))
-    try:
-        bar = tqdm(range(1, steps + 1), desc="uptrain", disable=not progress, unit="step")
-        for step in bar:
-            input_ids, attention_mask, *_ = data[(step - 1) % len(data)]
-            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+def _train_step(student, teacher, stream, optimizer, params, step, lr, config, bf16) -> dict:
+    """One optimiser step over `accumulation` micro-batches; returns the step's record (losses, tokens, grad norm)."""
+    model, device = student.model, student.device
+    optimizer.zero_grad(set_to_none=True)
+    sums, tokens, epoch = {"loss": 0.0, "kl": 0.0, "ce": 0.0}, 0, 0
+    for _ in range(config.accumulation):
+        input_ids, attention_mask, epoch = next(stream)
+        teacher_logits = None
+        if config.objective != "ce":
             with torch.no_grad():
                 teacher_logits = teacher.model(
                     input_ids=input_ids.to(teacher.device),
                     attention_mask=attention_mask.to(teacher.device),
                     use_cache=False,
-                ).logits.to(device)  # [B, T, V]
-            model.eval()  # no dropout; activation_checkpointing still recomputes the blocks
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-            loss = distillation_loss(logits, teacher_logits, attention_mask.bool())
-            if not torch.isfinite(loss):
-                raise HeadlabError(f"the distillation loss is not finite at step {step}; lower --lr")
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            row = {
-                "step": step,
-                "kl": float(loss.detach()),
-                "perplexity": math.nan,
-                "seconds": time.perf_counter() - start,
-            }
-            if step % eval_every == 0 or step == steps:
+                ).logits  # [B, T, V]
+        model.eval()  # no dropout; activation_checkpointing still recomputes the blocks
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        kl, ce = token_losses(logits, teacher_logits, ids, mask.bool())
+        loss = objective_value(kl, ce, config)
+        if not torch.isfinite(loss):
+            raise HeadlabError(f"the {config.objective} loss is not finite at step {step} (lr {lr:.3g}); lower --lr")
+        # KL exactly 0: the student reproduces the teacher on this batch, and the gradient is rounding noise that
+        # Adam's per-parameter normalisation would blow up into a real step. Nothing to learn from it.
+        if not (config.objective == "kl" and float(loss.detach()) == 0.0):
+            (loss / config.accumulation).backward()
+        sums = {k: v + float(x.detach()) / config.accumulation for (k, v), x in zip(sums.items(), (loss, kl, ce))}
+        tokens += int(attention_mask.sum())
+    if distributed.active():  # data parallel: every rank applies the mean gradient
+        for p in params:
+            if p.grad is not None:
+                distributed.all_reduce_sum(p.grad).div_(distributed.world_size())
+        tokens = int(distributed.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip if config.clip > 0 else math.inf)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return {**sums, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens, "epoch": epoch}
+
+
+def _planned_steps(config: UptrainConfig, done: int, elapsed: float, per_step: float, check_seconds: float) -> int:
+    """Total steps that fit the minutes budget (with about 8 held-out checks), or config.steps when given."""
+    if config.minutes is None:
+        return config.steps
+    left = config.minutes * 60 - elapsed - 8 * check_seconds
+    fit = done + max(0, int(left / max(per_step, 1e-9)))
+    return max(done, min(fit, config.steps) if config.steps is not None else fit)
+
+
+def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
+    """(training stream, held-out batches, record): training windows stream from the calibration part up to its
+    held-out tail; the eval part is never touched here."""
+    tokenizer = student.tokenizer
+    if student.max_positions is not None and config.seq_len > student.max_positions:
+        raise HeadlabError(
+            f"--seq-len {config.seq_len} exceeds the model's maximum positions ({student.max_positions})"
+        )
+    part = split_text(corpus, "calibration")
+    train_text, heldout_ids = heldout_split(tokenizer, part.text, config.heldout_tokens)
+    require_tokens(heldout_ids, f"the held-out calibration text of {corpus.spec!r}")
+    if not train_text.strip():
+        raise HeadlabError(
+            f"the calibration part of {corpus.spec!r} is too short to hold out {config.heldout_tokens} tokens"
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    heldout = list(
+        batch_windows(heldout_ids, chunk_windows(len(heldout_ids), config.seq_len), config.batch_size, pad_id)
+    )
+    record = {
+        **part.describe(),
+        "training_characters": len(train_text),
+        "heldout_tokens": int(len(heldout_ids)),
+        "heldout": "the calibration part's last tokens; training streams from the text before them",
+    }
+    return stream_batches(tokenizer, train_text, config, pad_id), heldout, record
+
+
+def uptrain(
+    student: LoadedModel,
+    teacher: LoadedModel | None,
+    *,
+    corpus: Corpus | str | None = None,
+    text_column: str | None = None,
+    config: UptrainConfig | None = None,
+    progress: bool = True,
+    **settings,
+) -> UptrainResult:
+    """Train the student towards the teacher (config.objective) on streamed calibration windows, in place, and keep
+    the state with the lowest held-out calibration perplexity (the start included), so the returned student is never
+    worse on held-out calibration text than the one given. `settings` override fields of `config`.
+
+    Curve: one row per step (lr, loss, kl, ce, tokens, grad_norm, seconds), held-out perplexity at the checks, and
+    eval-split perplexity at step 0, every eval_every steps and at the end (the eval split only reports)."""
+    config = replace(config or UptrainConfig(), **settings)
+    config.check()
+    if config.objective != "ce" and teacher is None:
+        raise HeadlabError(f"the {config.objective} objective needs a teacher")
+    if teacher is not None:
+        check_pair(student, teacher)
+    check_resident(student, "uptraining")
+    if not isinstance(corpus, Corpus):
+        corpus = load_corpus(corpus, text_column)
+    stream, heldout, data_record = _data(student, corpus, config)
+    device, model = student.device, student.model
+    bf16 = device.type == "cuda" if config.bf16 is None else config.bf16
+    params = trained_parameters(student, config.trained)
+    trained = {id(p) for p in params}
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+    torch.manual_seed(config.seed)
+    eval_args = dict(
+        part="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
+    )
+
+    def evaluate() -> float:
+        if config.eval_tokens == 0:
+            return math.nan
+        model.eval()
+        return perplexity(student, corpus, progress=False, **eval_args).perplexity
+
+    start = time.perf_counter()
+    check_start = time.perf_counter()
+    best_ppl = heldout_perplexity(student, heldout, bf16)
+    check_seconds = time.perf_counter() - check_start
+    best_step, best_state = 0, [p.detach().clone() for p in params]
+    start_ppl = best_ppl
+    rows = [
+        {
+            "step": 0,
+            "lr": 0.0,
+            "loss": math.nan,
+            "kl": math.nan,
+            "ce": math.nan,
+            "tokens": 0,
+            "seconds": 0.0,
+            "heldout_perplexity": best_ppl,
+            "perplexity": evaluate(),
+        }
+    ]
+    total = config.steps if config.steps is not None else 3  # re-planned after two steps under a minutes budget
+    heldout_every = config.heldout_every
+    deadline = start + (config.minutes * 60 if config.minutes is not None else math.inf)
+    restore = contextlib.ExitStack()
+    checkpointing = restore.enter_context(activation_checkpointing(model, config.gradient_checkpointing))
+    kept_dead = restore.enter_context(dead_heads_kept(student))  # pruned heads stay pruned
+    tokens_seen, step, train_seconds = 0, 0, 0.0
+    bar = tqdm(total=total, desc="uptrain", disable=not progress, unit="step")
+    try:
+        for p in model.parameters():
+            p.requires_grad_(id(p) in trained)
+        while step < total and time.perf_counter() < deadline:
+            step += 1
+            began = time.perf_counter()
+            row = _train_step(
+                student, teacher, stream, optimizer, params, step, learning_rate(step, total, config), config, bf16
+            )
+            train_seconds += time.perf_counter() - began
+            tokens_seen += row["tokens"]
+            if step == 2 and config.minutes is not None:
+                total = _planned_steps(config, step, time.perf_counter() - start, train_seconds / 2, check_seconds)
+                bar.total = total
+            every = heldout_every or max(1, total // 8)
+            row.update(step=step, tokens=tokens_seen, heldout_perplexity=math.nan, perplexity=math.nan)
+            last = step >= total or time.perf_counter() >= deadline
+            if step % every == 0 or last:
+                row["heldout_perplexity"] = heldout_perplexity(student, heldout, bf16)
+                if row["heldout_perplexity"] < best_ppl:
+                    best_ppl, best_step, best_state = (
+                        row["heldout_perplexity"],
+                        step,
+                        [p.detach().clone() for p in params],
+                    )
+            if (config.eval_every and step % config.eval_every == 0) or last:
                 row["perplexity"] = evaluate()
+            row["seconds"] = time.perf_counter() - start
             rows.append(row)
-            bar.set_postfix(kl=f"{float(loss.detach()):.4f}")
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2g}")
     finally:
+        bar.close()
         restore.close()
         model.eval()
         optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():  # the best state is what the caller gets, also after an error
+            for p, kept in zip(params, best_state):
+                p.copy_(kept)
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)
     curve = pd.DataFrame(rows)
+    final = curve["perplexity"].iloc[-1] if best_step == step else evaluate()
     meta = {
         "student": student.describe(),
-        "teacher": teacher.describe(),
-        "objective": "mean KL(p_teacher || p_student) per token, temperature 1",
+        "teacher": teacher.describe() if teacher is not None else None,
+        "config": asdict(config),
+        "objective": {
+            "kl": "mean KL(p_teacher || p_student) per token, temperature 1",
+            "ce": "mean next-token cross-entropy",
+            "mixed": f"(1 - {config.ce_weight}) KL + {config.ce_weight} CE",
+        }[config.objective],
+        "schedule": "AdamW (weight decay 0), linear warmup, cosine decay to 0, global-norm clipping",
         "trained_parameters": sum(p.numel() for p in params),
-        "steps": steps,
-        "lr": lr,
-        "optimizer": "AdamW (weight decay 0)",
-        "seq_len": seq_len,
-        "batch_size": batch_size,
+        "steps_run": step,
+        "steps_planned": total,
+        "tokens_seen": tokens_seen,
+        "epochs_started": int(max(r.get("epoch", 0) for r in rows)) + 1,
+        "kept_step": best_step,
+        "heldout_perplexity_before": start_ppl,
+        "heldout_perplexity_after": best_ppl,
+        "perplexity_before": rows[0]["perplexity"],
+        "perplexity_after": float(final),
         "gradient_checkpointing": checkpointing,
+        "dead_heads_kept": kept_dead,
         "bf16_autocast": bf16,
-        "seed": seed,
-        "calibration": batches.meta,
+        "processes": distributed.world_size(),
+        "calibration": data_record,
         "eval": {"data": corpus.spec, **eval_args},
         "seconds": time.perf_counter() - start,
     }
     return UptrainResult(curve, meta)
-
-
-def plot_curve(curve: pd.DataFrame, title: str = ""):
-    """Eval perplexity (and training KL) against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    evaluated = curve.dropna(subset=["perplexity"])
-    ax.plot(evaluated["step"], evaluated["perplexity"], marker="o", label="perplexity (eval split)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("perplexity")
-    if evaluated["perplexity"].max() / max(evaluated["perplexity"].min(), 1e-9) > 20:
-        ax.set_yscale("log")
-    right = ax.twinx()
-    trained = curve.dropna(subset=["kl"])
-    right.plot(trained["step"], trained["kl"], color="tab:orange", alpha=0.6, label="KL to teacher (batch)")
-    right.set_ylabel("KL (nats / token)")
-    lines = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
-    ax.legend(lines, [line.get_label() for line in lines], loc="upper right", fontsize=8)
-    ax.set_title(title or "uptraining towards the teacher")
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def save_uptrained(student: LoadedModel, result: UptrainResult, out, *, overwrite: bool = False) -> dict:
-    """The checkpoint (verified by a reload, headlab.checkpoint) with the curve (CSV, Parquet, PNG) under uptrain/."""
-    import matplotlib.pyplot as plt
-
-    fig = plot_curve(result.curve, f"uptraining {student.spec}")
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    plt.close(fig)
-    with atomic_directory(Path(out), overwrite=overwrite) as staging:
-        verification = save_checkpoint(student.model, student.tokenizer, staging, overwrite=True, meta=result.meta)
-        write_run(
-            staging / CURVE_DIR, {"curve": result.curve}, result.meta, extra_files={"curve.png": buffer.getvalue()}
-        )
-    result.verification = verification.to_dict() if verification else None
-    return result.verification

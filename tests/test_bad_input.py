@@ -29,6 +29,7 @@ from headlab.scores import read_scores
 M = ["--device", "cpu"]
 NO_MODEL = ["--model", "{missing}", *M]
 DATA = ["--data", "{text}", "--seq-len", "32"]
+EVAL32 = ["--eval-seq-len", "32"]
 TEXT = ["--data", "{text}"]  # report and demo take no --seq-len
 CASES = [
     # info
@@ -89,6 +90,37 @@ CASES = [
     (["expand-kv", "--model", "{llama}", *M, *DATA, "--kv-heads", "4", "--out", "{existing}"], "--overwrite"),
     (["expand-kv", "--model", "{llama}", "--streaming", "--kv-heads", "3", "--out", "e"], "3"),
     (["expand-kv", "--model", "{gpt2}", "--streaming", "--out", "e"], "gpt2"),
+    # recovery (--recover on convert-gqa and prune, uptrain --student/--teacher)
+    (["uptrain", "--student", "{llama}", "--teacher", "{gpt2}", *M, *DATA, *EVAL32, "--steps", "1"], "not derived"),
+    (["uptrain", "--student", "{othertok}", "--teacher", "{llama}", *M, *DATA, *EVAL32, "--steps", "1"], "tokenizers"),
+    (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--lr", "-1e-4"], "--lr"),
+    (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--minutes", "0"], "--minutes"),
+    (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--steps", "99999999999"], "--steps"),
+    (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--objective", "mse"], "mse"),
+    (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--recover", "local,global"], "global"),
+    (
+        [
+            "convert-gqa",
+            "--model",
+            "{mha}",
+            *M,
+            *DATA,
+            "--kv-heads",
+            "2",
+            "--recover",
+            "uptrain",
+            "--recover-minutes",
+            "0",
+        ],
+        "--recover-minutes",
+    ),
+    (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--recover", "everything"], "everything"),
+    (["convert-gqa", "--model", "{mha}", *M, "--kv-heads", "2", "--streaming", "--recover", "local"], "--streaming"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "uptrain", "--recover-lr", "0"], "--lr"),
+    (
+        ["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "local", "--recover-minutes", "-3"],
+        "--recover-minutes",
+    ),
     # gqa-sweep
     (["gqa-sweep", "--model", "{gpt2}", *M, *DATA], "gpt2"),
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--kv-heads", "3"], "3"),
@@ -265,7 +297,9 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "emptydir": root / "empty",
         "tasks": root / "tasks",
         "badyaml": root / "badyaml",
+        "othertok": save_tiny("llama", root / "othertok"),  # its tokenizer is replaced below
     }
+    _other_vocabulary(paths["othertok"])
     paths["text"].write_text(SAMPLE_TEXT)
     paths["existing"].mkdir()
     (paths["existing"] / "keep.txt").write_text("an earlier result")
@@ -313,6 +347,17 @@ def _hostile(paths: dict, root: Path) -> None:
     paths["duplicates"] = hostile.duplicate_scores(root)
     paths.update(hostile.corpora(root, SAMPLE_TEXT))
     paths["infrun"] = hostile.infinite_run(root)
+
+
+def _other_vocabulary(directory: Path) -> None:
+    """Replace a saved checkpoint's tokenizer by one with another vocabulary (characters at other ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<pad>": 1, **{chr(c): c - 20 for c in range(32, 127)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>").save_pretrained(directory)
 
 
 def _listing(root: Path) -> dict[str, tuple[int, int]]:

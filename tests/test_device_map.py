@@ -145,6 +145,8 @@ def _edits(dispatched):
     """Every headlab entry point that rewrites weights in place, as (name, call) pairs."""
     from headlab import gqa, kv_heads, merge, prune, uptrain
     from headlab.compensate import check_compensation
+    from headlab.reconstruct import reconstruct
+    from headlab.recover import RecoverySpec, recover
 
     layers = dispatched.layers
     pruned = [{0}] + [set() for _ in layers[1:]]
@@ -156,10 +158,14 @@ def _edits(dispatched):
         ("physical", lambda: prune.apply_physical(dispatched, prune.physical_layout(layers, pruned))),
         ("compensate", lambda: check_compensation(dispatched, "ridge")),
         ("uptrain", lambda: uptrain.uptrain(dispatched, dispatched, steps=1, progress=False)),
+        ("reconstruct", lambda: reconstruct(dispatched, dispatched, [], progress=False)),
+        ("recover", lambda: recover(dispatched, dispatched, RecoverySpec(), progress=False)),
     ]
 
 
-@pytest.mark.parametrize("edit", ["convert", "similarity", "merge", "mask", "physical", "compensate", "uptrain"])
+@pytest.mark.parametrize(
+    "edit", ["convert", "similarity", "merge", "mask", "physical", "compensate", "uptrain", "reconstruct", "recover"]
+)
 def test_edits_of_offloaded_weights_are_refused(models, edit):
     """accelerate refills offloaded weights from its store at every forward, so an in-place edit would be silently
     undone: each command that edits weights refuses, with one line, and leaves the model as it was."""

@@ -22,6 +22,7 @@ LAYERS = {
     # workflows: compose capabilities, evaluate, save
     "headlab.gqa": "workflows",
     "headlab.prune": "workflows",
+    "headlab.recover": "workflows",
     "headlab.report": "workflows",
     "headlab.streaming": "workflows",
     "headlab.sweep": "workflows",
@@ -35,6 +36,7 @@ LAYERS = {
     "headlab.lm_eval_bridge": "capabilities",
     "headlab.merge": "capabilities",
     "headlab.plots": "capabilities",
+    "headlab.reconstruct": "capabilities",
     "headlab.report_render": "capabilities",
     "headlab.scores": "capabilities",
     "headlab.stats": "capabilities",

@@ -9,6 +9,7 @@ import click
 
 from headlab.arch import adapter_for
 from headlab.checkpoint import describe_check
+from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
 from headlab.errors import HeadlabError
 from headlab.fsio import check_free_space
@@ -25,6 +26,9 @@ def print_summary(record: dict) -> None:
     before, after = record.get("perplexity_before"), record.get("perplexity_after")
     if before and after:
         rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))
+        if record.get("perplexity_recovered"):
+            stages = "+".join(record["recovery"]["stages"])
+            rows.append((f"after recovery ({stages})", f"{record['perplexity_recovered']['perplexity']:.4f}"))
         rows.append(("scored tokens", f"{after['scored_tokens']:,}"))
     if "measured_kv_bytes_per_token_before" in record:
         before, after, how = (
@@ -152,6 +156,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-gqa]")
 @streaming_options
+@recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
 def command(
     load,
@@ -172,6 +177,7 @@ def command(
     overwrite,
     streaming,
     max_shard_size,
+    recovery_options,
     as_json,
 ):
     """Pool groups of KV heads into one (MHA -> GQA, GQA -> fewer groups or MQA) and save a checkpoint."""
@@ -179,7 +185,10 @@ def command(
 
     out = Path(out) if out is not None else Path("headlab-gqa")
     guard(out, overwrite, {"model": load.spec}, data=data, run_dir_bytes=False)
+    recovery = recovery_spec(recovery_options)
     if streaming:
+        if recovery is not None:
+            raise HeadlabError("--streaming never runs the model, so it cannot --recover; convert in memory")
         if method != "mean" or grouping != "contiguous":
             raise HeadlabError(
                 "--streaming converts weights without running the model, so it takes --method mean and --grouping "
@@ -216,5 +225,6 @@ def command(
         evaluate=not no_eval,
         overwrite=overwrite,
         progress=not as_json,
+        recovery=recovery_for(recovery, loaded, data, text_column, not as_json),
     )
     show(record, as_json)

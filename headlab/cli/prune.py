@@ -7,6 +7,7 @@ import json
 import click
 
 from headlab.checkpoint import describe_check
+from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     allow_foreign_option,
     data_options,
@@ -64,6 +65,7 @@ from headlab.validate import check_table_origin
     help="refit the kept heads' output projection on calibration text (--compensate = ridge: least squares with a "
     "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
 )
+@recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 @allow_foreign_option
 def command(
@@ -89,6 +91,7 @@ def command(
     method,
     calibration_tokens,
     compensate,
+    recovery_options,
     as_json,
     allow_foreign_scores,
 ):
@@ -101,6 +104,7 @@ def command(
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
     out = Path(out) if out is not None else Path("headlab-pruned")
     guard(out, overwrite, {"model": load.spec}, data=data, scores=scores, run_dir_bytes=False)  # before loading
+    recovery = recovery_spec(recovery_options)
     loaded = load()
     guard_checkpoint_space(out, loaded)
     check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
@@ -127,6 +131,7 @@ def command(
         batch_size=batch_size,
         progress=not as_json,
         compensate=compensate,
+        recovery=recovery_for(recovery, loaded, data, text_column, not as_json),
     )
     if as_json:
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))
@@ -136,6 +141,9 @@ def command(
         ("pruned heads", f"{result.num_pruned} of {result.meta['total_heads']} ({mode} mode)"),
         ("perplexity", f"{result.ppl_before:.4f} -> {result.ppl_after:.4f}"),
     ]
+    if result.meta.get("recovery"):
+        stages = "+".join(result.meta["recovery"]["stages"])
+        rows.append((f"after recovery ({stages})", f"{result.meta['perplexity_recovered']:.4f}"))
     compensation = result.meta.get("compensation")
     if compensation:
         rows.append(

@@ -1,5 +1,5 @@
-"""`headlab uptrain`: a short distillation of a converted or pruned model (the student) towards the original (the
-teacher), training only the attention projections; saves a verified checkpoint and the perplexity-per-step curve."""
+"""`headlab uptrain`: recover a converted or pruned checkpoint made earlier (the student) towards the original (the
+teacher): uptraining (default) or local reconstruction then uptraining; saves a verified checkpoint with the curve."""
 
 from __future__ import annotations
 
@@ -7,29 +7,52 @@ from pathlib import Path
 
 import click
 
+from headlab import distributed
 from headlab.checkpoint import describe_check
 from headlab.cli.options import guard, guard_checkpoint_space
+from headlab.errors import HeadlabError
 from headlab.loading import DEFAULT_MODEL, DTYPES, load_model
-from headlab.uptrain import check_uptrain, save_uptrained, uptrain
+from headlab.recover import RecoverySpec, before_after, parse_stages, recover, save_recovered
+from headlab.uptrain import DEFAULT_LR, OBJECTIVES, TRAINED, UptrainConfig
+
+
+def training_options(function):
+    """The uptraining recipe's options (headlab.uptrain.UptrainConfig fields)."""
+    options = [
+        click.option("--steps", type=int, default=None, help="optimiser steps [default: 40, or as --minutes allow]"),
+        click.option("--minutes", type=float, default=None, help="wall-clock budget (all stages)"),
+        click.option("--lr", type=float, default=DEFAULT_LR, show_default=True, help="peak AdamW learning rate"),
+        click.option("--warmup", type=float, default=0.1, show_default=True, help="fraction of steps warming up"),
+        click.option("--clip", type=float, default=1.0, show_default=True, help="gradient-norm clip (0: none)"),
+        click.option("--accumulation", type=int, default=1, show_default=True, help="micro-batches per step"),
+        click.option("--train", "trained", type=click.Choice(TRAINED), default="attention", show_default=True),
+        click.option("--objective", type=click.Choice(OBJECTIVES), default="kl", show_default=True),
+        click.option("--ce-weight", type=float, default=0.5, show_default=True, help="CE share of --objective mixed"),
+        click.option("--seq-len", type=int, default=256, show_default=True, help="tokens per training window"),
+        click.option("--batch-size", type=int, default=4, show_default=True, help="windows per micro-batch"),
+        click.option("--heldout-tokens", type=int, default=2048, show_default=True, help="held-out calibration"),
+        click.option("--eval-every", type=int, default=None, help="steps between eval-split perplexities"),
+        click.option("--eval-tokens", type=int, default=1024, show_default=True, help="eval-split tokens"),
+        click.option("--eval-seq-len", type=int, default=256, show_default=True),
+        click.option("--no-gradient-checkpointing", is_flag=True, help="keep activations (faster, more memory)"),
+        click.option("--bf16/--no-bf16", default=None, help="bfloat16 autocast [default: on CUDA only]"),
+        click.option("--seed", type=int, default=0, show_default=True),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
 
 
 @click.command("uptrain")
-@click.option("--model", "student", required=True, metavar="SPEC", help="the student: a converted or pruned checkpoint")
+@click.option("--student", "--model", "student", required=True, metavar="SPEC", help="the converted/pruned checkpoint")
 @click.option("--teacher", default=None, metavar="SPEC", help=f"the original model [default: embedded {DEFAULT_MODEL}]")
+@click.option("--recover", "stages", default="uptrain", show_default=True, help="stages: local, uptrain or both")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
+@click.option("--device-map", type=click.Choice(["auto"]), default=None, help="spread each model over the devices")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True, help="weights dtype")
 @click.option("--data", default=None, metavar="SPEC", help="corpus [default: embedded Python reference text]")
 @click.option("--text-column", default=None, help="text column of a table corpus [default: text]")
-@click.option("--steps", type=click.IntRange(min=0), default=20, show_default=True, help="optimizer steps")
-@click.option("--lr", type=float, default=1e-4, show_default=True, help="AdamW learning rate")
-@click.option("--seq-len", type=click.IntRange(min=2), default=128, show_default=True, help="tokens per window")
-@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True, help="windows per step")
-@click.option("--eval-every", type=click.IntRange(min=1), default=5, show_default=True, help="steps between evals")
-@click.option("--eval-tokens", type=click.IntRange(min=1), default=1024, show_default=True, help="eval-split tokens")
-@click.option("--eval-seq-len", type=click.IntRange(min=2), default=256, show_default=True)
-@click.option("--no-gradient-checkpointing", is_flag=True, help="keep activations (faster, more memory)")
-@click.option("--bf16/--no-bf16", default=None, help="bfloat16 autocast [default: on CUDA only]")
-@click.option("--seed", type=int, default=0, show_default=True)
+@training_options
 @click.option(
     "--out", type=click.Path(path_type=Path), default=None, help="checkpoint directory [default: headlab-uptrained]"
 )
@@ -41,55 +64,44 @@ from headlab.uptrain import check_uptrain, save_uptrained, uptrain
     help="refuse a student or teacher with a non-finite (nan/inf) weight, naming the tensor",
 )
 def command(
-    student,
-    teacher,
-    device,
-    dtype,
-    data,
-    text_column,
-    steps,
-    lr,
-    seq_len,
-    batch_size,
-    eval_every,
-    eval_tokens,
-    eval_seq_len,
-    no_gradient_checkpointing,
-    bf16,
-    seed,
-    out,
-    overwrite,
-    check_weights,
+    student, teacher, stages, device, device_map, dtype, data, text_column, out, overwrite, check_weights, **recipe
 ):
-    """Distil --model towards --teacher (KL on calibration text), training only attention parameters; print and save
-    the eval perplexity per step (uptrain/curve.csv, curve.png inside the checkpoint)."""
+    """Train --student towards --teacher on calibration text (KL by default, attention parameters only), keep the
+    state best on held-out calibration text, and save it with recovery/curve.csv and curve.png."""
 
-    check_uptrain(steps, lr, eval_every)
+    minutes = recipe.pop("minutes")
+    recipe["gradient_checkpointing"] = not recipe.pop("no_gradient_checkpointing")
+    if recipe["steps"] is None and minutes is None:
+        recipe["steps"] = 40
+    config = UptrainConfig(**recipe, minutes=minutes)
+    config.check()  # every setting before any model is loaded
+    spec = RecoverySpec(stages=parse_stages(stages), minutes=minutes, uptrain=config)
+    spec.check()
     out = out or Path("headlab-uptrained")
     guard(out, overwrite, {"student model": student, "teacher": teacher}, data=data, run_dir_bytes=False)
-    student_model = load_model(student, device=device, dtype=dtype, check_weights=check_weights)
-    teacher_model = load_model(teacher, device=device, dtype=dtype, check_weights=check_weights)
+    student_model = load_model(student, device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
+    most = student_model.max_positions
+    for name in ("seq_len", "eval_seq_len"):
+        if most is not None and recipe[name] > most:
+            option = "--" + name.replace("_", "-")
+            raise HeadlabError(f"{option} {recipe[name]} exceeds the model's maximum positions ({most})")
+    teacher_model = load_model(teacher, device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
     guard_checkpoint_space(out, student_model)
-    result = uptrain(
-        student_model,
-        teacher_model,
-        corpus=data,
-        text_column=text_column,
-        steps=steps,
-        lr=lr,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        eval_every=eval_every,
-        eval_tokens=eval_tokens,
-        eval_seq_len=eval_seq_len,
-        gradient_checkpointing=not no_gradient_checkpointing,
-        bf16=bf16,
-        seed=seed,
-    )
-    verification = save_uptrained(student_model, result, out, overwrite=overwrite)
-    for row in result.curve.dropna(subset=["perplexity"]).itertuples():
-        kl = "" if row.kl != row.kl else f"   KL {row.kl:.4f}"
-        click.echo(f"step {row.step:>5}   perplexity {row.perplexity:10.4f}{kl}   {row.seconds:7.1f} s")
+    record = recover(student_model, teacher_model, spec, corpus=data, text_column=text_column)
+    meta = {"student": student_model.describe(), "teacher": teacher_model.describe()}
+    if not distributed.is_main():  # torchrun: every rank holds the same weights; rank 0 writes them
+        return
+    verification = save_recovered(student_model, out, record, meta, overwrite=overwrite)
+    curve = record["tables"].get("curve")
+    if curve is not None:
+        for row in curve.dropna(subset=["heldout_perplexity"]).itertuples():
+            eval_ppl = "" if row.perplexity != row.perplexity else f"   eval perplexity {row.perplexity:10.4f}"
+            click.echo(
+                f"step {row.step:>5}   held-out perplexity {row.heldout_perplexity:10.4f}{eval_ppl}"
+                f"   {row.seconds:7.1f} s"
+            )
+    for row in before_after(record).itertuples():
+        click.echo(f"{row.stage:<8} {row.measure}: {row.before:.4f} -> {row.after:.4f} ({row.seconds:.0f} s)")
     if verification:
         click.echo(f"reload check: {describe_check(verification)}")
-    click.echo(f"written: {out} (curve: {out}/uptrain/curve.csv, curve.png)")
+    click.echo(f"written: {out} (curve: {out}/recovery/curve.csv, curve.png)")

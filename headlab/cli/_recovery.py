@@ -1,0 +1,75 @@
+"""--recover options shared by convert-gqa and prune: hand the edited model straight to recovery (headlab.recover)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import click
+
+from headlab.recover import RecoverySpec, parse_stages, recover, teacher_copy
+from headlab.uptrain import DEFAULT_LR, OBJECTIVES, UptrainConfig
+
+
+def recovery_options(function):
+    """--recover, --recover-minutes, --recover-steps, --recover-lr, --recover-objective."""
+
+    @click.option(
+        "--recover",
+        "recover_stages",
+        default=None,
+        metavar="STAGES",
+        help="after editing, recover towards the original: local (layer-wise reconstruction), uptrain, or "
+        "local,uptrain; the recovered model is what gets saved",
+    )
+    @click.option(
+        "--recover-minutes",
+        type=float,
+        default=10.0,
+        show_default=True,
+        help="wall-clock budget of all recovery stages together",
+    )
+    @click.option(
+        "--recover-steps", type=int, default=None, help="at most this many uptraining steps [default: as time allows]"
+    )
+    @click.option("--recover-lr", type=float, default=DEFAULT_LR, show_default=True, help="uptraining learning rate")
+    @click.option(
+        "--recover-objective", type=click.Choice(OBJECTIVES), default="kl", show_default=True, help="uptraining loss"
+    )
+    @functools.wraps(function)
+    def wrapper(*args, recover_stages, recover_minutes, recover_steps, recover_lr, recover_objective, **kwargs):
+        options = dict(
+            stages=recover_stages,
+            minutes=recover_minutes,
+            steps=recover_steps,
+            lr=recover_lr,
+            objective=recover_objective,
+        )
+        return function(*args, recovery_options=options, **kwargs)
+
+    return wrapper
+
+
+def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | None = None):
+    """The checked RecoverySpec of the options, or None without --recover (checked before any model is loaded)."""
+    stages = parse_stages(options["stages"])
+    if not stages:
+        return None
+    config = UptrainConfig(steps=options["steps"], minutes=options["minutes"], lr=options["lr"])
+    config = replace(config, objective=options["objective"])
+    spec = RecoverySpec(stages=stages, minutes=options["minutes"], uptrain=config)
+    spec.check()
+    return spec
+
+
+def recovery_for(spec, loaded, data, text_column, progress: bool):
+    """A function(student) -> record for convert/prune to call on their edited model; the teacher is a copy of
+    `loaded` taken now, before the edit."""
+    if spec is None:
+        return None
+    teacher = teacher_copy(loaded)
+
+    def run(student):
+        return recover(student, teacher, spec, corpus=data, text_column=text_column, progress=progress)
+
+    return run

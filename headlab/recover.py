@@ -1,0 +1,193 @@
+"""Recovery pipeline (`convert-gqa/prune --recover local,uptrain`, `headlab uptrain`): local reconstruction
+(headlab.reconstruct) then uptraining (headlab.uptrain) of an edited model towards its original, within a time budget.
+
+Budget: with both stages, local reconstruction gets at most a third of --recover-minutes and uptraining the rest
+(what local left unused included). Both stages only keep changes that help on held-out calibration text.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import pandas as pd
+
+from headlab.checkpoint import save_checkpoint
+from headlab.data import Corpus, calibration_batches, load_corpus
+from headlab.errors import HeadlabError
+from headlab.fsio import atomic_directory
+from headlab.loading import LoadedModel, check_resident, from_model
+from headlab.reconstruct import LocalSpec, check_pair, reconstruct, summary
+from headlab.tables import write_run
+from headlab.uptrain import UptrainConfig, uptrain
+
+STAGES = ("local", "uptrain")
+RECOVERY_DIR = "recovery"  # inside a saved checkpoint: local.csv, curve.csv (+ .parquet), curve.png, meta.json
+LOCAL_SHARE = 1 / 3  # of the minutes, at most, for local reconstruction when uptraining follows
+
+
+def parse_stages(text: str | None) -> list[str]:
+    """'local,uptrain' -> ['local', 'uptrain'] (in pipeline order); '' or None -> []."""
+    if not text:
+        return []
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in names if n not in STAGES]
+    if unknown or len(set(names)) != len(names):
+        raise HeadlabError(f"--recover: unknown or repeated stages {names}; use some of {', '.join(STAGES)}")
+    return [s for s in STAGES if s in names]
+
+
+@dataclass
+class RecoverySpec:
+    """What to run and for how long; `local` and `uptrain` hold each stage's own settings."""
+
+    stages: list[str] = field(default_factory=lambda: list(STAGES))
+    minutes: float | None = 10.0  # wall-clock budget for all stages together (None: steps bound each stage)
+    local: LocalSpec = field(default_factory=LocalSpec)
+    uptrain: UptrainConfig = field(default_factory=UptrainConfig)
+    local_tokens: int = 4096  # calibration tokens of local reconstruction (the calibration part's start)
+    local_seq_len: int = 256
+    local_batch_size: int = 4
+
+    def check(self) -> None:
+        if not self.stages:
+            raise HeadlabError("no recovery stage given; use --recover local, uptrain or local,uptrain")
+        if self.minutes is not None and not (0 < self.minutes <= 10_000):
+            raise HeadlabError(f"--recover-minutes must be in (0, 10000], got {self.minutes}")
+        if self.local_tokens < 1:
+            raise HeadlabError(f"local reconstruction needs calibration tokens, got {self.local_tokens}")
+        self.local.check()
+        replace(self.uptrain, minutes=self.minutes or self.uptrain.minutes).check()
+
+
+def teacher_copy(loaded: LoadedModel) -> LoadedModel:
+    """The original model, copied before a conversion or pruning edits `loaded` in place (the recovery target)."""
+    check_resident(loaded, "recovery")
+    teacher = from_model(copy.deepcopy(loaded.model), loaded.tokenizer, spec=loaded.spec)
+    teacher.source = loaded.source
+    for p in teacher.model.parameters():
+        p.requires_grad_(False)
+    return teacher
+
+
+def recover(
+    student: LoadedModel,
+    teacher: LoadedModel,
+    spec: RecoverySpec,
+    *,
+    corpus: Corpus | str | None = None,
+    text_column: str | None = None,
+    progress: bool = True,
+) -> dict:
+    """Run spec.stages on `student` in place; returns the record: per stage its metadata and tables (DataFrames under
+    "tables": local per layer, uptraining curve)."""
+    spec.check()
+    check_pair(student, teacher)
+    check_resident(student, "recovery")
+    check_resident(teacher, "recovery")
+    if not isinstance(corpus, Corpus):
+        corpus = load_corpus(corpus, text_column)
+    if student.max_positions is not None:  # windows no longer than the model takes (tiny test models: 64)
+        spec = replace(spec, local_seq_len=min(spec.local_seq_len, student.max_positions))
+        up, most = spec.uptrain, student.max_positions
+        spec.uptrain = replace(up, seq_len=min(up.seq_len, most), eval_seq_len=min(up.eval_seq_len, most))
+    start = time.perf_counter()
+    budget = None if spec.minutes is None else spec.minutes * 60
+    record, tables = {"stages": spec.stages, "minutes": spec.minutes}, {}
+    if "local" in spec.stages:
+        share = budget if "uptrain" not in spec.stages or budget is None else budget * LOCAL_SHARE
+        local = spec.local if share is None else replace(spec.local, minutes=share / 60)
+        batches = calibration_batches(
+            student.tokenizer,
+            corpus,
+            part="calibration",
+            seq_len=spec.local_seq_len,
+            batch_size=spec.local_batch_size,
+            max_tokens=spec.local_tokens,
+            max_positions=student.max_positions,
+        )
+        tables["local"] = reconstruct(student, teacher, batches, local, progress=progress)
+        record["local"] = summary(tables["local"], local, batches.meta)
+    if "uptrain" in spec.stages:
+        config = spec.uptrain
+        if budget is not None:
+            left = budget - (time.perf_counter() - start)
+            if left <= 0:
+                raise HeadlabError("local reconstruction used the whole --recover-minutes; give more minutes")
+            config = replace(config, minutes=left / 60)
+        result = uptrain(student, teacher, corpus=corpus, config=config, progress=progress)
+        tables["curve"] = result.curve
+        record["uptrain"] = result.meta
+    record["seconds"] = time.perf_counter() - start
+    record["tables"] = tables
+    return record
+
+
+def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
+    """The recovery record's tables (CSV + Parquet), curve.png and meta.json under `directory`; returns the record
+    without its tables (for JSON metadata)."""
+    # seaborn/matplotlib take about a second to import: conversion and pruning without --recover skip that start-up.
+    from headlab.plots import figure_bytes, plot_recovery_curve
+
+    tables = record.get("tables", {})
+    meta = {k: v for k, v in record.items() if k != "tables"}
+    extra = {}
+    if "curve" in tables:
+        extra["curve.png"] = figure_bytes(plot_recovery_curve(tables["curve"], title))
+    write_run(Path(directory), dict(tables), meta, extra_files=extra)
+    return meta
+
+
+def save_recovered(student: LoadedModel, out, record: dict, meta: dict, *, overwrite: bool = False) -> dict | None:
+    """Save the recovered checkpoint, verified by a reload (headlab.checkpoint), with recovery/ beside it, atomically."""
+    plain = {k: v for k, v in record.items() if k != "tables"}
+    with atomic_directory(Path(out), overwrite=overwrite) as staging:
+        # save_checkpoint replaces `staging` with its own staged directory: the recovery files go in after it.
+        verification = save_checkpoint(
+            student.model, student.tokenizer, staging, overwrite=True, meta={**meta, "recovery": plain}
+        )
+        write_recovery(staging / RECOVERY_DIR, record, f"recovery of {student.spec}")
+    return verification.to_dict() if verification else None
+
+
+def before_after(record: dict) -> pd.DataFrame:
+    """One row per stage: held-out calibration perplexity (uptraining) or layer error (local) before and after."""
+    rows = []
+    if "local" in record:
+        local = record["local"]
+        rows.append(
+            {
+                "stage": "local",
+                "measure": "held-out relative layer error (mean over layers)",
+                "before": local["error_before"],
+                "after": local["error_after"],
+                "seconds": local["seconds"],
+            }
+        )
+    if "uptrain" in record:
+        up = record["uptrain"]
+        rows.append(
+            {
+                "stage": "uptrain",
+                "measure": "held-out calibration perplexity",
+                "before": up["heldout_perplexity_before"],
+                "after": up["heldout_perplexity_after"],
+                "seconds": up["seconds"],
+            }
+        )
+        rows.append(
+            {
+                "stage": "uptrain",
+                "measure": "eval-split perplexity (report only)",
+                "before": up["perplexity_before"],
+                "after": up["perplexity_after"],
+                "seconds": up["seconds"],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def spec_record(spec: RecoverySpec) -> dict:
+    return asdict(spec)
