@@ -96,10 +96,13 @@ def _error(theta, gram, K, target) -> float:
     return float((theta * (Skk @ theta)).sum() - 2 * (theta * (Ska @ target)).sum() + (target * (Saa @ target)).sum())
 
 
-def ridge_refit(gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kept: list[int], alpha: float):
+def ridge_refit(
+    gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kept: list[int], alpha: float, lam: float | None = None
+):
     """Closed-form ridge refit of o_proj columns `kept` (and b) towards the original; returns theta [k(+1), C].
 
-    gram: [H*D+1, H*D+1] Gram of [z, 1]; W: [C, H*D]; b: [C] or None; kept: column indices."""
+    gram: [H*D+1, H*D+1] Gram of [z, 1]; W: [C, H*D]; b: [C] or None; kept: column indices; `lam` replaces
+    alpha x tr(z_K^T z_K) / |K| (headlab.obs fixes it for a whole greedy path)."""
     n = W.shape[1]
     K = kept + ([n] if b is not None else [])
     target = torch.cat([W.T, (b if b is not None else torch.zeros(W.shape[0], dtype=W.dtype))[None]])  # [n+1, C]
@@ -109,7 +112,8 @@ def ridge_refit(gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kep
     if b is not None:
         penalty[-1] = 0.0  # the bias is not shrunk
     k = len(kept)
-    lam = alpha * float(torch.diagonal(Skk)[:k].sum()) / max(k, 1)
+    if lam is None:
+        lam = alpha * float(torch.diagonal(Skk)[:k].sum()) / max(k, 1)
     A = Skk + lam * torch.diag(penalty)
     rhs = gram[K] @ target + lam * penalty[:, None] * theta0
     theta = torch.linalg.lstsq(A, rhs).solution if lam == 0 else torch.linalg.solve(A, rhs)

@@ -7,6 +7,8 @@ masked-LM encoders the NLL of the fixed-seed 15% masked tokens, as in headlab.ev
             scored tokens (Michel et al. 2019, the absolute value taken per sequence).
 - taylor:   I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}| (per token, Michel et al.'s code).
 - ablation: I_h = (sum_x L(x) with head h gated to 0 - sum_x L(x)) / N, the exact loss increase (signed).
+- fisher:   I_h = (1/S) sum_x (dl(x)/dxi_h)^2 over the S sequences, l(x) = L(x) / n_x: the diagonal empirical
+            Fisher of the gates (Kwon et al. 2022; headlab.fisher).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from headlab.loading import LoadedModel
 from headlab.tables import head_table
 from headlab.uptrain import activation_checkpointing, checkpointing_supported
 
-METHODS = ("grad", "taylor", "ablation")
+METHODS = ("grad", "taylor", "fisher", "ablation")
 ACCUMULATE = ("per-sequence", "bertology")
-DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "ablation": 256}
+DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "fisher": 2048, "ablation": 256}
 
 
 @dataclass
@@ -239,7 +241,25 @@ def ablation_scores(loaded, batches, *, mask=None, accumulate="per-sequence", pr
     return scores
 
 
-SCORERS: dict[str, Callable] = {"grad": grad_scores, "taylor": taylor_scores, "ablation": ablation_scores}
+def fisher_scores(
+    loaded, batches, *, mask=None, accumulate="per-sequence", progress=True, gradient_checkpointing=False
+) -> list[torch.Tensor]:
+    """I_h = (1/S) sum_x (dl(x)/dxi_h)^2, l(x) the mean NLL of sequence x (Kwon et al. 2022); headlab.fisher."""
+    if accumulate != "per-sequence":
+        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    from headlab import fisher  # imported here: headlab.fisher builds on this module (frozen, sequence_nll)
+
+    return fisher.fisher_scores(
+        loaded, batches, mask=mask, progress=progress, gradient_checkpointing=gradient_checkpointing
+    )
+
+
+SCORERS: dict[str, Callable] = {
+    "grad": grad_scores,
+    "taylor": taylor_scores,
+    "fisher": fisher_scores,
+    "ablation": ablation_scores,
+}
 
 
 # ---- normalisation and the table ---------------------------------------------------------------------------------
@@ -303,10 +323,10 @@ def head_importance(
     gradient_checkpointing: bool = False,
     progress: bool = True,
 ) -> ImportanceResult:
-    """Score every attention head with `method` (grad | taylor | ablation) on calibration text (or `batches` of
+    """Score every attention head with `method` (grad | taylor | fisher | ablation) on calibration text (or `batches` of
     (input_ids, attention_mask, ...)); see the module docstring for the formulas.
 
-    max_tokens defaults to 2048 for grad/taylor and 256 for ablation (one forward pass set per head). `mask`: gates
+    max_tokens defaults to 2048 for grad/taylor/fisher and 256 for ablation (one forward pass set per head). `mask`: gates
     ([H_l] per layer) or a mask-file path; scores are taken with those heads already gated. For encoders the windows
     are seq_len - 2 tokens, wrapped in [CLS] ... [SEP]. gradient_checkpointing (grad, taylor): recompute each block
     in the backward pass instead of keeping its activations (long windows; same scores, one more forward).
@@ -393,6 +413,8 @@ _DEFINITIONS = {
     "grad": "I_h = (1/N) sum_x |dL(x)/dxi_h| at xi = 1; L(x) summed token NLL of sequence x, N scored tokens",
     "taylor": "I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}|; N scored tokens",
     "ablation": "I_h = (sum_x L(x) with xi_h = 0 - sum_x L(x)) / N; N scored tokens",
+    "fisher": "I_h = (1/S) sum_x (dl(x)/dxi_h)^2 at xi = 1; l(x) = L(x) / n_x the mean token NLL of sequence x, "
+    "S sequences (diagonal empirical Fisher, Kwon et al. 2022)",
     "bertology": "I_h = (1/N_in) sum_k |sum_{j<=k} d meanNLL_j/dxi_h| (transformers' run_bertology.py, gradient "
     "never reset); N_in input tokens",
 }

@@ -653,16 +653,33 @@ def prune(
     evaluate: bool = True,
     progress: bool = True,
     compensate: str | None = None,
+    select: str = "rank",
+    budget: str | None = None,
+    search_tokens: int = 512,
+    seed: int = 0,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
 
     compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed heads' mean output
-    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning."""
+    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning.
+    method: a score source of headlab.selection (grad, taylor, fisher, ablation, obs, random with `seed`, entropy);
+    select: rank | fisher-block | obs and budget: global | per-layer | uniform | search (headlab.selection; the
+    per_layer / uniform flags are the same budgets); search_tokens: calibration tokens the budget search measures on.
+    Many parameters: the CLI's options, one each (this is the workflow the `prune` command calls)."""
     from headlab.checkpoint import check_checkpoint_out
     from headlab.compensate import check_compensation
+    from headlab.selection import check_select, check_source
 
     check_compensation(loaded, compensate)
+    budget = _budget(budget, per_layer, uniform)
+    per_layer, uniform = budget == "per-layer", budget == "uniform"
+    joint = heads is None and (select != "rank" or budget == "search")
+    check_select(select, budget, compensate=compensate, iterative=iterative, heads=heads, scores=scores)
+    if scores is None and heads is None:
+        check_source(method)
+    if select == "obs":
+        check_resident(loaded, "--select obs (it reads the output projections to refit them)")
 
     layers = loaded.layers
     if mode not in MODES:
@@ -703,9 +720,37 @@ def prune(
                 unit,
                 [set() for _ in layers],
             )
-        current = table_scores if table_scores is not None else importance_scores(loaded, **importance_kwargs)
+        source_kwargs = dict(importance_kwargs, text_column=text_column, seed=seed)
+        source_kwargs.pop("method")
+        grams = None
+        if select == "obs" or method == "obs" or (budget == "search" and compensate):
+            from headlab.selection import calibration_grams
+
+            grams = calibration_grams(
+                loaded, data=data, text_column=text_column, seq_len=seq_len, batch_size=batch_size,
+                max_tokens=calibration_tokens, progress=progress,
+            )  # fmt: skip
+        current = table_scores
+        if current is None and not (joint and select != "rank"):
+            from headlab.selection import source_scores
+
+            current = source_scores(loaded, method, grams=grams, **source_kwargs)
         steps = iterative or 1
         pruned = [set() for _ in layers]
+        if joint:
+            from headlab.selection import calibration_scoring_batches, select_joint
+
+            window = dict(data=data, text_column=text_column, seq_len=seq_len, batch_size=batch_size)
+            chosen = select_joint(
+                loaded, select=select, budget=budget, unit=unit, fraction=fraction, count=count,
+                allow_empty_layer=allow_empty_layer,
+                scoring_batches=calibration_scoring_batches(loaded, **window, max_tokens=calibration_tokens),
+                grams=grams, scores=current, compensate=compensate,
+                search_batches=calibration_scoring_batches(loaded, **window, max_tokens=search_tokens)
+                if budget == "search" else None,
+                progress=progress,
+            )  # fmt: skip
+            pruned, steps = chosen.pruned, 0
         for step in range(1, steps + 1):
             if step > 1:
                 current = importance_scores(loaded, pruned, **importance_kwargs)
@@ -721,6 +766,14 @@ def prune(
                 already=pruned,
             )
     table = pruned_table(layers, pruned, current)
+    if joint:  # the joint selection's own record: the cost at which each head left its layer
+        steps_of = {(r.layer, int(h)): (r.step, r.cost) for r in chosen.table.itertuples() for h in r.heads.split(",")}
+        table["selection_step"] = [
+            steps_of.get((la, h), (None, None))[0] for la, h in zip(table["layer"], table["head"])
+        ]
+        table["selection_cost"] = [
+            steps_of.get((la, h), (None, None))[1] for la, h in zip(table["layer"], table["head"])
+        ]
     gates = gates_from_pruned(layers, pruned)
 
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
@@ -733,7 +786,8 @@ def prune(
         batches = compensation_batches(
             loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
         )
-        grams = output_statistics(loaded, batches, progress=progress)
+        if heads is not None or grams is None:  # selection may have computed the same statistics already
+            grams = output_statistics(loaded, batches, progress=progress)
         compensation = apply_compensation(loaded, pruned, grams, compensate)
     layout = None
     if mode == "mask":
@@ -758,7 +812,11 @@ def prune(
             "scores": str(scores)
             if scores is not None and not isinstance(scores, pd.DataFrame)
             else scores is not None,
-            "method": None if heads is not None or scores is not None else method,
+            "method": None if heads is not None or scores is not None or select != "rank" else method,
+            "select": select,
+            "budget": budget,
+            "joint": None if not joint else chosen.meta,
+            "seed": seed if method == "random" else None,
             "fraction": fraction,
             "count": count,
             "per_layer": per_layer,
@@ -806,6 +864,16 @@ def prune(
         verification,
         meta,
     )
+
+
+def _budget(budget: str | None, per_layer: bool, uniform: bool) -> str:
+    """--budget, or the budget the --per-layer / --uniform flags name (global without either)."""
+    implied = "uniform" if uniform else "per-layer" if per_layer else None
+    if per_layer and uniform:
+        raise HeadlabError("--per-layer and --uniform are different budgets; give one")
+    if budget is not None and implied is not None and budget != implied:
+        raise HeadlabError(f"--budget {budget} contradicts --{implied}; give one")
+    return budget or implied or "global"
 
 
 def _ppl(loaded, data, eval_kwargs, progress) -> float:

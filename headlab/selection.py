@@ -1,0 +1,453 @@
+"""Which heads to remove: joint per-layer selection (block-diagonal Fisher, OBS reconstruction) and per-layer
+budgets (global, per-layer, uniform, and a search over measured per-layer loss curves).
+
+Every selection here is a per-layer greedy removal path (units in order, cumulative cost after each) plus a budget
+that says how many steps of each path to take:
+- global:    take steps in order of the smallest marginal cost across layers (for per-head scores: the global
+             ranking of headlab.prune.select_heads);
+- per-layer: the same count (or fraction) in every layer;
+- uniform:   the same number from every KV group (GQA query heads) or layer: vanilla-loadable layouts;
+- search:    measure the calibration loss increase c_l(k) of each layer's first k steps alone (the others intact,
+             with the compensation the prune will apply), then choose k_l minimising sum_l c_l(k_l) subject to
+             sum_l k_l = budget exactly by dynamic programming (Kwon et al. 2022's mask search, with measured costs
+             in place of their Fisher estimate, and the in-layer choice re-made jointly: their rearrangement).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from headlab.errors import HeadlabError
+
+SELECTS = ("rank", "fisher-block", "obs")
+BUDGETS = ("global", "per-layer", "uniform", "search")
+SELECT_HELP = {
+    "rank": "rank the per-head scores of --method (lowest first)",
+    "fisher-block": "per layer, greedily the heads whose joint block-diagonal Fisher cost 1/2 1_R^T F 1_R is least",
+    "obs": "per layer, greedily the heads whose removal leaves the least loss-weighted o_proj reconstruction error "
+    "after the ridge refit of --compensate (structured OBS)",
+}
+
+
+@dataclass
+class Path:
+    """Greedy removal order of one layer: `units` (lists of query heads) and cumulative `cost` after each step."""
+
+    layer: int
+    units: list[list[int]]
+    cost: list[float]
+    extra: dict = field(default_factory=dict)
+
+
+# ---- constraints ----------------------------------------------------------------------------------------------
+
+
+def layer_units(layer, unit: str) -> list[list[int]]:
+    if unit == "head":
+        return [[h] for h in range(layer.num_heads)]
+    gs = layer.group_size
+    return [list(range(g * gs, (g + 1) * gs)) for g in range(layer.num_kv_heads)]
+
+
+def uniform_cap(layers, unit: str, fraction, count) -> int:
+    """k removed from every container (a GQA layer's KV groups for heads, else the layer), or a one-line error."""
+    from headlab.prune import _select_uniform
+
+    # prune's own uniform rules decide the feasibility and k (one source of truth for the error messages)
+    pruned = _select_uniform(
+        layers, [torch.zeros(layer.num_heads) for layer in layers], fraction, count, unit, [set() for _ in layers]
+    )
+    layer = layers[0]
+    k = len(pruned[0])
+    if unit == "kv-group":
+        return k // layer.group_size
+    return k // layer.num_kv_heads if layer.group_size > 1 else k
+
+
+def _allowed(layer, unit: str, budget: str, cap: int | None, allow_empty_layer: bool):
+    """The constraint a path must keep: never empty the layer (unless allowed); uniform caps per KV group."""
+
+    def allowed(removed: set[int], u: list[int]) -> bool:
+        if not allow_empty_layer and len(removed | set(u)) >= layer.num_heads:
+            return False
+        if budget == "uniform" and unit == "head" and layer.group_size > 1:
+            g = layer.kv_head_of(u[0])
+            return sum(1 for h in removed if layer.kv_head_of(h) == g) < cap
+        return True
+
+    return allowed
+
+
+def _steps(layer, unit: str, budget: str, cap: int | None) -> int | None:
+    if budget != "uniform":
+        return None
+    return cap * layer.num_kv_heads if unit == "head" and layer.group_size > 1 else cap
+
+
+# ---- per-layer paths ------------------------------------------------------------------------------------------
+
+
+def greedy_path(layer, units, cost_of, allowed, steps=None) -> Path:
+    """Greedy: repeatedly add the unit whose joint set cost cost_of(removed + unit) is least (ties: lower heads)."""
+    removed: set[int] = set()
+    path = Path(layer.index, [], [])
+    limit = len(units) if steps is None else steps
+    while len(path.units) < limit:
+        candidates = [u for u in units if not set(u) & removed and allowed(removed, u)]
+        if not candidates:
+            break
+        cost, unit = min(((cost_of(sorted(removed | set(u))), u) for u in candidates), key=lambda c: (c[0], c[1]))
+        removed |= set(unit)
+        path.units.append(unit)
+        path.cost.append(cost)
+    return path
+
+
+def score_path(layer, units, scores: torch.Tensor, allowed, steps=None) -> Path:
+    """Per-head scores: cost of a set = sum of its heads' scores (the ranking headlab.prune uses)."""
+    return greedy_path(layer, units, lambda heads: float(scores[heads].sum()), allowed, steps)
+
+
+def fisher_block_path(layer, units, block: torch.Tensor, allowed, steps=None) -> Path:
+    """cost(R) = 1/2 1_R^T F_l 1_R, the block-diagonal Fisher estimate of the loss increase (Kwon et al. 2022)."""
+    return greedy_path(layer, units, lambda heads: 0.5 * float(block[heads][:, heads].sum()), allowed, steps)
+
+
+def obs_paths(loaded, grams, output_fisher, units, allowed, steps, progress=True) -> list[Path]:
+    """One OBS path per layer (headlab.obs) on the compensation Grams, loss-weighted by the block-output Fisher."""
+    from headlab.obs import choose_alpha_path
+
+    paths = []
+    for i, layer in enumerate(tqdm(loaded.layers, desc="obs selection", disable=not progress, unit="layer")):
+        w = loaded.adapter.read(layer)
+        W = w.o.reshape(w.o.shape[0], -1).double().cpu()
+        b = None if w.o_bias is None else w.o_bias.double().cpu()
+        fisher = None if output_fisher is None else output_fisher[i]
+        p = choose_alpha_path(
+            grams[i], W, b, layer.head_dim, units[i], output_fisher=fisher, allowed=allowed[i], steps=steps[i],
+            layer=layer.index,
+        )  # fmt: skip
+        paths.append(
+            Path(layer.index, p.units, p.cost, {"error": p.error, "alpha": p.alpha, "lam": p.lam, "single": p.single})
+        )
+    return paths
+
+
+# ---- budgets --------------------------------------------------------------------------------------------------
+
+
+def take_global(paths: list[Path], target: int) -> list[int]:
+    """Steps per layer: repeatedly the next step whose marginal cost is least (ties: lower layer)."""
+    taken = [0] * len(paths)
+    for _ in range(target):
+        best = None
+        for i, p in enumerate(paths):
+            k = taken[i]
+            if k < len(p.units):
+                marginal = p.cost[k] - (p.cost[k - 1] if k else 0.0)
+                if best is None or marginal < best[0]:
+                    best = (marginal, i)
+        if best is None:
+            break
+        taken[best[1]] += 1
+    return taken
+
+
+def take_search(curves: list[list[float]], target: int) -> list[int]:
+    """k_l minimising sum_l curves[l][k_l - 1] (0 for k_l = 0) with sum_l k_l = target: exact dynamic programming."""
+    INF = math.inf
+    best = [0.0] + [INF] * target  # best[t]: least total cost of t steps over the layers seen so far
+    choice = []
+    for curve in curves:
+        new, pick = [INF] * (target + 1), [0] * (target + 1)
+        for t in range(target + 1):
+            for k in range(0, min(len(curve), t) + 1):
+                if best[t - k] == INF:
+                    continue
+                value = best[t - k] + (curve[k - 1] if k else 0.0)
+                if value < new[t]:
+                    new[t], pick[t] = value, k
+        best = new
+        choice.append(pick)
+    if best[target] == INF:
+        raise HeadlabError(f"the budget search cannot place {target} removals within the layers' limits")
+    taken, t = [0] * len(curves), target
+    for i in range(len(curves) - 1, -1, -1):
+        taken[i] = choice[i][t]
+        t -= taken[i]
+    return taken
+
+
+@torch.no_grad()
+def measured_curves(loaded, paths: list[Path], batches, *, compensate=None, grams=None, progress=True) -> list:
+    """c_l(k): mean calibration NLL with layer l's first k path steps removed (gated to 0; refit by `compensate`
+    on `grams` when given), minus the unpruned one. One forward-pass set per (layer, k)."""
+    from headlab.compensate import compensated
+    from headlab.gates import head_gates
+    from headlab.importance import sequence_nll
+    from headlab.prune import gates_from_pruned
+
+    layers = loaded.layers
+    tokens = float(sum(b.scored for b in batches))
+
+    def loss(pruned) -> float:
+        total = 0.0
+        refit = compensated(loaded, pruned, grams, compensate) if compensate else _null()
+        with refit, head_gates(loaded, gates_from_pruned(layers, pruned)):
+            for batch in batches:
+                total += float(sequence_nll(loaded.model, batch, loaded.device).double().sum())
+        return total / tokens
+
+    reference = loss([set() for _ in layers])
+    curves = []
+    bar = tqdm(total=sum(len(p.units) for p in paths), desc="budget search", disable=not progress, unit="model")
+    for i, p in enumerate(paths):
+        curve, removed = [], set()
+        for unit in p.units:
+            removed |= set(unit)
+            pruned = [set() for _ in layers]
+            pruned[i] = set(removed)
+            curve.append(loss(pruned) - reference)
+            bar.update()
+        curves.append(curve)
+    bar.close()
+    return curves
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---- the whole selection --------------------------------------------------------------------------------------
+
+
+@dataclass
+class SelectionResult:
+    pruned: list[set[int]]
+    table: pd.DataFrame  # one row per path step: layer, step, heads, cost, taken (+ error for obs)
+    meta: dict = field(default_factory=dict)
+
+
+def check_select(select: str, budget: str, *, compensate=None, iterative=None, heads=None, scores=None) -> None:
+    if select not in SELECTS:
+        raise HeadlabError(f"unknown --select {select!r}; use one of {', '.join(SELECTS)}")
+    if budget not in BUDGETS:
+        raise HeadlabError(f"unknown --budget {budget!r}; use one of {', '.join(BUDGETS)}")
+    if select == "rank" and budget != "search":
+        return
+    if heads is not None:
+        raise HeadlabError("--heads names the heads itself; drop --select/--budget search")
+    if iterative:
+        raise HeadlabError(
+            f"--iterative re-scores between steps; --select {select} and --budget search are greedy already"
+        )
+    if select == "obs" and compensate == "bias":
+        raise HeadlabError(
+            "--select obs predicts the ridge refit of --compensate ridge; with --compensate bias the refit it "
+            "assumes does not apply (use --select rank or fisher-block)"
+        )
+    if select != "rank" and scores is not None:
+        raise HeadlabError(f"--scores gives per-head scores for --select rank; --select {select} computes its own")
+
+
+def select_joint(
+    loaded,
+    *,
+    select: str,
+    budget: str,
+    unit: str,
+    fraction,
+    count,
+    allow_empty_layer: bool,
+    scoring_batches,
+    grams=None,
+    scores=None,
+    compensate=None,
+    search_batches=None,
+    progress=True,
+) -> SelectionResult:
+    """Paths by `select` (per-head `scores` for rank), then `budget` (see the module docstring).
+
+    scoring_batches: prepared ScoringBatches for the gradient statistics; grams: headlab.compensate's output
+    statistics (obs, and search with compensation); search_batches: ScoringBatches the search measures on.
+    Many parameters: one selection spec spelled out, each used once (a spec object would be the same list)."""
+    from headlab.prune import _amount, check_amount, check_unit
+
+    layers = loaded.layers
+    check_amount(fraction, count)
+    check_unit(layers, unit)
+    cap = uniform_cap(layers, unit, fraction, count) if budget == "uniform" else None
+    units = [layer_units(layer, unit) for layer in layers]
+    allowed = [_allowed(layer, unit, budget, cap, allow_empty_layer) for layer in layers]
+    steps = [_steps(layer, unit, budget, cap) for layer in layers]
+    meta: dict = {"select": select, "budget": budget, "unit": unit}
+    if select == "rank":
+        if scores is None:
+            raise HeadlabError("--select rank needs per-head scores")
+        paths = [score_path(layer, units[i], scores[i], allowed[i], steps[i]) for i, layer in enumerate(layers)]
+    elif select == "fisher-block":
+        from headlab.fisher import fisher_statistics
+
+        stats = fisher_statistics(loaded, scoring_batches, progress=progress)
+        paths = [
+            fisher_block_path(layer, units[i], stats.block[i], allowed[i], steps[i]) for i, layer in enumerate(layers)
+        ]
+        meta["fisher_sequences"] = stats.sequences
+    else:
+        from headlab.fisher import fisher_statistics
+
+        if grams is None:
+            raise HeadlabError("--select obs needs the calibration Gram of the output projections")
+        stats = fisher_statistics(loaded, scoring_batches, output_fisher=True, progress=progress)
+        paths = obs_paths(loaded, grams, stats.output, units, allowed, steps, progress)
+        meta["fisher_tokens"] = stats.tokens
+        meta["alphas"] = {p.layer: p.extra["alpha"] for p in paths}
+    what = "heads" if unit == "head" else "KV groups"
+    total = sum(len(u) for u in units)
+    if budget == "uniform":
+        taken = [len(p.units) for p in paths]
+        short = [p.layer for p, s in zip(paths, steps) if len(p.units) < s]
+        if short:
+            raise HeadlabError(f"--budget uniform cannot remove {cap} per container in layers {short}")
+    elif budget == "per-layer":
+        taken = []
+        for layer, p, u in zip(layers, paths, units):
+            target = _amount(fraction, count, len(u), f"{what} of layer {layer.index}")
+            if target > len(p.units):
+                raise HeadlabError(
+                    f"cannot prune {target} {what} of layer {layer.index} and keep one head; pass --allow-empty-layer"
+                )
+            taken.append(target)
+    else:
+        target = _amount(fraction, count, total, what)
+        room = sum(len(p.units) for p in paths)
+        if target > room:
+            raise HeadlabError(
+                f"cannot prune {target} {what} while keeping one head in every layer (at most {room}); "
+                "pass --allow-empty-layer"
+            )
+        if budget == "global":
+            taken = take_global(paths, target)
+        else:
+            curves = measured_curves(
+                loaded, paths, search_batches, compensate=compensate, grams=grams, progress=progress
+            )
+            taken = take_search(curves, target)
+            for p, curve in zip(paths, curves):
+                p.extra["measured"] = curve
+    pruned = [set(h for u in p.units[:k] for h in u) for p, k in zip(paths, taken)]
+    rows = []
+    for p, k in zip(paths, taken):
+        for step, (u, cost) in enumerate(zip(p.units, p.cost)):
+            row = {"layer": p.layer, "step": step + 1, "heads": ",".join(map(str, u)), "cost": cost}
+            if "error" in p.extra:
+                row["reconstruction_error"] = p.extra["error"][step]
+            if "measured" in p.extra:
+                row["measured_loss_increase"] = p.extra["measured"][step]
+            row["taken"] = step < k
+            rows.append(row)
+    meta["removed_per_layer"] = {p.layer: k for p, k in zip(paths, taken)}
+    return SelectionResult(pruned, pd.DataFrame(rows), meta)
+
+
+def single_obs_scores(loaded, grams, output_fisher, progress=True) -> list[torch.Tensor]:
+    """Per-head score source "obs": the OBS cost of removing each head alone (with the ridge refit), per layer."""
+    layers = loaded.layers
+    units = [[[h] for h in range(layer.num_heads)] for layer in layers]
+    allowed = [(lambda removed, u: True) for _ in layers]
+    paths = obs_paths(loaded, grams, output_fisher, units, allowed, [1] * len(layers), progress)
+    return [
+        torch.tensor([p.extra["single"][(h,)] for h in range(layer.num_heads)], dtype=torch.float64)
+        for p, layer in zip(paths, layers)
+    ]
+
+
+# ---- score sources by name ------------------------------------------------------------------------------------
+
+SOURCES = ("grad", "taylor", "fisher", "ablation", "obs", "random", "entropy")
+SOURCE_HELP = {
+    "grad": "E_x |dL(x)/dxi_h| (Michel et al. 2019)",
+    "taylor": "per-token |ctx_h . dL/dctx_h| (Michel et al.'s code)",
+    "fisher": "diagonal empirical Fisher of the head gates (Kwon et al. 2022)",
+    "ablation": "exact loss increase with one head masked (one forward-pass set per head)",
+    "obs": "loss-weighted o_proj reconstruction error left after the ridge refit, head alone (structured OBS)",
+    "random": "uniformly random (seeded)",
+    "entropy": "mean attention entropy, most diffuse first",
+}
+IMPORTANCE_SOURCES = ("grad", "taylor", "fisher", "ablation")
+
+
+def check_source(name: str) -> None:
+    if name not in SOURCES:
+        raise HeadlabError(f"unknown score method {name!r}; use one of {', '.join(SOURCES)} (or a --scores table)")
+
+
+def source_scores(
+    loaded,
+    name: str,
+    *,
+    data=None,
+    text_column=None,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    max_tokens: int = 2048,
+    seed: int = 0,
+    grams=None,
+    pruned=None,
+    progress: bool = True,
+) -> list[torch.Tensor]:
+    """Per-layer scores [H_l] of score source `name` (lowest = removed first), on calibration text only.
+
+    grams: headlab.compensate output statistics already computed (obs reuses them); pruned: heads already removed
+    (gated off while scoring; importance sources only)."""
+    from headlab.prune import entropy_scores, importance_scores, random_scores
+
+    check_source(name)
+    if pruned is not None and any(pruned) and name not in IMPORTANCE_SOURCES:
+        raise HeadlabError(f"re-scoring with heads removed (--iterative) applies to {', '.join(IMPORTANCE_SOURCES)}")
+    common = dict(data=data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, progress=progress)
+    if name in IMPORTANCE_SOURCES:
+        return importance_scores(loaded, pruned, method=name, max_tokens=max_tokens, **common)
+    if name == "random":
+        return random_scores(loaded.layers, seed)
+    if name == "entropy":
+        return entropy_scores(loaded, max_tokens=max_tokens, **common)
+    batches = calibration_scoring_batches(loaded, **common, max_tokens=max_tokens)
+    if grams is None:
+        grams = calibration_grams(loaded, **common, max_tokens=max_tokens)
+    from headlab.fisher import fisher_statistics
+
+    stats = fisher_statistics(loaded, batches, output_fisher=True, progress=progress)
+    return single_obs_scores(loaded, grams, stats.output, progress)
+
+
+def calibration_scoring_batches(loaded, *, data, text_column, seq_len, batch_size, max_tokens, progress=True):
+    """ScoringBatches of the calibration split (never the eval split)."""
+    from headlab.compensate import compensation_batches
+    from headlab.importance import scoring_batches
+
+    if loaded.tokenizer is None:
+        raise HeadlabError("scoring calibration text needs the model's tokenizer")
+    batches = compensation_batches(
+        loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
+    )
+    return scoring_batches(loaded, batches)
+
+
+def calibration_grams(loaded, *, data, text_column, seq_len, batch_size, max_tokens, progress=True):
+    """headlab.compensate's output statistics on the calibration split (the Grams --compensate refits from)."""
+    from headlab.compensate import compensation_batches, output_statistics
+
+    batches = compensation_batches(
+        loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
+    )
+    return output_statistics(loaded, batches, progress=progress)
