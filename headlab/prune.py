@@ -669,7 +669,7 @@ def prune(
     Many parameters: the CLI's options, one each (this is the workflow the `prune` command calls)."""
     from headlab.checkpoint import check_checkpoint_out
     from headlab.compensate import check_compensation
-    from headlab.selection import check_select, check_source
+    from headlab.selection import IMPORTANCE_SOURCES, check_budget, check_select, check_source
 
     check_compensation(loaded, compensate)
     budget = _budget(budget, per_layer, uniform)
@@ -678,6 +678,8 @@ def prune(
     check_select(select, budget, compensate=compensate, iterative=iterative, heads=heads, scores=scores)
     if scores is None and heads is None:
         check_source(method)
+        if iterative and method not in IMPORTANCE_SOURCES:
+            raise HeadlabError(f"--iterative re-scores with heads removed: --method {', '.join(IMPORTANCE_SOURCES)}")
     if select == "obs":
         check_resident(loaded, "--select obs (it reads the output projections to refit them)")
 
@@ -692,6 +694,10 @@ def prune(
             fraction = 0.2
         check_amount(fraction, count)
         check_unit(layers, unit)
+        if joint:
+            check_budget(
+                layers, unit=unit, budget=budget, fraction=fraction, count=count, allow_empty_layer=allow_empty_layer
+            )
     if iterative is not None and (iterative < 1 or uniform):
         raise HeadlabError("--iterative needs STEPS >= 1 and cannot be combined with --uniform")
     if out is not None:

@@ -259,6 +259,35 @@ def check_select(select: str, budget: str, *, compensate=None, iterative=None, h
         raise HeadlabError(f"--scores gives per-head scores for --select rank; --select {select} computes its own")
 
 
+def check_budget(layers, *, unit, budget, fraction, count, allow_empty_layer) -> None:
+    """An amount the budget cannot meet fails before any scoring: uniform layouts (headlab.prune's rules), and
+    global / search / per-layer amounts that would empty a layer."""
+    from headlab.prune import _amount
+
+    if fraction is None and count is None:
+        return
+    if budget == "uniform":
+        uniform_cap(layers, unit, fraction, count)
+        return
+    if allow_empty_layer:
+        return
+    units = [len(layer_units(layer, unit)) for layer in layers]
+    what = "heads" if unit == "head" else "KV groups"
+    if budget == "per-layer":
+        for layer, n in zip(layers, units):
+            if _amount(fraction, count, n, f"{what} of layer {layer.index}") >= n:
+                raise HeadlabError(
+                    f"cannot prune every {what[:-1]} of layer {layer.index} and keep one head; pass --allow-empty-layer"
+                )
+        return
+    target, room = _amount(fraction, count, sum(units), what), sum(n - 1 for n in units)
+    if target > room:
+        raise HeadlabError(
+            f"cannot prune {target} {what} while keeping one head in every layer (at most {room}); "
+            "pass --allow-empty-layer"
+        )
+
+
 def select_joint(
     loaded,
     *,
@@ -280,12 +309,30 @@ def select_joint(
     scoring_batches: prepared ScoringBatches for the gradient statistics; grams: headlab.compensate's output
     statistics (obs, and search with compensation); search_batches: ScoringBatches the search measures on.
     Many parameters: one selection spec spelled out, each used once (a spec object would be the same list)."""
-    from headlab.prune import _amount, check_amount, check_unit
+    from headlab.prune import check_amount, check_unit
 
-    layers = loaded.layers
     check_amount(fraction, count)
-    check_unit(layers, unit)
-    cap = uniform_cap(layers, unit, fraction, count) if budget == "uniform" else None
+    check_unit(loaded.layers, unit)
+    cap = uniform_cap(loaded.layers, unit, fraction, count) if budget == "uniform" else None
+    paths, meta = joint_paths(
+        loaded, select=select, budget=budget, unit=unit, cap=cap, allow_empty_layer=allow_empty_layer,
+        scoring_batches=scoring_batches, grams=grams, scores=scores, progress=progress,
+    )  # fmt: skip
+    if budget == "search":
+        curves = measured_curves(loaded, paths, search_batches, compensate=compensate, grams=grams, progress=progress)
+        for p, curve in zip(paths, curves):
+            p.extra["measured"] = curve
+    taken = allocate(loaded, paths, budget=budget, unit=unit, fraction=fraction, count=count, cap=cap)
+    pruned = [set(h for u in p.units[:k] for h in u) for p, k in zip(paths, taken)]
+    meta["removed_per_layer"] = {p.layer: k for p, k in zip(paths, taken)}
+    return SelectionResult(pruned, selection_table(paths, taken), meta)
+
+
+def joint_paths(
+    loaded, *, select, budget, unit, cap, allow_empty_layer, scoring_batches, grams=None, scores=None, progress=True
+) -> tuple[list[Path], dict]:
+    """Every layer's greedy removal path under the budget's constraints (uniform caps, a head kept per layer)."""
+    layers = loaded.layers
     units = [layer_units(layer, unit) for layer in layers]
     allowed = [_allowed(layer, unit, budget, cap, allow_empty_layer) for layer in layers]
     steps = [_steps(layer, unit, budget, cap) for layer in layers]
@@ -311,14 +358,24 @@ def select_joint(
         paths = obs_paths(loaded, grams, stats.output, units, allowed, steps, progress)
         meta["fisher_tokens"] = stats.tokens
         meta["alphas"] = {p.layer: p.extra["alpha"] for p in paths}
-    what = "heads" if unit == "head" else "KV groups"
-    total = sum(len(u) for u in units)
     if budget == "uniform":
-        taken = [len(p.units) for p in paths]
         short = [p.layer for p, s in zip(paths, steps) if len(p.units) < s]
         if short:
             raise HeadlabError(f"--budget uniform cannot remove {cap} per container in layers {short}")
-    elif budget == "per-layer":
+    return paths, meta
+
+
+def allocate(loaded, paths: list[Path], *, budget, unit, fraction, count, cap=None) -> list[int]:
+    """Steps taken from each layer's path: uniform (the whole capped path), per-layer, global, or search (by the
+    measured curves in path.extra["measured"]); a budget the paths cannot meet is a one-line error."""
+    from headlab.prune import _amount
+
+    layers = loaded.layers
+    what = "heads" if unit == "head" else "KV groups"
+    units = [layer_units(layer, unit) for layer in layers]
+    if budget == "uniform":
+        return [len(p.units) for p in paths]
+    if budget == "per-layer":
         taken = []
         for layer, p, u in zip(layers, paths, units):
             target = _amount(fraction, count, len(u), f"{what} of layer {layer.index}")
@@ -327,24 +384,21 @@ def select_joint(
                     f"cannot prune {target} {what} of layer {layer.index} and keep one head; pass --allow-empty-layer"
                 )
             taken.append(target)
-    else:
-        target = _amount(fraction, count, total, what)
-        room = sum(len(p.units) for p in paths)
-        if target > room:
-            raise HeadlabError(
-                f"cannot prune {target} {what} while keeping one head in every layer (at most {room}); "
-                "pass --allow-empty-layer"
-            )
-        if budget == "global":
-            taken = take_global(paths, target)
-        else:
-            curves = measured_curves(
-                loaded, paths, search_batches, compensate=compensate, grams=grams, progress=progress
-            )
-            taken = take_search(curves, target)
-            for p, curve in zip(paths, curves):
-                p.extra["measured"] = curve
-    pruned = [set(h for u in p.units[:k] for h in u) for p, k in zip(paths, taken)]
+        return taken
+    target = _amount(fraction, count, sum(len(u) for u in units), what)
+    room = sum(len(p.units) for p in paths)
+    if target > room:
+        raise HeadlabError(
+            f"cannot prune {target} {what} while keeping one head in every layer (at most {room}); "
+            "pass --allow-empty-layer"
+        )
+    if budget == "global":
+        return take_global(paths, target)
+    return take_search([p.extra["measured"] for p in paths], target)
+
+
+def selection_table(paths: list[Path], taken: list[int]) -> pd.DataFrame:
+    """One row per path step: layer, step, heads, cost (+ reconstruction_error, measured_loss_increase), taken."""
     rows = []
     for p, k in zip(paths, taken):
         for step, (u, cost) in enumerate(zip(p.units, p.cost)):
@@ -355,8 +409,7 @@ def select_joint(
                 row["measured_loss_increase"] = p.extra["measured"][step]
             row["taken"] = step < k
             rows.append(row)
-    meta["removed_per_layer"] = {p.layer: k for p, k in zip(paths, taken)}
-    return SelectionResult(pruned, pd.DataFrame(rows), meta)
+    return pd.DataFrame(rows)
 
 
 def single_obs_scores(loaded, grams, output_fisher, progress=True) -> list[torch.Tensor]:

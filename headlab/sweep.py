@@ -27,7 +27,10 @@ from headlab.prune import (
     select_heads,
 )
 
-ORDERS = ("importance", "iterative", "random", "entropy", "ablation")
+ORDERS = (
+    "importance", "iterative", "random", "entropy", "ablation", "grad", "taylor", "fisher", "obs", "fisher-block",
+)  # fmt: skip
+JOINT_ORDERS = ("obs", "fisher-block")  # joint per-layer greedy paths (headlab.selection), not a per-head ranking
 DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 DEFAULT_ORDERS = ("importance", "random", "entropy")
 ORDER_HELP = {
@@ -36,6 +39,12 @@ ORDER_HELP = {
     "random": "uniformly random scores, averaged over --seeds",
     "entropy": "mean attention entropy, most diffuse (highest entropy) first",
     "ablation": "loss increase when each head alone is removed, lowest first",
+    "grad": "gradient importance E_x |dL(x)/dxi_h| (Michel et al.), whatever --method says",
+    "taylor": "per-token |ctx_h . dL/dctx_h| (Michel et al.'s code)",
+    "fisher": "diagonal empirical Fisher of the head gates (Kwon et al. 2022)",
+    "obs": "structured OBS: per layer the heads whose removal leaves the least loss-weighted o_proj error after the "
+    "ridge refit, greedily, layers by estimated loss (headlab.obs)",
+    "fisher-block": "per layer the heads with the least joint block-diagonal Fisher cost, layers by that cost",
 }
 
 
@@ -113,6 +122,10 @@ def sweep(
             return importance_scores(loaded, **importance_kwargs)
         if order == "ablation":
             return importance_scores(loaded, **dict(importance_kwargs, method="ablation", max_tokens=None))
+        if order in ("grad", "taylor", "fisher"):
+            return importance_scores(loaded, **dict(importance_kwargs, method=order))
+        if order in JOINT_ORDERS:
+            return _joint_paths(loaded, order, unit, per_layer, allow_empty_layer, grams, importance_kwargs)
         if order == "entropy":
             return entropy_scores(loaded, **score_kwargs, text_column=text_column, max_tokens=calibration_tokens)
         return random_scores(layers, seed)
@@ -120,7 +133,7 @@ def sweep(
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
     cache: dict[tuple, dict] = {}
     grams = None
-    if compensate is not None:
+    if compensate is not None or "obs" in orders:
         from headlab.compensate import compensation_batches, output_statistics
 
         batches = compensation_batches(
@@ -164,15 +177,22 @@ def sweep(
         for fraction in fractions:
             if order == "iterative" and any(pruned):
                 scores = importance_scores(loaded, pruned, **importance_kwargs)
-            pruned = select_heads(
-                layers,
-                scores,
-                fraction=fraction,
-                per_layer=per_layer,
-                unit=unit,
-                allow_empty_layer=allow_empty_layer,
-                already=pruned if order == "iterative" else None,
-            )
+            if order in JOINT_ORDERS:  # `scores` holds the layers' greedy paths: take steps for this fraction
+                from headlab.selection import allocate
+
+                budget = "per-layer" if per_layer else "global"
+                taken = allocate(loaded, scores, budget=budget, unit=unit, fraction=fraction, count=None)
+                pruned = [set(h for u in p.units[:k] for h in u) for p, k in zip(scores, taken)]
+            else:
+                pruned = select_heads(
+                    layers,
+                    scores,
+                    fraction=fraction,
+                    per_layer=per_layer,
+                    unit=unit,
+                    allow_empty_layer=allow_empty_layer,
+                    already=pruned if order == "iterative" else None,
+                )
             n = sum(len(p) for p in pruned)
             for compensation in [None] + ([compensate] if compensate else []):
                 rows.append(
@@ -206,6 +226,22 @@ def sweep(
         "threads": torch.get_num_threads(),
     }
     return SweepResult(table, meta)
+
+
+def _joint_paths(loaded, order, unit, per_layer, allow_empty_layer, grams, importance_kwargs):
+    """The joint selection's per-layer greedy paths (headlab.selection), computed once for every fraction."""
+    from headlab.selection import calibration_scoring_batches, joint_paths
+
+    kw = importance_kwargs
+    batches = calibration_scoring_batches(
+        loaded, data=kw["data"], text_column=kw["text_column"], seq_len=kw["seq_len"], batch_size=kw["batch_size"],
+        max_tokens=kw["max_tokens"],
+    )  # fmt: skip
+    paths, _ = joint_paths(
+        loaded, select=order, budget="per-layer" if per_layer else "global", unit=unit, cap=None,
+        allow_empty_layer=allow_empty_layer, scoring_batches=batches, grams=grams, progress=kw["progress"],
+    )  # fmt: skip
+    return paths
 
 
 def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:

@@ -290,3 +290,65 @@ def test_search_measures_each_layers_loss_curve():
     for r in result.table[(result.table["layer"] == 1) & (result.table["step"] <= 2)].itertuples():
         heads |= {int(h) for h in r.heads.split(",")}
     assert row["measured_loss_increase"] == pytest.approx(loss([set(), heads]) - base, rel=1e-6, abs=1e-9)
+
+
+# ---- through prune, sweep and the CLI --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("select", "budget", "compensate"),
+    [("obs", "uniform", "ridge"), ("fisher-block", "global", None), ("rank", "search", "ridge")],
+)
+def test_prune_with_joint_selection_saves_a_consistent_record(select, budget, compensate, tmp_path):
+    from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    loaded = from_model(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
+    result = P.prune(
+        loaded, select=select, budget=budget, count=6, method="fisher", compensate=compensate, data=str(corpus),
+        seq_len=32, calibration_tokens=256, search_tokens=64, eval_tokens=128, mode="physical", out=tmp_path / "p",
+        progress=False,
+    )  # fmt: skip
+    assert result.num_pruned == 6
+    assert result.meta["selection"]["select"] == select and result.meta["selection"]["budget"] == budget
+    removed = result.table[result.table["pruned"]]
+    if select != "rank":
+        assert removed["selection_step"].notna().all()
+    if budget == "uniform":
+        assert result.loader == "vanilla"
+    assert result.verification["max_abs_diff"] <= 1e-3
+
+
+def test_prune_method_sources_by_name(tmp_path):
+    """Every score source prunes by name; random is seeded (same seed, same heads)."""
+    from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    common = dict(count=3, data=str(corpus), seq_len=32, calibration_tokens=128, evaluate=False, progress=False)
+    chosen = {}
+    for method in ("obs", "random", "entropy", "fisher"):
+        loaded = from_model(tiny_model("llama"), tiny_tokenizer())
+        chosen[method] = P.prune(loaded, method=method, **common).pruned
+        assert sum(len(p) for p in chosen[method]) == 3
+    again = P.prune(from_model(tiny_model("llama"), tiny_tokenizer()), method="random", **common).pruned
+    assert again == chosen["random"]
+
+
+def test_sweep_compares_joint_and_ranked_orders(tmp_path):
+    from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+
+    from headlab.sweep import sweep
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    loaded = from_model(tiny_model("llama"), tiny_tokenizer())
+    result = sweep(
+        loaded, fractions=(0.0, 0.25, 0.5), orders=("obs", "fisher", "fisher-block"), data=str(corpus), seq_len=32,
+        calibration_tokens=128, eval_tokens=64, compensate="ridge", progress=False,
+    )  # fmt: skip
+    table = result.table
+    assert set(table["order"]) == {"obs", "fisher", "fisher-block"}
+    assert set(table["compensation"]) == {"none", "ridge"}
+    assert sorted(table.loc[table["order"] == "obs", "pruned_heads"].unique().tolist()) == [0, 2, 4]

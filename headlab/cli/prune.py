@@ -10,6 +10,7 @@ from headlab.checkpoint import describe_check
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
+from headlab.selection import BUDGETS, SELECTS, SOURCES
 
 
 @click.command("prune")
@@ -32,11 +33,34 @@ from headlab.report_text import human_bytes
 )
 @click.option(
     "--method",
-    type=click.Choice(["grad", "taylor", "ablation"]),
+    type=click.Choice(SOURCES),
     default="grad",
     show_default=True,
-    help="importance scorer when no --scores is given",
+    help="per-head score source when no --scores is given (see docs/selection.md)",
 )
+@click.option(
+    "--select",
+    type=click.Choice(SELECTS),
+    default="rank",
+    show_default=True,
+    help="rank: lowest --method scores; fisher-block: joint per-layer Fisher; obs: reconstruction-aware (structured "
+    "OBS, predicts the --compensate ridge refit)",
+)
+@click.option(
+    "--budget",
+    type=click.Choice(BUDGETS),
+    default=None,
+    help="how many heads each layer gives up: global ranking [default], per-layer (= --per-layer), uniform "
+    "(= --uniform), search (measured per-layer loss curves, exact allocation)",
+)
+@click.option(
+    "--search-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="calibration tokens each --budget search measurement runs on",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of --method random")
 @click.option(
     "--calibration-tokens",
     type=click.IntRange(min=1),
@@ -75,6 +99,10 @@ def command(
     allow_empty_layer,
     mode,
     method,
+    select,
+    budget,
+    search_tokens,
+    seed,
     calibration_tokens,
     compensate,
     as_json,
@@ -115,6 +143,10 @@ def command(
         batch_size=batch_size,
         progress=not as_json,
         compensate=compensate,
+        select=select,
+        budget=budget,
+        search_tokens=search_tokens,
+        seed=seed,
     )
     if as_json:
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))

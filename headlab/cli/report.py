@@ -31,15 +31,32 @@ def report_options(function):
 @model_options
 @report_options
 @out_option(required=True, help_text="report directory (written atomically)")
-def command(load, data, text_column, quick, fmt, out, overwrite):
+@click.option(
+    "--orders",
+    default=None,
+    metavar="LIST",
+    help="comma-separated pruning orders of the report's sweep, any of `headlab sweep --orders` (e.g. "
+    "importance,fisher,obs,random) [default: the preset's]",
+)
+def command(load, data, text_column, quick, fmt, out, overwrite, orders):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
-    from headlab.data import load_corpus
-    from headlab.report import check_report_out, run_report
+    import dataclasses
 
+    from headlab.data import load_corpus
+    from headlab.report import PRESETS, check_report_out, run_report
+    from headlab.report_text import parse_list
+    from headlab.sweep import check_sweep
+
+    settings = PRESETS["quick" if quick else "full"]
+    if orders is not None:
+        settings = dataclasses.replace(settings, orders=tuple(parse_list(orders, str, "orders")))
+        check_sweep(settings.fractions, settings.orders, settings.seeds)
     check_report_out(out, overwrite)
     load_corpus(data, text_column)
-    report = run_report(load(), out, data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt)
+    report = run_report(
+        load(), out, data=data, text_column=text_column, quick=quick, settings=settings, overwrite=overwrite, fmt=fmt
+    )
     for line in report.summary:
         click.echo(f"- {line}")
     click.echo(f"wrote {out}/report.md and {out}/report.html ({len(report.figures)} figures)")

@@ -41,7 +41,13 @@ from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS,
     help="physical measures the smaller model's speed; mask keeps shapes (same perplexity)",
 )
 @click.option("--calibration-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
-@click.option("--method", type=click.Choice(["grad", "taylor"]), default="grad", show_default=True)
+@click.option(
+    "--method",
+    type=click.Choice(["grad", "taylor", "fisher"]),
+    default="grad",
+    show_default=True,
+    help="score of the importance and iterative orders",
+)
 @click.option(
     "--compensate",
     type=click.Choice(["ridge", "bias"]),
