@@ -352,3 +352,30 @@ def test_sweep_compares_joint_and_ranked_orders(tmp_path):
     assert set(table["order"]) == {"obs", "fisher", "fisher-block"}
     assert set(table["compensation"]) == {"none", "ridge"}
     assert sorted(table.loc[table["order"] == "obs", "pruned_heads"].unique().tolist()) == [0, 2, 4]
+
+
+def test_cli_prune_select_obs_uniform_and_importance_fisher(tmp_path, capsys):
+    import json
+
+    import pandas as pd
+    from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
+
+    model = save_tiny("llama", tmp_path / "m")
+    text = tmp_path / "t.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+    data = ["--model", model, "--device", "cpu", "--data", text, "--seq-len", "32"]
+    code, out, err = run_cli(
+        ["prune", *data, "--select", "obs", "--budget", "uniform", "--count", "4", "--compensate", "--mode",
+         "physical", "--calibration-tokens", "128", "--max-tokens", "64", "--json", "--out", tmp_path / "p"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    record = json.loads(out)
+    assert record["pruned_heads"] == 4 and record["loader"] == "vanilla"
+    assert record["selection"]["select"] == "obs" and record["compensation"]["method"] == "ridge"
+    heads = pd.read_csv(tmp_path / "p" / "pruning" / "heads.csv")
+    assert heads["pruned"].sum() == 4 and heads.loc[heads["pruned"], "selection_cost"].notna().all()
+    code, out, err = run_cli(["importance", *data, "--method", "fisher", "--out", tmp_path / "i"], capsys)
+    assert code == 0, err
+    meta = json.loads((tmp_path / "i" / "meta.json").read_text())
+    assert meta["method"] == "fisher" and "Fisher" in meta["definition"]
