@@ -22,7 +22,7 @@ CALIBRATION_TOKENS, CALIBRATION_SEQ, BATCH = 2048, 256, 4  # scores, Fisher, Gra
 EVAL_TOKENS, EVAL_SEQ = 2048, 512
 SPEARMAN_TOKENS, SPEARMAN_SEQ = 512, 128  # the importance case's ablation setting
 SETTINGS = {"90 uniform": ("uniform", 90), "135 global": ("global", 135)}
-METHODS = ("obs", "fisher", "grad", "fisher-block", "taylor", "random-0", "random-1", "random-2", "entropy")
+METHODS = ("obs", "grad", "fisher", "random-0", "fisher-block", "taylor", "random-1", "random-2", "entropy")
 PARTIAL = Path.home() / ".cache" / "headlab" / "bench-selection-partial.json"
 
 
@@ -181,7 +181,8 @@ def run(args) -> dict:
         "original", _ppl(loaded, [set() for _ in loaded.layers], grams, False)
     )
     rows = []
-    for method in methods:
+    # compensated rows of every method first (the goals), then the plain ones
+    for compensate, method in [(c, m) for c in (True, False) for m in methods]:
         record = store.get(f"select:{method}")
         if record is None:
             chosen, seconds = _select(loaded, method, prepared, grams, data_kw)
@@ -189,7 +190,7 @@ def run(args) -> dict:
                 f"select:{method}",
                 {"seconds": seconds, "pruned": {k: [sorted(p) for p in v] for k, v in chosen.items()}},
             )
-        for compensate in (True, False):
+        if True:
             for setting in SETTINGS:
                 key = f"ppl:{method}:{setting}:{compensate}"
                 pruned = [set(p) for p in record["pruned"][setting]]
