@@ -10,7 +10,7 @@ over N calibration tokens, T0 = [W_o^T; b] the projection as rows per input dime
 - greedily, one unit at a time (OBS): with Hinv = (G + lam P)^{-1} over the live rows, removing block R raises the
   objective by tr( B T_R^T (Hinv_RR)^{-1} T_R ); then T <- T - Hinv[:, R] (Hinv_RR)^{-1} T_R and
   Hinv <- Hinv - Hinv[:, R] (Hinv_RR)^{-1} Hinv[R, :] (the inverse-Hessian row and column removal);
-- B is the block-output Fisher of headlab.fisher (K-FAC: E[d d^T], d = dL/d(block output)), so the data part
+- B is the block-output Fisher of headlab.importance.fisher_statistics (K-FAC: E[d d^T], d = dL/d(block output)), so the data part
   cost = 1/2 tr( B (T' - T0)^T G (T' - T0) ) / N estimates the increase of the mean next-token NLL (nats/token);
   that puts every layer's costs on one scale (Kronecker-factored curvature, Martens & Grosse 2015). With B = I the
   cost is the plain reconstruction error.

@@ -19,9 +19,19 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from headlab import gqa, kv_heads, plots
+from headlab.capture import capture_attention
+from headlab.costs import model_info
+from headlab.data import calibration_batches, load_corpus
 from headlab.errors import HeadlabError
-from headlab.loading import DEFAULT_MODEL, LoadedModel, atomic_directory
+from headlab.fsio import atomic_directory, write_json
+from headlab.importance import head_importance
+from headlab.loading import DEFAULT_MODEL, LoadedModel
 from headlab.report_text import human_bytes
+from headlab.scores import read_scores
+from headlab.stats import _frame_tokens, head_statistics, write_statistics
+from headlab.sweep import sweep, write_sweep
+from headlab.tables import versions, write_run
 
 SAMPLE_SENTENCE = "The cat sat on the mat because it was tired, and then it slept."
 DEMO_OUT = Path("runs/demo")
@@ -96,8 +106,6 @@ def attention_maps(
     """Attention weights of the `heads` most and least important heads on one sentence, as a tidy table
     `selection, layer, head, kv_head, importance, rank, query, key, weight, query_token, key_token` (visible keys
     only). The weights are softmax(QK^T / sqrt(d) + mask), computed by headlab's capture function (the eager math)."""
-    from headlab.capture import capture_attention
-    from headlab.stats import _frame_tokens
 
     if loaded.tokenizer is None:
         raise HeadlabError("the attention gallery needs the model's tokenizer")
@@ -153,12 +161,11 @@ def gqa_target(num_kv_heads: int) -> int | None:
 def grouping_table(loaded: LoadedModel, target: int, similarity: dict | None, grouping: str) -> pd.DataFrame:
     """One row per query head: layer, head, kv_head (read now), new_kv_head (read after pooling to `target` KV
     heads with `grouping`), grouping, method (exact / greedy / trivial / contiguous search)."""
-    from headlab import gqa
 
     groups, methods = gqa.plan_groups(loaded, target, grouping, similarity)
     rows = []
-    for layer in gqa.gqa_layers(loaded):
-        new_of = {kv: g for g, members in enumerate(gqa.canonical(groups[layer.index])) for kv in members}
+    for layer in kv_heads.gqa_layers(loaded):
+        new_of = {kv: g for g, members in enumerate(kv_heads.canonical(groups[layer.index])) for kv in members}
         for head in range(layer.num_heads):
             kv = layer.kv_head_of(head)
             rows.append((layer.index, head, kv, new_of[kv], grouping, methods[layer.index]))
@@ -376,13 +383,6 @@ def run_report(
     """Run every analysis on `loaded`, write each step's tables under `out`, draw every figure and write
     report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
     """
-    from headlab import gqa, plots
-    from headlab.data import calibration_batches, load_corpus
-    from headlab.evaluate import model_info
-    from headlab.importance import head_importance
-    from headlab.stats import head_statistics, write_statistics
-    from headlab.sweep import sweep, write_sweep
-    from headlab.tables import versions, write_run
 
     out = Path(out)
     s = fit_settings(settings or PRESETS["quick" if quick else "full"], loaded.max_positions)
@@ -417,7 +417,7 @@ def run_report(
     with atomic_directory(out, overwrite=True) as tmp:
         step("info")
         info = model_info(loaded, context=s.seq_len)
-        (tmp / "info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+        write_json(tmp / "info.json", info)
         done("info")
 
         step("stats")
@@ -444,7 +444,6 @@ def run_report(
         done("gallery")
 
         step("sweep")
-        from headlab.prune import read_scores
 
         result = sweep(
             loaded,
@@ -488,11 +487,11 @@ def run_report(
                     text_column=text_column,
                     max_positions=loaded.max_positions,
                 )
-                similarity = gqa.kv_similarity(loaded, batches, progress=progress)
+                similarity = kv_heads.kv_similarity(loaded, batches, progress=progress)
                 groups = grouping_table(loaded, target, similarity, "similarity")
                 write_run(
                     tmp / "gqa_groups",
-                    {"gqa_groups": groups, "kv_similarity": gqa.similarity_table(similarity)},
+                    {"gqa_groups": groups, "kv_similarity": kv_heads.similarity_table(similarity)},
                     {**loaded.describe(), "kv_heads_after": target, "calibration": batches.meta},
                 )
             done("gqa")
@@ -522,7 +521,7 @@ def run_report(
             "summary": report.summary,
             "versions": versions(),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        write_json(tmp / "meta.json", meta)
         sections = build_sections(tmp, meta, info, fmt)
         (tmp / "report.md").write_text(render_markdown(sections, meta))
         (tmp / "report.html").write_text(render_html(sections, meta, tmp))

@@ -15,6 +15,7 @@ that says how many steps of each path to take:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -22,8 +23,15 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab.arch import AttentionLayer
+from headlab.compensate import compensated, compensation_batches, output_statistics
 from headlab.errors import HeadlabError
+from headlab.gates import gates_from_pruned, head_gates
+from headlab.importance import fisher_statistics, sequence_nll
+from headlab.importance import scoring_batches as prepare_batches
+from headlab.obs import choose_alpha_path
 
+UNITS = ("head", "kv-group")
 SELECTS = ("rank", "fisher-block", "obs")
 BUDGETS = ("global", "per-layer", "uniform", "search")
 SELECT_HELP = {
@@ -44,6 +52,164 @@ class Path:
     extra: dict = field(default_factory=dict)
 
 
+# ---- per-head ranking (the plan step of headlab.prune) -----------------------------------------------------
+
+
+def _units(layer: AttentionLayer, unit: str) -> list[list[int]]:
+    """The prunable units of a layer as lists of query heads: single heads, or a KV head's whole group."""
+    if unit == "head":
+        return [[h] for h in range(layer.num_heads)]
+    gs = layer.group_size
+    return [list(range(g * gs, (g + 1) * gs)) for g in range(layer.num_kv_heads)]
+
+
+def _amount(fraction: float | None, count: int | None, total: int, what: str) -> int:
+    if count is not None:
+        if count > total:
+            raise HeadlabError(f"--count {count} exceeds the {total} {what}")
+        return count
+    return _nearest(fraction * total)
+
+
+def _nearest(x: float) -> int:
+    """The nearest integer, halves rounded down: a fraction between two layouts prunes the smaller one."""
+    return max(0, math.ceil(x - 0.5 - 1e-9))
+
+
+def check_amount(fraction: float | None, count: int | None) -> None:
+    if (fraction is None) == (count is None):
+        raise HeadlabError("give exactly one of --fraction and --count")
+    if fraction is not None and not 0 <= fraction < 1:
+        raise HeadlabError(f"--fraction must be in [0, 1), got {fraction}")
+    if count is not None and count < 0:
+        raise HeadlabError(f"--count must be >= 0, got {count}")
+
+
+def select_heads(
+    layers: list[AttentionLayer],
+    scores: list[torch.Tensor],
+    *,
+    fraction: float | None = None,
+    count: int | None = None,
+    per_layer: bool = False,
+    unit: str = "head",
+    uniform: bool = False,
+    allow_empty_layer: bool = False,
+    already: list[set[int]] | None = None,
+) -> list[set[int]]:
+    """The lowest-scoring units (heads, or KV groups scored by the sum of their query heads), globally or per layer.
+
+    `fraction`/`count` is the total to have pruned, including `already` (iterative pruning). A unit that would
+    empty a layer is skipped unless allow_empty_layer. Ties go to the lower (layer, head). Returns per-layer sets.
+    """
+    check_amount(fraction, count)
+    check_unit(layers, unit)
+    if len(scores) != len(layers) or any(s.shape != (layer.num_heads,) for s, layer in zip(scores, layers)):
+        raise HeadlabError("the scores do not match the model's layers and heads")
+    pruned = [set(s) for s in already] if already is not None else [set() for _ in layers]
+    if uniform:
+        return _select_uniform(layers, scores, fraction, count, unit, pruned)
+    units = [_units(layer, unit) for layer in layers]
+
+    def score(layer: int, heads: list[int]) -> float:
+        return float(scores[layer][heads].sum())
+
+    def open_units(layer: int) -> list[list[int]]:
+        return [u for u in units[layer] if not set(u) <= pruned[layer]]
+
+    def fits(layer: int, heads: list[int]) -> bool:
+        return allow_empty_layer or len(pruned[layer] | set(heads)) < layers[layer].num_heads
+
+    what = "heads" if unit == "head" else "KV groups"
+    if per_layer:
+        for i in range(len(layers)):
+            target = _amount(fraction, count, len(units[i]), f"{what} of layer {i}")
+            done = len(units[i]) - len(open_units(i))
+            for heads in sorted(open_units(i), key=lambda u: (score(i, u), u)):
+                if done >= target:
+                    break
+                if fits(i, heads):
+                    pruned[i] |= set(heads)
+                    done += 1
+            if done < target:
+                raise HeadlabError(
+                    f"cannot prune {target} {what} of layer {i} and keep one head; pass --allow-empty-layer"
+                )
+        return pruned
+    total = sum(len(u) for u in units)
+    target = _amount(fraction, count, total, what)
+    done = total - sum(len(open_units(i)) for i in range(len(layers)))
+    candidates = sorted(
+        ((score(i, u), i, u) for i in range(len(layers)) for u in open_units(i)), key=lambda c: (c[0], c[1], c[2])
+    )
+    for _, i, heads in candidates:
+        if done >= target:
+            break
+        if fits(i, heads):
+            pruned[i] |= set(heads)
+            done += 1
+    if done < target:
+        raise HeadlabError(
+            f"cannot prune {target} {what} while keeping one head in every layer; pass --allow-empty-layer"
+        )
+    return pruned
+
+
+def check_unit(layers: list[AttentionLayer], unit: str) -> None:
+    if unit not in UNITS:
+        raise HeadlabError(f"unknown --unit {unit!r}; use one of {', '.join(UNITS)}")
+    if unit == "kv-group" and all(layer.group_size == 1 for layer in layers):
+        raise HeadlabError("--unit kv-group means nothing different on a model without GQA (one query per KV head)")
+
+
+def _select_uniform(layers, scores, fraction, count, unit, pruned) -> list[set[int]]:
+    """Remove the same number k from every container: per KV group (GQA heads), per layer (MHA heads, KV groups)."""
+    if any(pruned):
+        raise HeadlabError("--uniform cannot be combined with iterative or preset pruning")
+    if len({(layer.num_heads, layer.num_kv_heads) for layer in layers}) != 1:
+        raise HeadlabError("--uniform needs every attention layer to have the same head layout")
+    H, G = layers[0].num_heads, layers[0].num_kv_heads
+    gs = H // G
+    if unit == "head" and gs > 1:
+        containers = [[[g * gs + i for i in range(gs)] for g in range(G)] for _ in layers]  # query heads of a group
+        size, what = gs, "query heads per KV group"
+    elif unit == "head":
+        containers = [[list(range(H))] for _ in layers]
+        size, what = H, "heads per layer"
+    else:
+        containers = [[list(range(G))] for _ in layers]  # one container of KV-group ids per layer
+        size, what = G, "KV groups per layer"
+    n_containers = sum(len(c) for c in containers)
+    if count is not None:
+        if count % n_containers:
+            raise HeadlabError(
+                f"--uniform cannot prune {count} {'KV groups' if unit == 'kv-group' else 'heads'}: the count must be "
+                f"a multiple of {n_containers} (the same number in each of {n_containers} "
+                f"{'layers' if size != gs or unit != 'head' else 'KV groups'}), e.g. {n_containers}"
+            )
+        k = count // n_containers
+    else:
+        k = _nearest(fraction * size)
+    if (fraction or count) and k == 0:
+        raise HeadlabError(
+            f"--uniform cannot prune {fraction if count is None else count}: the nearest uniform layout removes 0 "
+            f"of {size} {what} (smallest step: 1/{size} = {1 / size:.3f})"
+        )
+    if k >= size:
+        hint = "; prune whole groups with --unit kv-group" if unit == "head" and gs > 1 else ""
+        raise HeadlabError(f"--uniform cannot remove all {size} {what}{hint}")
+    for i, layer_containers in enumerate(containers):
+        for members in layer_containers:
+            if unit == "kv-group":
+                ranked = sorted(members, key=lambda g: (float(scores[i][g * gs : (g + 1) * gs].sum()), g))
+                for g in ranked[:k]:
+                    pruned[i] |= set(range(g * gs, (g + 1) * gs))
+            else:
+                ranked = sorted(members, key=lambda h: (float(scores[i][h]), h))
+                pruned[i] |= set(ranked[:k])
+    return pruned
+
+
 # ---- constraints ----------------------------------------------------------------------------------------------
 
 
@@ -56,9 +222,6 @@ def layer_units(layer, unit: str) -> list[list[int]]:
 
 def uniform_cap(layers, unit: str, fraction, count) -> int:
     """k removed from every container (a GQA layer's KV groups for heads, else the layer), or a one-line error."""
-    from headlab.prune import _select_uniform
-
-    # prune's own uniform rules decide the feasibility and k (one source of truth for the error messages)
     pruned = _select_uniform(
         layers, [torch.zeros(layer.num_heads) for layer in layers], fraction, count, unit, [set() for _ in layers]
     )
@@ -120,8 +283,6 @@ def fisher_block_path(layer, units, block: torch.Tensor, allowed, steps=None) ->
 
 def obs_paths(loaded, grams, output_fisher, units, allowed, steps, progress=True) -> list[Path]:
     """One OBS path per layer (headlab.obs) on the compensation Grams, loss-weighted by the block-output Fisher."""
-    from headlab.obs import choose_alpha_path
-
     paths = []
     for i, layer in enumerate(tqdm(loaded.layers, desc="obs selection", disable=not progress, unit="layer")):
         w = loaded.adapter.read(layer)
@@ -187,17 +348,12 @@ def take_search(curves: list[list[float]], target: int) -> list[int]:
 def measured_curves(loaded, paths: list[Path], batches, *, compensate=None, grams=None, progress=True) -> list:
     """c_l(k): mean calibration NLL with layer l's first k path steps removed (gated to 0; refit by `compensate`
     on `grams` when given), minus the unpruned one. One forward-pass set per (layer, k)."""
-    from headlab.compensate import compensated
-    from headlab.gates import head_gates
-    from headlab.importance import sequence_nll
-    from headlab.prune import gates_from_pruned
-
     layers = loaded.layers
     tokens = float(sum(b.scored for b in batches))
 
     def loss(pruned) -> float:
         total = 0.0
-        refit = compensated(loaded, pruned, grams, compensate) if compensate else _null()
+        refit = compensated(loaded, pruned, grams, compensate) if compensate else contextlib.nullcontext()
         with refit, head_gates(loaded, gates_from_pruned(layers, pruned)):
             for batch in batches:
                 total += float(sequence_nll(loaded.model, batch, loaded.device).double().sum())
@@ -217,14 +373,6 @@ def measured_curves(loaded, paths: list[Path], batches, *, compensate=None, gram
         curves.append(curve)
     bar.close()
     return curves
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ---- the whole selection --------------------------------------------------------------------------------------
@@ -262,8 +410,6 @@ def check_select(select: str, budget: str, *, compensate=None, iterative=None, h
 def check_budget(layers, *, unit, budget, fraction, count, allow_empty_layer) -> None:
     """An amount the budget cannot meet fails before any scoring: uniform layouts (headlab.prune's rules), and
     global / search / per-layer amounts that would empty a layer."""
-    from headlab.prune import _amount
-
     if fraction is None and count is None:
         return
     if budget == "uniform":
@@ -309,8 +455,6 @@ def select_joint(
     scoring_batches: prepared ScoringBatches for the gradient statistics; grams: headlab.compensate's output
     statistics (obs, and search with compensation); search_batches: ScoringBatches the search measures on.
     Many parameters: one selection spec spelled out, each used once (a spec object would be the same list)."""
-    from headlab.prune import check_amount, check_unit
-
     check_amount(fraction, count)
     check_unit(loaded.layers, unit)
     cap = uniform_cap(loaded.layers, unit, fraction, count) if budget == "uniform" else None
@@ -342,16 +486,12 @@ def joint_paths(
             raise HeadlabError("--select rank needs per-head scores")
         paths = [score_path(layer, units[i], scores[i], allowed[i], steps[i]) for i, layer in enumerate(layers)]
     elif select == "fisher-block":
-        from headlab.fisher import fisher_statistics
-
         stats = fisher_statistics(loaded, scoring_batches, progress=progress)
         paths = [
             fisher_block_path(layer, units[i], stats.block[i], allowed[i], steps[i]) for i, layer in enumerate(layers)
         ]
         meta["fisher_sequences"] = stats.sequences
     else:
-        from headlab.fisher import fisher_statistics
-
         if grams is None:
             raise HeadlabError("--select obs needs the calibration Gram of the output projections")
         stats = fisher_statistics(loaded, scoring_batches, output_fisher=True, progress=progress)
@@ -368,8 +508,6 @@ def joint_paths(
 def allocate(loaded, paths: list[Path], *, budget, unit, fraction, count, cap=None) -> list[int]:
     """Steps taken from each layer's path: uniform (the whole capped path), per-layer, global, or search (by the
     measured curves in path.extra["measured"]); a budget the paths cannot meet is a one-line error."""
-    from headlab.prune import _amount
-
     layers = loaded.layers
     what = "heads" if unit == "head" else "KV groups"
     units = [layer_units(layer, unit) for layer in layers]
@@ -424,82 +562,18 @@ def single_obs_scores(loaded, grams, output_fisher, progress=True) -> list[torch
     ]
 
 
-# ---- score sources by name ------------------------------------------------------------------------------------
-
-SOURCES = ("grad", "taylor", "fisher", "ablation", "obs", "random", "entropy")
-SOURCE_HELP = {
-    "grad": "E_x |dL(x)/dxi_h| (Michel et al. 2019)",
-    "taylor": "per-token |ctx_h . dL/dctx_h| (Michel et al.'s code)",
-    "fisher": "diagonal empirical Fisher of the head gates (Kwon et al. 2022)",
-    "ablation": "exact loss increase with one head masked (one forward-pass set per head)",
-    "obs": "loss-weighted o_proj reconstruction error left after the ridge refit, head alone (structured OBS)",
-    "random": "uniformly random (seeded)",
-    "entropy": "mean attention entropy, most diffuse first",
-}
-IMPORTANCE_SOURCES = ("grad", "taylor", "fisher", "ablation")
-
-
-def check_source(name: str) -> None:
-    if name not in SOURCES:
-        raise HeadlabError(f"unknown score method {name!r}; use one of {', '.join(SOURCES)} (or a --scores table)")
-
-
-def source_scores(
-    loaded,
-    name: str,
-    *,
-    data=None,
-    text_column=None,
-    seq_len: int = 256,
-    batch_size: int = 4,
-    max_tokens: int = 2048,
-    seed: int = 0,
-    grams=None,
-    pruned=None,
-    progress: bool = True,
-) -> list[torch.Tensor]:
-    """Per-layer scores [H_l] of score source `name` (lowest = removed first), on calibration text only.
-
-    grams: headlab.compensate output statistics already computed (obs reuses them); pruned: heads already removed
-    (gated off while scoring; importance sources only)."""
-    from headlab.prune import entropy_scores, importance_scores, random_scores
-
-    check_source(name)
-    if pruned is not None and any(pruned) and name not in IMPORTANCE_SOURCES:
-        raise HeadlabError(f"re-scoring with heads removed (--iterative) applies to {', '.join(IMPORTANCE_SOURCES)}")
-    common = dict(data=data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, progress=progress)
-    if name in IMPORTANCE_SOURCES:
-        return importance_scores(loaded, pruned, method=name, max_tokens=max_tokens, **common)
-    if name == "random":
-        return random_scores(loaded.layers, seed)
-    if name == "entropy":
-        return entropy_scores(loaded, max_tokens=max_tokens, **common)
-    batches = calibration_scoring_batches(loaded, **common, max_tokens=max_tokens)
-    if grams is None:
-        grams = calibration_grams(loaded, **common, max_tokens=max_tokens)
-    from headlab.fisher import fisher_statistics
-
-    stats = fisher_statistics(loaded, batches, output_fisher=True, progress=progress)
-    return single_obs_scores(loaded, grams, stats.output, progress)
-
-
 def calibration_scoring_batches(loaded, *, data, text_column, seq_len, batch_size, max_tokens, progress=True):
     """ScoringBatches of the calibration split (never the eval split)."""
-    from headlab.compensate import compensation_batches
-    from headlab.importance import scoring_batches
-
     if loaded.tokenizer is None:
         raise HeadlabError("scoring calibration text needs the model's tokenizer")
     batches = compensation_batches(
         loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
     )
-    return scoring_batches(loaded, batches)
+    return prepare_batches(loaded, batches)
 
 
 def calibration_grams(loaded, *, data, text_column, seq_len, batch_size, max_tokens, progress=True):
     """headlab.compensate's output statistics on the calibration split (the Grams --compensate refits from)."""
-    from headlab.compensate import compensation_batches, output_statistics
-
     batches = compensation_batches(
         loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
     )

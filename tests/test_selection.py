@@ -1,4 +1,4 @@
-"""Head selection (headlab.fisher, headlab.obs, headlab.selection): the Fisher against a slow per-sequence loop, OBS
+"""Head selection (Fisher in headlab.importance, headlab.obs, headlab.selection): the Fisher against a slow per-sequence loop, OBS
 on a layer with a redundant head, OBS's predicted error against the actual ridge refit, and budgets' constraints."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from headlab import prune as P
 from headlab import selection as S
 from headlab.compensate import _error, output_statistics, ridge_refit
 from headlab.errors import HeadlabError
-from headlab.fisher import fisher_statistics
 from headlab.gates import head_gates
-from headlab.importance import frozen, head_importance, scoring_batches
+from headlab.importance import fisher_statistics, frozen, head_importance, scoring_batches
 from headlab.loading import from_model
 from headlab.obs import obs_path, ridge_lambda
 

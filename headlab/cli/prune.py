@@ -6,11 +6,16 @@ import json
 
 import click
 
-from headlab.checkpoint import describe_check
+from headlab.checkpoint import check_checkpoint_out, describe_check
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.prune import MODES, UNITS, prune
+from headlab.compensate import COMPENSATIONS
+from headlab.errors import HeadlabError
+from headlab.prune import MODES, prune
 from headlab.report_text import human_bytes
-from headlab.selection import BUDGETS, SELECTS, SOURCES
+from headlab.scores import SCORE_SOURCES
+from headlab.selection import BUDGETS, SELECTS, UNITS
+
+SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table comes with --scores
 
 
 @click.command("prune")
@@ -33,7 +38,7 @@ from headlab.selection import BUDGETS, SELECTS, SOURCES
 )
 @click.option(
     "--method",
-    type=click.Choice(SOURCES),
+    type=click.Choice(SCORE_NAMES),
     default="grad",
     show_default=True,
     help="per-head score source when no --scores is given (see docs/selection.md)",
@@ -70,7 +75,7 @@ from headlab.selection import BUDGETS, SELECTS, SOURCES
 )
 @click.option(
     "--compensate",
-    type=click.Choice(["ridge", "bias"]),
+    type=click.Choice(COMPENSATIONS),
     is_flag=False,
     flag_value="ridge",
     default=None,
@@ -111,9 +116,6 @@ def command(
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
     checkpoint that is reloaded and compared before the command returns."""
     from pathlib import Path
-
-    from headlab.checkpoint import check_checkpoint_out
-    from headlab.errors import HeadlabError
 
     if part != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")

@@ -3,6 +3,8 @@ GQA sweep and grouping), then report.md and a self-contained report.html with th
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from headlab.cli.options import model_options, out_option
@@ -14,7 +16,9 @@ def report_options(function):
     function = click.option(
         "--format", "fmt", type=click.Choice(FORMATS), default="png", show_default=True, help="figure format"
     )(function)
-    function = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about 2x faster)")(function)
+    function = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about half the time)")(
+        function
+    )
     function = click.option("--text-column", default=None, help="text column of a table corpus [default: text]")(
         function
     )
@@ -41,8 +45,7 @@ def report_options(function):
 def command(load, data, text_column, quick, fmt, out, overwrite, orders):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
-    import dataclasses
-
+    # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
     from headlab.data import load_corpus
     from headlab.report import PRESETS, check_report_out, run_report
     from headlab.report_text import parse_list

@@ -75,8 +75,8 @@ def _paths(loaded, method, budget, count, stats, grams):
 def _select(loaded, method, prepared, grams, data_kw):
     """{setting: pruned sets} for one method, and its wall time (scores + selection, both settings)."""
     from headlab import prune as P
-    from headlab.fisher import fisher_statistics
-    from headlab.selection import source_scores
+    from headlab.importance import fisher_statistics
+    from headlab.scores import ScoreRequest, score_heads
 
     start = time.perf_counter()
     out = {}
@@ -86,7 +86,8 @@ def _select(loaded, method, prepared, grams, data_kw):
             out[name] = _paths(loaded, method, budget, count, stats, grams)
     else:
         name, _, seed = method.partition("-")
-        scores = source_scores(loaded, name, seed=int(seed or 0), grams=grams, progress=False, **data_kw)
+        request = ScoreRequest(None, None, **data_kw, progress=False, seed=int(seed or 0), grams=grams)
+        scores = score_heads(name, loaded, request)
         for setting, (budget, count) in SETTINGS.items():
             out[setting] = P.select_heads(loaded.layers, scores, count=count, uniform=budget == "uniform")
     return out, time.perf_counter() - start
@@ -112,8 +113,7 @@ def _spearman_part(loaded, store, methods):
     """Per-head scores on the 512 Spearman calibration tokens, and exact ablation there (resumable, head by head)."""
     from headlab.compensate import output_statistics
     from headlab.data import calibration_batches
-    from headlab.fisher import fisher_statistics
-    from headlab.importance import _total_nll, head_importance, scoring_batches
+    from headlab.importance import _total_nll, fisher_statistics, head_importance, scoring_batches
     from headlab.selection import single_obs_scores
     from headlab.stats import head_statistics
 
@@ -190,18 +190,17 @@ def run(args) -> dict:
                 f"select:{method}",
                 {"seconds": seconds, "pruned": {k: [sorted(p) for p in v] for k, v in chosen.items()}},
             )
-        if True:
-            for setting in SETTINGS:
-                key = f"ppl:{method}:{setting}:{compensate}"
-                pruned = [set(p) for p in record["pruned"][setting]]
-                value = store.get(key)
-                if value is None:
-                    value = store.put(key, _ppl(loaded, pruned, grams, compensate))
-                rows.append(
+        for setting in SETTINGS:
+            key = f"ppl:{method}:{setting}:{compensate}"
+            pruned = [set(p) for p in record["pruned"][setting]]
+            value = store.get(key)
+            if value is None:
+                value = store.put(key, _ppl(loaded, pruned, grams, compensate))
+            rows.append(
                     {"method": method, "setting": setting, "compensation": compensate, "perplexity": value,
                      "pruned": sum(len(p) for p in pruned), "seconds": record["seconds"]}
                 )  # fmt: skip
-                print(rows[-1], flush=True)
+            print(rows[-1], flush=True)
     scores, ablation = _spearman_part(loaded, store, methods)
     spearman_rows = {}
     if ablation is not None:
