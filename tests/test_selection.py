@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_inputs, tiny_model
+from models import tiny_inputs, tiny_model
 
 from headlab import prune as P
 from headlab import selection as S
