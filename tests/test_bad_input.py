@@ -169,6 +169,10 @@ CASES = [
     (["report", *NO_MODEL, *TEXT, "--quick", "--out", "r"], "{missing}"),
     (["report", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{existing}"], "--overwrite"),
     (["report", "--model", "{llama}", "--device", "tpu", *TEXT, "--quick", "--out", "r"], "tpu"),
+    (
+        ["report", "--model", "{llama}", *M, *TEXT, "--quick", "--orders", "obs,alphabetical", "--out", "r"],
+        "alphabetical",
+    ),
     # demo
     (["demo", *NO_MODEL, *TEXT, "--quick", "--out", "d"], "{missing}"),
     (["demo", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{existing}"], "--overwrite"),
