@@ -35,6 +35,7 @@ LAYERS = {
     "headlab.merge": "capabilities",
     "headlab.plots": "capabilities",
     "headlab.obs": "capabilities",
+    "headlab.report_render": "capabilities",
     "headlab.scores": "capabilities",
     "headlab.selection": "capabilities",
     "headlab.stats": "capabilities",
