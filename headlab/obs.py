@@ -85,7 +85,9 @@ def obs_path(
     other windows), the B-weighted held-out error of the path's refits summed over its steps (for choosing alpha).
 
     gram [n+1, n+1] of [z, 1]; W [C, n]; b [C] or None; units: candidate removals as lists of query heads;
-    allowed(removed_heads, unit): constraint (GQA / uniform caps); steps: stop after this many removals."""
+    allowed(removed_heads, unit): constraint (GQA / uniform caps); steps: stop after this many removals.
+    Longer than most: one greedy loop whose state (Hinv, the refit in plain and weighted coordinates, the held-out
+    product) must be updated together at every removal; split up, the pieces would pass all of it around."""
     gram, W = gram.double(), W.double()
     b = None if b is None else b.double()
     n, C = W.shape[1], W.shape[0]
