@@ -95,10 +95,13 @@ def _error(theta, gram, K, target) -> float:
     return float((theta * (Skk @ theta)).sum() - 2 * (theta * (Ska @ target)).sum() + (target * (Saa @ target)).sum())
 
 
-def ridge_refit(gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kept: list[int], alpha: float):
+def ridge_refit(
+    gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kept: list[int], alpha: float, lam: float | None = None
+):
     """Closed-form ridge refit of o_proj columns `kept` (and b) towards the original; returns theta [k(+1), C].
 
-    gram: [H*D+1, H*D+1] Gram of [z, 1]; W: [C, H*D]; b: [C] or None; kept: column indices."""
+    gram: [H*D+1, H*D+1] Gram of [z, 1]; W: [C, H*D]; b: [C] or None; kept: column indices; `lam` replaces
+    alpha x tr(z_K^T z_K) / |K| (headlab.obs fixes it for a whole greedy path)."""
     n = W.shape[1]
     K = kept + ([n] if b is not None else [])
     target = torch.cat([W.T, (b if b is not None else torch.zeros(W.shape[0], dtype=W.dtype))[None]])  # [n+1, C]
@@ -107,16 +110,18 @@ def ridge_refit(gram: torch.Tensor, W: torch.Tensor, b: torch.Tensor | None, kep
     penalty = torch.ones(len(K), dtype=gram.dtype)
     if b is not None:
         penalty[-1] = 0.0  # the bias is not shrunk
-    theta = ridge_solve(Skk, gram[K] @ target, theta0, penalty, alpha, len(kept))
+    theta = ridge_solve(Skk, gram[K] @ target, theta0, penalty, alpha, len(kept), lam=lam)
     return theta, K, target
 
 
-def ridge_solve(Skk, Sky, theta0, penalty, alpha: float, scaled: int) -> torch.Tensor:
+def ridge_solve(Skk, Sky, theta0, penalty, alpha: float, scaled: int, lam: float | None = None) -> torch.Tensor:
     """argmin_theta tr(theta^T Skk theta) - 2 tr(theta^T Sky) + lam ||diag(penalty)^(1/2) (theta - theta0)||^2, the
     ridge least squares pulled towards theta0, with lam = alpha x (mean of the first `scaled` diagonal entries of Skk).
 
-    Skk: [k, k] Gram of the inputs; Sky: [k, C] inputs x targets; theta0: [k, C]; penalty: [k] (0: not shrunk)."""
-    lam = alpha * float(torch.diagonal(Skk)[:scaled].sum()) / max(scaled, 1)
+    Skk: [k, k] Gram of the inputs; Sky: [k, C] inputs x targets; theta0: [k, C]; penalty: [k] (0: not shrunk);
+    a given `lam` is used as is (headlab.obs fixes it for a whole greedy path)."""
+    if lam is None:
+        lam = alpha * float(torch.diagonal(Skk)[:scaled].sum()) / max(scaled, 1)
     A = Skk + lam * torch.diag(penalty)
     rhs = Sky + lam * penalty[:, None] * theta0
     return torch.linalg.lstsq(A, rhs).solution if lam == 0 else torch.linalg.solve(A, rhs)

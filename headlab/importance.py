@@ -7,6 +7,8 @@ masked-LM encoders the NLL of the fixed-seed 15% masked tokens, as in headlab.ev
             scored tokens (Michel et al. 2019, the absolute value taken per sequence).
 - taylor:   I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}| (per token, Michel et al.'s code).
 - ablation: I_h = (sum_x L(x) with head h gated to 0 - sum_x L(x)) / N, the exact loss increase (signed).
+- fisher:   I_h = (1/S) sum_x (dl(x)/dxi_h)^2 over the S sequences, l(x) = L(x) / n_x: the diagonal empirical
+            Fisher of the gates (Kwon et al. 2022), with its block-diagonal (per-layer) form.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from headlab.loading import LoadedModel
 from headlab.recompute import activation_checkpointing, checkpointing_supported
 from headlab.tables import head_table
 
-METHODS = ("grad", "taylor", "ablation")
+METHODS = ("grad", "taylor", "fisher", "ablation")
 ACCUMULATE = ("per-sequence", "bertology")
-DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "ablation": 256}
+DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "fisher": 2048, "ablation": 256}
 
 
 @dataclass
@@ -235,7 +237,114 @@ def ablation_scores(loaded, batches, *, mask=None, accumulate="per-sequence", pr
     return scores
 
 
-SCORERS: dict[str, Callable] = {"grad": grad_scores, "taylor": taylor_scores, "ablation": ablation_scores}
+# ---- Fisher information (Kwon et al. 2022) -----------------------------------------------------------------------
+# Per sequence x (S sequences), l(x) = L(x) / n_x the mean next-token NLL, g_x = dl(x)/dxi at xi = 1 (the
+# per-sequence gate gradients of `grad`, divided by n_x): diagonal Fisher F_hh = (1/S) sum_x g_xh^2, block-diagonal
+# F_l = (1/S) sum_x g_x,l g_x,l^T; 1/2 1_R^T F_l 1_R estimates the mean-loss increase from removing the heads R of
+# layer l (Kwon et al. 2022, "A Fast Post-Training Pruning Framework for Transformers"). The block-output Fisher
+# B_l = (1/N) sum_t d_t d_t^T, d_t = dL(x)/do_t the gradient of the summed NLL with respect to the attention
+# block's output at scored position t, weights headlab.obs's reconstruction errors.
+
+
+@dataclass
+class FisherStatistics:
+    """Per attention layer: `diagonal` [H_l], `block` [H_l, H_l], `mean_gradient` [H_l] (mean over sequences of
+    dl(x)/dxi), and, when asked for, `output` [C, C] (the block-output Fisher B_l); `sequences`, `tokens` counted."""
+
+    diagonal: list[torch.Tensor]
+    block: list[torch.Tensor]
+    mean_gradient: list[torch.Tensor]
+    output: list[torch.Tensor] | None
+    sequences: int
+    tokens: int
+
+
+def fisher_statistics(
+    loaded, batches, *, mask=None, output_fisher: bool = False, progress: bool = True, gradient_checkpointing=False
+) -> FisherStatistics:
+    """One forward + backward per ScoringBatch with per-sequence gates [B, H_l] (parameters frozen); see the module
+    docstring for the formulas. `mask`: gates [H_l] the statistics are taken at (heads already removed = 0)."""
+    model, device = loaded.model, loaded.device
+    base = _base_gates(loaded, mask)
+    dtype = torch.float64
+    block = [torch.zeros(g.shape[0], g.shape[0], dtype=dtype) for g in base]
+    first = [torch.zeros(g.shape[0], dtype=dtype) for g in base]
+    output = None
+    sequences = torch.zeros((), dtype=dtype)
+    tokens = torch.zeros((), dtype=dtype)
+    out_projs = [loaded.adapter.out_proj(layer) for layer in loaded.layers]
+    captured: list = [None] * len(out_projs)
+    hooks = []
+    if output_fisher:
+        output = [None] * len(out_projs)  # [C, C] each, sized at the first batch (Linear or GPT-2's Conv1D)
+
+        def keep(index):
+            def hook(module, args, result):
+                captured[index] = result  # [B, T, C]: the block output whose gradient d_t we take
+
+            return hook
+
+        hooks = [p.register_forward_hook(keep(i)) for i, p in enumerate(out_projs)]
+    try:
+        with frozen(model), activation_checkpointing(model, gradient_checkpointing):
+            for batch in tqdm(batches, desc="fisher", disable=not progress, unit="batch"):
+                B = batch.input_ids.shape[0]
+                gates = [g.expand(B, -1).clone().requires_grad_(True) for g in base]  # [B, H_l]
+                with head_gates(loaded, gates):
+                    nll = sequence_nll(model, batch, device)  # [B] summed NLL L(x)
+                    wanted = gates + (list(captured) if output_fisher else [])
+                    grads = torch.autograd.grad(nll.sum(), wanted)
+                counts = (batch.labels != -100).sum(1).to(dtype)  # [B] scored tokens n_x
+                live = counts > 0
+                for l in range(len(base)):
+                    g = grads[l].detach().to(dtype).cpu()[live] / counts[live, None]  # [B', H] dl(x)/dxi
+                    block[l] += g.T @ g
+                    first[l] += g.sum(0)
+                sequences += float(live.sum())
+                if output_fisher:
+                    valid = (batch.labels != -100).to(device)  # positions whose prediction is scored
+                    for l, d in enumerate(grads[len(base) :]):
+                        rows = d.detach()[valid.to(d.device)].to(dtype)  # [N_b, C]
+                        gram = (rows.T @ rows).cpu()
+                        output[l] = gram if output[l] is None else output[l] + gram
+                tokens += float(valid.sum()) if output_fisher else float((batch.labels != -100).sum())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for t in block + first + (output or []) + [sequences, tokens]:
+        distributed.all_reduce_sum(t)
+    S, N = float(sequences), float(tokens)
+    if S == 0:
+        raise HeadlabError("the calibration batches hold no scored tokens")
+    block = [b / S for b in block]
+    return FisherStatistics(
+        diagonal=[torch.diagonal(b).clone() for b in block],
+        block=block,
+        mean_gradient=[f / S for f in first],
+        output=None if output is None else [o / N for o in output],
+        sequences=int(S),
+        tokens=int(N),
+    )
+
+
+def fisher_scores(
+    loaded, batches, *, mask=None, accumulate="per-sequence", progress=True, gradient_checkpointing=False
+) -> list[torch.Tensor]:
+    """I_h = F_hh = (1/S) sum_x (dl(x)/dxi_h)^2, l(x) the mean NLL of sequence x (Kwon et al. 2022)."""
+    if accumulate != "per-sequence":
+        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    stats = fisher_statistics(
+        loaded, batches, mask=mask, progress=progress, gradient_checkpointing=gradient_checkpointing
+    )
+    return stats.diagonal
+
+
+SCORERS: dict[str, Callable] = {
+    "grad": grad_scores,
+    "taylor": taylor_scores,
+    "fisher": fisher_scores,
+    "ablation": ablation_scores,
+}
 
 
 # ---- normalisation and the table ---------------------------------------------------------------------------------
@@ -299,10 +408,10 @@ def head_importance(
     gradient_checkpointing: bool = False,
     progress: bool = True,
 ) -> ImportanceResult:
-    """Score every attention head with `method` (grad | taylor | ablation) on calibration text (or `batches` of
+    """Score every attention head with `method` (grad | taylor | fisher | ablation) on calibration text (or `batches` of
     (input_ids, attention_mask, ...)); see the module docstring for the formulas.
 
-    max_tokens defaults to 2048 for grad/taylor and 256 for ablation (one forward pass set per head). `mask`: gates
+    max_tokens defaults to 2048 for grad/taylor/fisher and 256 for ablation (one forward pass set per head). `mask`: gates
     ([H_l] per layer) or a mask-file path; scores are taken with those heads already gated. For encoders the windows
     are seq_len - 2 tokens, wrapped in [CLS] ... [SEP]. gradient_checkpointing (grad, taylor): recompute each block
     in the backward pass instead of keeping its activations (long windows; same scores, one more forward).
@@ -389,6 +498,8 @@ _DEFINITIONS = {
     "grad": "I_h = (1/N) sum_x |dL(x)/dxi_h| at xi = 1; L(x) summed token NLL of sequence x, N scored tokens",
     "taylor": "I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}|; N scored tokens",
     "ablation": "I_h = (sum_x L(x) with xi_h = 0 - sum_x L(x)) / N; N scored tokens",
+    "fisher": "I_h = (1/S) sum_x (dl(x)/dxi_h)^2 at xi = 1; l(x) = L(x) / n_x the mean token NLL of sequence x, "
+    "S sequences (diagonal empirical Fisher, Kwon et al. 2022)",
     "bertology": "I_h = (1/N_in) sum_k |sum_{j<=k} d meanNLL_j/dxi_h| (transformers' run_bertology.py, gradient "
     "never reset); N_in input tokens",
 }

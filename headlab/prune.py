@@ -8,7 +8,6 @@ rewrites each layer through its adapter (read -> HeadWeights.take -> write), so 
 from __future__ import annotations
 
 import contextlib
-import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +25,7 @@ from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.fsio import atomic_directory
 from headlab.gates import gates_from_pruned, write_mask
+from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.layout import (
     HEAD_LAYOUT_KEY,
     LAYOUT_VERSION,
@@ -38,10 +38,20 @@ from headlab.layout import (
 from headlab.loading import LoadedModel, check_resident
 from headlab.recover import RECOVERY_DIR, write_recovery
 from headlab.restore import restoring
-from headlab.scores import ScoreRequest, score_heads
+from headlab.scores import SCORE_SOURCES, ScoreRequest, score_heads
+from headlab.selection import (
+    _select_uniform,
+    calibration_grams,
+    calibration_scoring_batches,
+    check_amount,
+    check_budget,
+    check_select,
+    check_unit,
+    select_heads,
+    select_joint,
+)
 from headlab.tables import write_run
 
-UNITS = ("head", "kv-group")
 MODES = ("mask", "physical")
 RECORD_DIR = "pruning"  # inside a pruned checkpoint: heads.csv/.parquet, mask.csv (gates format), meta.json
 
@@ -65,161 +75,6 @@ def parse_heads(spec: str, layers: list[AttentionLayer]) -> list[set[int]]:
             pruned[layer].add(head)
     if not any(pruned):
         raise HeadlabError("--heads names no head")
-    return pruned
-
-
-def _units(layer: AttentionLayer, unit: str) -> list[list[int]]:
-    """The prunable units of a layer as lists of query heads: single heads, or a KV head's whole group."""
-    if unit == "head":
-        return [[h] for h in range(layer.num_heads)]
-    gs = layer.group_size
-    return [list(range(g * gs, (g + 1) * gs)) for g in range(layer.num_kv_heads)]
-
-
-def _amount(fraction: float | None, count: int | None, total: int, what: str) -> int:
-    if count is not None:
-        if count > total:
-            raise HeadlabError(f"--count {count} exceeds the {total} {what}")
-        return count
-    return _nearest(fraction * total)
-
-
-def _nearest(x: float) -> int:
-    """The nearest integer, halves rounded down: a fraction between two layouts prunes the smaller one."""
-    return max(0, math.ceil(x - 0.5 - 1e-9))
-
-
-def check_amount(fraction: float | None, count: int | None) -> None:
-    if (fraction is None) == (count is None):
-        raise HeadlabError("give exactly one of --fraction and --count")
-    if fraction is not None and not 0 <= fraction < 1:
-        raise HeadlabError(f"--fraction must be in [0, 1), got {fraction}")
-    if count is not None and count < 0:
-        raise HeadlabError(f"--count must be >= 0, got {count}")
-
-
-def select_heads(
-    layers: list[AttentionLayer],
-    scores: list[torch.Tensor],
-    *,
-    fraction: float | None = None,
-    count: int | None = None,
-    per_layer: bool = False,
-    unit: str = "head",
-    uniform: bool = False,
-    allow_empty_layer: bool = False,
-    already: list[set[int]] | None = None,
-) -> list[set[int]]:
-    """The lowest-scoring units (heads, or KV groups scored by the sum of their query heads), globally or per layer.
-
-    `fraction`/`count` is the total to have pruned, including `already` (iterative pruning). A unit that would
-    empty a layer is skipped unless allow_empty_layer. Ties go to the lower (layer, head). Returns per-layer sets.
-    """
-    check_amount(fraction, count)
-    check_unit(layers, unit)
-    if len(scores) != len(layers) or any(s.shape != (layer.num_heads,) for s, layer in zip(scores, layers)):
-        raise HeadlabError("the scores do not match the model's layers and heads")
-    pruned = [set(s) for s in already] if already is not None else [set() for _ in layers]
-    if uniform:
-        return _select_uniform(layers, scores, fraction, count, unit, pruned)
-    units = [_units(layer, unit) for layer in layers]
-
-    def score(layer: int, heads: list[int]) -> float:
-        return float(scores[layer][heads].sum())
-
-    def open_units(layer: int) -> list[list[int]]:
-        return [u for u in units[layer] if not set(u) <= pruned[layer]]
-
-    def fits(layer: int, heads: list[int]) -> bool:
-        return allow_empty_layer or len(pruned[layer] | set(heads)) < layers[layer].num_heads
-
-    what = "heads" if unit == "head" else "KV groups"
-    if per_layer:
-        for i in range(len(layers)):
-            target = _amount(fraction, count, len(units[i]), f"{what} of layer {i}")
-            done = len(units[i]) - len(open_units(i))
-            for heads in sorted(open_units(i), key=lambda u: (score(i, u), u)):
-                if done >= target:
-                    break
-                if fits(i, heads):
-                    pruned[i] |= set(heads)
-                    done += 1
-            if done < target:
-                raise HeadlabError(
-                    f"cannot prune {target} {what} of layer {i} and keep one head; pass --allow-empty-layer"
-                )
-        return pruned
-    total = sum(len(u) for u in units)
-    target = _amount(fraction, count, total, what)
-    done = total - sum(len(open_units(i)) for i in range(len(layers)))
-    candidates = sorted(
-        ((score(i, u), i, u) for i in range(len(layers)) for u in open_units(i)), key=lambda c: (c[0], c[1], c[2])
-    )
-    for _, i, heads in candidates:
-        if done >= target:
-            break
-        if fits(i, heads):
-            pruned[i] |= set(heads)
-            done += 1
-    if done < target:
-        raise HeadlabError(
-            f"cannot prune {target} {what} while keeping one head in every layer; pass --allow-empty-layer"
-        )
-    return pruned
-
-
-def check_unit(layers: list[AttentionLayer], unit: str) -> None:
-    if unit not in UNITS:
-        raise HeadlabError(f"unknown --unit {unit!r}; use one of {', '.join(UNITS)}")
-    if unit == "kv-group" and all(layer.group_size == 1 for layer in layers):
-        raise HeadlabError("--unit kv-group means nothing different on a model without GQA (one query per KV head)")
-
-
-def _select_uniform(layers, scores, fraction, count, unit, pruned) -> list[set[int]]:
-    """Remove the same number k from every container: per KV group (GQA heads), per layer (MHA heads, KV groups)."""
-    if any(pruned):
-        raise HeadlabError("--uniform cannot be combined with iterative or preset pruning")
-    if len({(layer.num_heads, layer.num_kv_heads) for layer in layers}) != 1:
-        raise HeadlabError("--uniform needs every attention layer to have the same head layout")
-    H, G = layers[0].num_heads, layers[0].num_kv_heads
-    gs = H // G
-    if unit == "head" and gs > 1:
-        containers = [[[g * gs + i for i in range(gs)] for g in range(G)] for _ in layers]  # query heads of a group
-        size, what = gs, "query heads per KV group"
-    elif unit == "head":
-        containers = [[list(range(H))] for _ in layers]
-        size, what = H, "heads per layer"
-    else:
-        containers = [[list(range(G))] for _ in layers]  # one container of KV-group ids per layer
-        size, what = G, "KV groups per layer"
-    n_containers = sum(len(c) for c in containers)
-    if count is not None:
-        if count % n_containers:
-            raise HeadlabError(
-                f"--uniform cannot prune {count} {'KV groups' if unit == 'kv-group' else 'heads'}: the count must be "
-                f"a multiple of {n_containers} (the same number in each of {n_containers} "
-                f"{'layers' if size != gs or unit != 'head' else 'KV groups'}), e.g. {n_containers}"
-            )
-        k = count // n_containers
-    else:
-        k = _nearest(fraction * size)
-    if (fraction or count) and k == 0:
-        raise HeadlabError(
-            f"--uniform cannot prune {fraction if count is None else count}: the nearest uniform layout removes 0 "
-            f"of {size} {what} (smallest step: 1/{size} = {1 / size:.3f})"
-        )
-    if k >= size:
-        hint = "; prune whole groups with --unit kv-group" if unit == "head" and gs > 1 else ""
-        raise HeadlabError(f"--uniform cannot remove all {size} {what}{hint}")
-    for i, layer_containers in enumerate(containers):
-        for members in layer_containers:
-            if unit == "kv-group":
-                ranked = sorted(members, key=lambda g: (float(scores[i][g * gs : (g + 1) * gs].sum()), g))
-                for g in ranked[:k]:
-                    pruned[i] |= set(range(g * gs, (g + 1) * gs))
-            else:
-                ranked = sorted(members, key=lambda h: (float(scores[i][h]), h))
-                pruned[i] |= set(ranked[:k])
     return pruned
 
 
@@ -453,6 +308,10 @@ def prune(
     progress: bool = True,
     compensate: str | None = None,
     recovery=None,
+    select: str = "rank",
+    budget: str | None = None,
+    search_tokens: int = 512,
+    seed: int = 0,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
@@ -460,24 +319,39 @@ def prune(
     The workflow is score -> plan -> compensate -> apply -> evaluate -> save. compensate: "ridge" refits the kept
     heads' output-projection columns, "bias" folds the removed heads' mean output into the o_proj bias
     (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning. recovery: a function(loaded)
-    -> record run on the pruned model before saving (headlab.recover)."""
+    -> record run on the pruned model before saving (headlab.recover).
+    method: a score source of headlab.scores (grad, taylor, fisher, ablation, obs, random with `seed`, entropy);
+    select: rank | fisher-block | obs and budget: global | per-layer | uniform | search (headlab.selection; the
+    per_layer / uniform flags are the same budgets); search_tokens: calibration tokens the budget search measures on."""
     # More than 12 parameters: this is the Python face of every `headlab prune` option, kept for API compatibility;
     # inside, they become a PruneSpec (plan) and a ScoreRequest (scores).
     check_compensation(loaded, compensate)
-    spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
+    budget = _budget(budget, per_layer, uniform)
+    spec = PruneSpec(fraction, count, budget == "per-layer", unit, budget == "uniform", allow_empty_layer)
     _check_prune(loaded, spec, heads=heads, scores=scores, iterative=iterative, mode=mode, out=out, overwrite=overwrite)
+    joint = heads is None and (select != "rank" or budget == "search")
+    _check_selection(loaded, spec, select, budget, method, compensate, iterative, heads, scores, joint)
     # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
     reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
     corpus = load_corpus(data, text_column) if reads_text and not isinstance(data, Corpus) else data
-    request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress, table=scores)
+    request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress, seed, table=scores)
+    choosing = heads is None and scores is None
+    if heads is None and (select == "obs" or (choosing and method == "obs") or (budget == "search" and compensate)):
+        window = dict(text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens)
+        request = replace(request, grams=calibration_grams(loaded, data=corpus, **window, progress=progress))
     # Everything cheap is checked; explicit heads and score tables are validated before any forward pass.
     table_scores = score_heads("table", loaded, request) if scores is not None else None
     if heads is not None:
         pruned, current = parse_heads(heads, loaded.layers), None
         check_not_empty(loaded.layers, pruned, allow_empty_layer)
+    elif joint:
+        chosen = _choose_joint(loaded, spec, select, budget, method, request, table_scores, compensate, search_tokens)
+        pruned, current = chosen.pruned, chosen.scores
     else:
         pruned, current = _choose(loaded, spec, method, request, table_scores, iterative)
     table = pruned_table(loaded.layers, pruned, current)
+    if joint:  # the joint selection's own record: the step and cost at which each head left its layer
+        table = _with_steps(table, chosen.table)
     gates = gates_from_pruned(loaded.layers, pruned)
 
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
@@ -494,9 +368,13 @@ def prune(
     selection = {
         "heads": heads,
         "scores": str(scores) if scores is not None and not isinstance(scores, pd.DataFrame) else scores is not None,
-        "method": None if heads is not None or scores is not None else method,
+        "method": None if heads is not None or scores is not None or select != "rank" else method,
         "iterative": iterative,
         "calibration_tokens": calibration_tokens,
+        "select": select if heads is None else None,
+        "budget": budget if heads is None else None,
+        "joint": chosen.meta if joint else None,
+        "seed": seed if choosing and method == "random" else None,
     }
     meta = {
         **loaded.describe(),
@@ -532,7 +410,8 @@ def _selection_record(selection: dict, spec: PruneSpec) -> dict:
     """The meta.json `selection` entry, in the key order earlier records used."""
     keys = ("heads", "scores", "method", "fraction", "count", "per_layer", "unit", "uniform", "iterative")
     merged = {**selection, **vars(spec)}
-    return {**{key: merged[key] for key in keys}, **{k: merged[k] for k in ("allow_empty_layer", "calibration_tokens")}}
+    extra = ("allow_empty_layer", "calibration_tokens", "select", "budget", "joint", "seed")
+    return {**{key: merged[key] for key in keys}, **{k: merged[k] for k in extra}}
 
 
 def _check_prune(loaded, spec: PruneSpec, *, heads, scores, iterative, mode, out, overwrite) -> None:
@@ -570,7 +449,8 @@ def _choose(loaded, spec: PruneSpec, method: str, request: ScoreRequest, table_s
 
 
 def _compensate(loaded, pruned, method: str, request: ScoreRequest) -> dict:
-    """Refit the output projections for the heads about to go (in place); the meta.json `compensation` entry."""
+    """Refit the output projections for the heads about to go (in place); the meta.json `compensation` entry.
+    The Grams come from `request.grams` when the selection computed them on the same calibration windows."""
     batches = compensation_batches(
         loaded,
         request.data,
@@ -579,7 +459,9 @@ def _compensate(loaded, pruned, method: str, request: ScoreRequest) -> dict:
         batch_size=request.batch_size,
         max_tokens=request.max_tokens,
     )
-    grams = output_statistics(loaded, batches, progress=request.progress)
+    grams = (
+        request.grams if request.grams is not None else output_statistics(loaded, batches, progress=request.progress)
+    )
     compensation = apply_compensation(loaded, pruned, grams, method)
     return {
         "method": method,
@@ -588,6 +470,69 @@ def _compensate(loaded, pruned, method: str, request: ScoreRequest) -> dict:
         "error_after": float(compensation["error_after"].mean()),
         "layers": compensation.to_dict("records"),
     }
+
+
+def _budget(budget: str | None, per_layer: bool, uniform: bool) -> str:
+    """--budget, or the budget the --per-layer / --uniform flags name (global without either)."""
+    implied = "uniform" if uniform else "per-layer" if per_layer else None
+    if per_layer and uniform:
+        raise HeadlabError("--per-layer and --uniform are different budgets; give one")
+    if budget is not None and implied is not None and budget != implied:
+        raise HeadlabError(f"--budget {budget} contradicts --{implied}; give one")
+    return budget or implied or "global"
+
+
+def _check_selection(loaded, spec: PruneSpec, select, budget, method, compensate, iterative, heads, scores, joint):
+    """The selection options' checks that need no forward pass (headlab.selection), after _check_prune."""
+    check_select(select, budget, compensate=compensate, iterative=iterative, heads=heads, scores=scores)
+    if heads is None and scores is None:
+        if method not in SCORE_SOURCES or method == "table":
+            names = ", ".join(n for n in SCORE_SOURCES if n != "table")
+            raise HeadlabError(f"unknown score method {method!r}; use one of {names} (or a --scores table)")
+        if iterative and method not in IMPORTANCE_METHODS:
+            raise HeadlabError(f"--iterative re-scores with heads removed: --method {', '.join(IMPORTANCE_METHODS)}")
+    if select == "obs":
+        check_resident(loaded, "--select obs (it reads the output projections to refit them)")
+    if joint:
+        check_budget(
+            loaded.layers, unit=spec.unit, budget=budget, fraction=spec.fraction, count=spec.count,
+            allow_empty_layer=spec.allow_empty_layer,
+        )  # fmt: skip
+
+
+@dataclass
+class _Joint:
+    pruned: list[set[int]]
+    scores: list[torch.Tensor] | None
+    table: pd.DataFrame
+    meta: dict
+
+
+def _choose_joint(loaded, spec: PruneSpec, select, budget, method, request, table_scores, compensate, search_tokens):
+    """A joint selection or a budget search (headlab.selection) instead of score -> plan."""
+    current = table_scores
+    if current is None and select == "rank":
+        current = score_heads(method, loaded, request)
+    window = dict(
+        data=request.data, text_column=request.text_column, seq_len=request.seq_len, batch_size=request.batch_size
+    )
+    chosen = select_joint(
+        loaded, select=select, budget=budget, unit=spec.unit, fraction=spec.fraction, count=spec.count,
+        allow_empty_layer=spec.allow_empty_layer,
+        scoring_batches=calibration_scoring_batches(loaded, **window, max_tokens=request.max_tokens),
+        grams=request.grams, scores=current, compensate=compensate,
+        search_batches=calibration_scoring_batches(loaded, **window, max_tokens=search_tokens)
+        if budget == "search" else None,
+        progress=request.progress,
+    )  # fmt: skip
+    return _Joint(chosen.pruned, current, chosen.table, chosen.meta)
+
+
+def _with_steps(table: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """Add selection_step and selection_cost (the path step and cumulative cost at which a head was removed)."""
+    at = {(r.layer, int(h)): (r.step, r.cost) for r in steps[steps["taken"]].itertuples() for h in r.heads.split(",")}
+    pairs = [at.get((layer, head), (None, None)) for layer, head in zip(table["layer"], table["head"])]
+    return table.assign(selection_step=[p[0] for p in pairs], selection_cost=[p[1] for p in pairs])
 
 
 def _physical_equivalent(loaded, pruned) -> tuple[dict, list[dict]]:

@@ -1,5 +1,5 @@
-"""Score sources: one registry of the ways to rank heads for pruning (grad, taylor, ablation, random, entropy, a
-table), used by prune, sweep and the CLI's choices. Every source returns per-layer scores [H_l]; lowest goes first.
+"""Score sources: one registry of the ways to rank heads for pruning (grad, taylor, fisher, ablation, obs, random,
+entropy, a table), used by prune, sweep and the CLI's choices. Every source returns per-layer scores [H_l]; lowest goes first.
 
 Sources take a resolved ScoreRequest (text, budgets, seed, heads already pruned), so a command builds it once.
 """
@@ -18,8 +18,9 @@ from headlab.arch import AttentionLayer
 from headlab.errors import HeadlabError
 from headlab.gates import gates_from_pruned
 from headlab.importance import METHODS as IMPORTANCE_METHODS
-from headlab.importance import head_importance
+from headlab.importance import fisher_statistics, head_importance
 from headlab.loading import LoadedModel
+from headlab.selection import calibration_grams, calibration_scoring_batches, single_obs_scores
 from headlab.stats import head_statistics
 
 
@@ -125,6 +126,7 @@ class ScoreRequest:
     seed: int = 0
     pruned: list[set[int]] | None = None
     table: object = None  # DataFrame, CSV/Parquet path or importance run directory
+    grams: object = None  # headlab.compensate output statistics already computed (obs reuses them)
 
 
 def _importance(method: str) -> Callable:
@@ -156,8 +158,27 @@ def _entropy(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
     )
 
 
+def _obs(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
+    """The loss-weighted o_proj reconstruction error left after the ridge refit when each head alone is removed
+    (headlab.obs): the Grams of --compensate and the block-output Fisher, on calibration text."""
+    if request.pruned is not None and any(request.pruned):
+        raise HeadlabError("the obs score is taken on the unpruned model; --iterative re-scores importance methods")
+    window = dict(
+        data=request.data, text_column=request.text_column, seq_len=request.seq_len, batch_size=request.batch_size,
+        max_tokens=request.max_tokens,
+    )  # fmt: skip
+    grams = (
+        request.grams if request.grams is not None else calibration_grams(loaded, **window, progress=request.progress)
+    )
+    batches = calibration_scoring_batches(loaded, **window)
+    stats = fisher_statistics(loaded, batches, output_fisher=True, progress=request.progress)
+    return single_obs_scores(loaded, grams, stats.output, request.progress)
+
+
 SCORE_SOURCES: dict[str, Callable[[LoadedModel, ScoreRequest], list[torch.Tensor]]] = {
-    **{method: _importance(method) for method in IMPORTANCE_METHODS},  # grad, taylor, ablation (headlab.importance)
+    # grad, taylor, fisher, ablation (headlab.importance)
+    **{method: _importance(method) for method in IMPORTANCE_METHODS},
+    "obs": _obs,
     "random": lambda loaded, request: random_scores(loaded.layers, request.seed),
     "entropy": _entropy,
     "table": lambda loaded, request: read_scores(request.table, loaded.layers),

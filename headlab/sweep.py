@@ -23,13 +23,17 @@ from headlab.evaluate import perplexity
 from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.lm_eval_bridge import metric_columns, run_tasks, task_columns, task_manager
 from headlab.loading import LoadedModel
-from headlab.prune import MODES, PruneSpec, check_unit, plan, pruned_in_place
+from headlab.prune import MODES, PruneSpec, plan, pruned_in_place
 from headlab.scores import ScoreRequest, score_heads
+from headlab.selection import allocate, calibration_scoring_batches, check_unit, joint_paths
 from headlab.tables import write_run
 
-ORDERS = ("importance", "iterative", "random", "entropy", "ablation")
-# Gradient importance methods for the importance orders: the registry's, less those that are orders themselves.
-METHODS = tuple(m for m in IMPORTANCE_METHODS if m not in ORDERS)
+ORDERS = (
+    "importance", "iterative", "random", "entropy", "ablation", "grad", "taylor", "fisher", "obs", "fisher-block",
+)  # fmt: skip
+JOINT_ORDERS = ("obs", "fisher-block")  # joint per-layer greedy paths (headlab.selection), not a per-head ranking
+# Gradient importance methods for the importance orders (ablation is too slow to re-score iteratively).
+METHODS = tuple(m for m in IMPORTANCE_METHODS if m != "ablation")
 DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 DEFAULT_ORDERS = ("importance", "random", "entropy")
 ORDER_HELP = {
@@ -38,6 +42,12 @@ ORDER_HELP = {
     "random": "uniformly random scores, averaged over --seeds",
     "entropy": "mean attention entropy, most diffuse (highest entropy) first",
     "ablation": "loss increase when each head alone is removed, lowest first",
+    "grad": "gradient importance E_x |dL(x)/dxi_h| (Michel et al.), whatever --method says",
+    "taylor": "per-token |ctx_h . dL/dctx_h| (Michel et al.'s code)",
+    "fisher": "diagonal empirical Fisher of the head gates (Kwon et al. 2022)",
+    "obs": "structured OBS: per layer the heads whose removal leaves the least loss-weighted o_proj error after the "
+    "ridge refit, greedily, layers by estimated loss (headlab.obs)",
+    "fisher-block": "per layer the heads with the least joint block-diagonal Fisher cost, layers by that cost",
 }
 
 
@@ -114,7 +124,7 @@ def sweep(
     request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress)
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
     grams = None
-    if compensate is not None:
+    if compensate is not None or "obs" in orders:  # obs selects from the Grams the refit uses
         batches = compensation_batches(
             loaded,
             corpus,
@@ -136,7 +146,12 @@ def sweep(
     bar = tqdm(total=len(runs) * len(fractions), desc="sweep", disable=not progress, unit="model")
     for order, seed in runs:
         given = None if scores is None or order not in scores else scores[order]
-        for fraction, pruned in _order_steps(loaded, order, seed or 0, fractions, spec, method, request, given):
+        steps = (
+            _joint_steps(loaded, order, fractions, spec, request, grams)
+            if order in JOINT_ORDERS
+            else _order_steps(loaded, order, seed or 0, fractions, spec, method, request, given)
+        )
+        for fraction, pruned in steps:
             n = sum(len(p) for p in pruned)
             for compensation in [None] + ([compensate] if compensate else []):
                 row = {"order": order, "seed": seed, "fraction": fraction, "pruned_heads": n}
@@ -178,6 +193,23 @@ def _order_steps(loaded, order: str, seed: int, fractions, spec: PruneSpec, meth
             scores = score_heads(method, loaded, replace(request, pruned=pruned))
         pruned = plan(loaded.layers, scores, replace(spec, fraction=fraction), already=pruned if iterative else None)
         yield fraction, pruned
+
+
+def _joint_steps(loaded, order: str, fractions, spec: PruneSpec, request, grams):
+    """(fraction, pruned heads) of a joint selection: the layers' greedy paths built once, then for each fraction
+    the global (or per-layer) budget's steps taken from them (headlab.selection)."""
+    budget = "per-layer" if spec.per_layer else "global"
+    batches = calibration_scoring_batches(
+        loaded, data=request.data, text_column=request.text_column, seq_len=request.seq_len,
+        batch_size=request.batch_size, max_tokens=request.max_tokens,
+    )  # fmt: skip
+    paths, _ = joint_paths(
+        loaded, select=order, budget=budget, unit=spec.unit, cap=None, allow_empty_layer=spec.allow_empty_layer,
+        scoring_batches=batches, grams=grams, progress=request.progress,
+    )  # fmt: skip
+    for fraction in fractions:
+        taken = allocate(loaded, paths, budget=budget, unit=spec.unit, fraction=fraction, count=None)
+        yield fraction, [set(h for u in p.units[:k] for h in u) for p, k in zip(paths, taken)]
 
 
 def _order_source(order: str, method: str) -> str:

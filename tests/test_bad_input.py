@@ -65,11 +65,39 @@ CASES = [
     ),
     (["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--out", "{existing}"], "--overwrite"),
     (["prune", *NO_MODEL, *DATA, "--heads", "0:0", "--out", "p"], "{missing}"),
+    # prune: head selection (headlab.selection)
+    (["prune", "--model", "{llama}", *M, *DATA, "--method", "magic", "--out", "p"], "magic"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--select", "oracle", "--out", "p"], "oracle"),
+    (["prune", "--model", "{gpt2}", *M, *DATA, "--select", "obs", "--compensate", "bias", "--out", "p"], "ridge"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--select", "obs", "--iterative", "2", "--out", "p"], "greedy"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--select", "obs", "--heads", "0:1", "--out", "p"], "--heads"),
+    (
+        [
+            "prune",
+            "--model",
+            "{llama}",
+            *M,
+            *DATA,
+            "--select",
+            "obs",
+            "--budget",
+            "uniform",
+            "--count",
+            "3",
+            "--out",
+            "p",
+        ],
+        "multiple of 4",
+    ),  # fmt: skip
+    (["prune", "--model", "{llama}", *M, *DATA, "--budget", "search", "--count", "7", "--out", "p"], "keeping one"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--budget", "global", "--uniform", "--out", "p"], "contradicts"),
+    (["prune", "--model", "{llama}", *M, *DATA, "--method", "random", "--iterative", "2", "--out", "p"], "--iterative"),
     # sweep
     (["sweep", "--model", "{llama}", *M, *DATA, "--fractions", "0,2", "--out", "w"], "2"),
     (["sweep", "--model", "{llama}", *M, *DATA, "--orders", "alphabetical", "--out", "w"], "alphabetical"),
     (["sweep", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
     (["sweep", "--model", "{llama}", *M, *DATA, "--seq-len", "999", "--out", "w"], "999"),
+    (["sweep", "--model", "{llama}", *M, *DATA, "--orders", "obs,oracle", "--out", "w"], "oracle"),
     # convert-gqa
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "3", "--out", "c"], "3"),
     (["convert-gqa", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "2", "--out", "c"], "gpt2"),
@@ -177,6 +205,10 @@ CASES = [
     (["report", *NO_MODEL, *TEXT, "--quick", "--out", "r"], "{missing}"),
     (["report", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{existing}"], "--overwrite"),
     (["report", "--model", "{llama}", "--device", "tpu", *TEXT, "--quick", "--out", "r"], "tpu"),
+    (
+        ["report", "--model", "{llama}", *M, *TEXT, "--quick", "--orders", "obs,alphabetical", "--out", "r"],
+        "alphabetical",
+    ),
     # demo
     (["demo", *NO_MODEL, *TEXT, "--quick", "--out", "d"], "{missing}"),
     (["demo", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{existing}"], "--overwrite"),

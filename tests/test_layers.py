@@ -36,9 +36,11 @@ LAYERS = {
     "headlab.lm_eval_bridge": "capabilities",
     "headlab.merge": "capabilities",
     "headlab.plots": "capabilities",
+    "headlab.obs": "capabilities",
     "headlab.reconstruct": "capabilities",
     "headlab.report_render": "capabilities",
     "headlab.scores": "capabilities",
+    "headlab.selection": "capabilities",
     "headlab.stats": "capabilities",
     # mechanisms: how headlab reaches inside a running model
     "headlab.capture": "mechanisms",

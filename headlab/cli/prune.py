@@ -18,10 +18,13 @@ from headlab.cli.options import (
 )
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
-from headlab.importance import METHODS as IMPORTANCE_METHODS
-from headlab.prune import MODES, UNITS, prune
+from headlab.prune import MODES, prune
 from headlab.report_text import human_bytes
+from headlab.scores import SCORE_SOURCES
+from headlab.selection import BUDGETS, SELECTS, UNITS
 from headlab.validate import check_table_origin
+
+SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table comes with --scores
 
 
 @click.command("prune")
@@ -44,11 +47,34 @@ from headlab.validate import check_table_origin
 )
 @click.option(
     "--method",
-    type=click.Choice(IMPORTANCE_METHODS),
+    type=click.Choice(SCORE_NAMES),
     default="grad",
     show_default=True,
-    help="importance scorer when no --scores is given",
+    help="per-head score source when no --scores is given (see docs/selection.md)",
 )
+@click.option(
+    "--select",
+    type=click.Choice(SELECTS),
+    default="rank",
+    show_default=True,
+    help="rank: lowest --method scores; fisher-block: joint per-layer Fisher; obs: reconstruction-aware (structured "
+    "OBS, predicts the --compensate ridge refit)",
+)
+@click.option(
+    "--budget",
+    type=click.Choice(BUDGETS),
+    default=None,
+    help="how many heads each layer gives up: global ranking [default], per-layer (= --per-layer), uniform "
+    "(= --uniform), search (measured per-layer loss curves, exact allocation)",
+)
+@click.option(
+    "--search-tokens",
+    type=click.IntRange(min=1),
+    default=512,
+    show_default=True,
+    help="calibration tokens each --budget search measurement runs on",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of --method random")
 @click.option(
     "--calibration-tokens",
     type=click.IntRange(min=1),
@@ -89,6 +115,10 @@ def command(
     allow_empty_layer,
     mode,
     method,
+    select,
+    budget,
+    search_tokens,
+    seed,
     calibration_tokens,
     compensate,
     recovery_options,
@@ -132,6 +162,10 @@ def command(
         progress=not as_json,
         compensate=compensate,
         recovery=recovery_for(recovery, loaded, data, text_column, not as_json),
+        select=select,
+        budget=budget,
+        search_tokens=search_tokens,
+        seed=seed,
     )
     if as_json:
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))

@@ -3,6 +3,8 @@ GQA sweep and grouping), then report.md and a self-contained report.html with th
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from headlab.cli.options import guard, model_options, out_option
@@ -40,15 +42,27 @@ def report_options(function):
     help="comma-separated lm-eval tasks the pruning sweep also runs (accuracy against heads pruned; lmeval extra)",
 )
 @click.option("--include-path", default=None, metavar="DIR", help="directory of local lm-eval task YAMLs")
-def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_path):
+@click.option(
+    "--orders",
+    default=None,
+    metavar="LIST",
+    help="comma-separated pruning orders of the report's sweep, any of `headlab sweep --orders` (e.g. "
+    "importance,fisher,obs,random) [default: the preset's]",
+)
+def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_path, orders):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
     # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
     from headlab.data import load_corpus
     from headlab.lm_eval_bridge import task_manager
-    from headlab.report import run_report
+    from headlab.report import PRESETS, run_report
     from headlab.report_text import parse_list
+    from headlab.sweep import check_sweep
 
+    settings = PRESETS["quick" if quick else "full"]
+    if orders is not None:
+        settings = dataclasses.replace(settings, orders=tuple(parse_list(orders, str, "orders")))
+        check_sweep(settings.fractions, settings.orders, settings.seeds)
     guard(out, overwrite, {"model": load.spec}, data=data)
     load_corpus(data, text_column)
     task_list = parse_list(tasks, str, "tasks") if tasks is not None else None
@@ -60,6 +74,7 @@ def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_
         data=data,
         text_column=text_column,
         quick=quick,
+        settings=settings,
         overwrite=overwrite,
         fmt=fmt,
         tasks=task_list,

@@ -10,8 +10,9 @@ from headlab.cli.options import data_options, guard, model_options, out_option
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.lm_eval_bridge import metric_columns, task_manager
-from headlab.prune import MODES, UNITS
+from headlab.prune import MODES
 from headlab.report_text import parse_list
+from headlab.selection import UNITS
 from headlab.sweep import (
     DEFAULT_FRACTIONS,
     DEFAULT_ORDERS,
@@ -53,7 +54,13 @@ from headlab.sweep import (
     help="physical measures the smaller model's speed; mask keeps shapes (same perplexity)",
 )
 @click.option("--calibration-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
-@click.option("--method", type=click.Choice(METHODS), default="grad", show_default=True)
+@click.option(
+    "--method",
+    type=click.Choice(METHODS),
+    default="grad",
+    show_default=True,
+    help="score of the importance and iterative orders",
+)
 @click.option(
     "--compensate",
     type=click.Choice(COMPENSATIONS),
