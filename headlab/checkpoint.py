@@ -137,9 +137,15 @@ def verify_reload(
     dtype = next(model.parameters()).dtype
     tolerance = default_tolerance(dtype) if tolerance is None else tolerance
     expected = logits_of(model, inputs) if expected is None else expected
-    reloaded, loader = reload(path, model)
-    got = logits_of(reloaded, inputs)
-    del reloaded
+    from headlab.reload_stream import should_stream, streamed_reload  # deferred: it imports checkpoint's loader
+
+    if should_stream(model):  # no second full copy: the reloaded blocks are streamed from disk one at a time
+        with streamed_reload(path, model) as (reloaded, loader):
+            got = logits_of(reloaded, inputs)
+    else:
+        reloaded, loader = reload(path, model)
+        got = logits_of(reloaded, inputs)
+        del reloaded
     if got.shape != expected.shape:
         raise CheckpointMismatch(
             f"reloaded {path} gives logits of shape {tuple(got.shape)}, not {tuple(expected.shape)}"
