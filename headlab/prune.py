@@ -653,12 +653,14 @@ def prune(
     evaluate: bool = True,
     progress: bool = True,
     compensate: str | None = None,
+    low_memory: bool = True,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
 
     compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed heads' mean output
-    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning."""
+    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning.
+    low_memory: importance runs one sequence per backward pass with activation checkpointing (same scores)."""
     from headlab.checkpoint import check_checkpoint_out
     from headlab.compensate import check_compensation
 
@@ -688,6 +690,9 @@ def prune(
         batch_size=batch_size,
         max_tokens=calibration_tokens,
         progress=progress,
+        # low_memory: one sequence per backward pass, blocks recomputed; keeps the peak near twice the model's bytes
+        max_rows=1 if low_memory else None,
+        gradient_checkpointing=low_memory and method != "ablation",
     )
     if heads is not None:
         pruned = parse_heads(heads, layers)
