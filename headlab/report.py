@@ -48,6 +48,11 @@ class Settings:
     # mean pooling (Ainslie et al.) beside the calibrated merge (headlab.merge), so the report shows both
     methods: tuple[str, ...] = ("mean", "svd")
     gallery_heads: int = 3
+    # headlab speed: decode with a KV cache; points above speed_prefill_limit tokens get a synthetic cache
+    speed_contexts: tuple[int, ...] = (512, 2048, 8192)
+    speed_batches: tuple[int, ...] = (1, 8)
+    speed_decode_tokens: int = 4
+    speed_prefill_limit: int = 2048
 
 
 PRESETS = {
@@ -63,6 +68,9 @@ PRESETS = {
         orders=("importance", "random"),
         seeds=(0,),
         groupings=("contiguous",),
+        speed_contexts=(128, 512),
+        speed_batches=(1, 4),
+        speed_decode_tokens=2,
     ),
 }
 
@@ -302,6 +310,16 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             **size,
             out="converted",
         ),
+        "speed": "headlab speed "
+        + (shlex.quote(model) + " " if model else "")
+        + _flags(
+            contexts=",".join(map(str, s.speed_contexts)),
+            batches=",".join(map(str, s.speed_batches)),
+            decode_tokens=s.speed_decode_tokens,
+            prefill_limit=s.speed_prefill_limit,
+            runtime="transformers",
+            out="runs/speed",
+        ),
         "plot": f"headlab plot {shlex.quote(str(out))}",
     }
 
@@ -313,8 +331,13 @@ def fit_settings(s: Settings, max_positions: int | None) -> Settings:
     """Shrink the windows and induction sequences to the model's positions (2 x length + a prefix token fit)."""
     if max_positions is None:
         return s
+    longest = max_positions - s.speed_decode_tokens  # a context plus its decoded tokens must fit the positions
+    contexts = tuple(c for c in s.speed_contexts if c <= longest) or (max(1, longest // 2),)
     return replace(
-        s, seq_len=min(s.seq_len, max_positions), induction_len=min(s.induction_len, max(2, (max_positions - 2) // 2))
+        s,
+        seq_len=min(s.seq_len, max_positions),
+        induction_len=min(s.induction_len, max(2, (max_positions - 2) // 2)),
+        speed_contexts=contexts,
     )
 
 
@@ -403,7 +426,7 @@ def run_report(
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
     report = Report(out)
-    steps = ["info", "stats", "importance", "gallery", "sweep"] + (["gqa"] if can_gqa else [])
+    steps = ["info", "stats", "importance", "gallery", "sweep"] + (["gqa"] if can_gqa else []) + ["speed"]
     started = time.perf_counter()
 
     def step(name: str):
@@ -496,6 +519,16 @@ def run_report(
                     {**loaded.describe(), "kv_heads_after": target, "calibration": batches.meta},
                 )
             done("gqa")
+
+        step("speed")
+        from headlab.speed import SpeedSpec, measure_model, relative_to_first
+
+        speed_spec = SpeedSpec(
+            s.speed_contexts, s.speed_batches, s.speed_decode_tokens, s.speed_prefill_limit, ("transformers",)
+        )
+        speed_table = relative_to_first(measure_model(loaded, model_flag or DEFAULT_MODEL, speed_spec, progress))
+        write_run(tmp / "speed", {"speed": speed_table}, {**loaded.describe(), "spec": speed_spec.to_dict()})
+        done("speed")
 
         step("figures")
         figures = plots.run_figures(tmp)
@@ -678,6 +711,23 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
             sections[-1].command += "\n" + commands["gqa_groups"]
     else:
         sections.append(Section("KV heads", ["This architecture cannot hold fewer KV heads (supports_gqa=False)."]))
+    speed = _table(run / "speed" / "speed.csv")
+    if speed is not None:
+        columns = ["context", "batch", "cache_fill", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_cache_bytes"]
+        sections.append(
+            Section(
+                "Speed",
+                [
+                    "Measured decode tokens/s with a KV cache holding `context` tokens, and the cache's bytes "
+                    "(transformers). A synthetic cache (random keys/values) replaces the timed prefill above "
+                    f"{meta['settings']['speed_prefill_limit']:,} tokens; `headlab speed` compares checkpoints "
+                    "(original, pruned, KV-reduced) and llama.cpp."
+                ],
+                [("speed", speed[[c for c in columns if c in speed]])],
+                [figure["speed"]] if "speed" in figure else [],
+                commands.get("speed"),
+            )
+        )
     return sections
 
 

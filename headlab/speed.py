@@ -259,38 +259,6 @@ def relative_to_first(table: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
-def plot_speed(table: pd.DataFrame, title: str = ""):
-    """Decode tokens/s against context (log-log), one panel per batch size, colour = model, style = runtime."""
-    import seaborn as sns
-
-    from headlab.plots import _theme
-
-    _theme()
-    grid = sns.relplot(
-        data=table,
-        x="context",
-        y="decode_tokens_per_s",
-        hue="model",
-        style="runtime",
-        col="batch",
-        kind="line",
-        markers=True,
-        dashes=True,
-        height=3.6,
-        aspect=1.15,
-        facet_kws={"sharey": False},
-    )
-    for ax in grid.axes.flat:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks(sorted(table["context"].unique()))
-        ax.set_xticklabels([f"{c:,}" for c in sorted(table["context"].unique())])
-    grid.set_axis_labels("context (tokens in the KV cache)", "decode tokens/s (all sequences)")
-    if title:
-        grid.figure.suptitle(title, y=1.03)
-    return grid.figure
-
-
 def _label(spec: str | None) -> str:
     from headlab.loading import DEFAULT_MODEL
 
@@ -343,6 +311,8 @@ def run_speed(
     if out is None:
         return table, None
     import matplotlib.pyplot as plt
+
+    from headlab.plots import plot_speed
 
     figure = plot_speed(table, "decode speed with a KV cache")
     png = figure_bytes(figure)
