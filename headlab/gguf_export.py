@@ -275,12 +275,12 @@ def _encode(array: np.ndarray, qtype) -> np.ndarray:
 
 
 def _pre_tokenizer(spec: dict | None) -> tuple[str | None, str | None]:
-    """llama.cpp's name for a byte-level BPE pre-tokenizer ("gpt2", "smollm", "llama-bpe", "qwen2"), from
+    """llama.cpp's name for a byte-level BPE pre-tokenizer ("gpt-2", "smollm", "llama-bpe", "qwen2"), from
     tokenizer.json; (None, problem) when the tokenizer is not byte-level BPE or has another pre-tokenizer."""
     parts = spec.get("pretokenizers", []) if spec and spec.get("type") == "Sequence" else [spec] if spec else []
     kinds = [p.get("type") for p in parts]
     if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt2", None
+        return "gpt-2", None
     if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
         return "smollm", None
     if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):

@@ -131,7 +131,7 @@ def test_uniform_llama_writes_llama_arch_with_permuted_q_k(tmp_path):
     assert record["architecture"] == fields["general.architecture"] == "llama"
     assert fields["llama.attention.head_count"] == 4 and fields["llama.attention.head_count_kv"] == 2
     assert fields["llama.attention.key_length"] == 16 and fields["llama.rope.dimension_count"] == 16
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt2"
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
     assert fields["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"]
     assert fields["tokenizer.ggml.bos_token_id"] == 1 and "<s>" in fields["tokenizer.chat_template"]
     attn = loaded.model.model.layers[1].self_attn
@@ -268,3 +268,35 @@ def test_llamacpp_tokenizes_like_transformers(tmp_path):
         llm.tokenize(text.encode(), add_bos=False, special=False)
         == loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     )
+
+
+# ---- the embedded model (slow) ------------------------------------------------------------------------------------
+
+
+def _embedded_variant(variant):
+    from headlab.loading import load_model
+
+    loaded = load_model(None, device="cpu")
+    if variant == "uniform":  # one query head of every KV group, in every layer
+        loaded = pruned(loaded, [{0, 3, 6} for _ in loaded.layers])
+    elif variant == "non_uniform":  # KV group 0 of the even layers
+        loaded = pruned(loaded, [{0, 1, 2} if layer.index % 2 == 0 else set() for layer in loaded.layers])
+    elif variant == "kv_3_to_1":
+        loaded = kv_converted(loaded)
+    return loaded
+
+
+@pytest.mark.slow
+@needs_llamacpp
+@pytest.mark.parametrize("variant", ["original", "uniform", "non_uniform", "kv_3_to_1"])
+def test_embedded_model_in_llamacpp_matches_transformers(tmp_path, variant):
+    from headlab.llamacpp import eval_windows
+
+    loaded = _embedded_variant(variant)
+    path = tmp_path / "m.gguf"
+    record = export_gguf(loaded, path, outtype="f32", progress=False)
+    assert record["architecture"] == ("deci" if variant == "non_uniform" else "llama")
+    result = compare_logprobs(loaded, path, eval_windows(loaded, max_tokens=256, seq_len=128))
+    print(variant, result)  # the worst token logit difference, for the record
+    assert result["relative_difference"] < 0.01, result
+    assert result["max_abs_logit_diff"] < 1e-2 * result["max_abs_logit"], result
