@@ -15,6 +15,7 @@ from torch import nn
 
 from headlab.errors import HeadlabError
 from headlab.loading import HEAD_LAYOUT_KEY, atomic_directory, input_device, load_model, model_class
+from headlab.reload_stream import should_stream, streamed_reload
 from headlab.tables import check_out, versions
 
 META_FILE = "headlab.json"  # what headlab wrote into a checkpoint directory: the edit and its verification
@@ -137,10 +138,8 @@ def verify_reload(
     dtype = next(model.parameters()).dtype
     tolerance = default_tolerance(dtype) if tolerance is None else tolerance
     expected = logits_of(model, inputs) if expected is None else expected
-    from headlab.reload_stream import should_stream, streamed_reload  # deferred: it imports checkpoint's loader
-
     if should_stream(model):  # no second full copy: the reloaded blocks are streamed from disk one at a time
-        with streamed_reload(path, model) as (reloaded, loader):
+        with streamed_reload(path, model, _auto_class_for(model)) as (reloaded, loader):
             got = logits_of(reloaded, inputs)
     else:
         reloaded, loader = reload(path, model)

@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from headlab.data import Corpus, load_corpus, require_tokens, split_text, tokenize
 from headlab.errors import HeadlabError
+from headlab.evaluate import _prefix_token
 from headlab.loading import LoadedModel
 
 INSTALL = "pip install llama-cpp-python  (or pip install 'headlab[llamacpp]'; builds llama.cpp from source)"
@@ -116,8 +118,6 @@ def eval_windows(
 ) -> list[torch.Tensor]:
     """Consecutive windows of the corpus part's token ids, each starting with the prefix token (BOS, else EOS) as
     in headlab's perplexity, so every text token is scored once."""
-    from headlab.data import Corpus, load_corpus, require_tokens, split_text, tokenize
-    from headlab.evaluate import _prefix_token
 
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus, text_column)

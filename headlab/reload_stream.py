@@ -13,6 +13,7 @@ from pathlib import Path
 from torch import nn
 
 from headlab.arch import adapter_for
+from headlab.loading import HEAD_LAYOUT_KEY
 
 # Below this many parameter bytes a second full copy is cheap and the plain reload is kept (it is also faster).
 STREAM_ABOVE_BYTES = 64 * 2**20
@@ -44,13 +45,10 @@ def streamed_device_map(like: nn.Module) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def streamed_reload(path: Path, like: nn.Module):
-    """Yield (model, loader name): `path` loaded the way a user would (vanilla from_pretrained, or headlab's loader
-    for per-layer layouts) with its blocks offloaded to a temporary folder; removed on exit."""
+def streamed_reload(path: Path, like: nn.Module, auto_class):
+    """Yield (model, loader name): `path` loaded the way a user would (`auto_class`.from_pretrained, or headlab's
+    loader for per-layer layouts) with its blocks offloaded to a temporary folder; removed on exit."""
     from transformers import AutoConfig
-
-    from headlab.checkpoint import _auto_class_for
-    from headlab.loading import HEAD_LAYOUT_KEY
 
     parameter = next(like.parameters())
     attn = getattr(like.config, "_attn_implementation", None) or "eager"
@@ -63,15 +61,14 @@ def streamed_reload(path: Path, like: nn.Module):
             offload_folder=offload,
         )
         if HEAD_LAYOUT_KEY in raw or HEAD_LAYOUT_KEY in (raw.get("text_config") or {}):
-            from headlab.prune import load_pruned  # deferred: prune imports checkpoint
+            from headlab.prune import load_pruned  # deferred: prune imports checkpoint (moves to layout)
 
             config = AutoConfig.from_pretrained(path)
             model = load_pruned(str(path), config, adapter_for(config), **kwargs)
             loader = "headlab load_pruned, blocks streamed from disk"
         else:
-            auto = _auto_class_for(like)
-            model = auto.from_pretrained(str(path), **kwargs)
-            loader = f"transformers.{auto.__name__}.from_pretrained, blocks streamed from disk"
+            model = auto_class.from_pretrained(str(path), **kwargs)
+            loader = f"transformers.{auto_class.__name__}.from_pretrained, blocks streamed from disk"
         try:
             yield model.eval(), loader
         finally:

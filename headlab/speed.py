@@ -17,7 +17,11 @@ import pandas as pd
 import torch
 
 from headlab.errors import HeadlabError
-from headlab.loading import LoadedModel
+from headlab.gguf_export import export_gguf
+from headlab.llamacpp import open_model, unavailable
+from headlab.loading import DEFAULT_MODEL, LoadedModel, load_model, local_checkpoint
+from headlab.plots import figure_bytes, plot_speed
+from headlab.tables import check_out, write_run
 
 RUNTIMES = ("transformers", "llama.cpp")
 
@@ -149,8 +153,6 @@ def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: Spee
 def llamacpp_point(gguf_path: Path, kv_per_token: int, context: int, spec: SpeedSpec, vocab: int) -> dict:
     """llama.cpp through llama-cpp-python's Llama (one sequence): timed prefill of `context` tokens, then
     `decode_tokens` single-token evals. Its KV cache is allocated for the whole n_ctx up front (f16 by default)."""
-    from headlab.llamacpp import open_model
-
     generator = torch.Generator().manual_seed(spec.seed)
     ids = torch.randint(vocab, (context,), generator=generator).tolist()
     n_ctx = context + spec.decode_tokens + 1
@@ -192,8 +194,6 @@ def check_contexts(loaded: LoadedModel, spec: SpeedSpec, label: str) -> None:
 @contextlib.contextmanager
 def _gguf_copy(loaded: LoadedModel, spec: SpeedSpec):
     """The model exported to a temporary GGUF file for llama.cpp (removed afterwards)."""
-    from headlab.gguf_export import export_gguf
-
     with tempfile.TemporaryDirectory(prefix="headlab-speed-") as tmp:
         path = Path(tmp) / "model.gguf"
         export_gguf(loaded, path, outtype=spec.gguf_type, progress=False)
@@ -203,8 +203,6 @@ def _gguf_copy(loaded: LoadedModel, spec: SpeedSpec):
 def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bool = True) -> pd.DataFrame:
     """Every (runtime, context, batch) point for one model: a tidy table, one row per point."""
     from tqdm.auto import tqdm
-
-    from headlab.llamacpp import unavailable
 
     check_contexts(loaded, spec, label)
     rows = []
@@ -260,16 +258,12 @@ def relative_to_first(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def _label(spec: str | None) -> str:
-    from headlab.loading import DEFAULT_MODEL
-
     return Path(spec).name if spec and Path(spec).expanduser().exists() else (spec or DEFAULT_MODEL)
 
 
 def _check_positions_first(models: list[str | None], spec: SpeedSpec) -> None:
     """Refuse a too-long context before any model is measured (configs only, for local checkpoints)."""
     from transformers import AutoConfig
-
-    from headlab.loading import local_checkpoint
 
     for model in models:
         try:
@@ -296,10 +290,6 @@ def run_speed(
     progress: bool = True,
 ) -> tuple[pd.DataFrame, Path | None]:
     """Measure every model (loaded one at a time) and write the table, metadata and the decode plot to `out`."""
-    from headlab.loading import load_model
-    from headlab.plots import figure_bytes
-    from headlab.tables import check_out, write_run
-
     check_out(out, overwrite)
     _check_positions_first(models, spec)
     frames = []
@@ -311,8 +301,6 @@ def run_speed(
     if out is None:
         return table, None
     import matplotlib.pyplot as plt
-
-    from headlab.plots import plot_speed
 
     figure = plot_speed(table, "decode speed with a KV cache")
     png = figure_bytes(figure)

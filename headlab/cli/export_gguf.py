@@ -9,7 +9,9 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, model_options
-from headlab.gguf_export import DEFAULT_TYPE
+from headlab.errors import HeadlabError
+from headlab.gguf_export import DEFAULT_TYPE, check_type, export_gguf
+from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
 from headlab.report_text import human_bytes
 
 
@@ -34,10 +36,6 @@ from headlab.report_text import human_bytes
 def command(load, data, text_column, part, max_tokens, seq_len, batch_size, out, overwrite, outtype, verify, as_json):
     """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3; per-layer head counts go to llama.cpp's `deci`
     architecture (the one whose graph builds each layer with its own head counts)."""
-    from headlab.errors import HeadlabError
-    from headlab.gguf_export import check_type, export_gguf
-    from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
-
     if out.exists() and not overwrite:
         raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
     outtype = check_type(outtype)

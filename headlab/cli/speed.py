@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from headlab.report_text import human_bytes
-from headlab.speed import RUNTIMES
+from headlab.speed import RUNTIMES, SpeedSpec, run_speed
 
 
 def _ints(ctx, param, value):
@@ -56,8 +56,6 @@ def command(models, device, dtype, contexts, batches, decode_tokens, prefill_lim
     """Measure each MODEL (hub id, checkpoint directory or .gguf; default the embedded SmolLM2-135M): prefill and
     decode tokens/s with the KV cache at every context x batch, peak memory and KV-cache bytes held. The first
     model is the reference of decode_speedup and kv_ratio."""
-    from headlab.speed import SpeedSpec, run_speed
-
     spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes))
     table, figure_path = run_speed(
         list(models) or [None], spec, device=device, dtype=dtype, out=out, overwrite=overwrite, progress=not as_json
