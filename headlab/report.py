@@ -331,8 +331,7 @@ def fit_settings(s: Settings, max_positions: int | None) -> Settings:
     """Shrink the windows and induction sequences to the model's positions (2 x length + a prefix token fit)."""
     if max_positions is None:
         return s
-    longest = max_positions - s.speed_decode_tokens  # a context plus its decoded tokens must fit the positions
-    contexts = tuple(c for c in s.speed_contexts if c <= longest) or (max(1, longest // 2),)
+    contexts = tuple(c for c in s.speed_contexts if c <= max_positions) or (max_positions // 2,)
     return replace(
         s,
         seq_len=min(s.seq_len, max_positions),

@@ -112,9 +112,11 @@ def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: to
 
 @torch.no_grad()
 def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: SpeedSpec) -> dict:
-    """Prefill (timed, last-position logits only as in generation) or a synthetic cache, then `decode_tokens`
-    greedy steps of one token per sequence with the cache; tokens/s = tokens processed / wall time."""
+    """Prefill of context - decode_tokens tokens (timed, last-position logits only as in generation) or a synthetic
+    cache of that length, then `decode_tokens` greedy steps of one token per sequence, so the cache ends holding
+    `context` tokens; tokens/s = tokens processed / wall time."""
     model, device = loaded.model, loaded.device
+    context = context - spec.decode_tokens  # tokens in the cache before decoding
     generator = torch.Generator().manual_seed(spec.seed)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch, context), generator=generator).to(device)  # [B, C]
@@ -145,14 +147,15 @@ def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: Spee
         "decode_tokens_per_s": batch * spec.decode_tokens / decode_s,
         "decode_ms_per_step": 1000 * decode_s / spec.decode_tokens,
         "kv_cache_bytes": held,
-        "kv_cache_note": f"held after {context + spec.decode_tokens} tokens",
+        "kv_cache_note": f"held after {context + spec.decode_tokens} tokens (prefill {context})",
         "peak_memory_bytes": peak.peak,
     }
 
 
 def llamacpp_point(gguf_path: Path, kv_per_token: int, context: int, spec: SpeedSpec, vocab: int) -> dict:
-    """llama.cpp through llama-cpp-python's Llama (one sequence): timed prefill of `context` tokens, then
-    `decode_tokens` single-token evals. Its KV cache is allocated for the whole n_ctx up front (f16 by default)."""
+    """llama.cpp through llama-cpp-python's Llama (one sequence): timed prefill of context - decode_tokens tokens,
+    then `decode_tokens` single-token evals. Its KV cache is allocated for the whole n_ctx up front (f16 cells)."""
+    context = context - spec.decode_tokens
     generator = torch.Generator().manual_seed(spec.seed)
     ids = torch.randint(vocab, (context,), generator=generator).tolist()
     n_ctx = context + spec.decode_tokens + 1
@@ -181,13 +184,16 @@ def llamacpp_point(gguf_path: Path, kv_per_token: int, context: int, spec: Speed
     }
 
 
-def check_contexts(loaded: LoadedModel, spec: SpeedSpec, label: str) -> None:
-    """One line when a context (plus the decoded tokens) exceeds the model's positions."""
-    longest = max(spec.contexts) + spec.decode_tokens
-    if loaded.max_positions is not None and longest > loaded.max_positions:
+def check_contexts(limit: int | None, spec: SpeedSpec, label: str) -> None:
+    """One line when a context exceeds the model's positions, or leaves no prefill before the decoded tokens."""
+    if limit is not None and max(spec.contexts) > limit:
         raise HeadlabError(
-            f"context {max(spec.contexts)} + {spec.decode_tokens} decoded tokens exceeds {label}'s maximum "
-            f"positions ({loaded.max_positions}); pass shorter --contexts"
+            f"context {max(spec.contexts)} exceeds {label}'s maximum positions ({limit}); pass shorter --contexts"
+        )
+    if min(spec.contexts) <= spec.decode_tokens:
+        raise HeadlabError(
+            f"context {min(spec.contexts)} must exceed --decode-tokens {spec.decode_tokens} (the cache ends at the "
+            "context length)"
         )
 
 
@@ -204,7 +210,7 @@ def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bo
     """Every (runtime, context, batch) point for one model: a tidy table, one row per point."""
     from tqdm.auto import tqdm
 
-    check_contexts(loaded, spec, label)
+    check_contexts(loaded.max_positions, spec, label)
     rows = []
     base = {
         "model": label,
@@ -271,12 +277,7 @@ def _check_positions_first(models: list[str | None], spec: SpeedSpec) -> None:
         except (HeadlabError, OSError, ValueError):
             continue  # hub ids and GGUF files are checked after loading, before their first measurement
         limit = getattr(config, "max_position_embeddings", None)
-        longest = max(spec.contexts) + spec.decode_tokens
-        if isinstance(limit, int) and longest > limit:
-            raise HeadlabError(
-                f"context {max(spec.contexts)} + {spec.decode_tokens} decoded tokens exceeds {_label(model)}'s "
-                f"maximum positions ({limit}); pass shorter --contexts"
-            )
+        check_contexts(limit if isinstance(limit, int) else None, spec, _label(model))
 
 
 def run_speed(
