@@ -13,6 +13,9 @@ from transformers.pytorch_utils import Conv1D
 
 from headlab.errors import HeadlabError
 
+# Named places a hook can reach (Adapter.hook_site resolves them; headlab.hooks registers there).
+HOOK_SITES = ("attn_in", "heads_out")
+
 
 @dataclass
 class AttentionLayer:
@@ -230,6 +233,16 @@ class Adapter:
 
     def read(self, layer: AttentionLayer) -> HeadWeights:
         raise NotImplementedError
+
+    def hook_site(self, layer: AttentionLayer, site: str) -> nn.Module:
+        """The module whose forward pre-hook sees a named site (HOOK_SITES): "attn_in" -> the attention
+        module (its input is the block's normed hidden states [B, T, C]); "heads_out" -> the output projection (its
+        input is the head outputs concatenated head-major [B, T, H * D])."""
+        if site == "attn_in":
+            return layer.module
+        if site == "heads_out":
+            return self.out_proj(layer)
+        raise HeadlabError(f"unknown hook site {site!r}; use one of {', '.join(HOOK_SITES)}")
 
     def write(self, layer: AttentionLayer, weights: HeadWeights) -> None:
         """Replace the layer's projections with `weights` (any head counts) and update the module's bookkeeping.

@@ -13,10 +13,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from headlab.arch import adapter_for
 from headlab.errors import HeadlabError
-from headlab.loading import HEAD_LAYOUT_KEY, atomic_directory, input_device, load_model, model_class
+from headlab.fsio import atomic_directory, check_out, write_json
+from headlab.layout import HEAD_LAYOUT_KEY, load_pruned, model_class
+from headlab.loading import input_device, load_model
 from headlab.reload_stream import should_stream, streamed_reload
-from headlab.tables import check_out, versions
+from headlab.tables import versions
 
 META_FILE = "headlab.json"  # what headlab wrote into a checkpoint directory: the edit and its verification
 
@@ -168,8 +171,6 @@ def meta_load_check(path: Path, tolerated: set[str] = frozenset()) -> dict:
     from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
-    from headlab.arch import adapter_for
-
     config = AutoConfig.from_pretrained(path)
     adapter = adapter_for(config)
     cls = model_class(config, adapter)
@@ -178,10 +179,9 @@ def meta_load_check(path: Path, tolerated: set[str] = frozenset()) -> dict:
     hf_logging.set_verbosity_error()  # transformers prints its own mismatch table; headlab reports one line
     try:
         if pruned:
-            from headlab.prune import load_pruned  # raises on any missing, unexpected or mismatched tensor
-
+            # load_pruned raises on any missing, unexpected or mismatched tensor
             load_pruned(path, config, adapter, device_map="meta")
-            return {"loader": "headlab.prune.load_pruned(device_map='meta')"}
+            return {"loader": "headlab.layout.load_pruned(device_map='meta')"}
         _, info = cls.from_pretrained(path, device_map="meta", output_loading_info=True)
     except (OSError, RuntimeError, ValueError) as error:
         first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
@@ -235,5 +235,5 @@ def save_checkpoint(
             "verification": verification.to_dict() if verification else None,
             "versions": versions(),
         }
-        (tmp / META_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_json(tmp / META_FILE, record)
     return verification

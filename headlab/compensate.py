@@ -24,8 +24,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab.data import calibration_batches
 from headlab.errors import HeadlabError
+from headlab.hooks import hooks
 from headlab.loading import LoadedModel, check_resident
+from headlab.restore import restoring
 
 COMPENSATIONS = ("ridge", "bias")
 ALPHAS = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0)
@@ -57,8 +60,8 @@ def output_statistics(loaded: LoadedModel, batches, *, progress: bool = True) ->
     state = {}
 
     def hook_for(index):
-        def hook(module, args):
-            z = args[0].float()  # [B, T, H*D]
+        def hook(z):
+            z = z.float()  # [B, T, H*D]
             z = torch.cat([z, torch.ones_like(z[..., :1])], -1)  # [B, T, H*D+1]
             for part in (0, 1):
                 rows = (state["valid"] & (state["parity"] == part)[:, None]).to(z.device)  # [B, T]
@@ -68,9 +71,8 @@ def output_statistics(loaded: LoadedModel, batches, *, progress: bool = True) ->
 
         return hook
 
-    handles = [loaded.adapter.out_proj(layer).register_forward_pre_hook(hook_for(layer.index)) for layer in layers]
     window = 0
-    try:
+    with hooks(loaded.adapter, [("heads_out", layer, hook_for(layer.index)) for layer in layers]):
         for input_ids, attention_mask, *_ in tqdm(batches, desc="compensation statistics", disable=not progress):
             B = input_ids.shape[0]
             state["valid"] = attention_mask.bool().to(loaded.device)
@@ -79,9 +81,6 @@ def output_statistics(loaded: LoadedModel, batches, *, progress: bool = True) ->
             loaded.model(
                 input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device), use_cache=False
             )
-    finally:
-        for handle in handles:
-            handle.remove()
     if window == 0:
         raise HeadlabError("no calibration windows to compensate on")
     if window == 1:  # one window: nothing held out; alpha is then chosen on the fitted window itself
@@ -202,7 +201,6 @@ def compensation_batches(
     loaded: LoadedModel, data=None, *, text_column=None, seq_len=256, batch_size=4, max_tokens=2048
 ):
     """Calibration-split windows for the statistics (never the eval split)."""
-    from headlab.data import calibration_batches
 
     return calibration_batches(
         loaded.tokenizer,
@@ -219,9 +217,5 @@ def compensation_batches(
 @contextlib.contextmanager
 def compensated(loaded: LoadedModel, pruned: list[set[int]], grams: list[torch.Tensor], method: str = "ridge"):
     """apply_compensation for the duration of a block (yields its table), then the original weights come back."""
-    originals = [(layer, loaded.adapter.read(layer)) for layer in loaded.layers]
-    try:
+    with restoring(loaded):
         yield apply_compensation(loaded, pruned, grams, method)
-    finally:
-        for layer, w in originals:
-            loaded.adapter.write(layer, w)

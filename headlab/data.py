@@ -7,7 +7,6 @@ cut, evaluation text (perplexity) after it, so the two never share a character.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +20,8 @@ CALIBRATION_FRACTION = 0.5
 # Fewer tokens than this make a perplexity or a statistic meaningless: such a corpus part is refused as too short.
 MIN_TOKENS = 16
 DOCUMENT_SEPARATOR = "\n\n"
+MLM_PROBABILITY = 0.15
+MLM_SEED = 0  # the fixed seed of the masked-LM masking (perplexity and importance)
 
 
 @dataclass
@@ -300,5 +301,26 @@ def calibration_batches(
     return CalibrationBatches(ids, windows, batch_size, pad_id, meta)
 
 
-def write_json(path: Path, payload: dict) -> None:
-    Path(path).write_text(json.dumps(payload, indent=2, default=str) + "\n")
+def masked_lm_batch(tokenizer, rows: list[torch.Tensor], generator: torch.Generator):
+    """One masked-LM batch: each row of token ids wrapped as [CLS] row [SEP], 15% of its tokens (at least one) chosen
+    with `generator` and replaced by the mask token. Returns input_ids, attention_mask, labels (-100 where not
+    scored), each [B, T]. Rows draw from the generator in order, so masks do not depend on how rows are batched."""
+    if tokenizer.mask_token_id is None:
+        raise HeadlabError("this masked-LM tokenizer has no mask token")
+    cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+    sep_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
+    width = max(len(r) for r in rows) + 2
+    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0)  # [B, T]
+    attention_mask = torch.zeros_like(input_ids)
+    labels = torch.full_like(input_ids, -100)
+    for r, row in enumerate(rows):
+        n = len(row)
+        input_ids[r, 0], input_ids[r, 1 : n + 1], input_ids[r, n + 1] = cls_id, row, sep_id
+        attention_mask[r, : n + 2] = 1
+        chosen = torch.rand(n, generator=generator) < MLM_PROBABILITY
+        if not chosen.any():
+            chosen[torch.randint(n, (1,), generator=generator)] = True
+        positions = torch.nonzero(chosen).flatten() + 1
+        labels[r, positions] = input_ids[r, positions]
+        input_ids[r, positions] = tokenizer.mask_token_id
+    return input_ids, attention_mask, labels

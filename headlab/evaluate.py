@@ -1,4 +1,4 @@
-"""Perplexity (sliding window), model size and KV-cache arithmetic: how every change is priced.
+"""Perplexity (sliding window, lm-evaluation-harness conventions): how every change is judged; costs are in costs.py.
 
 Perplexity follows lm-evaluation-harness: the text is tokenized without special tokens, a prefix token (BOS,
 else EOS) is put in front so that every token of the text is scored, and word perplexity and bits per byte divide
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import re
-import resource
 import time
 from dataclasses import asdict, dataclass
 
@@ -17,12 +16,20 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab import distributed
-from headlab.data import Corpus, batch_windows, load_corpus, require_tokens, sliding_windows, split_text, tokenize
+from headlab.costs import peak_memory
+from headlab.data import (
+    MLM_SEED,
+    Corpus,
+    batch_windows,
+    load_corpus,
+    masked_lm_batch,
+    require_tokens,
+    sliding_windows,
+    split_text,
+    tokenize,
+)
 from headlab.errors import HeadlabError
 from headlab.loading import LoadedModel
-
-MLM_PROBABILITY = 0.15
-MLM_SEED = 0  # the fixed seed of the masked-LM masking (perplexity and importance)
 
 
 @dataclass
@@ -48,13 +55,6 @@ class Perplexity:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def _peak_memory(device: torch.device) -> int:
-    """Peak bytes: CUDA allocator peak on GPU; on CPU the process's peak resident set (ru_maxrss, in KiB on Linux)."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _prefix_token(tokenizer) -> int | None:
@@ -147,37 +147,12 @@ def perplexity(
         bytes=n_bytes,
         tokens_per_s=sum(w.end - w.start for w in windows) / seconds,
         seconds=seconds,
-        peak_memory_bytes=_peak_memory(device),
+        peak_memory_bytes=peak_memory(device),
         objective="causal",
         seq_len=seq_len,
         stride=stride,
         prefix_token=prefix,
     )
-
-
-def masked_lm_batch(tokenizer, rows: list[torch.Tensor], generator: torch.Generator):
-    """One masked-LM batch: each row of token ids wrapped as [CLS] row [SEP], 15% of its tokens (at least one) chosen
-    with `generator` and replaced by the mask token. Returns input_ids, attention_mask, labels (-100 where not
-    scored), each [B, T]. Rows draw from the generator in order, so masks do not depend on how rows are batched."""
-    if tokenizer.mask_token_id is None:
-        raise HeadlabError("this masked-LM tokenizer has no mask token")
-    cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
-    sep_id = tokenizer.sep_token_id if tokenizer.sep_token_id is not None else tokenizer.eos_token_id
-    width = max(len(r) for r in rows) + 2
-    input_ids = torch.full((len(rows), width), tokenizer.pad_token_id or 0)  # [B, T]
-    attention_mask = torch.zeros_like(input_ids)
-    labels = torch.full_like(input_ids, -100)
-    for r, row in enumerate(rows):
-        n = len(row)
-        input_ids[r, 0], input_ids[r, 1 : n + 1], input_ids[r, n + 1] = cls_id, row, sep_id
-        attention_mask[r, : n + 2] = 1
-        chosen = torch.rand(n, generator=generator) < MLM_PROBABILITY
-        if not chosen.any():
-            chosen[torch.randint(n, (1,), generator=generator)] = True
-        positions = torch.nonzero(chosen).flatten() + 1
-        labels[r, positions] = input_ids[r, positions]
-        input_ids[r, positions] = tokenizer.mask_token_id
-    return input_ids, attention_mask, labels
 
 
 @torch.no_grad()
@@ -215,91 +190,9 @@ def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> 
         n_bytes,
         len(ids) / seconds,
         seconds,
-        _peak_memory(device),
+        peak_memory(device),
         "masked-lm (15% fixed-seed masking)",
         seq_len,
         seq_len,
         None,
     )
-
-
-# ---- size and KV-cache arithmetic ----------------------------------------------------------------------------
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
-
-
-def kv_cache_bytes(
-    layers_kv: list[tuple[int, int]], tokens: int = 1, batch: int = 1, bytes_per_element: int = 2
-) -> int:
-    """KV-cache bytes = 2 (K and V) x sum over attention layers of (KV heads x head_dim) x tokens x batch x bytes."""
-    return 2 * sum(g * d for g, d in layers_kv) * tokens * batch * bytes_per_element
-
-
-def parameter_counts(loaded: LoadedModel) -> dict:
-    """Total parameters (tied weights counted once) and those of the attention projections."""
-    seen, total = set(), 0
-    for parameter in loaded.model.parameters():
-        if id(parameter) not in seen:
-            seen.add(id(parameter))
-            total += parameter.numel()
-    attention = 0
-    for layer in loaded.layers:
-        for tensor in loaded.adapter.read(layer).tensors().values():
-            if tensor is not None:
-                attention += tensor.numel()
-    return {"parameters": total, "attention_parameters": attention}
-
-
-def attention_flops_per_token(loaded: LoadedModel, context: int) -> int:
-    """Attention FLOPs per token at a given context: 2 x (projection MACs) + 2 x 2 x H x D x context (QK^T and AV)."""
-    flops = 0
-    for layer in loaded.layers:
-        weights = loaded.adapter.read(layer)
-        macs = sum(weights.tensors()[name].numel() for name in ("q", "k", "v", "o"))
-        flops += 2 * macs + 4 * layer.num_heads * layer.head_dim * context
-    return flops
-
-
-def model_info(loaded: LoadedModel, context: int = 8192, batch: int = 1, cache_dtype: str | None = None) -> dict:
-    """What `headlab info` prints: layout, sizes and the KV-cache ladder (MHA, each GQA-g, MQA)."""
-    layers = loaded.layers
-    cache_dtype = cache_dtype or str(loaded.dtype).removeprefix("torch.")
-    if cache_dtype not in DTYPE_BYTES:
-        raise HeadlabError(f"unknown --cache-dtype {cache_dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
-    element = DTYPE_BYTES[cache_dtype]
-    heads = sorted({layer.num_heads for layer in layers})
-    kv_heads = sorted({layer.num_kv_heads for layer in layers})
-    current = [(layer.num_kv_heads, layer.head_dim) for layer in layers]
-    ladder = []
-    if len(heads) == 1:  # the ladder needs one head count for all layers
-        num_heads = heads[0]
-        for g in sorted({g for g in range(1, num_heads + 1) if num_heads % g == 0}, reverse=True):
-            name = "MHA" if g == num_heads else "MQA" if g == 1 else f"GQA-{g}"
-            per_token = kv_cache_bytes([(g, layer.head_dim) for layer in layers], 1, 1, element)
-            ladder.append(
-                {
-                    "variant": name,
-                    "kv_heads": g,
-                    "kv_bytes_per_token": per_token,
-                    "kv_bytes": per_token * context * batch,
-                    "current": [g] * len(layers) == [layer.num_kv_heads for layer in layers],
-                }
-            )
-    per_token = kv_cache_bytes(current, 1, 1, element)
-    return {
-        "model": loaded.spec,
-        "model_type": loaded.model.config.model_type,
-        "blocks": len(loaded.adapter.blocks(loaded.model)),
-        "attention_layers": len(layers),
-        "query_heads": heads[0] if len(heads) == 1 else heads,
-        "kv_heads": kv_heads[0] if len(kv_heads) == 1 else kv_heads,
-        "head_dim": layers[0].head_dim,
-        "total_query_heads": sum(layer.num_heads for layer in layers),
-        **parameter_counts(loaded),
-        "cache_dtype": cache_dtype,
-        "context": context,
-        "batch": batch,
-        "kv_bytes_per_token": per_token,
-        "kv_bytes": per_token * context * batch,
-        "ladder": ladder,
-    }

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from headlab.arch import AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
+from headlab.fsio import atomic_write_text
+from headlab.hooks import hooks
 from headlab.loading import LoadedModel
 
 MASK_COLUMNS = ("layer", "head", "gate")
@@ -87,13 +86,12 @@ def head_gates(loaded_or_model, gates, *, keep_outputs: bool = False):
     layers = adapter.attention_layers(model)
     gates = _check_gates(layers, gates)
     handle = GateHandle(gates, [None] * len(layers))
-    hooks = []
 
     def make_hook(index: int, layer: AttentionLayer, gate: torch.Tensor):
         H, D = layer.num_heads, layer.head_dim
 
-        def hook(module: nn.Module, args):
-            x = args[0]  # [B, T, H*D], head-major
+        def hook(x: torch.Tensor) -> torch.Tensor:
+            # x: [B, T, H*D], head-major
             if gate.dim() == 2 and x.shape[0] != gate.shape[0]:
                 raise HeadlabError(
                     f"layer {layer.index}: per-sequence gates for {gate.shape[0]} rows, got {x.shape[0]}"
@@ -103,18 +101,27 @@ def head_gates(loaded_or_model, gates, *, keep_outputs: bool = False):
             y = (x.unflatten(-1, (H, D)) * g).flatten(-2)  # [B, T, H*D]
             if keep_outputs:
                 handle.outputs[index] = y
-            return (y, *args[1:])
+            return y
 
         return hook
 
-    try:
-        for index, (layer, gate) in enumerate(zip(layers, gates)):
-            if gate is not None:
-                hooks.append(adapter.out_proj(layer).register_forward_pre_hook(make_hook(index, layer, gate)))
+    site_hooks = [
+        ("heads_out", layer, make_hook(index, layer, gate))
+        for index, (layer, gate) in enumerate(zip(layers, gates))
+        if gate is not None
+    ]
+    with hooks(adapter, site_hooks):
         yield handle
-    finally:
-        for hook in hooks:
-            hook.remove()
+
+
+def gates_from_pruned(layers: list[AttentionLayer], pruned: list[set[int]]) -> list[torch.Tensor]:
+    """0/1 gates [H_l]: 0 for pruned heads (the mask-file format of headlab.gates)."""
+    gates = []
+    for layer, heads in zip(layers, pruned):
+        gate = torch.ones(layer.num_heads, dtype=torch.float32)
+        gate[sorted(heads)] = 0.0
+        gates.append(gate)
+    return gates
 
 
 # ---- mask files --------------------------------------------------------------------------------------------------
@@ -179,14 +186,4 @@ def write_mask(path, gates, layers) -> Path:
                 f"layer {layer.index}: a mask file holds one gate per head ([H]), got {tuple(gate.shape)}"
             )
         lines += [f"{layer.index},{head},{float(value)!r}" for head, value in enumerate(gate.detach().cpu().tolist())]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write("\n".join(lines) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return atomic_write_text(Path(path), "\n".join(lines) + "\n")

@@ -11,340 +11,41 @@ the model's function unchanged.
 
 from __future__ import annotations
 
-import itertools
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from headlab.arch import ADAPTERS, AttentionLayer, HeadWeights
+from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_checkpoint
+from headlab.costs import kv_bytes_per_token
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
-from headlab.evaluate import DTYPE_BYTES, kv_cache_bytes, perplexity
+from headlab.evaluate import perplexity
+from headlab.fsio import check_out
+from headlab.kv_heads import (
+    GROUPINGS,
+    POOLS,
+    best_groups,
+    canonical,
+    check_direction,
+    check_kv_heads,
+    contiguous_groups,
+    expand_weights,
+    gqa_layers,
+    identity_groups,
+    kv_similarity,
+    permute_weights,
+    pool_weights,
+)
 from headlab.loading import LoadedModel, check_resident
-from headlab.tables import check_out, versions, write_run
+from headlab.merge import merge_kv_heads
+from headlab.restore import restoring
+from headlab.tables import versions, write_run
 
-POOLS = ("mean", "first", "random")
 # mean: pool by POOLS (Ainslie et al. 2023); svd: calibrated, training-free merge (headlab.merge)
 METHODS = ("mean", "svd")
-GROUPINGS = ("contiguous", "similarity")
-# Enumerate every equal-size partition up to this many (9 heads in 3s: 280; 12 in 3s: 15,400; 12 in 4s: 5,775).
-EXACT_SEARCH_LIMIT = 100_000
-
-
-# ---- layout checks -----------------------------------------------------------------------------------------------
-
-
-def gqa_layers(loaded: LoadedModel) -> list[AttentionLayer]:
-    """The softmax-attention layers to convert (hybrids: linear-attention blocks are skipped), with one uniform
-    (H, G, D) layout, since a config holds one num_key_value_heads."""
-    adapter = loaded.adapter
-    if not adapter.supports_gqa:
-        capable = sorted(t for t, a in ADAPTERS.items() if a.supports_gqa)
-        raise HeadlabError(
-            f"{loaded.model.config.model_type} cannot hold fewer KV heads than query heads (its config has no "
-            f"num_key_value_heads; supports_gqa=False); KV-head conversion works for: {', '.join(capable)}"
-        )
-    layers = loaded.layers
-    layouts = sorted({(layer.num_heads, layer.num_kv_heads, layer.head_dim) for layer in layers})
-    if len(layouts) != 1:
-        raise HeadlabError(f"KV-head conversion needs the same (H, G, D) in every layer, found {layouts}")
-    return layers
-
-
-def check_kv_heads(num_heads: int, num_kv_heads: int, kv_heads: int) -> str:
-    """'pool', 'expand' or 'keep' for a target of `kv_heads` KV heads; bad targets raise HeadlabError."""
-    if kv_heads < 1:
-        raise HeadlabError(f"--kv-heads must be at least 1, got {kv_heads}")
-    if kv_heads == num_kv_heads:
-        return "keep"
-    if kv_heads < num_kv_heads:
-        if num_kv_heads % kv_heads:
-            divisors = [g for g in range(1, num_kv_heads + 1) if num_kv_heads % g == 0]
-            raise HeadlabError(
-                f"--kv-heads {kv_heads} does not divide the model's {num_kv_heads} KV heads; use one of {divisors}"
-            )
-        return "pool"
-    if kv_heads > num_heads or num_heads % kv_heads or kv_heads % num_kv_heads:
-        larger = [g for g in range(num_kv_heads + 1, num_heads + 1) if num_heads % g == 0 and g % num_kv_heads == 0]
-        raise HeadlabError(
-            f"--kv-heads {kv_heads} is not reachable from {num_kv_heads} KV heads and {num_heads} query heads: "
-            f"pooling needs a divisor of {num_kv_heads}, expanding a multiple of {num_kv_heads} that divides "
-            f"{num_heads} ({larger or 'none'})"
-        )
-    return "expand"
-
-
-# ---- grouping ----------------------------------------------------------------------------------------------------
-
-
-def check_direction(direction: str, action: str, num_heads: int, num_kv_heads: int, kv_heads: int) -> None:
-    """convert-gqa ("pool") refuses more KV heads than the model has, expand-kv ("expand") fewer or the same."""
-    G = num_kv_heads
-    if direction == "pool" and action == "expand":
-        raise HeadlabError(f"--kv-heads {kv_heads} is more than the model's {G} KV heads; use `headlab expand-kv`")
-    if direction == "expand" and action == "pool":
-        raise HeadlabError(f"--kv-heads {kv_heads} is fewer than the model's {G} KV heads; use `headlab convert-gqa`")
-    if direction == "expand" and action == "keep":
-        # Expanding to the current count would only copy the checkpoint (e.g. expand-kv on an MHA model).
-        raise HeadlabError(f"the model already has {G} KV heads for its {num_heads} query heads: nothing to expand")
-
-
-def contiguous_groups(num_kv_heads: int, kv_heads: int) -> list[list[int]]:
-    """transformers' layout: new KV head g pools old KV heads [g*m, (g+1)*m), m = G_old / G_new."""
-    m = num_kv_heads // kv_heads
-    return [list(range(g * m, (g + 1) * m)) for g in range(kv_heads)]
-
-
-def identity_groups(num_kv_heads: int, kv_heads: int) -> list[list[int]]:
-    """Expansion (or keep): KV head g of the original becomes new heads g*f .. g*f+f-1, f = kv_heads / G."""
-    factor = max(kv_heads // num_kv_heads, 1)
-    return [[g * factor + i for i in range(factor)] for g in range(num_kv_heads)]
-
-
-def canonical(groups) -> list[list[int]]:
-    """Members ascending, groups ordered by their smallest member (so identity stays identity)."""
-    return sorted((sorted(int(i) for i in g) for g in groups), key=lambda g: g[0])
-
-
-def partition_count(n: int, m: int) -> int:
-    """Partitions of n items into n/m unordered groups of m: n! / (m!^(n/m) (n/m)!)."""
-    k = n // m
-    return math.factorial(n) // (math.factorial(m) ** k * math.factorial(k))
-
-
-def partition_score(similarity: torch.Tensor, groups) -> float:
-    """Sum over groups of the pairwise similarities inside each group (what the grouping maximises)."""
-    return float(sum(similarity[i, j] for g in groups for i, j in itertools.combinations(g, 2)))
-
-
-def _partitions(items: tuple[int, ...], m: int):
-    """Every partition of `items` into groups of m: the first item picks its m-1 partners, recurse on the rest."""
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for partners in itertools.combinations(rest, m - 1):
-        left = tuple(i for i in rest if i not in partners)
-        for tail in _partitions(left, m):
-            yield [[first, *partners], *tail]
-
-
-def _greedy_groups(similarity: torch.Tensor, m: int) -> list[list[int]]:
-    """Seed each group with the most similar remaining pair, grow it by the head closest on average, then improve
-    by swapping heads between groups while the total within-group similarity rises (a local optimum)."""
-    n = similarity.shape[0]
-    left, groups = set(range(n)), []
-    while left:
-        pool = sorted(left)
-        if m == 1 or len(pool) == m:
-            group = pool[:1] if m == 1 else pool
-        else:
-            group = list(max(itertools.combinations(pool, 2), key=lambda p: float(similarity[p[0], p[1]])))
-            while len(group) < m:
-                group.append(max((i for i in pool if i not in group), key=lambda i: float(similarity[i, group].mean())))
-        groups.append(group)
-        left -= set(group)
-    improved = True
-    while improved:
-        improved = False
-        for a, b in itertools.combinations(range(len(groups)), 2):
-            for i, j in itertools.product(range(m), range(m)):
-                ga, gb = groups[a][:], groups[b][:]
-                before = partition_score(similarity, [ga, gb])
-                ga[i], gb[j] = gb[j], ga[i]
-                if partition_score(similarity, [ga, gb]) > before + 1e-12:
-                    groups[a], groups[b], improved = ga, gb, True
-    return groups
-
-
-def best_groups(similarity: torch.Tensor, kv_heads: int) -> tuple[list[list[int]], str]:
-    """Equal-size groups of KV heads maximising the summed within-group pairwise similarity; (groups, method).
-
-    Exact search over all partitions up to EXACT_SEARCH_LIMIT of them, else greedy seeding plus pairwise swaps.
-    Ties keep the first partition enumerated (the contiguous one comes first), so equal heads stay in place.
-    """
-    n = similarity.shape[0]
-    m = n // kv_heads
-    if kv_heads == n or kv_heads == 1:
-        return contiguous_groups(n, kv_heads), "trivial"
-    similarity = similarity.double().cpu()
-    if partition_count(n, m) <= EXACT_SEARCH_LIMIT:
-        best, best_score = None, -math.inf
-        for groups in _partitions(tuple(range(n)), m):
-            score = partition_score(similarity, groups)
-            if score > best_score + 1e-12:
-                best, best_score = groups, score
-        return canonical(best), "exact"
-    return canonical(_greedy_groups(similarity, m)), "greedy"
-
-
-# ---- similarity on calibration text --------------------------------------------------------------------------------
-
-
-class _Stop(Exception):
-    """Raised after the last attention layer's inputs are captured: the rest of the forward is not needed."""
-
-
-@torch.no_grad()
-def kv_similarity(loaded: LoadedModel, batches, progress: bool = True) -> dict[str, torch.Tensor]:
-    """Mean per-token cosine similarity between KV heads, per layer: {"key", "value", "similarity"} each [L, G, G].
-
-    For token t: cos(k_i(t), k_j(t)) with k_g(t) = W_k[g] x_t + b_k[g], x_t the attention module's input (from a
-    forward pre-hook), averaged over the unpadded calibration tokens; same for values; similarity = their mean.
-    Rotary embeddings rotate every head's key at a token by the same orthogonal matrix, so these cosines are the
-    post-rotary ones too. Per-head key norms are not applied (their RMS scaling does not change a cosine; their
-    learned scale is shared by all heads except in OLMo2).
-    """
-    check_resident(loaded, "KV-head similarity")  # reads each layer's weights
-    layers = gqa_layers(loaded)
-    adapter, model = loaded.adapter, loaded.model
-    weights = {}
-    for layer in layers:
-        w = adapter.read(layer)
-        weights[layer.index] = tuple(
-            None if t is None else t.float()
-            for t in (w.k, w.v, w.k_bias, w.v_bias)  # on the layer's device
-        )
-    G = layers[0].num_kv_heads
-    sums = {kind: torch.zeros(len(layers), G, G, dtype=torch.float64) for kind in ("key", "value")}
-    count = torch.zeros((), dtype=torch.float64)
-    state = {}
-    last = layers[-1].index
-
-    def hook_for(layer: AttentionLayer):
-        def hook(module, args, kwargs):
-            x = args[0] if args else kwargs["hidden_states"]  # [B, T, C]
-            x = x[state["valid"].to(x.device)].float()  # [N, C], padding dropped
-            k_w, v_w, k_b, v_b = (None if t is None else t.to(x.device) for t in weights[layer.index])
-            for kind, w, b in (("key", k_w, k_b), ("value", v_w, v_b)):
-                proj = torch.einsum("nc,gdc->ngd", x, w)  # [N, G, D]
-                if b is not None:
-                    proj = proj + b
-                unit = torch.nn.functional.normalize(proj, dim=-1)
-                sums[kind][layer.index] += torch.einsum("ngd,nhd->gh", unit, unit).double().cpu()  # [G, G]
-            if layer.index == last:
-                raise _Stop
-
-        return hook
-
-    handles = [layer.module.register_forward_pre_hook(hook_for(layer), with_kwargs=True) for layer in layers]
-    try:
-        for input_ids, attention_mask, *_ in tqdm(batches, desc="KV similarity", disable=not progress, unit="batch"):
-            state["valid"] = attention_mask.bool().to(loaded.device)
-            count += float(attention_mask.sum())
-            try:
-                model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
-            except _Stop:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    if count == 0:
-        raise HeadlabError("no calibration tokens to measure KV-head similarity on")
-    key, value = sums["key"] / count, sums["value"] / count
-    return {"key": key, "value": value, "similarity": (key + value) / 2, "tokens": int(count)}
-
-
-def similarity_table(similarity: dict[str, torch.Tensor]) -> pd.DataFrame:
-    """Tidy pairs: layer, kv_head, other_kv_head, key_cosine, value_cosine, similarity."""
-    L, G, _ = similarity["similarity"].shape
-    rows = [
-        (layer, i, j, float(similarity["key"][layer, i, j]), float(similarity["value"][layer, i, j]))
-        for layer in range(L)
-        for i in range(G)
-        for j in range(G)
-        if i != j
-    ]
-    frame = pd.DataFrame(rows, columns=["layer", "kv_head", "other_kv_head", "key_cosine", "value_cosine"])
-    frame["similarity"] = (frame["key_cosine"] + frame["value_cosine"]) / 2
-    return frame
-
-
-# ---- weight edits --------------------------------------------------------------------------------------------------
-
-
-def permute_weights(weights: HeadWeights, kv_order: list[int]) -> HeadWeights:
-    """Reorder KV heads as `kv_order` and move each one's query heads with it (function-preserving)."""
-    r = weights.num_heads // weights.num_kv_heads
-    heads = [k * r + i for k in kv_order for i in range(r)]
-    return weights.take(heads, kv_order)
-
-
-def _std(t: torch.Tensor) -> torch.Tensor:
-    return t.float().std() if t.numel() > 1 else t.float().abs().mean()
-
-
-def pool_weights(weights: HeadWeights, kv_heads: int, pool: str = "mean", seed: int = 0) -> HeadWeights:
-    """Pool contiguous runs of m = G / kv_heads KV heads into one each (Ainslie et al. 2023, sec. 2.2).
-
-    mean: k_g = (1/m) sum_{i in group g} k_i (likewise v, biases; float64 sum, so m equal copies give the copy
-    back exactly); first: the group's first head; random: N(0, s^2) per group with s the std of the members'
-    tensor (seeded). Norm weights shared by all heads ([D]) are unchanged; a norm spanning heads (OLMo2: one RMS
-    over G*D values) gets the group mean of the members' [D] slices, an approximation since its RMS is then taken
-    over fewer, pooled values.
-    """
-    if pool not in POOLS:
-        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
-    G = weights.num_kv_heads
-    m = G // kv_heads
-    generator = torch.Generator().manual_seed(seed)
-
-    def grouped(t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(kv_heads, m, *t.shape[1:])  # [G', m, ...]
-
-    def mean(t):
-        return None if t is None else grouped(t).double().mean(1).to(t.dtype)
-
-    def pooled(t):
-        if t is None:
-            return None
-        if pool == "mean":
-            return mean(t)
-        if pool == "first":
-            return grouped(t)[:, 0].clone()
-        members = grouped(t)
-        scale = torch.stack([_std(members[g]) for g in range(kv_heads)])  # [G']
-        noise = torch.randn(members[:, 0].shape, generator=generator, dtype=torch.float32)  # [G', ...]
-        return (noise * scale.view(-1, *[1] * (noise.dim() - 1))).to(t.dtype).to(t.device)
-
-    spans = weights.k_norm is not None and weights.k_norm.dim() == 2
-    return replace(
-        weights,
-        k=pooled(weights.k),
-        v=pooled(weights.v),
-        k_bias=pooled(weights.k_bias),
-        v_bias=pooled(weights.v_bias),
-        k_norm=mean(weights.k_norm) if spans else weights.k_norm,
-    )
-
-
-def expand_weights(weights: HeadWeights, kv_heads: int) -> HeadWeights:
-    """Repeat each KV head kv_heads / G times in place (what repeat_kv does at run time): lossless."""
-    factor = kv_heads // weights.num_kv_heads
-
-    def repeat(t):
-        return None if t is None else t.repeat_interleave(factor, dim=0)
-
-    # A spanning norm over repeated copies has the same RMS (each value repeated `factor` times): still exact.
-    spans = weights.k_norm is not None and weights.k_norm.dim() == 2
-    return replace(
-        weights,
-        k=repeat(weights.k),
-        v=repeat(weights.v),
-        k_bias=repeat(weights.k_bias),
-        v_bias=repeat(weights.v_bias),
-        k_norm=repeat(weights.k_norm) if spans else weights.k_norm,
-    )
-
-
-def permute_heads(loaded: LoadedModel, kv_orders: list[list[int]]) -> None:
-    """Permute each layer's KV heads (kv_orders[layer]) and their query heads, in place; the function is unchanged."""
-    for layer in gqa_layers(loaded):
-        loaded.adapter.write(layer, permute_weights(loaded.adapter.read(layer), kv_orders[layer.index]))
 
 
 @dataclass
@@ -455,8 +156,6 @@ def convert(
         if method == "mean":
             loaded.adapter.write(layer, pool_weights(weights, kv_heads, pool, seed=seed + layer.index))
     if method == "svd":
-        from headlab.merge import merge_kv_heads
-
         conversion.pool = None
         conversion.merge = merge_kv_heads(loaded, kv_heads, batches, progress=progress)
     loaded.adapter.set_config_heads(loaded.model.config, H, kv_heads, D)
@@ -464,12 +163,6 @@ def convert(
 
 
 # ---- KV-cache bytes ------------------------------------------------------------------------------------------------
-
-
-def kv_bytes_per_token(loaded: LoadedModel) -> int:
-    """Arithmetic (as `headlab info`): 2 x sum over softmax layers of G x D x bytes per element (model dtype)."""
-    element = DTYPE_BYTES[str(loaded.dtype).removeprefix("torch.")]
-    return kv_cache_bytes([(layer.num_kv_heads, layer.head_dim) for layer in loaded.layers], 1, 1, element)
 
 
 @torch.no_grad()
@@ -623,33 +316,23 @@ def gqa_sweep(
     if kv_heads is None:
         kv_heads = [g for g in range(H, 0, -1) if (G % g == 0) or (H % g == 0 and g % G == 0)]
     actions = {g: check_kv_heads(H, G, g) for g in kv_heads}  # validate every target before any work
-    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, METHODS))
-    for name, values, allowed in checks:
-        unknown = [v for v in values if v not in allowed]
-        if unknown or not values:
-            raise HeadlabError(f"{name}: unknown {unknown or 'empty list'}; use some of {', '.join(allowed)}")
+    _check_choices(groupings, pools, methods)
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus, text_column)
     eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
-    originals = [loaded.adapter.read(layer) for layer in layers]
     meta = {"model": loaded.spec, "source": loaded.source, "eval": {"data": corpus.spec, **eval_args}, "seed": seed}
+    pooling = any(a == "pool" for a in actions.values())
     similarity = None
-    if "similarity" in groupings and any(a == "pool" for a in actions.values()):
+    if "similarity" in groupings and pooling:
         calib = dict(part="calibration", seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens)
         similarity, meta["calibration"] = _similarity_for(loaded, corpus, calib, progress)
     batches = None
-    if "svd" in methods and any(a == "pool" for a in actions.values()):
+    if "svd" in methods and pooling:
         batches = _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens)
         meta["merge_calibration"] = batches.meta
 
-    jobs = []
-    for g in kv_heads:
-        if actions[g] == "pool":
-            pooled = [p for p in pools if "mean" in methods] + (["svd"] if "svd" in methods else [])
-            jobs += [(g, grouping, pool) for grouping in groupings for pool in pooled]
-        else:
-            jobs.append((g, None, None))
     rows, seen = [], {}
+    jobs = _sweep_jobs(kv_heads, actions, groupings, pools, methods)
     for g, grouping, pool in tqdm(jobs, desc="GQA sweep", disable=not progress, unit="variant"):
         groups = None
         if grouping is not None:
@@ -658,49 +341,67 @@ def gqa_sweep(
         key = (g, pool, repr(groups))
         label = f"{g}/{grouping or actions[g]}/{pool or '-'}"
         if key in seen:
-            row = dict(seen[key], grouping=grouping, pool=pool, variant=label, same_as=seen[key]["variant"])
-            rows.append(row)
+            rows.append(dict(seen[key], grouping=grouping, pool=pool, variant=label, same_as=seen[key]["variant"]))
             continue
-        conversion = convert(
-            loaded,
-            g,
-            pool="mean" if pool in (None, "svd") else pool,
-            grouping=grouping or "contiguous",
-            groups=groups,
-            seed=seed,
-            method="svd" if pool == "svd" else "mean",
-            batches=batches,
-        )
-        result = _perplexity(loaded, corpus, eval_args, progress=False)
-        row = {
-            "variant": label,
-            "kv_heads": g,
-            "action": conversion.action,
-            "grouping": grouping,
-            "pool": pool,
-            "perplexity": result.perplexity,
-            "nll": result.nll,
-            "scored_tokens": result.scored_tokens,
-            "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
-            "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
-            "permuted_layers": conversion.permuted_layers,
-            "same_as": None,
-        }
+        with restoring(loaded):  # back to the original model for the next variant, also after an error
+            conversion = convert(
+                loaded,
+                g,
+                pool="mean" if pool in (None, "svd") else pool,
+                grouping=grouping or "contiguous",
+                groups=groups,
+                seed=seed,
+                method="svd" if pool == "svd" else "mean",
+                batches=batches,
+            )
+            result = _perplexity(loaded, corpus, eval_args, progress=False)
+            row = {
+                "variant": label,
+                "kv_heads": g,
+                "action": conversion.action,
+                "grouping": grouping,
+                "pool": pool,
+                "perplexity": result.perplexity,
+                "nll": result.nll,
+                "scored_tokens": result.scored_tokens,
+                "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
+                "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
+                "permuted_layers": conversion.permuted_layers,
+                "same_as": None,
+            }
         rows.append(row)
         seen[key] = row
-        for layer, weights in zip(layers, originals):  # back to the original model for the next variant
-            loaded.adapter.write(layer, weights)
-        loaded.adapter.set_config_heads(loaded.model.config, H, G, D)
     frame = pd.DataFrame(rows)
     frame["relative_kv_bytes"] = frame["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
     meta.update({"query_heads": H, "kv_heads": G, "head_dim": D, "targets": kv_heads, "dtype": str(loaded.dtype)})
     return frame, meta
 
 
+def _check_choices(groupings, pools, methods) -> None:
+    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, METHODS))
+    for name, values, allowed in checks:
+        unknown = [v for v in values if v not in allowed]
+        if unknown or not values:
+            raise HeadlabError(f"{name}: unknown {unknown or 'empty list'}; use some of {', '.join(allowed)}")
+
+
+def _sweep_jobs(kv_heads, actions, groupings, pools, methods) -> list[tuple[int, str | None, str | None]]:
+    """(target, grouping, pool) per variant: every grouping x pool for a pooled target, one row otherwise."""
+    jobs = []
+    for g in kv_heads:
+        if actions[g] == "pool":
+            pooled = [p for p in pools if "mean" in methods] + (["svd"] if "svd" in methods else [])
+            jobs += [(g, grouping, pool) for grouping in groupings for pool in pooled]
+        else:
+            jobs.append((g, None, None))
+    return jobs
+
+
 def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) -> tuple[pd.DataFrame, dict]:
     """`headlab gqa-sweep`: the sweep table (CSV + Parquet), meta.json, the similarity pairs and the plot."""
     check_out(out, overwrite)
     frame, meta = gqa_sweep(loaded, **kwargs)
+    # seaborn/matplotlib take about a second to import: only the sweep draws, so conversion skips that start-up time.
     from headlab.plots import figure_bytes, plot_gqa_sweep
 
     fig = plot_gqa_sweep(frame, f"{loaded.spec}: {meta['query_heads']} query heads, KV heads swept")

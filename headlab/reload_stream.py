@@ -13,7 +13,7 @@ from pathlib import Path
 from torch import nn
 
 from headlab.arch import adapter_for
-from headlab.loading import HEAD_LAYOUT_KEY
+from headlab.layout import HEAD_LAYOUT_KEY, load_pruned
 
 # Below this many parameter bytes a second full copy is cheap and the plain reload is kept (it is also faster).
 STREAM_ABOVE_BYTES = 64 * 2**20
@@ -61,8 +61,6 @@ def streamed_reload(path: Path, like: nn.Module, auto_class):
             offload_folder=offload,
         )
         if HEAD_LAYOUT_KEY in raw or HEAD_LAYOUT_KEY in (raw.get("text_config") or {}):
-            from headlab.prune import load_pruned  # deferred: prune imports checkpoint (moves to layout)
-
             config = AutoConfig.from_pretrained(path)
             model = load_pruned(str(path), config, adapter_for(config), **kwargs)
             loader = "headlab load_pruned, blocks streamed from disk"

@@ -7,8 +7,6 @@ Each step writes its own run directory (the same tables its CLI command writes) 
 
 from __future__ import annotations
 
-import base64
-import html
 import json
 import shlex
 import sys
@@ -19,9 +17,21 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from headlab import gqa, kv_heads, plots
+from headlab.capture import capture_attention
+from headlab.costs import model_info
+from headlab.data import calibration_batches, load_corpus
 from headlab.errors import HeadlabError
-from headlab.loading import DEFAULT_MODEL, LoadedModel, atomic_directory
+from headlab.fsio import atomic_directory, write_json
+from headlab.importance import head_importance
+from headlab.loading import DEFAULT_MODEL, LoadedModel
+from headlab.report_render import build_sections, render_html, render_markdown
 from headlab.report_text import human_bytes
+from headlab.scores import read_scores
+from headlab.speed import SpeedSpec, measure_model, relative_to_first
+from headlab.stats import _frame_tokens, head_statistics, write_statistics
+from headlab.sweep import sweep, write_sweep
+from headlab.tables import versions, write_run
 
 SAMPLE_SENTENCE = "The cat sat on the mat because it was tired, and then it slept."
 DEMO_OUT = Path("runs/demo")
@@ -104,8 +114,6 @@ def attention_maps(
     """Attention weights of the `heads` most and least important heads on one sentence, as a tidy table
     `selection, layer, head, kv_head, importance, rank, query, key, weight, query_token, key_token` (visible keys
     only). The weights are softmax(QK^T / sqrt(d) + mask), computed by headlab's capture function (the eager math)."""
-    from headlab.capture import capture_attention
-    from headlab.stats import _frame_tokens
 
     if loaded.tokenizer is None:
         raise HeadlabError("the attention gallery needs the model's tokenizer")
@@ -161,12 +169,11 @@ def gqa_target(num_kv_heads: int) -> int | None:
 def grouping_table(loaded: LoadedModel, target: int, similarity: dict | None, grouping: str) -> pd.DataFrame:
     """One row per query head: layer, head, kv_head (read now), new_kv_head (read after pooling to `target` KV
     heads with `grouping`), grouping, method (exact / greedy / trivial / contiguous search)."""
-    from headlab import gqa
 
     groups, methods = gqa.plan_groups(loaded, target, grouping, similarity)
     rows = []
-    for layer in gqa.gqa_layers(loaded):
-        new_of = {kv: g for g, members in enumerate(gqa.canonical(groups[layer.index])) for kv in members}
+    for layer in kv_heads.gqa_layers(loaded):
+        new_of = {kv: g for g, members in enumerate(kv_heads.canonical(groups[layer.index])) for kv in members}
         for head in range(layer.num_heads):
             kv = layer.kv_head_of(head)
             rows.append((layer.index, head, kv, new_of[kv], grouping, methods[layer.index]))
@@ -381,6 +388,134 @@ def _say(progress: bool, text: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
+@dataclass
+class ReportRun:
+    """What the report steps share: the model, the settings, the text options, the staging directory, and what
+    earlier steps produced for later ones (importance for the gallery and sweep, tables for the summary)."""
+
+    loaded: LoadedModel
+    s: Settings
+    tmp: Path
+    common: dict  # data, text_column, seq_len, batch_size, progress
+    sentence: str
+    target: int | None  # KV heads the grouping step pools to (None: no grouping step)
+    info: dict = field(default_factory=dict)
+    importance: object = None
+    sweep_table: pd.DataFrame | None = None
+    gqa_frame: pd.DataFrame | None = None
+    figures: list[str] = field(default_factory=list)
+
+
+def _info_step(run: ReportRun) -> None:
+    run.info = model_info(run.loaded, context=run.s.seq_len)
+    write_json(run.tmp / "info.json", run.info)
+
+
+def _stats_step(run: ReportRun) -> None:
+    s = run.s
+    tidy = head_statistics(
+        run.loaded,
+        max_tokens=s.stats_tokens,
+        induction_len=s.induction_len,
+        induction_count=s.induction_count,
+        **run.common,
+    )
+    write_statistics(run.tmp / "stats", tidy)
+
+
+def _importance_step(run: ReportRun) -> None:
+    importance = head_importance(run.loaded, max_tokens=run.s.importance_tokens, **run.common)
+    tables = {"importance": importance.table, "kv_groups": importance.kv_groups}
+    write_run(run.tmp / "importance", tables, importance.meta)
+    run.importance = importance
+
+
+def _gallery_step(run: ReportRun) -> None:
+    maps = attention_maps(run.loaded, run.importance.table, run.sentence, run.s.gallery_heads)
+    write_run(run.tmp / "attention", {"attention_maps": maps}, {**run.loaded.describe(), "sentence": run.sentence})
+
+
+def _sweep_step(run: ReportRun) -> None:
+    s = run.s
+    result = sweep(
+        run.loaded,
+        # The importance order starts from the scores just computed with the same settings (same numbers as
+        # `headlab sweep` recomputing them, without the second gradient pass).
+        scores={"importance": read_scores(run.importance.table, run.loaded.layers)},
+        fractions=s.fractions,
+        orders=s.orders,
+        seeds=s.seeds,
+        calibration_tokens=s.importance_tokens,
+        eval_tokens=s.eval_tokens,
+        **run.common,
+    )
+    write_sweep(result, run.tmp / "sweep")
+    run.sweep_table = result.table
+
+
+def _gqa_step(run: ReportRun) -> None:
+    s, loaded, data, text_column = run.s, run.loaded, run.common["data"], run.common["text_column"]
+    run.gqa_frame, gqa_meta = gqa.gqa_sweep(
+        loaded,
+        groupings=s.groupings,
+        pools=s.pools,
+        methods=s.methods,
+        corpus=data,
+        text_column=text_column,
+        max_tokens=s.eval_tokens,
+        seq_len=s.seq_len,
+        batch_size=s.batch_size,
+        calib_tokens=s.calibration_tokens,
+        progress=run.common["progress"],
+    )
+    write_run(run.tmp / "gqa_sweep", {"sweep": run.gqa_frame}, gqa_meta)
+    if run.target is None:
+        return
+    batches = calibration_batches(
+        loaded.tokenizer,
+        data,
+        seq_len=s.seq_len,
+        batch_size=s.batch_size,
+        max_tokens=s.calibration_tokens,
+        text_column=text_column,
+        max_positions=loaded.max_positions,
+    )
+    similarity = kv_heads.kv_similarity(loaded, batches, progress=run.common["progress"])
+    groups = grouping_table(loaded, run.target, similarity, "similarity")
+    write_run(
+        run.tmp / "gqa_groups",
+        {"gqa_groups": groups, "kv_similarity": kv_heads.similarity_table(similarity)},
+        {**loaded.describe(), "kv_heads_after": run.target, "calibration": batches.meta},
+    )
+
+
+def _figures_step(run: ReportRun, fmt: str) -> None:
+    figures = plots.run_figures(run.tmp)
+    for name, fig in figures.items():
+        plots.save_figure(fig, run.tmp / "figures" / f"{name}.{fmt}", fmt)
+    run.figures = sorted(figures)
+
+
+# The report is this list of steps, run in order inside one atomic directory; "gqa" only where KV heads can pool.
+def _speed_step(run: ReportRun) -> None:
+    s = run.s
+    spec = SpeedSpec(s.speed_contexts, s.speed_batches, s.speed_decode_tokens, s.speed_prefill_limit, ("transformers",))
+    label = run.loaded.spec or DEFAULT_MODEL
+    table = relative_to_first(measure_model(run.loaded, label, spec, run.common["progress"]))
+    write_run(run.tmp / "speed", {"speed": table}, {**run.loaded.describe(), "spec": spec.to_dict()})
+
+
+REPORT_STEPS = [
+    ("info", _info_step),
+    ("stats", _stats_step),
+    ("importance", _importance_step),
+    ("gallery", _gallery_step),
+    ("sweep", _sweep_step),
+    ("gqa", _gqa_step),
+    ("speed", _speed_step),
+]
+
+
 def run_report(
     loaded: LoadedModel,
     out,
@@ -398,13 +533,6 @@ def run_report(
     """Run every analysis on `loaded`, write each step's tables under `out`, draw every figure and write
     report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
     """
-    from headlab import gqa, plots
-    from headlab.data import calibration_batches, load_corpus
-    from headlab.evaluate import model_info
-    from headlab.importance import head_importance
-    from headlab.stats import head_statistics, write_statistics
-    from headlab.sweep import sweep, write_sweep
-    from headlab.tables import versions, write_run
 
     out = Path(out)
     s = fit_settings(settings or PRESETS["quick" if quick else "full"], loaded.max_positions)
@@ -425,118 +553,18 @@ def run_report(
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
     report = Report(out)
-    steps = ["info", "stats", "importance", "gallery", "sweep"] + (["gqa"] if can_gqa else []) + ["speed"]
+    steps = [(name, function) for name, function in REPORT_STEPS if name != "gqa" or can_gqa]
     started = time.perf_counter()
-
-    def step(name: str):
-        report.seconds[name] = time.perf_counter()
-        _say(progress, f"[{len(report.seconds)}/{len(steps) + 1}] {name}")
-
-    def done(name: str):
-        report.seconds[name] = round(time.perf_counter() - report.seconds[name], 2)
-
     common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
     with atomic_directory(out, overwrite=True) as tmp:
-        step("info")
-        info = model_info(loaded, context=s.seq_len)
-        (tmp / "info.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
-        done("info")
-
-        step("stats")
-        tidy = head_statistics(
-            loaded,
-            max_tokens=s.stats_tokens,
-            induction_len=s.induction_len,
-            induction_count=s.induction_count,
-            **common,
-        )
-        write_statistics(tmp / "stats", tidy)
-        done("stats")
-
-        step("importance")
-        importance = head_importance(loaded, max_tokens=s.importance_tokens, **common)
-        write_run(
-            tmp / "importance", {"importance": importance.table, "kv_groups": importance.kv_groups}, importance.meta
-        )
-        done("importance")
-
-        step("gallery")
-        maps = attention_maps(loaded, importance.table, sentence, s.gallery_heads)
-        write_run(tmp / "attention", {"attention_maps": maps}, {**loaded.describe(), "sentence": sentence})
-        done("gallery")
-
-        step("sweep")
-        from headlab.prune import read_scores
-
-        result = sweep(
-            loaded,
-            # The importance order starts from the scores just computed with the same settings (same numbers as
-            # `headlab sweep` recomputing them, without the second gradient pass).
-            scores={"importance": read_scores(importance.table, layers)},
-            fractions=s.fractions,
-            orders=s.orders,
-            seeds=s.seeds,
-            calibration_tokens=s.importance_tokens,
-            eval_tokens=s.eval_tokens,
-            **common,
-        )
-        write_sweep(result, tmp / "sweep")
-        done("sweep")
-
-        gqa_frame = None
-        if can_gqa:
-            step("gqa")
-            gqa_frame, gqa_meta = gqa.gqa_sweep(
-                loaded,
-                groupings=s.groupings,
-                pools=s.pools,
-                methods=s.methods,
-                corpus=data,
-                text_column=text_column,
-                max_tokens=s.eval_tokens,
-                seq_len=s.seq_len,
-                batch_size=s.batch_size,
-                calib_tokens=s.calibration_tokens,
-                progress=progress,
-            )
-            write_run(tmp / "gqa_sweep", {"sweep": gqa_frame}, gqa_meta)
-            if target is not None:
-                batches = calibration_batches(
-                    loaded.tokenizer,
-                    data,
-                    seq_len=s.seq_len,
-                    batch_size=s.batch_size,
-                    max_tokens=s.calibration_tokens,
-                    text_column=text_column,
-                    max_positions=loaded.max_positions,
-                )
-                similarity = gqa.kv_similarity(loaded, batches, progress=progress)
-                groups = grouping_table(loaded, target, similarity, "similarity")
-                write_run(
-                    tmp / "gqa_groups",
-                    {"gqa_groups": groups, "kv_similarity": gqa.similarity_table(similarity)},
-                    {**loaded.describe(), "kv_heads_after": target, "calibration": batches.meta},
-                )
-            done("gqa")
-
-        step("speed")
-        from headlab.speed import SpeedSpec, measure_model, relative_to_first
-
-        speed_spec = SpeedSpec(
-            s.speed_contexts, s.speed_batches, s.speed_decode_tokens, s.speed_prefill_limit, ("transformers",)
-        )
-        speed_table = relative_to_first(measure_model(loaded, model_flag or DEFAULT_MODEL, speed_spec, progress))
-        write_run(tmp / "speed", {"speed": speed_table}, {**loaded.describe(), "spec": speed_spec.to_dict()})
-        done("speed")
-
-        step("figures")
-        figures = plots.run_figures(tmp)
-        for name, fig in figures.items():
-            plots.save_figure(fig, tmp / "figures" / f"{name}.{fmt}", fmt)
-        report.figures = sorted(figures)
-        done("figures")
-
-        report.summary = pruning_trades(result.table) + (gqa_trades(gqa_frame) if gqa_frame is not None else [])
+        run = ReportRun(loaded, s, tmp, common, sentence, target)
+        for name, function in steps + [("figures", lambda run: _figures_step(run, fmt))]:
+            _say(progress, f"[{len(report.seconds) + 1}/{len(steps) + 1}] {name}")
+            begin = time.perf_counter()
+            function(run)
+            report.seconds[name] = round(time.perf_counter() - begin, 2)
+        report.figures = run.figures
+        report.summary = pruning_trades(run.sweep_table) + (gqa_trades(run.gqa_frame) if can_gqa else [])
         total = round(time.perf_counter() - started, 2)
         meta = {
             **loaded.describe(),
@@ -554,242 +582,9 @@ def run_report(
             "summary": report.summary,
             "versions": versions(),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-        sections = build_sections(tmp, meta, info, fmt)
+        write_json(tmp / "meta.json", meta)
+        sections = build_sections(tmp, meta, run.info, fmt)
         (tmp / "report.md").write_text(render_markdown(sections, meta))
         (tmp / "report.html").write_text(render_html(sections, meta, tmp))
     _say(progress, f"report written to {out} in {total:.0f} s")
     return report
-
-
-# ---- report.md and report.html ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Section:
-    title: str
-    text: list[str] = field(default_factory=list)
-    tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
-    figures: list[str] = field(default_factory=list)  # paths relative to the report directory
-    command: str | None = None
-
-
-def _table(path: Path) -> pd.DataFrame | None:
-    return pd.read_csv(path) if path.is_file() else None
-
-
-def _round(frame: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
-    frame = frame.copy()
-    for column in frame.columns:
-        if pd.api.types.is_float_dtype(frame[column]):
-            frame[column] = frame[column].map(lambda v: "" if pd.isna(v) else f"{v:.{digits}g}")
-    return frame
-
-
-def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]:
-    """The report's sections, from the tables saved under `run` (never from the live model)."""
-    commands = meta["commands"]
-    figure = {name: f"figures/{name}.{fmt}" for name in meta["figures"]}
-    sections = [Section("Summary", [f"- {line}" for line in meta["summary"]])]
-
-    ladder = pd.DataFrame(info["ladder"]) if info.get("ladder") else None
-    layout = pd.DataFrame(
-        [
-            ("model type", info["model_type"]),
-            ("attention layers", info["attention_layers"]),
-            ("query heads / KV heads / head_dim", f"{info['query_heads']} / {info['kv_heads']} / {info['head_dim']}"),
-            ("parameters (attention)", f"{info['parameters']:,} ({info['attention_parameters']:,})"),
-            ("KV cache per token", human_bytes(info["kv_bytes_per_token"]) + f" ({info['cache_dtype']})"),
-        ],
-        columns=["", "value"],
-    )
-    tables = [("layout", layout)]
-    if ladder is not None:
-        ladder = ladder.assign(kv_per_token=ladder["kv_bytes_per_token"].map(human_bytes))
-        tables.append(("KV-cache ladder", ladder[["variant", "kv_heads", "kv_per_token", "current"]]))
-    sections.append(Section("Model", tables=tables, command=commands["info"]))
-
-    wide = _table(run / "stats" / "stats_wide.csv")
-    stat_figures = [figure[n] for n in meta["figures"] if n.startswith("heatmap_") and n != "heatmap_importance"]
-    described = wide.drop(columns=["layer", "head", "kv_head"]).select_dtypes("number").dropna(axis=1, how="all")
-    summary = described.describe().T[["mean", "min", "max"]].reset_index(names="statistic")
-    stats_meta = json.loads((run / "stats" / "meta.json").read_text())
-    sections.append(
-        Section(
-            "Per-head attention statistics",
-            [
-                f"{stats_meta['tokens']:,} calibration tokens; one heatmap per statistic (rows: layers, columns: query "
-                "heads; lines mark KV groups). Definitions: README, `headlab stats`."
-            ],
-            [("statistics over all heads", summary)],
-            stat_figures,
-            commands["stats"],
-        )
-    )
-
-    importance = _table(run / "importance" / "importance.csv")
-    top = importance.sort_values("rank")
-    imp_meta = json.loads((run / "importance" / "meta.json").read_text())
-    sections.append(
-        Section(
-            "Head importance",
-            [
-                f"{imp_meta['definition']} ({imp_meta['scored_tokens']:,} scored tokens), normalised per layer then to [0, 1]."
-            ],
-            [("all heads by rank", top)]
-            if len(top) <= 20
-            else [("most important heads", top.head(10)), ("least important heads", top.tail(10).iloc[::-1])],
-            [
-                figure[n]
-                for n in ("heatmap_importance", "importance_vs_entropy", "importance_vs_sink_first")
-                if n in figure
-            ],
-            commands["importance"],
-        )
-    )
-    maps_meta = json.loads((run / "attention" / "meta.json").read_text())
-    sections.append(
-        Section(
-            "Attention patterns",
-            [
-                f"Sentence: `{maps_meta['sentence']}`. Panels: the most and the least important heads (same colour scale)."
-            ],
-            figures=[figure["attention_gallery"]] if "attention_gallery" in figure else [],
-            command=commands["plot"],
-        )
-    )
-
-    sweep_table = _table(run / "sweep" / "sweep.csv")
-    shown = (
-        sweep_table.groupby(["order", "fraction"], sort=False)
-        .agg(
-            pruned_heads=("pruned_heads", "mean"),
-            perplexity=("perplexity", "mean"),
-            parameters=("parameters", "mean"),
-            kv_bytes_per_token=("kv_bytes_per_token", "mean"),
-            tokens_per_s=("tokens_per_s", "mean"),
-        )
-        .reset_index()
-    )
-    sections.append(
-        Section(
-            "Pruning sweep",
-            [
-                "Perplexity on the eval split with the lowest-scoring fraction of heads removed (random: mean over seeds)."
-            ],
-            [("sweep", shown)],
-            [figure["sweep"]] if "sweep" in figure else [],
-            commands["sweep"],
-        )
-    )
-
-    gqa_table = _table(run / "gqa_sweep" / "sweep.csv")
-    if gqa_table is not None:
-        columns = ["variant", "kv_heads", "action", "perplexity", "kv_bytes_per_token", "relative_kv_bytes", "same_as"]
-        sections.append(
-            Section(
-                "KV heads: GQA conversion",
-                [
-                    "Perplexity against measured KV-cache bytes per token; pool mean: KV heads averaged (Ainslie et "
-                    "al. 2023); pool svd: the calibrated, training-free merge (`--method svd`); no uptraining."
-                ],
-                [("gqa sweep", gqa_table[[c for c in columns if c in gqa_table]])],
-                [figure["gqa_sweep"]] if "gqa_sweep" in figure else [],
-                commands["gqa_sweep"],
-            )
-        )
-        groups = _table(run / "gqa_groups" / "gqa_groups.csv")
-        if groups is not None:
-            moved = int((groups.groupby("layer")["method"].first() != "trivial").sum())
-            sections[-1].figures += [figure["gqa_grouping"]] if "gqa_grouping" in figure else []
-            sections[-1].text.append(
-                f"Grouping: pooling to {groups['new_kv_head'].nunique()} KV heads by KV-head similarity "
-                f"(mean key/value cosine on calibration text); {moved} of {groups['layer'].nunique()} layers needed a "
-                "search (with one group per layer every grouping is the same)."
-            )
-            sections[-1].command += "\n" + commands["gqa_groups"]
-    else:
-        sections.append(Section("KV heads", ["This architecture cannot hold fewer KV heads (supports_gqa=False)."]))
-    speed = _table(run / "speed" / "speed.csv")
-    if speed is not None:
-        columns = ["context", "batch", "cache_fill", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_cache_bytes"]
-        sections.append(
-            Section(
-                "Speed",
-                [
-                    "Measured decode tokens/s with a KV cache holding `context` tokens, and the cache's bytes "
-                    "(transformers). A synthetic cache (random keys/values) replaces the timed prefill above "
-                    f"{meta['settings']['speed_prefill_limit']:,} tokens; `headlab speed` compares checkpoints "
-                    "(original, pruned, KV-reduced) and llama.cpp."
-                ],
-                [("speed", speed[[c for c in columns if c in speed]])],
-                [figure["speed"]] if "speed" in figure else [],
-                commands.get("speed"),
-            )
-        )
-    return sections
-
-
-def markdown_table(frame: pd.DataFrame) -> str:
-    frame = _round(frame)
-    header = "| " + " | ".join(str(c) for c in frame.columns) + " |"
-    rule = "|" + "|".join("---" for _ in frame.columns) + "|"
-    body = [
-        "| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |" for row in frame.itertuples(index=False)
-    ]
-    return "\n".join([header, rule, *body])
-
-
-def _title(meta: dict) -> str:
-    return f"headlab report: {meta['model']} on {meta['data']}"
-
-
-def render_markdown(sections: list[Section], meta: dict) -> str:
-    lines = [
-        f"# {_title(meta)}",
-        "",
-        f"Reproduce everything: `{meta['command_line']}`" if "command_line" in meta else "",
-    ]
-    lines += [f"Total {meta['total_seconds']:.0f} s on {meta['threads']} threads ({meta['versions']['torch']}).", ""]
-    for section in sections:
-        lines += [f"## {section.title}", "", *section.text, ""]
-        for name, frame in section.tables:
-            lines += [f"**{name}**", "", markdown_table(frame), ""]
-        lines += [f"![{Path(f).stem}]({f})" for f in section.figures] + ([""] if section.figures else [])
-        if section.command:
-            lines += ["```bash", section.command, "```", ""]
-    return "\n".join(lines)
-
-
-def render_html(sections: list[Section], meta: dict, run: Path) -> str:
-    """One self-contained page: figures inlined as base64 data URIs, no external CSS or scripts."""
-    mime = {"png": "image/png", "svg": "image/svg+xml", "pdf": "application/pdf"}
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>{html.escape(_title(meta))}</title><style>",
-        "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;line-height:1.45}",
-        "table{border-collapse:collapse;margin:.5em 0 1em;font-size:.85em}td,th{border:1px solid #ccc;"
-        "padding:2px 6px;text-align:right}img,embed{max-width:100%;margin:.5em 0;display:block}"
-        "pre{background:#f4f4f4;padding:.6em;overflow-x:auto;white-space:pre-wrap}",
-        "</style></head><body>",
-        f"<h1>{html.escape(_title(meta))}</h1>",
-        f"<p>Reproduce everything: <code>{html.escape(meta['command_line'])}</code></p>",
-        f"<p>Total {meta['total_seconds']:.0f} s on {meta['threads']} threads.</p>",
-    ]
-    for section in sections:
-        parts.append(f"<h2>{html.escape(section.title)}</h2>")
-        items = [t[2:] for t in section.text if t.startswith("- ")]
-        if items:
-            parts.append("<ul>" + "".join(f"<li>{html.escape(t)}</li>" for t in items) + "</ul>")
-        parts += [f"<p>{html.escape(t)}</p>" for t in section.text if not t.startswith("- ")]
-        for name, frame in section.tables:
-            parts.append(f"<h4>{html.escape(name)}</h4>" + _round(frame).to_html(index=False, na_rep="", border=0))
-        for path in section.figures:
-            kind = Path(path).suffix.lstrip(".")
-            data = base64.b64encode((run / path).read_bytes()).decode("ascii")
-            tag = "embed" if kind == "pdf" else "img"
-            parts.append(f"<{tag} src='data:{mime[kind]};base64,{data}' alt='{html.escape(Path(path).stem)}'>")
-        if section.command:
-            parts.append(f"<pre>{html.escape(section.command)}</pre>")
-    parts.append("</body></html>")
-    return "\n".join(parts)

@@ -17,11 +17,12 @@ import pandas as pd
 import torch
 
 from headlab.errors import HeadlabError
+from headlab.fsio import check_out
 from headlab.gguf_export import export_gguf
 from headlab.llamacpp import open_model, unavailable
 from headlab.loading import DEFAULT_MODEL, LoadedModel, load_model, local_checkpoint
 from headlab.plots import figure_bytes, plot_speed
-from headlab.tables import check_out, write_run
+from headlab.tables import write_run
 
 RUNTIMES = ("transformers", "llama.cpp")
 

@@ -14,7 +14,9 @@ import torch
 
 from headlab import distributed
 from headlab.capture import DEFAULT_CHUNK, AttentionChunk, capture_attention
+from headlab.data import calibration_batches
 from headlab.errors import HeadlabError
+from headlab.tables import write_run
 
 # Wide-table columns, in order; other modules (importance, plots) rely on these names.
 STATISTICS = (
@@ -279,8 +281,6 @@ def head_statistics(
     """
     from tqdm.auto import tqdm
 
-    from headlab.data import calibration_batches
-
     model, adapter, layers = loaded.model, loaded.adapter, loaded.layers
     max_positions = loaded.max_positions
     prefix, suffix = _frame_tokens(loaded)
@@ -412,7 +412,6 @@ def wide_statistics(tidy: pd.DataFrame) -> pd.DataFrame:
 
 def write_statistics(out: Path, tidy: pd.DataFrame, *, overwrite: bool = False) -> Path:
     """`stats.csv/.parquet` (tidy), `stats_wide.csv/.parquet` (one row per head) and meta.json, atomically."""
-    from headlab.tables import write_run
 
     meta = dict(tidy.attrs.get("meta", {}))
     return write_run(out, {"stats": tidy, "stats_wide": wide_statistics(tidy)}, meta, overwrite=overwrite)

@@ -20,20 +20,22 @@ from tqdm.auto import tqdm
 
 from headlab.arch import adapter_for
 from headlab.checkpoint import META_FILE, check_checkpoint_out, meta_load_check
+from headlab.costs import kv_bytes_per_token
 from headlab.errors import HeadlabError
-from headlab.gqa import (
+from headlab.fsio import atomic_directory, write_json
+from headlab.gqa import Conversion
+from headlab.kv_heads import (
     POOLS,
-    Conversion,
     check_direction,
     check_kv_heads,
     contiguous_groups,
     expand_weights,
     gqa_layers,
     identity_groups,
-    kv_bytes_per_token,
     pool_weights,
 )
-from headlab.loading import HEAD_LAYOUT_KEY, LoadedModel, atomic_directory, model_class
+from headlab.layout import HEAD_LAYOUT_KEY, model_class
+from headlab.loading import LoadedModel
 from headlab.tables import versions
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -295,5 +297,5 @@ def convert_streaming(
             "versions": versions(),
             "out": str(out),
         }
-        (tmp / META_FILE).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        write_json(tmp / META_FILE, record)
     return record

@@ -8,26 +8,27 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab.compensate import check_compensation, compensated, compensation_batches, output_statistics
+from headlab.costs import costs
+from headlab.data import Corpus, load_corpus
 from headlab.errors import HeadlabError
+from headlab.evaluate import perplexity
+from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.loading import LoadedModel
-from headlab.prune import (
-    check_unit,
-    costs,
-    entropy_scores,
-    importance_scores,
-    pruned_in_place,
-    random_scores,
-    select_heads,
-)
+from headlab.prune import MODES, PruneSpec, check_unit, plan, pruned_in_place
+from headlab.scores import ScoreRequest, score_heads
+from headlab.tables import write_run
 
 ORDERS = ("importance", "iterative", "random", "entropy", "ablation")
+# Gradient importance methods for the importance orders: the registry's, less those that are orders themselves.
+METHODS = tuple(m for m in IMPORTANCE_METHODS if m not in ORDERS)
 DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 DEFAULT_ORDERS = ("importance", "random", "entropy")
 ORDER_HELP = {
@@ -86,109 +87,51 @@ def sweep(
     compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
     scores already computed with the same settings (e.g. the report's importance step), instead of computing them again.
     """
-    from headlab.compensate import check_compensation
 
+    # More than 12 parameters: the Python face of every `headlab sweep` option (API compatibility); inside, the
+    # calibration settings become one ScoreRequest and the evaluation settings one dict.
     check_compensation(loaded, compensate)
-    from headlab.evaluate import perplexity
-
     fractions = sorted(set(float(f) for f in fractions))
     orders, seeds = list(dict.fromkeys(orders)), list(dict.fromkeys(seeds))
     check_sweep(fractions, orders, seeds)
     check_unit(loaded.layers, unit)
     if loaded.max_positions is not None and seq_len > loaded.max_positions:  # fail before the first score pass
         raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
-    if mode not in ("mask", "physical"):
+    if mode not in MODES:
         raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
     if mode == "physical" and loaded.adapter.norm_spans_heads:
         mode = "mask"  # physical is approximate here; the sweep reports exact masked perplexity instead
-    layers = loaded.layers
-    total_heads = sum(layer.num_heads for layer in layers)
-    score_kwargs = dict(data=data, seq_len=seq_len, batch_size=batch_size, progress=progress)
-    importance_kwargs = dict(score_kwargs, text_column=text_column, method=method, max_tokens=calibration_tokens)
-
-    def scores_for(order: str, seed: int):
-        if scores is not None and order in scores:
-            return [torch.as_tensor(s, dtype=torch.float64) for s in scores[order]]
-        if order in ("importance", "iterative"):
-            return importance_scores(loaded, **importance_kwargs)
-        if order == "ablation":
-            return importance_scores(loaded, **dict(importance_kwargs, method="ablation", max_tokens=None))
-        if order == "entropy":
-            return entropy_scores(loaded, **score_kwargs, text_column=text_column, max_tokens=calibration_tokens)
-        return random_scores(layers, seed)
-
+    corpus = data if isinstance(data, Corpus) else load_corpus(data, text_column)  # resolved once for every pass
+    request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress)
     eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
-    cache: dict[tuple, dict] = {}
     grams = None
     if compensate is not None:
-        from headlab.compensate import compensation_batches, output_statistics
-
         batches = compensation_batches(
-            loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens
+            loaded,
+            corpus,
+            text_column=text_column,
+            seq_len=seq_len,
+            batch_size=batch_size,
+            max_tokens=calibration_tokens,
         )
         grams = output_statistics(loaded, batches, progress=progress)
-
-    def measure(pruned, compensation=None) -> dict:
-        key = (tuple(tuple(sorted(p)) for p in pruned), compensation)
-        if key not in cache:
-            from headlab.compensate import compensated
-
-            refit = compensated(loaded, pruned, grams, compensation) if compensation else contextlib.nullcontext()
-            with refit, pruned_in_place(loaded, pruned, mode) as layout:
-                result = perplexity(loaded, data, part="eval", progress=False, **eval_kwargs)
-                size = costs(loaded, context=seq_len)
-            if mode == "mask":  # the model kept its shapes: report what the physical prune would cost
-                with pruned_in_place(loaded, pruned, "physical") as layout:
-                    size = costs(loaded, context=seq_len)
-            cache[key] = {
-                "perplexity": result.perplexity,
-                "nll": result.nll,
-                "tokens_per_s": result.tokens_per_s,
-                "parameters": size["parameters"],
-                "attention_parameters": size["attention_parameters"],
-                "attention_flops_per_token": size["attention_flops_per_token"],
-                "kv_bytes_per_token": size["kv_bytes_per_token"],
-                "query_heads": size["query_heads"],
-                "padding_heads": sum(len(lay.padding) for lay in layout),  # zero-output heads kept for equal groups
-                "kv_heads": size["kv_heads"],
-            }
-        return cache[key]
-
+    measure = _Measure(loaded, mode, grams, eval_kwargs, corpus)
+    spec = PruneSpec(per_layer=per_layer, unit=unit, allow_empty_layer=allow_empty_layer)
+    total_heads = sum(layer.num_heads for layer in loaded.layers)
     runs = [(order, seed) for order in orders for seed in (seeds if order == "random" else [None])]
     rows = []
     start = time.perf_counter()
     bar = tqdm(total=len(runs) * len(fractions), desc="sweep", disable=not progress, unit="model")
     for order, seed in runs:
-        scores = scores_for(order, seed or 0)
-        pruned = [set() for _ in layers]
-        for fraction in fractions:
-            if order == "iterative" and any(pruned):
-                scores = importance_scores(loaded, pruned, **importance_kwargs)
-            pruned = select_heads(
-                layers,
-                scores,
-                fraction=fraction,
-                per_layer=per_layer,
-                unit=unit,
-                allow_empty_layer=allow_empty_layer,
-                already=pruned if order == "iterative" else None,
-            )
+        given = None if scores is None or order not in scores else scores[order]
+        for fraction, pruned in _order_steps(loaded, order, seed or 0, fractions, spec, method, request, given):
             n = sum(len(p) for p in pruned)
             for compensation in [None] + ([compensate] if compensate else []):
-                rows.append(
-                    {
-                        "order": order,
-                        "seed": seed,
-                        "fraction": fraction,
-                        "pruned_heads": n,
-                        "fraction_pruned": n / total_heads,
-                        "compensation": compensation or "none",
-                        **measure(pruned, compensation),
-                    }
-                )
+                row = {"order": order, "seed": seed, "fraction": fraction, "pruned_heads": n}
+                row.update(fraction_pruned=n / total_heads, compensation=compensation or "none")
+                rows.append({**row, **measure(pruned, compensation)})
             bar.update()
     bar.close()
-    table = pd.DataFrame(rows)
     meta = {
         **loaded.describe(),
         "mode": mode,
@@ -205,13 +148,79 @@ def sweep(
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
     }
-    return SweepResult(table, meta)
+    return SweepResult(pd.DataFrame(rows), meta)
+
+
+def _order_steps(loaded, order: str, seed: int, fractions, spec: PruneSpec, method: str, request, given):
+    """(fraction, pruned heads) for each fraction of one order: scored once (or re-scored before each fraction for
+    "iterative", with the heads pruned so far masked), then planned. `given`: starting scores already computed."""
+    if given is not None:
+        scores = [torch.as_tensor(s, dtype=torch.float64) for s in given]
+    else:
+        scores = score_heads(_order_source(order, method), loaded, _order_request(order, seed, request))
+    pruned = [set() for _ in loaded.layers]
+    for fraction in fractions:
+        iterative = order == "iterative"
+        if iterative and any(pruned):
+            scores = score_heads(method, loaded, replace(request, pruned=pruned))
+        pruned = plan(loaded.layers, scores, replace(spec, fraction=fraction), already=pruned if iterative else None)
+        yield fraction, pruned
+
+
+def _order_source(order: str, method: str) -> str:
+    """The score source (headlab.scores registry) of a sweep order."""
+    return method if order in ("importance", "iterative") else order
+
+
+def _order_request(order: str, seed: int, request):
+    if order == "ablation":
+        return replace(request, max_tokens=None)  # ablation's own budget (one forward pass set per head)
+    if order == "random":
+        return replace(request, seed=seed)
+    return request
+
+
+class _Measure:
+    """Perplexity, costs and speed of the model with a set of heads pruned (and compensated), made in memory and
+    restored afterwards; cached by (heads, compensation) since random seeds and orders often agree."""
+
+    def __init__(self, loaded, mode, grams, eval_kwargs, data):
+        self.loaded, self.mode, self.grams, self.eval_kwargs, self.data = loaded, mode, grams, eval_kwargs, data
+        self.cache: dict[tuple, dict] = {}
+
+    def __call__(self, pruned, compensation=None) -> dict:
+        key = (tuple(tuple(sorted(p)) for p in pruned), compensation)
+        if key not in self.cache:
+            self.cache[key] = self._measure(pruned, compensation)
+        return self.cache[key]
+
+    def _measure(self, pruned, compensation) -> dict:
+        loaded, seq_len = self.loaded, self.eval_kwargs["seq_len"]
+        refit = compensated(loaded, pruned, self.grams, compensation) if compensation else contextlib.nullcontext()
+        with refit, pruned_in_place(loaded, pruned, self.mode) as layout:
+            result = perplexity(loaded, self.data, part="eval", progress=False, **self.eval_kwargs)
+            size = costs(loaded, context=seq_len)
+        if self.mode == "mask":  # the model kept its shapes: report what the physical prune would cost
+            with pruned_in_place(loaded, pruned, "physical") as layout:
+                size = costs(loaded, context=seq_len)
+        return {
+            "perplexity": result.perplexity,
+            "nll": result.nll,
+            "tokens_per_s": result.tokens_per_s,
+            "parameters": size["parameters"],
+            "attention_parameters": size["attention_parameters"],
+            "attention_flops_per_token": size["attention_flops_per_token"],
+            "kv_bytes_per_token": size["kv_bytes_per_token"],
+            "query_heads": size["query_heads"],
+            "padding_heads": sum(len(lay.padding) for lay in layout),  # zero-output heads kept for equal groups
+            "kv_heads": size["kv_heads"],
+        }
 
 
 def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
     """sweep.csv + sweep.parquet + meta.json + sweep.png, atomically."""
+    # seaborn/matplotlib load in about a second: imported only when the sweep draws its figure (saves start-up time elsewhere).
     from headlab.plots import figure_bytes, plot_sweep
-    from headlab.tables import write_run
 
     fig = plot_sweep(result.table, f"{result.meta.get('model', 'model')}: perplexity as heads are pruned")
     return write_run(

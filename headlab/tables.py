@@ -14,8 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from headlab import __version__, distributed
-from headlab.errors import HeadlabError
-from headlab.loading import atomic_directory
+from headlab.fsio import atomic_directory, json_text
 
 
 def versions() -> dict:
@@ -40,12 +39,6 @@ def head_table(layers, values: dict[str, list]) -> pd.DataFrame:
     return frame
 
 
-def check_out(out: Path | None, overwrite: bool) -> None:
-    """Fail before any work when the output directory exists and --overwrite was not given."""
-    if out is not None and Path(out).exists() and not overwrite:
-        raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
-
-
 def write_run(
     out: Path,
     tables: dict[str, pd.DataFrame],
@@ -62,7 +55,7 @@ def write_run(
         for name, frame in tables.items():
             frame.to_csv(tmp / f"{name}.csv", index=False)
             frame.to_parquet(tmp / f"{name}.parquet", index=False)
-        (tmp / "meta.json").write_text(json.dumps({**meta, "versions": versions()}, indent=2, default=str) + "\n")
+        (tmp / "meta.json").write_text(json_text({**meta, "versions": versions()}))
         for name, content in (extra_files or {}).items():
             mode = "wb" if isinstance(content, bytes) else "w"
             with open(tmp / name, mode) as handle:

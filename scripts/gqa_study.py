@@ -20,12 +20,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from headlab import gqa
+from headlab import gqa, kv_heads
 from headlab.errors import HeadlabError
+from headlab.fsio import check_out
 from headlab.loading import DEFAULT_MODEL, load_model
 from headlab.plots import figure_bytes, plot_gqa_sweep, plot_study
 from headlab.report_text import parse_list
-from headlab.tables import check_out, write_run
+from headlab.tables import write_run
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -55,8 +56,8 @@ def slug(spec: str) -> str:
 
 def main(argv=None) -> Path:
     args = arguments(argv)
-    groupings = tuple(parse_list(args.groupings, str, "groupings", gqa.GROUPINGS))
-    pools = tuple(parse_list(args.pools, str, "pools", gqa.POOLS))
+    groupings = tuple(parse_list(args.groupings, str, "groupings", kv_heads.GROUPINGS))
+    pools = tuple(parse_list(args.pools, str, "pools", kv_heads.POOLS))
     check_out(args.out, args.overwrite)
     tables, runs, skipped = [], {}, {}
     for spec in args.models:

@@ -20,11 +20,12 @@ from pathlib import Path
 import pandas as pd
 
 from headlab.errors import HeadlabError
+from headlab.fsio import check_out
 from headlab.loading import DEFAULT_MODEL, load_model
 from headlab.plots import plot_study
 from headlab.report_text import parse_list
 from headlab.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, write_sweep
-from headlab.tables import check_out, write_run
+from headlab.tables import write_run
 
 
 def arguments(argv=None) -> argparse.Namespace:

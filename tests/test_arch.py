@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ALL_TYPES, ENCODER_TYPES, GATED_TYPES, LAYOUTS, tiny_config, tiny_inputs, tiny_model
+from models import ALL_TYPES, ENCODER_TYPES, GATED_TYPES, LAYOUTS, tiny_config, tiny_inputs, tiny_model
 
 from headlab.arch import HeadWeights, adapter_for, attention_layers
 from headlab.errors import HeadlabError

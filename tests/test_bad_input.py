@@ -18,7 +18,7 @@ from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 from headlab.errors import HeadlabError
 from headlab.gates import read_mask
 from headlab.loading import load_model
-from headlab.prune import read_scores
+from headlab.scores import read_scores
 
 # ---- table-driven bad input -------------------------------------------------------------------------------------
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_inputs, tiny_model
+from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
 from headlab import prune as P
+from headlab import scores as S
 from headlab.compensate import apply_compensation, output_statistics, ridge_refit
 from headlab.data import Corpus
 from headlab.errors import HeadlabError
@@ -197,7 +198,7 @@ def test_embedded_compensation_lowers_perplexity_and_reloads(tmp_path):
     from headlab.loading import load_model
 
     loaded = load_model(None, device="cpu")
-    scores = P.importance_scores(loaded, seq_len=128, batch_size=4, max_tokens=512, progress=False)
+    scores = S.importance_scores(loaded, seq_len=128, batch_size=4, max_tokens=512, progress=False)
     table = pd.DataFrame(
         [(i, h, float(s[h])) for i, s in enumerate(scores) for h in range(len(s))], columns=["layer", "head", "score"]
     )

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_inputs, tiny_model
+from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab import gqa

@@ -127,7 +127,7 @@ def test_input_device_prefers_the_embeddings_execution_device():
     faked on the hook attribute because init_hook would move the weights to a GPU this machine lacks."""
     from types import SimpleNamespace
 
-    from conftest import tiny_model
+    from models import tiny_model
 
     model = tiny_model("llama")
     embeddings = model.get_input_embeddings()
@@ -143,14 +143,14 @@ def test_input_device_prefers_the_embeddings_execution_device():
 
 def _edits(dispatched):
     """Every headlab entry point that rewrites weights in place, as (name, call) pairs."""
-    from headlab import gqa, merge, prune, uptrain
+    from headlab import gqa, kv_heads, merge, prune, uptrain
     from headlab.compensate import check_compensation
 
     layers = dispatched.layers
     pruned = [{0}] + [set() for _ in layers[1:]]
     return [
         ("convert", lambda: gqa.convert(dispatched, 1)),
-        ("similarity", lambda: gqa.kv_similarity(dispatched, [], progress=False)),
+        ("similarity", lambda: kv_heads.kv_similarity(dispatched, [], progress=False)),
         ("merge", lambda: merge.merge_kv_heads(dispatched, 1, [], progress=False)),
         ("mask", lambda: prune.apply_mask(dispatched, pruned)),
         ("physical", lambda: prune.apply_physical(dispatched, prune.physical_layout(layers, pruned))),
@@ -179,7 +179,7 @@ def test_edits_of_offloaded_weights_are_refused(models, edit):
 def test_models_on_several_devices_are_verified_without_a_second_copy(tmp_path):
     """save_checkpoint on a model spread over devices checks the saved files by a meta-device load (names and
     shapes against the config) instead of reloading a copy for logits; a mismatch is still caught."""
-    from conftest import tiny_model
+    from models import tiny_model
 
     from headlab import gqa
     from headlab.checkpoint import CheckpointMismatch, meta_load_check, save_checkpoint

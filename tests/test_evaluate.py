@@ -7,11 +7,12 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_model
+from models import tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
+from headlab.costs import kv_cache_bytes, model_info, parameter_counts
 from headlab.data import Corpus, split_text
-from headlab.evaluate import kv_cache_bytes, model_info, parameter_counts, perplexity
+from headlab.evaluate import perplexity
 from headlab.loading import from_model
 
 

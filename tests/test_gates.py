@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import ALL_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, tiny_inputs, tiny_model
 
 from headlab.arch import adapter_for, attention_layers
 from headlab.errors import HeadlabError

@@ -23,7 +23,7 @@ WRITER = textwrap.dedent(
     import signal, sys, time
     from pathlib import Path
     from headlab.cli import _raise_on_sigterm
-    from headlab.loading import atomic_directory
+    from headlab.fsio import atomic_directory
 
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     target = Path(sys.argv[1])

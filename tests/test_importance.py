@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import ALL_TYPES, ENCODER_TYPES, GQA_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, ENCODER_TYPES, GQA_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab.arch import adapter_for, attention_layers

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import GQA_TYPES, tiny_inputs, tiny_model
+from models import GQA_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 

@@ -9,15 +9,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import ALL_TYPES, ENCODER_TYPES, GQA_TYPES, MHA_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, ENCODER_TYPES, GQA_TYPES, MHA_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab import prune as P
+from headlab import scores as S
 from headlab.arch import adapter_for
 from headlab.checkpoint import _auto_class_for
 from headlab.errors import HeadlabError
 from headlab.gates import head_gates, read_mask
-from headlab.loading import HEAD_LAYOUT_KEY, from_model, load_model
+from headlab.layout import HEAD_LAYOUT_KEY
+from headlab.loading import from_model, load_model
 
 
 def _loaded(name, **overrides):
@@ -120,12 +122,12 @@ def test_read_scores_checks_the_model(tmp_path):
         columns=["layer", "head", "score"],
     )
     table.to_csv(tmp_path / "s.csv", index=False)
-    scores = P.read_scores(tmp_path / "s.csv", loaded.layers)
+    scores = S.read_scores(tmp_path / "s.csv", loaded.layers)
     assert scores[1].tolist() == [10.0, 11.0, 12.0, 13.0]
     with pytest.raises(HeadlabError, match="does not match the model"):
-        P.read_scores(table[table["head"] < 3], loaded.layers)
+        S.read_scores(table[table["head"] < 3], loaded.layers)
     with pytest.raises(HeadlabError, match="needs columns"):
-        P.read_scores(table.rename(columns={"score": "x"}), loaded.layers)
+        S.read_scores(table.rename(columns={"score": "x"}), loaded.layers)
 
 
 # ---- applying: mask == gates, physical == mask ----------------------------------------------------------------------
@@ -286,12 +288,12 @@ def test_iterative_rescoring_matches_manual_steps(tmp_path):
                      calibration_tokens=256, evaluate=False, progress=False)  # fmt: skip
     # By hand: step 1 prunes 2 of 8 on plain importance; step 2 re-scores with those gated off and prunes 2 more.
     fresh = _loaded("llama")
-    step1 = P.select_heads(fresh.layers, P.importance_scores(fresh, **kwargs), count=2)
-    rescored = P.importance_scores(fresh, step1, **kwargs)
+    step1 = P.select_heads(fresh.layers, S.importance_scores(fresh, **kwargs), count=2)
+    rescored = S.importance_scores(fresh, step1, **kwargs)
     step2 = P.select_heads(fresh.layers, rescored, count=4, already=step1)
     assert result.pruned == step2
     assert sum(len(p) for p in step2) == 4
-    one_shot = P.select_heads(fresh.layers, P.importance_scores(fresh, **kwargs), count=4)
+    one_shot = P.select_heads(fresh.layers, S.importance_scores(fresh, **kwargs), count=4)
     assert result.meta["selection"]["iterative"] == 2
     del one_shot  # may or may not differ; the rescoring itself is what the manual steps pin down
 

@@ -10,7 +10,7 @@ import shlex
 import pandas as pd
 import pytest
 import torch
-from conftest import tiny_model
+from models import tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
 from headlab import report

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import ALL_TYPES, ENCODER_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, ENCODER_TYPES, tiny_inputs, tiny_model
 
 from headlab.arch import AttentionLayer
 from headlab.capture import FUNCTION_NAME, AttentionChunk, capture_attention

@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from conftest import GQA_TYPES, VLM_TYPES, tiny_model
+from models import GQA_TYPES, VLM_TYPES, tiny_model
 from safetensors import safe_open
 from tiny_text import run_cli, save_tiny
 
-from headlab import gqa, streaming
+from headlab import gqa, kv_heads, streaming
 from headlab.errors import HeadlabError
 from headlab.loading import from_model
 from headlab.streaming import checkpoint_files, convert_streaming
@@ -39,7 +39,7 @@ def in_memory_reference(name: str, kv_heads: int, pool: str, seed: int, director
 
 
 @pytest.mark.parametrize("name", GQA_TYPES)
-@pytest.mark.parametrize("pool", gqa.POOLS)
+@pytest.mark.parametrize("pool", kv_heads.POOLS)
 def test_streaming_equals_converting_the_loaded_model(name, pool, tmp_path):
     """Sharded source, small output shards: every stored tensor equals the in-memory conversion's, bit for bit."""
     tiny_model(name).save_pretrained(tmp_path / "source", max_shard_size="20KB")

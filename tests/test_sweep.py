@@ -5,14 +5,14 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 import torch
-from conftest import tiny_model
+from models import tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.gates import head_gates
 from headlab.loading import from_model
-from headlab.prune import random_scores
+from headlab.scores import random_scores
 from headlab.sweep import sweep, write_sweep
 
 EVAL = dict(seq_len=32, batch_size=2)

@@ -32,8 +32,8 @@ def tiny_tokenizer(encoder: bool = False) -> PreTrainedTokenizerFast:
 
 
 def save_tiny(name: str, directory: Path, **overrides) -> Path:
-    """Save the tiny model `name` (tests/conftest.py) with a matching tokenizer as a checkpoint directory."""
-    from conftest import ENCODER_TYPES, tiny_model
+    """Save the tiny model `name` (tests/models.py) with a matching tokenizer as a checkpoint directory."""
+    from models import ENCODER_TYPES, tiny_model
 
     model = tiny_model(name, **overrides)
     model.save_pretrained(directory)

@@ -10,8 +10,11 @@ import click
 from headlab.checkpoint import check_checkpoint_out, describe_check
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.errors import HeadlabError
-from headlab.gqa import GROUPINGS, METHODS, POOLS, convert_checkpoint
-from headlab.report_text import human_bytes
+from headlab.gqa import METHODS, convert_checkpoint
+from headlab.kv_heads import GROUPINGS, POOLS
+from headlab.loading import local_checkpoint
+from headlab.report_text import human_bytes, parse_bytes
+from headlab.streaming import convert_streaming
 
 
 def print_summary(record: dict) -> None:
@@ -76,9 +79,6 @@ def streaming_options(function):
 
 def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, as_json, pool="mean", seed=0):
     """The --streaming path of convert-gqa and expand-kv: files in, files out, the model is never run."""
-    from headlab.loading import local_checkpoint
-    from headlab.report_text import parse_bytes
-    from headlab.streaming import convert_streaming
 
     if load.dtype is not None or load.device_map is not None:
         # Nothing is loaded onto a device: tensors are read and written in their stored dtype.

@@ -6,7 +6,8 @@ import click
 
 from headlab.cli.options import model_options
 from headlab.cli.report import report_options
-from headlab.report import DEMO_MARKER, DEMO_OUT
+from headlab.data import load_corpus
+from headlab.report import DEMO_MARKER, DEMO_OUT, check_report_out, run_report
 
 
 @click.command("demo")
@@ -21,12 +22,9 @@ from headlab.report import DEMO_MARKER, DEMO_OUT
 )
 @click.option("--overwrite", is_flag=True, help="replace an existing directory that is not a previous demo")
 def command(load, data, text_column, quick, fmt, out, overwrite):
-    """Run every analysis on the embedded model (measured: 80 s on 2 CPU cores, --quick 47 s) and write
-    runs/demo/report.md and report.html."""
+    """Run every analysis on the embedded model and write runs/demo/report.md and report.html (a few minutes on a
+    CPU; --quick about half that)."""
     from pathlib import Path
-
-    from headlab.data import load_corpus
-    from headlab.report import check_report_out, run_report
 
     out = Path(out)
     check_report_out(out, overwrite, demo=True)

@@ -8,7 +8,8 @@ import click
 from headlab.checkpoint import check_checkpoint_out
 from headlab.cli.convert_gqa import run_streaming, show, streaming_options
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.gqa import convert_checkpoint, gqa_layers
+from headlab.gqa import convert_checkpoint
+from headlab.kv_heads import gqa_layers
 
 
 @click.command("expand-kv")

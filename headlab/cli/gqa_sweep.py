@@ -6,7 +6,9 @@ from __future__ import annotations
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.gqa import GROUPINGS, METHODS, POOLS, run_sweep
+from headlab.fsio import check_out
+from headlab.gqa import METHODS, run_sweep
+from headlab.kv_heads import GROUPINGS, POOLS
 from headlab.report_text import human_bytes, parse_list
 
 
@@ -51,8 +53,6 @@ def command(
 ):
     """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool, with a plot."""
     from pathlib import Path
-
-    from headlab.tables import check_out
 
     out = out or Path("gqa-sweep")
     check_out(out, overwrite)

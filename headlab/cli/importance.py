@@ -9,8 +9,9 @@ import click
 
 from headlab.cli.options import data_options, model_options, out_option
 from headlab.errors import HeadlabError
+from headlab.fsio import check_out
 from headlab.importance import DEFAULT_MAX_TOKENS, METHODS, head_importance
-from headlab.tables import check_out, write_run
+from headlab.tables import write_run
 
 
 @click.command("importance")

@@ -7,7 +7,7 @@ import json
 import click
 
 from headlab.cli.options import model_options
-from headlab.evaluate import DTYPE_BYTES, model_info
+from headlab.costs import DTYPE_BYTES, model_info
 from headlab.report_text import human_bytes
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from headlab.data import PARTS
-from headlab.loading import DEFAULT_MODEL, DTYPES, LoadedModel, load_model
+from headlab.loading import DEFAULT_MODEL, DEVICE_MAPS, DTYPES, LoadedModel, load_model
 
 
 def model_options(function):
@@ -30,7 +30,7 @@ def model_options(function):
     )
     @click.option(
         "--device-map",
-        type=click.Choice(["auto"]),
+        type=click.Choice(DEVICE_MAPS),
         default=None,
         help="spread a model larger than one GPU over the available devices (accelerate)",
     )

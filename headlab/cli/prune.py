@@ -6,8 +6,11 @@ import json
 
 import click
 
-from headlab.checkpoint import describe_check
+from headlab.checkpoint import check_checkpoint_out, describe_check
 from headlab.cli.options import data_options, model_options, out_option
+from headlab.compensate import COMPENSATIONS
+from headlab.errors import HeadlabError
+from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.prune import MODES, UNITS, prune
 from headlab.report_text import human_bytes
 
@@ -32,7 +35,7 @@ from headlab.report_text import human_bytes
 )
 @click.option(
     "--method",
-    type=click.Choice(["grad", "taylor", "ablation"]),
+    type=click.Choice(IMPORTANCE_METHODS),
     default="grad",
     show_default=True,
     help="importance scorer when no --scores is given",
@@ -46,7 +49,7 @@ from headlab.report_text import human_bytes
 )
 @click.option(
     "--compensate",
-    type=click.Choice(["ridge", "bias"]),
+    type=click.Choice(COMPENSATIONS),
     is_flag=False,
     flag_value="ridge",
     default=None,
@@ -83,9 +86,6 @@ def command(
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
     checkpoint that is reloaded and compared before the command returns."""
     from pathlib import Path
-
-    from headlab.checkpoint import check_checkpoint_out
-    from headlab.errors import HeadlabError
 
     if part != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")

@@ -14,7 +14,9 @@ def report_options(function):
     function = click.option(
         "--format", "fmt", type=click.Choice(FORMATS), default="png", show_default=True, help="figure format"
     )(function)
-    function = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about 2x faster)")(function)
+    function = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about half the time)")(
+        function
+    )
     function = click.option("--text-column", default=None, help="text column of a table corpus [default: text]")(
         function
     )
@@ -34,6 +36,7 @@ def report_options(function):
 def command(load, data, text_column, quick, fmt, out, overwrite):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
+    # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
     from headlab.data import load_corpus
     from headlab.report import check_report_out, run_report
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.tables import check_out
+from headlab.fsio import check_out
 
 DEFAULT_OUT = Path("runs/stats")
 
@@ -48,6 +48,7 @@ def command(
 ):
     """Entropy, confidence, positional, sink, previous-token, distance, induction, output-norm and [CLS]/[SEP]
     statistics per (layer, head): stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
+    # torch and transformers load here, not at import: `headlab stats --help` keeps its start-up time short.
     from headlab.stats import head_statistics, wide_statistics, write_statistics
 
     out = out or DEFAULT_OUT

@@ -7,9 +7,21 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, model_options, out_option
-from headlab.prune import UNITS
+from headlab.compensate import COMPENSATIONS
+from headlab.errors import HeadlabError
+from headlab.fsio import check_out
+from headlab.prune import MODES, UNITS
 from headlab.report_text import parse_list
-from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS, sweep, write_sweep
+from headlab.sweep import (
+    DEFAULT_FRACTIONS,
+    DEFAULT_ORDERS,
+    METHODS,
+    ORDER_HELP,
+    ORDERS,
+    check_sweep,
+    sweep,
+    write_sweep,
+)
 
 
 @click.command("sweep")
@@ -35,16 +47,16 @@ from headlab.sweep import DEFAULT_FRACTIONS, DEFAULT_ORDERS, ORDER_HELP, ORDERS,
 @click.option("--per-layer", is_flag=True, help="prune each fraction within every layer, not globally")
 @click.option(
     "--mode",
-    type=click.Choice(["physical", "mask"]),
+    type=click.Choice(MODES),
     default="physical",
     show_default=True,
     help="physical measures the smaller model's speed; mask keeps shapes (same perplexity)",
 )
 @click.option("--calibration-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
-@click.option("--method", type=click.Choice(["grad", "taylor"]), default="grad", show_default=True)
+@click.option("--method", type=click.Choice(METHODS), default="grad", show_default=True)
 @click.option(
     "--compensate",
-    type=click.Choice(["ridge", "bias"]),
+    type=click.Choice(COMPENSATIONS),
     is_flag=False,
     flag_value="ridge",
     default=None,
@@ -73,9 +85,6 @@ def command(
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
-    from headlab.errors import HeadlabError
-    from headlab.sweep import check_sweep
-    from headlab.tables import check_out
 
     if part != "eval":
         raise HeadlabError("sweep scores perplexity on the eval split; scores always use the calibration split")

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import click
 
-from headlab.loading import DEFAULT_MODEL, DTYPES
+from headlab.checkpoint import check_checkpoint_out, describe_check
+from headlab.loading import DEFAULT_MODEL, DTYPES, load_model
+from headlab.uptrain import check_uptrain, save_uptrained, uptrain
 
 
 @click.command("uptrain")
@@ -53,9 +55,6 @@ def command(
 ):
     """Distil --model towards --teacher (KL on calibration text), training only attention parameters; print and save
     the eval perplexity per step (uptrain/curve.csv, curve.png inside the checkpoint)."""
-    from headlab.checkpoint import check_checkpoint_out, describe_check
-    from headlab.loading import load_model
-    from headlab.uptrain import check_uptrain, save_uptrained, uptrain
 
     check_uptrain(steps, lr, eval_every)
     out = out or Path("headlab-uptrained")

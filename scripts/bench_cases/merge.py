@@ -19,6 +19,7 @@ def run(args) -> dict:
 
     from headlab import gqa
     from headlab import prune as P
+    from headlab import scores as S
     from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
     from headlab.data import calibration_batches, load_corpus
     from headlab.errors import HeadlabError
@@ -63,7 +64,7 @@ def run(args) -> dict:
 
     # 2. one query head per KV group (90 heads) by gradient importance, with and without compensation
     pruned_model = load_model(None, device=args.device)
-    scores = P.importance_scores(
+    scores = S.importance_scores(
         pruned_model, data=corpus, seq_len=SEQ_LEN, batch_size=4, max_tokens=CALIB_TOKENS, progress=False
     )
     pruned = P.select_heads(pruned_model.layers, scores, count=90, uniform=True)

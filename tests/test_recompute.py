@@ -1,4 +1,4 @@
-"""Activation checkpointing for importance (and uptrain's shared helper): the same scores as without it, blocks
+"""Activation recompute (headlab.recompute) for importance and uptrain: the same scores as without it, blocks
 really recomputed in the backward pass, dropout kept off, and the model's previous state restored."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
-from conftest import ALL_TYPES, ENCODER_TYPES, tiny_inputs, tiny_model
+from models import ALL_TYPES, ENCODER_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab.errors import HeadlabError
 from headlab.importance import head_importance
 from headlab.loading import from_model
-from headlab.uptrain import activation_checkpointing
+from headlab.recompute import activation_checkpointing
 
 
 def _loaded(name, **overrides):
