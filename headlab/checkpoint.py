@@ -18,6 +18,7 @@ from headlab.errors import HeadlabError
 from headlab.fsio import atomic_directory, check_out, write_json
 from headlab.layout import HEAD_LAYOUT_KEY, load_pruned, model_class
 from headlab.loading import input_device, load_model
+from headlab.reload_stream import should_stream, streamed_reload
 from headlab.tables import versions
 
 META_FILE = "headlab.json"  # what headlab wrote into a checkpoint directory: the edit and its verification
@@ -147,9 +148,13 @@ def verify_reload(
     dtype = next(model.parameters()).dtype
     tolerance = default_tolerance(dtype) if tolerance is None else tolerance
     expected = logits_of(model, inputs) if expected is None else expected
-    reloaded, loader = reload(path, model)
-    got = logits_of(reloaded, inputs)
-    del reloaded
+    if should_stream(model):  # no second full copy: the reloaded blocks are streamed from disk one at a time
+        with streamed_reload(path, model, _auto_class_for(model)) as (reloaded, loader):
+            got = logits_of(reloaded, inputs)
+    else:
+        reloaded, loader = reload(path, model)
+        got = logits_of(reloaded, inputs)
+        del reloaded
     if got.shape != expected.shape:
         raise CheckpointMismatch(
             f"reloaded {path} gives logits of shape {tuple(got.shape)}, not {tuple(expected.shape)}"

@@ -94,6 +94,17 @@ def scoring_batches(loaded: LoadedModel, batches: Iterable) -> list[ScoringBatch
     return out
 
 
+def split_rows(batches: list[ScoringBatch], max_rows: int) -> list[ScoringBatch]:
+    """Each batch cut into batches of at most `max_rows` sequences (same rows, same order)."""
+    if max_rows < 1:
+        raise HeadlabError(f"max_rows must be at least 1, got {max_rows}")
+    return [
+        ScoringBatch(b.input_ids[i : i + max_rows], b.attention_mask[i : i + max_rows], b.labels[i : i + max_rows])
+        for b in batches
+        for i in range(0, b.input_ids.shape[0], max_rows)
+    ]
+
+
 def sequence_nll(model, batch: ScoringBatch, device, *, chunked: bool = True) -> torch.Tensor:
     """Summed NLL per sequence, L(x) = sum_t -log p(label_t), [B] in float32 (float64 for a float64 model); the
     vocabulary is projected in chunks of scored positions (headlab.losses) unless chunked=False."""
@@ -406,6 +417,7 @@ def head_importance(
     mask=None,
     text_column: str | None = None,
     gradient_checkpointing: bool = False,
+    max_rows: int | None = None,
     progress: bool = True,
 ) -> ImportanceResult:
     """Score every attention head with `method` (grad | taylor | fisher | ablation) on calibration text (or `batches` of
@@ -415,6 +427,8 @@ def head_importance(
     ([H_l] per layer) or a mask-file path; scores are taken with those heads already gated. For encoders the windows
     are seq_len - 2 tokens, wrapped in [CLS] ... [SEP]. gradient_checkpointing (grad, taylor): recompute each block
     in the backward pass instead of keeping its activations (long windows; same scores, one more forward).
+    max_rows: sequences per forward/backward pass (per-sequence scores are sums over sequences, so splitting a
+    batch gives the same scores with the logits and activations of fewer rows held at once).
     """
     if method not in SCORERS:
         raise HeadlabError(f"unknown importance method {method!r}; use one of {', '.join(SCORERS)}")
@@ -452,6 +466,8 @@ def head_importance(
         data_meta = dict(calibration.meta, seq_len=seq_len)
         batches = calibration
     prepared = scoring_batches(loaded, batches)
+    if max_rows is not None and accumulate == "per-sequence":  # bertology's batch mean depends on the batch
+        prepared = split_rows(prepared, max_rows)
     if distributed.active():
         if accumulate == "bertology":
             raise HeadlabError("the bertology compatibility mode depends on batch order; run it in one process")
@@ -474,6 +490,7 @@ def head_importance(
         "method": method,
         "accumulate": accumulate,
         "gradient_checkpointing": bool(gradient_checkpointing and checkpointing_supported(loaded.model)),
+        "max_rows": max_rows,
         "layer_norm": layer_norm,
         "global_norm": global_norm,
         "objective": "masked-lm (15% fixed-seed masking)" if loaded.adapter.is_encoder else "causal",

@@ -510,6 +510,34 @@ def plot_recovery_curve(curve: pd.DataFrame, title: str = "") -> Figure:
 # ---- a whole run directory -------------------------------------------------------------------------------------
 
 
+def plot_speed(table: pd.DataFrame, title: str = ""):
+    """Decode tokens/s against context (log-log), one panel per batch size, colour = model, style = runtime."""
+    _theme()
+    grid = sns.relplot(
+        data=table,
+        x="context",
+        y="decode_tokens_per_s",
+        hue="model",
+        style="runtime",
+        col="batch",
+        kind="line",
+        markers=True,
+        dashes=True,
+        height=3.6,
+        aspect=1.15,
+        facet_kws={"sharey": False},
+    )
+    for ax in grid.axes.flat:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(table["context"].unique()))
+        ax.set_xticklabels([f"{c:,}" for c in sorted(table["context"].unique())])
+    grid.set_axis_labels("context (tokens in the KV cache)", "decode tokens/s (all sequences)")
+    if title:
+        grid.figure.suptitle(title, y=1.03)
+    return grid.figure
+
+
 def _find(run_dir: Path, name: str) -> Path | None:
     """`name` in run_dir or one level below (a report keeps each step in its own subdirectory)."""
     for candidate in [run_dir / name, *sorted(run_dir.glob(f"*/{name}"))]:
@@ -571,6 +599,9 @@ def run_figures(run_dir) -> dict[str, Figure]:
     maps = _read(_find(run_dir, "attention_maps.csv"))
     if maps is not None and len(maps):
         figures["attention_gallery"] = plot_attention_gallery(maps, f"{model}: attention patterns" if model else "")
+    speed = _read(_find(run_dir, "speed.csv"))
+    if speed is not None and len(speed):
+        figures["speed"] = plot_speed(speed, f"{model}: decode speed with a KV cache" if model else "")
     groups = _read(_find(run_dir, "gqa_groups.csv"))
     if groups is not None and len(groups):
         label = ""

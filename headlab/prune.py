@@ -312,6 +312,7 @@ def prune(
     budget: str | None = None,
     search_tokens: int = 512,
     seed: int = 0,
+    low_memory: bool = True,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
@@ -322,7 +323,9 @@ def prune(
     -> record run on the pruned model before saving (headlab.recover).
     method: a score source of headlab.scores (grad, taylor, fisher, ablation, obs, random with `seed`, entropy);
     select: rank | fisher-block | obs and budget: global | per-layer | uniform | search (headlab.selection; the
-    per_layer / uniform flags are the same budgets); search_tokens: calibration tokens the budget search measures on."""
+    per_layer / uniform flags are the same budgets); search_tokens: calibration tokens the budget search measures on.
+    low_memory: importance runs one sequence per backward pass with activation checkpointing (same scores, a
+    fraction of the memory)."""
     # More than 12 parameters: this is the Python face of every `headlab prune` option, kept for API compatibility;
     # inside, they become a PruneSpec (plan) and a ScoreRequest (scores).
     check_compensation(loaded, compensate)
@@ -334,7 +337,9 @@ def prune(
     # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
     reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
     corpus = load_corpus(data, text_column) if reads_text and not isinstance(data, Corpus) else data
-    request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress, seed, table=scores)
+    request = ScoreRequest(
+        corpus, text_column, seq_len, batch_size, calibration_tokens, progress, seed, table=scores, low_memory=low_memory
+    )
     choosing = heads is None and scores is None
     if heads is None and (select == "obs" or (choosing and method == "obs") or (budget == "search" and compensate)):
         window = dict(text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens)

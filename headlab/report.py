@@ -30,6 +30,7 @@ from headlab.recover import RecoverySpec, recover, teacher_copy, write_recovery
 from headlab.report_render import build_sections, render_html, render_markdown
 from headlab.report_text import human_bytes
 from headlab.scores import read_scores
+from headlab.speed import SpeedSpec, measure_model, relative_to_first
 from headlab.stats import _frame_tokens, head_statistics, write_statistics
 from headlab.sweep import sweep, write_sweep
 from headlab.tables import versions, write_run
@@ -61,6 +62,11 @@ class Settings:
     methods: tuple[str, ...] = ("mean", "svd")
     gallery_heads: int = 3
     recovery_minutes: float = 1.0  # recovery of the svd-merged model (local + uptraining); 0: no recovery step
+    # headlab speed: decode with a KV cache; points above speed_prefill_limit tokens get a synthetic cache
+    speed_contexts: tuple[int, ...] = (512, 2048, 8192)
+    speed_batches: tuple[int, ...] = (1, 8)
+    speed_decode_tokens: int = 4
+    speed_prefill_limit: int = 2048
 
 
 PRESETS = {
@@ -77,6 +83,9 @@ PRESETS = {
         seeds=(0,),
         groupings=("contiguous",),
         recovery_minutes=0.5,
+        speed_contexts=(128, 512),
+        speed_batches=(1, 4),
+        speed_decode_tokens=2,
     ),
 }
 
@@ -325,6 +334,16 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             recover_minutes=s.recovery_minutes,
             out="recovered",
         ),
+        "speed": "headlab speed "
+        + (shlex.quote(model) + " " if model else "")
+        + _flags(
+            contexts=",".join(map(str, s.speed_contexts)),
+            batches=",".join(map(str, s.speed_batches)),
+            decode_tokens=s.speed_decode_tokens,
+            prefill_limit=s.speed_prefill_limit,
+            runtime="transformers",
+            out="runs/speed",
+        ),
         "plot": f"headlab plot {shlex.quote(str(out))}",
     }
 
@@ -336,8 +355,12 @@ def fit_settings(s: Settings, max_positions: int | None) -> Settings:
     """Shrink the windows and induction sequences to the model's positions (2 x length + a prefix token fit)."""
     if max_positions is None:
         return s
+    contexts = tuple(c for c in s.speed_contexts if c <= max_positions) or (max_positions // 2,)
     return replace(
-        s, seq_len=min(s.seq_len, max_positions), induction_len=min(s.induction_len, max(2, (max_positions - 2) // 2))
+        s,
+        seq_len=min(s.seq_len, max_positions),
+        induction_len=min(s.induction_len, max(2, (max_positions - 2) // 2)),
+        speed_contexts=contexts,
     )
 
 
@@ -522,6 +545,14 @@ def _figures_step(run: ReportRun, fmt: str) -> None:
 
 
 # The report is this list of steps, run in order inside one atomic directory; "gqa" only where KV heads can pool.
+def _speed_step(run: ReportRun) -> None:
+    s = run.s
+    spec = SpeedSpec(s.speed_contexts, s.speed_batches, s.speed_decode_tokens, s.speed_prefill_limit, ("transformers",))
+    label = run.loaded.spec or DEFAULT_MODEL
+    table = relative_to_first(measure_model(run.loaded, label, spec, run.common["progress"]))
+    write_run(run.tmp / "speed", {"speed": table}, {**run.loaded.describe(), "spec": spec.to_dict()})
+
+
 REPORT_STEPS = [
     ("info", _info_step),
     ("stats", _stats_step),
@@ -530,6 +561,7 @@ REPORT_STEPS = [
     ("sweep", _sweep_step),
     ("gqa", _gqa_step),
     ("recovery", _recovery_step),
+    ("speed", _speed_step),
 ]
 
 

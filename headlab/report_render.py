@@ -41,7 +41,7 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
     sections = [Section("Summary", [f"- {line}" for line in meta["summary"]]), _model_section(info, meta["commands"])]
     for build in (_stats_section, _importance_section, _gallery_section, _sweep_section):
         sections.append(build(run, meta, figure))
-    return sections + _gqa_sections(run, meta, figure) + _recovery_sections(run, meta, figure)
+    return sections + _gqa_sections(run, meta, figure) + _recovery_sections(run, meta, figure) + _speed_sections(run, meta, figure)
 
 
 def _recovery_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
@@ -56,6 +56,28 @@ def _recovery_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
     )
     figures = [figure["recovery_curve"]] if "recovery_curve" in figure else []
     return [Section("Recovery", [text], [("before and after", _round(table))], figures, meta["commands"]["recovery"])]
+
+
+def _speed_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
+    speed = _table(run / "speed" / "speed.csv")
+    if speed is None:
+        return []
+    columns = ["context", "batch", "cache_fill", "prefill_tokens_per_s", "decode_tokens_per_s", "kv_cache_bytes"]
+    text = (
+        "Measured decode tokens/s with a KV cache that ends holding `context` tokens, and the cache's bytes "
+        "(transformers). A synthetic cache (random keys/values) replaces the timed prefill above "
+        f"{meta['settings']['speed_prefill_limit']:,} tokens; `headlab speed` compares checkpoints (original, pruned, "
+        "KV-reduced) and llama.cpp."
+    )
+    return [
+        Section(
+            "Speed",
+            [text],
+            [("speed", speed[[c for c in columns if c in speed]])],
+            [figure["speed"]] if "speed" in figure else [],
+            meta["commands"].get("speed"),
+        )
+    ]
 
 
 def _model_section(info: dict, commands: dict) -> Section:

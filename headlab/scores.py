@@ -127,6 +127,9 @@ class ScoreRequest:
     pruned: list[set[int]] | None = None
     table: object = None  # DataFrame, CSV/Parquet path or importance run directory
     grams: object = None  # headlab.compensate output statistics already computed (obs reuses them)
+    # Gradient scores one sequence per backward pass with blocks recomputed: the same per-sequence sums, with the
+    # peak memory near twice the model's bytes instead of several times (BENCHMARKS.md, memory).
+    low_memory: bool = True
 
 
 def _importance(method: str) -> Callable:
@@ -138,6 +141,8 @@ def _importance(method: str) -> Callable:
             batch_size=request.batch_size,
             max_tokens=request.max_tokens,
             progress=request.progress,
+            max_rows=1 if request.low_memory else None,
+            gradient_checkpointing=request.low_memory and method != "ablation",
         )
         if request.text_column is not None:
             kwargs["text_column"] = request.text_column

@@ -197,6 +197,16 @@ CASES = [
         ],
         "900",
     ),
+    # export-gguf
+    (["export-gguf", "--model", "{gpt2}", *M, "--no-verify", "--out", "g.gguf"], "llama family"),
+    (["export-gguf", "--model", "{llama}", *M, "--no-verify", "--out", "g.gguf"], "byte-level BPE"),
+    (["export-gguf", "--model", "{llama}", *M, "--no-verify", "--out", "{existing}"], "--overwrite"),
+    (["export-gguf", "--model", "{llama}", *M, "--outtype", "q9_z", "--out", "g.gguf"], "q9_z"),
+    (["export-gguf", *NO_MODEL, "--no-verify", "--out", "g.gguf"], "{missing}"),
+    # speed
+    (["speed", "{llama}", "--device", "cpu", "--contexts", "100", "--runtime", "transformers"], "maximum positions"),
+    (["speed", "{llama}", "--device", "cpu", "--contexts", "16", "--out", "{existing}"], "--overwrite"),
+    (["speed", "{llama}", "--device", "cpu", "--contexts", "0"], "--contexts"),
     # plot
     (["plot", "{emptydir}"], "{emptydir}"),
     (["plot", "{missing}"], "{missing}"),

@@ -26,6 +26,7 @@ SECTIONS = [
     "Pruning sweep",
     "KV heads: GQA conversion",
     "Recovery",
+    "Speed",
 ]
 
 
@@ -55,7 +56,7 @@ def test_report_holds_every_section_figure_and_command(tiny_run):
     assert {"heatmap_entropy", "heatmap_importance", "importance_vs_entropy", "importance_vs_sink_first"} <= set(
         figures
     )
-    assert {"sweep", "gqa_sweep", "attention_gallery", "gqa_grouping", "recovery_curve"} <= set(figures)
+    assert {"sweep", "gqa_sweep", "attention_gallery", "gqa_grouping", "recovery_curve", "speed"} <= set(figures)
     for name in figures:  # every figure is in the markdown ...
         assert f"(figures/{name}.png)" in markdown
     # ... and embedded in the HTML, which refers to no other file.
@@ -65,9 +66,9 @@ def test_report_holds_every_section_figure_and_command(tiny_run):
     for section in SECTIONS:
         assert f"<h2>{section}</h2>" in page
     commands = re.findall(r"```bash\n(.*?)\n```", markdown, re.S)
-    assert len(commands) == 7 and all(c.startswith("headlab ") for block in commands for c in block.splitlines())
+    assert len(commands) == 8 and all(c.startswith("headlab ") for block in commands for c in block.splitlines())
     assert meta["command_line"].startswith("headlab report --model") and "--quick" in meta["command_line"]
-    for step in ("stats", "importance", "sweep", "gqa_sweep", "gqa_groups", "attention", "recovery"):
+    for step in ("stats", "importance", "sweep", "gqa_sweep", "gqa_groups", "attention", "recovery", "speed"):
         assert (out / step / "meta.json").is_file()
 
 
@@ -227,4 +228,6 @@ def test_trades_are_computed_from_hand_made_tables():
 def test_fit_settings_respects_the_models_positions():
     fitted = report.fit_settings(report.PRESETS["full"], 64)
     assert fitted.seq_len == 64 and 2 * fitted.induction_len + 1 <= 64
+    assert max(fitted.speed_contexts) <= 64 < 2 * max(fitted.speed_contexts)
+    assert report.fit_settings(report.PRESETS["full"], 4096).speed_contexts == (512, 2048)
     assert report.fit_settings(report.PRESETS["full"], None) == report.PRESETS["full"]

@@ -153,7 +153,9 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
-@data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
+# One window per forward: perplexity does not depend on the batch size, and 4 x 512 logits over a large
+# vocabulary would double the peak memory of an in-memory conversion (see BENCHMARKS.md, memory).
+@data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=1)
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-gqa]")
 @streaming_options
 @recovery_options

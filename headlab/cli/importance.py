@@ -36,6 +36,13 @@ from headlab.validate import check_table_origin
     is_flag=True,
     help="grad/taylor: recompute each block in the backward pass instead of keeping activations (long windows)",
 )
+@click.option(
+    "--low-memory/--no-low-memory",
+    default=True,
+    show_default=True,
+    help="one sequence per forward/backward pass, with activation checkpointing for grad/taylor (same scores, "
+    "a fraction of the memory; --no-low-memory is faster)",
+)
 @allow_foreign_option
 @out_option(required=False, help_text="output directory, written atomically [default: runs/importance-METHOD]")
 def command(
@@ -53,6 +60,7 @@ def command(
     bertology_compat,
     gradient_checkpointing,
     allow_foreign_scores,
+    low_memory,
     out,
     overwrite,
 ):
@@ -88,7 +96,8 @@ def command(
         global_norm=not no_global_norm,
         accumulate="bertology" if bertology_compat else "per-sequence",
         mask=mask,
-        gradient_checkpointing=gradient_checkpointing,
+        gradient_checkpointing=gradient_checkpointing or (low_memory and method != "ablation"),
+        max_rows=1 if low_memory else None,
     )
     write_run(out, {"importance": result.table, "kv_groups": result.kv_groups}, result.meta, overwrite=overwrite)
     top = result.table.sort_values("rank").head(10)

@@ -1,0 +1,87 @@
+"""`headlab export-gguf`: write a llama-family checkpoint (pruned or KV-reduced included) as a GGUF file for llama.cpp,
+checked by llama.cpp itself when llama-cpp-python is installed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from headlab.cli.options import data_options, model_options
+from headlab.errors import HeadlabError
+from headlab.gguf_export import DEFAULT_TYPE, check_type, export_gguf
+from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
+from headlab.report_text import human_bytes
+
+
+@click.command("export-gguf")
+@model_options
+@data_options(default_split="eval", max_tokens=512, seq_len=256, batch_size=1)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="GGUF file to write (atomically)")
+@click.option("--overwrite", is_flag=True, help="replace an existing file")
+@click.option(
+    "--outtype",
+    default=DEFAULT_TYPE,
+    show_default=True,
+    help="tensor type: f32, f16, bf16, or a type the gguf package quantizes (q8_0, ...); vectors stay f32",
+)
+@click.option(
+    "--verify/--no-verify",
+    default=None,
+    help="load the file in llama.cpp and compare log-probabilities with transformers on the eval split "
+    "[default: when llama-cpp-python is installed]",
+)
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def command(load, data, text_column, part, max_tokens, seq_len, batch_size, out, overwrite, outtype, verify, as_json):
+    """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3; per-layer head counts go to llama.cpp's `deci`
+    architecture (the one whose graph builds each layer with its own head counts)."""
+    if out.exists() and not overwrite:
+        raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+    outtype = check_type(outtype)
+    missing = unavailable()
+    if verify and missing:
+        raise HeadlabError(f"--verify needs llama.cpp: {missing}")
+    verify = not missing if verify is None else verify
+    loaded = load()
+    check = None
+    if verify:
+        windows = eval_windows(loaded, data, part=part, max_tokens=max_tokens, seq_len=seq_len, text_column=text_column)
+
+        def check(path):
+            return compare_logprobs(loaded, path, windows, progress=not as_json)
+
+    record = export_gguf(loaded, out, outtype=outtype, overwrite=overwrite, progress=not as_json, verify=check)
+    if as_json:
+        click.echo(json.dumps(record, indent=2))
+        return
+    rows = [
+        ("file", f"{record['out']} ({human_bytes(record['bytes'])}, {record['outtype']})"),
+        ("llama.cpp architecture", record["architecture"] + ("" if record["uniform"] else " (per-layer head counts)")),
+        ("heads / KV heads", _counts(record["head_count"], record["head_count_kv"])),
+        ("tokenizer", f"gpt2 BPE, pre-tokenizer {record['tokenizer_pre']}, chat template {record['chat_template']}"),
+    ]
+    result = record.get("verification")
+    if result:
+        rows += [
+            (
+                "perplexity (llama.cpp / transformers)",
+                f"{result['perplexity_llamacpp']:.4f} / {result['perplexity_transformers']:.4f} "
+                f"({100 * result['relative_difference']:.3f}% apart, {result['scored_tokens']} tokens)",
+            ),
+            ("worst |logit diff|", f"{result['max_abs_logit_diff']:.3g} (max |logit| {result['max_abs_logit']:.3g})"),
+        ]
+    else:
+        rows.append(("llama.cpp check", "skipped" + (f": {missing}" if missing else "")))
+    rows += [("note", note) for note in record["notes"]]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+
+
+def _counts(heads: list[int], kv_heads: list[int]) -> str:
+    if len(set(zip(heads, kv_heads))) == 1:
+        return f"{heads[0]} / {kv_heads[0]} in each of {len(heads)} layers"
+    return f"{sum(heads)} / {sum(kv_heads)} in {len(heads)} layers: " + " ".join(
+        f"{h}/{g}" for h, g in zip(heads, kv_heads)
+    )

@@ -1,0 +1,77 @@
+"""`headlab speed`: measured prefill/decode tokens/s, peak memory and KV-cache bytes for a list of checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from headlab.report_text import human_bytes
+from headlab.speed import RUNTIMES, SpeedSpec, run_speed
+
+
+def _ints(ctx, param, value):
+    try:
+        numbers = tuple(int(v) for v in str(value).split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of integers") from None
+    if not numbers or min(numbers) < 1:
+        raise click.BadParameter(f"{value!r}: give positive integers, e.g. 512,2048")
+    return numbers
+
+
+@click.command("speed")
+@click.argument("models", nargs=-1, metavar="[MODEL]...")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None, help="weights dtype")
+@click.option("--contexts", default="512,2048,8192", show_default=True, callback=_ints, help="context lengths")
+@click.option("--batches", default="1,8", show_default=True, callback=_ints, help="batch sizes")
+@click.option("--decode-tokens", type=click.IntRange(min=1), default=16, show_default=True, help="timed decode steps")
+@click.option(
+    "--prefill-limit",
+    type=click.IntRange(min=0),
+    default=16384,
+    show_default=True,
+    help="points with more tokens (context x batch) fill the KV cache with random values instead of a timed "
+    "prefill (decode is still measured on the full cache); 0 = always prefill",
+)
+@click.option(
+    "--runtime",
+    "runtimes",
+    type=click.Choice(RUNTIMES),
+    multiple=True,
+    default=RUNTIMES,
+    show_default=True,
+    help="runtimes to measure (llama.cpp when llama-cpp-python is installed; batch 1 there)",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="run directory: speed.csv/.parquet, meta.json, speed.png",
+)
+@click.option("--overwrite", is_flag=True, help="replace an existing --out")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def command(models, device, dtype, contexts, batches, decode_tokens, prefill_limit, runtimes, out, overwrite, as_json):
+    """Measure each MODEL (hub id, checkpoint directory or .gguf; default the embedded SmolLM2-135M): prefill and
+    decode tokens/s with the KV cache at every context x batch, peak memory and KV-cache bytes held. The first
+    model is the reference of decode_speedup and kv_ratio."""
+    spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes))
+    table, figure_path = run_speed(
+        list(models) or [None], spec, device=device, dtype=dtype, out=out, overwrite=overwrite, progress=not as_json
+    )
+    if as_json:
+        click.echo(table.to_json(orient="records", indent=2))
+        return
+    shown = table.assign(
+        prefill=table["prefill_tokens_per_s"].map(lambda v: "-" if v != v else f"{v:,.0f}"),
+        decode=table["decode_tokens_per_s"].map(lambda v: f"{v:,.1f}"),
+        kv=table["kv_cache_bytes"].map(human_bytes),
+        peak=table["peak_memory_bytes"].map(human_bytes),
+        speedup=table["decode_speedup"].map(lambda v: f"{v:.2f}x"),
+    )[["model", "runtime", "context", "batch", "prefill", "decode", "speedup", "kv", "peak", "cache_fill"]]
+    click.echo(shown.to_string(index=False))
+    if out is not None:
+        click.echo(
+            f"wrote {out}/speed.csv, speed.parquet, meta.json" + (f", {figure_path.name}" if figure_path else "")
+        )

@@ -1,0 +1,135 @@
+"""llama.cpp as a second runtime (the optional `llama-cpp-python` package, extra `llamacpp`): load an exported GGUF
+file and compare its next-token log-probabilities with transformers' on the same token ids.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from headlab.data import Corpus, load_corpus, require_tokens, split_text, tokenize
+from headlab.errors import HeadlabError
+from headlab.evaluate import _prefix_token
+from headlab.loading import LoadedModel
+
+INSTALL = "pip install llama-cpp-python  (or pip install 'headlab[llamacpp]'; builds llama.cpp from source)"
+GGML_TYPE_F32 = 0  # ggml_type of an f32 KV cache: verification keeps the cache in full precision
+
+
+def unavailable() -> str | None:
+    """None when llama_cpp imports, else the reason (tests skip with it, commands refuse with it)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as error:  # noqa: BLE001 - a broken native build raises OSError, RuntimeError, ...
+        return f"llama-cpp-python is not usable ({type(error).__name__}: {error}); {INSTALL}"
+    return None
+
+
+def require() -> None:
+    reason = unavailable()
+    if reason:
+        raise HeadlabError(reason)
+
+
+def threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def open_model(path: Path, n_ctx: int, *, logits_all: bool = False, f32_cache: bool = False, n_batch: int = 512):
+    """A llama_cpp.Llama on `path` (CPU, quiet). f32_cache keeps K and V in float32 (llama.cpp's default is f16)."""
+    require()
+    from llama_cpp import Llama
+
+    kwargs = dict(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32) if f32_cache else {}
+    try:
+        return Llama(
+            model_path=str(path),
+            n_ctx=n_ctx,
+            n_batch=min(n_batch, n_ctx),
+            n_ubatch=min(n_batch, n_ctx),
+            n_threads=threads(),
+            logits_all=logits_all,
+            verbose=False,
+            **kwargs,
+        )
+    except (ValueError, RuntimeError) as error:
+        raise HeadlabError(f"llama.cpp cannot load {path}: {error}") from None
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+@torch.no_grad()
+def compare_logprobs(loaded: LoadedModel, gguf_path: Path, windows: list[torch.Tensor], progress: bool = False) -> dict:
+    """Run each window of token ids through transformers and through llama.cpp (f32 KV cache, logits of every
+    position) and compare: token perplexity exp(-mean log p(x_i | x_<i)) of each runtime over the same scored
+    tokens, their relative difference, and the worst |logit difference| over every position and vocabulary entry."""
+    from tqdm.auto import tqdm
+
+    longest = max(len(w) for w in windows)
+    llm = open_model(gguf_path, n_ctx=longest, logits_all=True, f32_cache=True)
+    nll = {"transformers": 0.0, "llama.cpp": 0.0}
+    scored, worst, worst_logprob, largest = 0, 0.0, 0.0, 0.0
+    try:
+        for ids in tqdm(windows, desc="llama.cpp vs transformers", unit="window", disable=not progress):
+            reference = loaded.model(input_ids=ids[None].to(loaded.device)).logits[0].double().cpu().numpy()  # [T, V]
+            llm.reset()
+            llm.eval(ids.tolist())
+            got = np.asarray(llm.scores[: len(ids)], dtype=np.float64)  # [T, V]
+            targets = ids[1:].numpy()
+            for name, logits in (("transformers", reference), ("llama.cpp", got)):
+                log_probs = _log_softmax(logits[:-1])
+                nll[name] -= float(log_probs[np.arange(len(targets)), targets].sum())
+            worst = max(worst, float(np.abs(got - reference).max()))
+            worst_logprob = max(worst_logprob, float(np.abs(_log_softmax(got) - _log_softmax(reference)).max()))
+            largest = max(largest, float(np.abs(reference).max()))
+            scored += len(targets)
+    finally:
+        llm.close() if hasattr(llm, "close") else None
+    ppl = {name: math.exp(total / scored) for name, total in nll.items()}
+    return {
+        "perplexity_transformers": ppl["transformers"],
+        "perplexity_llamacpp": ppl["llama.cpp"],
+        "relative_difference": abs(ppl["llama.cpp"] - ppl["transformers"]) / ppl["transformers"],
+        "max_abs_logit_diff": worst,
+        "max_abs_logprob_diff": worst_logprob,
+        "max_abs_logit": largest,
+        "scored_tokens": scored,
+        "windows": len(windows),
+        "kv_cache": "f32",
+    }
+
+
+def eval_windows(
+    loaded: LoadedModel,
+    corpus=None,
+    *,
+    part: str = "eval",
+    max_tokens: int = 512,
+    seq_len: int = 256,
+    text_column: str | None = None,
+) -> list[torch.Tensor]:
+    """Consecutive windows of the corpus part's token ids, each starting with the prefix token (BOS, else EOS) as
+    in headlab's perplexity, so every text token is scored once."""
+
+    if not isinstance(corpus, Corpus):
+        corpus = load_corpus(corpus, text_column)
+    ids, _ = tokenize(loaded.tokenizer, split_text(corpus, part).text, max_tokens)
+    require_tokens(ids, f"the {part} part of corpus {corpus.spec!r}")
+    prefix = _prefix_token(loaded.tokenizer)
+    body = seq_len - (prefix is not None)
+    windows = []
+    for start in range(0, len(ids), body):
+        chunk = ids[start : start + body]
+        if prefix is not None:
+            chunk = torch.cat([torch.tensor([prefix]), chunk])
+        if len(chunk) >= 2:
+            windows.append(chunk)
+    return windows

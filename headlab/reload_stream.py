@@ -1,0 +1,73 @@
+"""Reloading a saved checkpoint beside the model in memory without holding a second full copy: the decoder blocks
+of the reloaded copy stay on disk and are streamed in one block at a time during its forward pass (accelerate's
+disk offload), so a logits comparison costs the embeddings, the head and one block instead of a whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import tempfile
+from pathlib import Path
+
+from torch import nn
+
+from headlab.arch import adapter_for
+from headlab.layout import HEAD_LAYOUT_KEY, load_pruned
+
+# Below this many parameter bytes a second full copy is cheap and the plain reload is kept (it is also faster).
+STREAM_ABOVE_BYTES = 64 * 2**20
+
+
+def model_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def should_stream(model: nn.Module) -> bool:
+    """Stream the reload for CPU models larger than STREAM_ABOVE_BYTES (GPU and device-mapped models keep their
+    own paths in checkpoint.py)."""
+    parameter = next(model.parameters())
+    return parameter.device.type == "cpu" and model_bytes(model) > STREAM_ABOVE_BYTES
+
+
+def streamed_device_map(like: nn.Module) -> dict[str, str]:
+    """A device map for a copy of `like`: every transformer block on "disk", everything else on "cpu"."""
+    blocks = adapter_for(like).blocks(like)
+    prefix = next(name for name, module in like.named_modules() if module is blocks)
+    device_map = {}
+    for name, _ in [*like.named_parameters(remove_duplicate=False), *like.named_buffers(remove_duplicate=False)]:
+        if name.startswith(prefix + "."):
+            index = name[len(prefix) + 1 :].split(".", 1)[0]
+            device_map[f"{prefix}.{index}"] = "disk"
+        else:
+            device_map[name.rsplit(".", 1)[0] if "." in name else ""] = "cpu"
+    return device_map
+
+
+@contextlib.contextmanager
+def streamed_reload(path: Path, like: nn.Module, auto_class):
+    """Yield (model, loader name): `path` loaded the way a user would (`auto_class`.from_pretrained, or headlab's
+    loader for per-layer layouts) with its blocks offloaded to a temporary folder; removed on exit."""
+    from transformers import AutoConfig
+
+    parameter = next(like.parameters())
+    attn = getattr(like.config, "_attn_implementation", None) or "eager"
+    raw = json.loads((Path(path) / "config.json").read_text())
+    with tempfile.TemporaryDirectory(prefix="headlab-reload-") as offload:
+        kwargs = dict(
+            dtype=parameter.dtype,
+            attn_implementation=attn,
+            device_map=streamed_device_map(like),
+            offload_folder=offload,
+        )
+        if HEAD_LAYOUT_KEY in raw or HEAD_LAYOUT_KEY in (raw.get("text_config") or {}):
+            config = AutoConfig.from_pretrained(path)
+            model = load_pruned(str(path), config, adapter_for(config), **kwargs)
+            loader = "headlab load_pruned, blocks streamed from disk"
+        else:
+            model = auto_class.from_pretrained(str(path), **kwargs)
+            loader = f"transformers.{auto_class.__name__}.from_pretrained, blocks streamed from disk"
+        try:
+            yield model.eval(), loader
+        finally:
+            del model

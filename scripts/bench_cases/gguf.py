@@ -1,0 +1,86 @@
+"""llama.cpp against transformers on the same checkpoints: the embedded model, a uniform prune, a per-layer prune
+and a 3 -> 1 KV conversion, each exported to GGUF (f32) and scored on the eval split by both runtimes."""
+
+from __future__ import annotations
+
+TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32)"
+MAX_TOKENS, SEQ_LEN = 512, 256
+
+
+def variants(loaded):
+    """(label, edit) pairs; each edit changes `loaded` in place. Heads are chosen by index: agreement between
+    runtimes does not depend on which heads go."""
+    from headlab.gqa import convert
+    from headlab.prune import apply_physical, physical_layout, prepare_config
+
+    def prune(pruned):
+        def edit(model):
+            layout = physical_layout(model.layers, pruned(model.layers))
+            apply_physical(model, layout)
+            prepare_config(model, layout)
+
+        return edit
+
+    return [
+        ("original", lambda model: None),
+        ("uniform prune (1 query head per KV group)", prune(lambda layers: [{0, 3, 6} for _ in layers])),
+        (
+            "per-layer prune (KV group 0 of even layers)",
+            prune(lambda layers: [{0, 1, 2} if layer.index % 2 == 0 else set() for layer in layers]),
+        ),
+        ("3 -> 1 KV heads (mean pooling)", lambda model: convert(model, 1)),
+    ]
+
+
+def run(args) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    from headlab.gguf_export import export_gguf
+    from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
+    from headlab.loading import from_model, load_model
+
+    missing = unavailable()
+    if missing:
+        return {"skipped": missing, "rows": []}
+    rows = []
+    for label, edit in variants(None):
+        loaded = load_model(None, device="cpu")
+        edit(loaded)
+        loaded = from_model(loaded.model, loaded.tokenizer)
+        windows = eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
+        with tempfile.TemporaryDirectory() as tmp:
+            record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype="f32", progress=False)
+            result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
+        rows.append(
+            {
+                "model": label,
+                "architecture": record["architecture"],
+                "heads": sum(record["head_count"]),
+                "kv_heads": sum(record["head_count_kv"]),
+                **result,
+            }
+        )
+        del loaded
+    return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "rows": rows}
+
+
+def markdown(r: dict) -> str:
+    if r.get("skipped"):
+        return f"Not measured: {r['skipped']}"
+    lines = [
+        f"Embedded SmolLM2-135M and edits of it, exported with `headlab export-gguf --outtype f32`, eval split, first "
+        f"{r['max_tokens']} tokens in windows of {r['seq_len']} (prefix token first); llama.cpp (llama-cpp-python, "
+        "CPU, f32 KV cache, logits of every position) against transformers (float32, sdpa) on the same token ids.",
+        "",
+        "| model | llama.cpp arch | query / KV heads | ppl transformers | ppl llama.cpp | relative diff | "
+        "worst abs logit diff | max abs logit |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in r["rows"]:
+        lines.append(
+            f"| {row['model']} | {row['architecture']} | {row['heads']} / {row['kv_heads']} | "
+            f"{row['perplexity_transformers']:.4f} | {row['perplexity_llamacpp']:.4f} | "
+            f"{100 * row['relative_difference']:.4f}% | {row['max_abs_logit_diff']:.2e} | {row['max_abs_logit']:.1f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,96 @@
+"""Peak resident memory of `prune` (physical, 90 heads, uniform), `convert-gqa` (in memory) and `importance` on the
+embedded model, as a multiple of the model's parameter bytes: /usr/bin/time's maximum resident set size of each
+command, run with this checkout's code and with a reference checkout (HEADLAB_MEMORY_BEFORE, default /work/main)
+in the same run."""
+
+from __future__ import annotations
+
+TITLE = "Peak memory: prune, convert-gqa and importance against the model's bytes"
+GOAL = 2.5
+COMMANDS = {
+    "prune": [
+        "prune",
+        "--count",
+        "90",
+        "--uniform",
+        "--mode",
+        "physical",
+        "--calibration-tokens",
+        "1024",
+        "--max-tokens",
+        "512",
+        "--out",
+        "{out}",
+    ],
+    "convert-gqa": ["convert-gqa", "--kv-heads", "1", "--max-tokens", "512", "--out", "{out}"],
+    "importance": ["importance", "--max-tokens", "1024", "--out", "{out}"],
+}
+
+
+def _peak_rss(root: str, argv: list[str]) -> tuple[int, float]:
+    """Maximum resident set size (bytes) and wall seconds of `headlab ARGV` run with the code under `root`."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory(prefix="headlab-memory-") as tmp:
+        args = [a.replace("{out}", os.path.join(tmp, "out")) for a in argv]
+        env = {**os.environ, "PYTHONPATH": root, "TQDM_DISABLE": "1", "HF_HUB_OFFLINE": "1"}
+        code = "import sys; from headlab.cli import main; main(sys.argv[1:])"
+        start = time.perf_counter()
+        done = subprocess.run(
+            ["/usr/bin/time", "-v", sys.executable, "-c", code, *args], capture_output=True, text=True, env=env
+        )
+        seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"headlab {' '.join(args)} failed: {done.stderr[-2000:]}")
+    kib = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+    return kib * 1024, seconds
+
+
+def run(args) -> dict:
+    import os
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from headlab.loading import embedded_checkpoint
+    from headlab.reload_stream import model_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint())
+    size = model_bytes(model)
+    del model
+    here = str(Path(__file__).resolve().parents[2])
+    before = os.environ.get("HEADLAB_MEMORY_BEFORE", "/work/main")
+    rows = []
+    for name, argv in COMMANDS.items():
+        for label, root in (("before", before), ("after", here)):
+            if label == "before" and not Path(root, "headlab").is_dir():
+                continue
+            peak, seconds = _peak_rss(root, argv)
+            rows.append({"command": name, "code": label, "peak_rss": peak, "ratio": peak / size, "seconds": seconds})
+    return {"model_bytes": size, "goal": GOAL, "rows": rows, "commands": {k: " ".join(v) for k, v in COMMANDS.items()}}
+
+
+def markdown(result: dict) -> str:
+    mib = 2**20
+    lines = [
+        f"Model: embedded SmolLM2-135M, {result['model_bytes'] / mib:.0f} MiB of float32 parameters. Peak = "
+        "/usr/bin/time's maximum resident set size of the whole command (Python, torch and transformers included); "
+        f"goal <= {result['goal']}x. `before` = the reference checkout, `after` = this branch, same run, "
+        "on a CPU machine shared with other jobs (seconds are indicative only).",
+        "",
+        "| command | code | peak RSS | x model bytes | seconds |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['command']} | {row['code']} | {row['peak_rss'] / mib:,.0f} MiB | {row['ratio']:.2f}x | "
+            f"{row['seconds']:.0f} |"
+        )
+    lines += ["", "Commands (`headlab ...`, `{out}` a temporary directory):", ""]
+    lines += [f"- {name}: `{command}`" for name, command in result["commands"].items()]
+    return "\n".join(lines)

@@ -1,0 +1,302 @@
+"""GGUF export: the file's metadata and tensors read back with the gguf package, the RoPE row permutation checked
+against both RoPE conventions written out by hand, refusals, and (when llama-cpp-python is installed) llama.cpp's
+own log-probabilities against transformers' on tiny models (the embedded model: slow tests)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_model
+from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+
+from headlab.errors import HeadlabError
+from headlab.gguf_export import check_type, export_gguf, interleave_rope_rows, plan_export
+from headlab.llamacpp import compare_logprobs, unavailable
+from headlab.loading import from_model
+
+gguf = pytest.importorskip("gguf")
+LLAMACPP = unavailable()
+needs_llamacpp = pytest.mark.skipif(LLAMACPP is not None, reason=str(LLAMACPP))
+VOCAB = 300
+
+
+def bpe_tokenizer():
+    """A byte-level BPE tokenizer (the kind llama.cpp's "gpt2" vocabulary reads) trained on the sample text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator([SAMPLE_TEXT], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}"
+    return tokenizer
+
+
+def tiny(name="llama", **overrides):
+    return from_model(tiny_model(name, vocab_size=VOCAB, **overrides), bpe_tokenizer())
+
+
+def pruned(loaded, heads):
+    """Physically prune `heads` (one set per layer) with headlab's own layout rules."""
+    from headlab.prune import apply_physical, physical_layout, prepare_config
+
+    layout = physical_layout(loaded.layers, heads)
+    apply_physical(loaded, layout)
+    prepare_config(loaded, layout)
+    return from_model(loaded.model, loaded.tokenizer)
+
+
+def kv_converted(loaded, kv_heads=1):
+    from headlab.gqa import convert
+
+    convert(loaded, kv_heads)
+    return from_model(loaded.model, loaded.tokenizer)
+
+
+def read(path):
+    reader = gguf.GGUFReader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    tensors = {t.name: t for t in reader.tensors}
+    return fields, tensors
+
+
+def tensor_of(t) -> np.ndarray:
+    """A GGUF tensor as float32 in numpy (row-major [out, in]) order."""
+    data = gguf.quants.dequantize(t.data, t.tensor_type)
+    return np.asarray(data, dtype=np.float32).reshape([int(n) for n in reversed(t.shape)])
+
+
+# ---- the RoPE permutation, against both conventions by hand ------------------------------------------------------
+
+
+def rope_rotate_half(x, positions, base=10000.0):
+    """transformers: dimension i pairs with i + d/2."""
+    d = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = positions[:, None].double() * inv  # [T, d/2]
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos + rotated * sin
+
+
+def rope_adjacent(x, positions, base=10000.0):
+    """llama.cpp "normal" RoPE: dimension 2i pairs with 2i + 1, both at frequency i."""
+    d = x.shape[-1]
+    out = x.clone()
+    for i in range(d // 2):
+        theta = positions.double() * base ** (-2 * i / d)
+        a, b = x[..., 2 * i], x[..., 2 * i + 1]
+        out[..., 2 * i] = a * theta.cos() - b * theta.sin()
+        out[..., 2 * i + 1] = a * theta.sin() + b * theta.cos()
+    return out
+
+
+def test_interleaved_rows_turn_rotate_half_into_adjacent_pair_rope():
+    torch.manual_seed(0)
+    heads, d, hidden, tokens = 3, 8, 5, 6
+    w_q, w_k = torch.randn(heads * d, hidden, dtype=torch.float64), torch.randn(heads * d, hidden, dtype=torch.float64)
+    x = torch.randn(tokens, hidden, dtype=torch.float64)
+    positions = torch.arange(tokens)
+
+    def scores(wq, wk, rope):
+        q = rope((x @ wq.T).reshape(tokens, heads, d).transpose(0, 1), positions)  # [H, T, d]
+        k = rope((x @ wk.T).reshape(tokens, heads, d).transpose(0, 1), positions)
+        return q @ k.transpose(1, 2)  # [H, T, T]
+
+    hf = scores(w_q, w_k, rope_rotate_half)
+    cpp = scores(interleave_rope_rows(w_q, heads), interleave_rope_rows(w_k, heads), rope_adjacent)
+    torch.testing.assert_close(cpp, hf)
+    # and the permutation itself: new row 2i of each head is old row i, new row 2i+1 is old row i + d/2
+    perm = interleave_rope_rows(torch.arange(heads * d, dtype=torch.float64)[:, None], heads)[:, 0].long()
+    assert perm[:d].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert perm[d : 2 * d].tolist() == [8, 12, 9, 13, 10, 14, 11, 15]
+
+
+# ---- metadata and tensors --------------------------------------------------------------------------------------
+
+
+def test_uniform_llama_writes_llama_arch_with_permuted_q_k(tmp_path):
+    loaded = tiny()
+    record = export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    fields, tensors = read(tmp_path / "m.gguf")
+    assert record["architecture"] == fields["general.architecture"] == "llama"
+    assert fields["llama.attention.head_count"] == 4 and fields["llama.attention.head_count_kv"] == 2
+    assert fields["llama.attention.key_length"] == 16 and fields["llama.rope.dimension_count"] == 16
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert fields["tokenizer.ggml.tokens"][:3] == ["<unk>", "<s>", "</s>"]
+    assert fields["tokenizer.ggml.bos_token_id"] == 1 and "<s>" in fields["tokenizer.chat_template"]
+    attn = loaded.model.model.layers[1].self_attn
+    np.testing.assert_array_equal(
+        tensor_of(tensors["blk.1.attn_q.weight"]), interleave_rope_rows(attn.q_proj.weight, 4).detach().numpy()
+    )
+    np.testing.assert_array_equal(
+        tensor_of(tensors["blk.1.attn_k.weight"]), interleave_rope_rows(attn.k_proj.weight, 2).detach().numpy()
+    )
+    np.testing.assert_array_equal(tensor_of(tensors["blk.1.attn_v.weight"]), attn.v_proj.weight.detach().numpy())
+    np.testing.assert_array_equal(
+        tensor_of(tensors["blk.0.ffn_down.weight"]), loaded.model.model.layers[0].mlp.down_proj.weight.detach().numpy()
+    )
+    assert ("output.weight" in tensors) != loaded.model.config.tie_word_embeddings
+
+
+def test_tied_embeddings_leave_out_the_output_head(tmp_path):
+    loaded = tiny(tie_word_embeddings=True)
+    export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    _, tensors = read(tmp_path / "m.gguf")
+    assert "output.weight" not in tensors and "token_embd.weight" in tensors
+
+
+def test_non_uniform_prune_goes_to_deci_with_per_layer_arrays(tmp_path):
+    loaded = pruned(tiny(), [{0, 1}, set()])  # layer 0 loses KV group 0 with both its query heads
+    plan = plan_export(loaded)
+    assert plan.target.arch == "deci" and plan.heads == [2, 4] and plan.kv_heads == [1, 2]
+    export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    fields, tensors = read(tmp_path / "m.gguf")
+    assert fields["general.architecture"] == "deci"
+    assert list(fields["deci.attention.head_count"]) == [2, 4]
+    assert list(fields["deci.attention.head_count_kv"]) == [1, 2]
+    assert tensor_of(tensors["blk.0.attn_q.weight"]).shape == (2 * 16, 64)
+    assert tensor_of(tensors["blk.0.attn_k.weight"]).shape == (16, 64)
+    kept_q = loaded.model.model.layers[0].self_attn.q_proj.weight
+    np.testing.assert_array_equal(
+        tensor_of(tensors["blk.0.attn_q.weight"]), interleave_rope_rows(kept_q, 2).detach().numpy()
+    )
+
+
+def test_qwen2_uniform_stays_qwen2_unpermuted_and_a_pruned_qwen2_needs_deci(tmp_path):
+    loaded = tiny("qwen2")
+    assert plan_export(loaded).target.arch == "qwen2"
+    export_gguf(loaded, tmp_path / "q.gguf", outtype="f32", progress=False)
+    _, tensors = read(tmp_path / "q.gguf")
+    attn = loaded.model.model.layers[0].self_attn
+    np.testing.assert_array_equal(tensor_of(tensors["blk.0.attn_q.bias"]), attn.q_proj.bias.detach().numpy())
+    uniform = pruned(tiny("qwen2"), [{0, 1}, {0, 1}])  # 2 x 16 < hidden 64: qwen2's n_embd-wide q does not fit
+    assert plan_export(uniform).target.arch == "deci"
+
+
+def test_qwen3_uniform_is_qwen3_and_per_layer_qwen3_is_refused():
+    assert plan_export(tiny("qwen3")).target.arch == "qwen3"
+    with pytest.raises(HeadlabError, match="llama.cpp cannot run this qwen3 layout"):
+        plan_export(pruned(tiny("qwen3"), [{0, 1}, set()]))
+
+
+@pytest.mark.parametrize("outtype, tolerance", [("f16", 1e-3), ("bf16", 1e-2), ("q8_0", 2e-2)])
+def test_tensor_types_round_trip(tmp_path, outtype, tolerance):
+    loaded = tiny()
+    record = export_gguf(loaded, tmp_path / "m.gguf", outtype=outtype, progress=False)
+    _, tensors = read(tmp_path / "m.gguf")
+    assert tensors["blk.0.attn_v.weight"].tensor_type.name == outtype.upper()
+    assert tensors["blk.0.attn_norm.weight"].tensor_type.name == "F32"  # vectors stay f32
+    assert outtype in record["tensor_types"]
+    expected = loaded.model.model.layers[0].self_attn.v_proj.weight.detach().numpy()
+    got = tensor_of(tensors["blk.0.attn_v.weight"])
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max()
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(HeadlabError, match="gguf package cannot write"):
+        check_type("q9_z")
+    with pytest.raises(HeadlabError, match="llama family"):
+        export_gguf(from_model(tiny_model("gpt2"), tiny_tokenizer()), tmp_path / "g.gguf", progress=False)
+    with pytest.raises(HeadlabError, match="byte-level BPE"):
+        export_gguf(from_model(tiny_model("llama"), tiny_tokenizer()), tmp_path / "w.gguf", progress=False)
+    (tmp_path / "x.gguf").write_bytes(b"keep")
+    with pytest.raises(HeadlabError, match="already exists"):
+        export_gguf(tiny(), tmp_path / "x.gguf", progress=False)
+    assert (tmp_path / "x.gguf").read_bytes() == b"keep"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf"]  # no temporary files left behind
+
+
+def test_failed_verification_publishes_nothing(tmp_path):
+    def fail(path):
+        raise HeadlabError("llama.cpp disagrees")
+
+    with pytest.raises(HeadlabError, match="disagrees"):
+        export_gguf(tiny(), tmp_path / "m.gguf", progress=False, verify=fail)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---- llama.cpp itself -------------------------------------------------------------------------------------------
+
+
+def _windows(loaded, n=2, length=48):
+    ids = loaded.tokenizer(SAMPLE_TEXT, add_special_tokens=False)["input_ids"]
+    return [torch.tensor([1] + ids[i * length : (i + 1) * length - 1]) for i in range(n)]
+
+
+@needs_llamacpp
+@pytest.mark.parametrize(
+    "variant",
+    ["original", "uniform", "non_uniform", "kv_3_to_1", "qwen2_non_uniform", "qwen3", "mistral"],
+)
+def test_llamacpp_log_probs_match_transformers(tmp_path, variant):
+    makers = {
+        "original": lambda: tiny(),
+        "uniform": lambda: pruned(tiny(), [{0, 2}, {1, 3}]),
+        "non_uniform": lambda: pruned(tiny(), [{0, 1}, {3}]),
+        "kv_3_to_1": lambda: kv_converted(tiny()),
+        "qwen2_non_uniform": lambda: pruned(tiny("qwen2"), [{0, 1}, set()]),
+        "qwen3": lambda: tiny("qwen3"),
+        "mistral": lambda: tiny("mistral", sliding_window=None),
+    }
+    loaded = makers[variant]()
+    path = tmp_path / "m.gguf"
+    export_gguf(loaded, path, outtype="f32", progress=False)
+    result = compare_logprobs(loaded, path, _windows(loaded))
+    assert result["relative_difference"] < 1e-3, result
+    assert result["max_abs_logit_diff"] < 1e-3 * max(1.0, result["max_abs_logit"]), result
+
+
+@needs_llamacpp
+def test_llamacpp_tokenizes_like_transformers(tmp_path):
+    from headlab.llamacpp import open_model
+
+    loaded = tiny()
+    export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    llm = open_model(tmp_path / "m.gguf", n_ctx=64)
+    text = SAMPLE_TEXT[:300]
+    assert (
+        llm.tokenize(text.encode(), add_bos=False, special=False)
+        == loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+    )
+
+
+# ---- the embedded model (slow) ------------------------------------------------------------------------------------
+
+
+def _embedded_variant(variant):
+    from headlab.loading import load_model
+
+    loaded = load_model(None, device="cpu")
+    if variant == "uniform":  # one query head of every KV group, in every layer
+        loaded = pruned(loaded, [{0, 3, 6} for _ in loaded.layers])
+    elif variant == "non_uniform":  # KV group 0 of the even layers
+        loaded = pruned(loaded, [{0, 1, 2} if layer.index % 2 == 0 else set() for layer in loaded.layers])
+    elif variant == "kv_3_to_1":
+        loaded = kv_converted(loaded)
+    return loaded
+
+
+@pytest.mark.slow
+@needs_llamacpp
+@pytest.mark.parametrize("variant", ["original", "uniform", "non_uniform", "kv_3_to_1"])
+def test_embedded_model_in_llamacpp_matches_transformers(tmp_path, variant):
+    from headlab.llamacpp import eval_windows
+
+    loaded = _embedded_variant(variant)
+    path = tmp_path / "m.gguf"
+    record = export_gguf(loaded, path, outtype="f32", progress=False)
+    assert record["architecture"] == ("deci" if variant == "non_uniform" else "llama")
+    result = compare_logprobs(loaded, path, eval_windows(loaded, max_tokens=256, seq_len=128))
+    print(variant, result)  # the worst token logit difference, for the record
+    assert result["relative_difference"] < 0.01, result
+    assert result["max_abs_logit_diff"] < 1e-2 * result["max_abs_logit"], result
