@@ -12,6 +12,8 @@ import re
 import struct
 from pathlib import Path
 
+import torch
+
 from headlab.arch import ADAPTERS
 from headlab.errors import HeadlabError
 
@@ -182,15 +184,15 @@ def error_line(error: BaseException) -> str:
 
 def check_finite_weights(model, where: str) -> None:
     """Every floating-point parameter is finite; the first that is not is named with its count of nan/inf.
-    One pass of torch.isfinite over the weights: memory-bound, a fraction of one forward pass."""
-    import torch
-
-    for name, parameter in model.named_parameters():
-        if not parameter.is_floating_point() or parameter.device.type == "meta":
-            continue
-        finite = torch.isfinite(parameter)
-        if not bool(finite.all()):
-            bad = int((~finite).sum())
+    One read of each weight and no temporary tensor: a nan/inf anywhere makes its float64 sum non-finite (finite
+    float32/bf16 values cannot overflow a float64 sum), and only then are the elements counted."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not parameter.is_floating_point() or parameter.device.type == "meta":
+                continue
+            if bool(torch.isfinite(parameter.sum(dtype=torch.float64))):
+                continue
+            bad = int((~torch.isfinite(parameter)).sum())
             raise HeadlabError(
                 f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {parameter.numel()}; "
                 "the checkpoint is damaged (--no-check-weights loads it anyway)"
