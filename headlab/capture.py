@@ -26,7 +26,9 @@ DEFAULT_CHUNK = 256  # query rows per chunk: B*H*256*T float32 scores at most li
 # the faster of the two as measured by scripts/bench_cases/stats.py per device type (docs/performance.md); a device
 # type not measured yet keeps sdpa.
 OUTPUTS = ("auto", "chunks", "sdpa")
-MEASURED_FASTER_FROM_CHUNKS = {"cpu": True}
+# Device types where the chunked output measured faster. Empty: the one run made (2-core AMD EPYC, heavily shared;
+# BENCHMARKS.md "Head statistics") measured the chunked output slower than sdpa beside the chunks on CPU.
+MEASURED_FASTER_FROM_CHUNKS: dict[str, bool] = {}
 
 # id(attention module) -> (capture, layer); the attention interface is global, so dispatch is by module identity.
 _ACTIVE: dict[int, tuple[AttentionCapture, AttentionLayer]] = {}
