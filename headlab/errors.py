@@ -7,3 +7,18 @@ its traceback.
 
 class HeadlabError(Exception):
     """Bad input from the user (path, option, model, corpus): reported as one line, exit code 2."""
+
+
+def moved_names(module: str, moved: dict[str, str]):
+    """A module `__getattr__` (PEP 562) for names another module now owns: each still resolves from `module`, with a
+    DeprecationWarning naming the new home, for one release (issue 13 gave many functions new homes)."""
+    import importlib
+    import warnings
+
+    def __getattr__(name: str):
+        if name not in moved:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        warnings.warn(f"{module}.{name} moved to {moved[name]}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(moved[name]), name)
+
+    return __getattr__

@@ -30,7 +30,7 @@ from headlab.data import (
     split_text,
     tokenize,
 )
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, moved_names
 from headlab.loading import LoadedModel
 
 WINDOW_CONVENTION = "lm-eval loglikelihood_rolling (prefix token; max_length inputs; full-context last window)"
@@ -222,3 +222,6 @@ def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> 
         len(rows),
         "masked-LM windows of max_length tokens ([CLS] and [SEP] included)",
     )
+
+
+__getattr__ = moved_names("headlab.evaluate", {"model_info": "headlab.costs", "kv_cache_bytes": "headlab.costs"})

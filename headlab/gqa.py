@@ -21,7 +21,7 @@ from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_checkpoint
 from headlab.costs import kv_bytes_per_token
 from headlab.data import Corpus, calibration_batches, load_corpus
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, moved_names
 from headlab.evaluate import perplexity
 from headlab.fsio import check_out
 from headlab.kv_heads import (
@@ -423,3 +423,9 @@ def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) ->
         extra_files={"gqa_sweep.png": figure_bytes(fig)},
     )
     return frame, meta
+
+
+__getattr__ = moved_names(
+    "headlab.gqa",
+    {"similarity_table": "headlab.kv_heads", "permute_heads": "headlab.kv_heads", "pool_weights": "headlab.kv_heads"},
+)

@@ -21,7 +21,7 @@ from headlab.checkpoint import check_checkpoint_out
 from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
 from headlab.costs import costs
 from headlab.data import Corpus, load_corpus
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, moved_names
 from headlab.evaluate import perplexity
 from headlab.fsio import atomic_directory
 from headlab.gates import gates_from_pruned, write_mask
@@ -338,7 +338,15 @@ def prune(
     reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
     corpus = load_corpus(data, text_column) if reads_text and not isinstance(data, Corpus) else data
     request = ScoreRequest(
-        corpus, text_column, seq_len, batch_size, calibration_tokens, progress, seed, table=scores, low_memory=low_memory
+        corpus,
+        text_column,
+        seq_len,
+        batch_size,
+        calibration_tokens,
+        progress,
+        seed,
+        table=scores,
+        low_memory=low_memory,
     )
     choosing = heads is None and scores is None
     if heads is None and (select == "obs" or (choosing and method == "obs") or (budget == "search" and compensate)):
@@ -549,3 +557,14 @@ def _physical_equivalent(loaded, pruned) -> tuple[dict, list[dict]]:
 def _ppl(loaded, data, eval_kwargs, progress) -> float:
 
     return perplexity(loaded, data, part="eval", progress=progress, **eval_kwargs).perplexity
+
+
+__getattr__ = moved_names(
+    "headlab.prune",
+    {
+        "load_pruned": "headlab.layout",
+        "read_scores": "headlab.scores",
+        "random_scores": "headlab.scores",
+        "importance_scores": "headlab.scores",
+    },
+)

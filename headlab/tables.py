@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from headlab import __version__, distributed
+from headlab.errors import moved_names
 from headlab.fsio import atomic_directory, json_text
 
 
@@ -70,3 +71,6 @@ def read_run(path: Path) -> tuple[dict[str, pd.DataFrame], dict]:
     meta_path = path / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     return tables, meta
+
+
+__getattr__ = moved_names("headlab.tables", {"check_out": "headlab.fsio"})
