@@ -370,6 +370,7 @@ REPORT_ENTRIES = {
     "sweep",
     "gqa_sweep",
     "gqa_groups",
+    "speed",
 }
 
 
