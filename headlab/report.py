@@ -388,6 +388,7 @@ REPORT_ENTRIES = {
     "gqa_sweep",
     "gqa_groups",
     "recovery",
+    "speed",
 }
 
 

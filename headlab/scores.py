@@ -128,7 +128,7 @@ class ScoreRequest:
     table: object = None  # DataFrame, CSV/Parquet path or importance run directory
     grams: object = None  # headlab.compensate output statistics already computed (obs reuses them)
     # Gradient scores one sequence per backward pass with blocks recomputed: the same per-sequence sums, with the
-    # peak memory near twice the model's bytes instead of several times (BENCHMARKS.md, memory).
+    # peak memory about 2.5x the model's bytes (whole process) instead of over 5x (BENCHMARKS.md, memory).
     low_memory: bool = True
 
 

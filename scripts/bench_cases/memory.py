@@ -91,6 +91,13 @@ def markdown(result: dict) -> str:
             f"| {row['command']} | {row['code']} | {row['peak_rss'] / mib:,.0f} MiB | {row['ratio']:.2f}x | "
             f"{row['seconds']:.0f} |"
         )
+    if not any(row["code"] == "before" for row in result["rows"]):
+        lines += [
+            "",
+            "No `before` rows: the reference checkout was not run in this measurement (set HEADLAB_MEMORY_BEFORE to "
+            "a checkout of the previous code to add them). The issue measured the previous code's `prune --count 90 "
+            "--uniform --mode physical` at 2.85 GiB resident, 5.7x the model's bytes.",
+        ]
     lines += ["", "Commands (`headlab ...`, `{out}` a temporary directory):", ""]
     lines += [f"- {name}: `{command}`" for name, command in result["commands"].items()]
     return "\n".join(lines)
