@@ -105,7 +105,13 @@ def split_rows(batches: list[ScoringBatch], max_rows: int) -> list[ScoringBatch]
     ]
 
 
-def sequence_nll(model, batch: ScoringBatch, device, *, chunked: bool = True) -> torch.Tensor:
+# Whole [B, T, V] logits by default: on an idle CPU the grad pass cost 2.21x a forward with them against 2.60x with
+# the chunked loss (BENCHMARKS.md "Head importance"); the chunked loss keeps the logits from existing whole (27 MiB
+# against 604 MiB of peak growth there) for long windows or large vocabularies, at that price in time.
+CHUNKED_LOSS = False
+
+
+def sequence_nll(model, batch: ScoringBatch, device, *, chunked: bool = CHUNKED_LOSS) -> torch.Tensor:
     """Summed NLL per sequence, L(x) = sum_t -log p(label_t), [B] in float32 (float64 for a float64 model); the
     vocabulary is projected in chunks of scored positions (headlab.losses) unless chunked=False."""
     ids, mask = batch.input_ids.to(device), batch.attention_mask.to(device)

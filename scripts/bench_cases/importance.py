@@ -83,6 +83,7 @@ def run(args) -> dict:
         }
         for name, values in times.items()
     }
+    default_path = "grad" if importance.CHUNKED_LOSS else "grad_whole_logits"
     chunked_raw = torch.tensor(grad_result[True].table["importance_raw"].to_numpy())
     whole_raw = torch.tensor(grad_result[False].table["importance_raw"].to_numpy())
     with PeakMemory(device) as forward_memory:
@@ -98,9 +99,11 @@ def run(args) -> dict:
         "timed_tokens": int(sum(int(batch[1].sum()) for batch in timed)),
         "timing": timing,
         "forward_s": timing["forward"]["median_s"],
-        "grad_s": timing["grad"]["median_s"],
-        "ratio": timing["grad"]["ratio_median"],
-        "ratio_min": timing["grad"]["ratio_min"],
+        # the headline ratio is the path head_importance takes by default (importance.CHUNKED_LOSS)
+        "default_path": default_path,
+        "grad_s": timing[default_path]["median_s"],
+        "ratio": timing[default_path]["ratio_median"],
+        "ratio_min": timing[default_path]["ratio_min"],
         "grad_vs_whole_logits_max_relative_difference": float(
             ((chunked_raw - whole_raw).abs() / whole_raw.abs().max()).max()
         ),
@@ -114,7 +117,7 @@ def run(args) -> dict:
         previous = RESULTS / "importance.json"
         if previous.is_file():
             saved = json.loads(previous.read_text())
-            agreement = ("ablation_", "spearman_", "method_seconds", "heads")
+            agreement = ("ablation_", "spearman_", "method_seconds", "heads", "agreement_")
             kept = {k: v for k, v in saved["result"].items() if k.startswith(agreement)}
             kept.setdefault("agreement_date", saved["date"])
             return {**kept, **timing_result}
@@ -162,7 +165,7 @@ def _timing_rows(r: dict) -> list[str]:
         "grad_whole_logits": ("grad importance, whole [B, T, V] logits", "grad_whole_logits_peak_extra_bytes"),
     }
     return [
-        f"| {names[k][0]} | {v['median_s']:.2f} | {v['min_s']:.2f} | {v['ratio_median']:.2f} | {v['ratio_min']:.2f} | "
+        f"| {names[k][0]}{' (default)' if k == r.get('default_path') else ''} | {v['median_s']:.2f} | {v['min_s']:.2f} | {v['ratio_median']:.2f} | {v['ratio_min']:.2f} | "
         f"{r[names[k][1]] / mib:.0f} MiB |"
         for k, v in t.items()
     ]
@@ -181,7 +184,7 @@ def markdown(r: dict) -> str:
         "|---|---|---|---|---|---|",
         *_timing_rows(r),
         "",
-        f"Time ratio grad / forward: **{r['ratio']:.2f}x** median"
+        f"Time ratio grad (default path) / forward: **{r['ratio']:.2f}x** median"
         + (f", **{r['ratio_min']:.2f}x** min-of-runs" if "ratio_min" in r else "")
         + f" (floor <= 2.2x, aim <= 2.0x). Memory: {r['memory_kind']}"
         + (
