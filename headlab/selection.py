@@ -125,12 +125,8 @@ def select_heads(
         for i in range(len(layers)):
             target = _amount(fraction, count, len(units[i]), f"{what} of layer {i}")
             done = len(units[i]) - len(open_units(i))
-            for heads in sorted(open_units(i), key=lambda u: (score(i, u), u)):
-                if done >= target:
-                    break
-                if fits(i, heads):
-                    pruned[i] |= set(heads)
-                    done += 1
+            ordered = sorted(open_units(i), key=lambda u: (score(i, u), u))
+            done = _take_in_order(((i, heads) for heads in ordered), done, target, fits, pruned)
             if done < target:
                 raise HeadlabError(
                     f"cannot prune {target} {what} of layer {i} and keep one head; pass --allow-empty-layer"
@@ -142,17 +138,24 @@ def select_heads(
     candidates = sorted(
         ((score(i, u), i, u) for i in range(len(layers)) for u in open_units(i)), key=lambda c: (c[0], c[1], c[2])
     )
-    for _, i, heads in candidates:
-        if done >= target:
-            break
-        if fits(i, heads):
-            pruned[i] |= set(heads)
-            done += 1
+    done = _take_in_order(((i, heads) for _, i, heads in candidates), done, target, fits, pruned)
     if done < target:
         raise HeadlabError(
             f"cannot prune {target} {what} while keeping one head in every layer; pass --allow-empty-layer"
         )
     return pruned
+
+
+def _take_in_order(candidates, done: int, target: int, fits, pruned: list[set[int]]) -> int:
+    """Prune the (layer, heads) candidates in the order given, skipping those `fits` refuses, until `target` units are
+    pruned; returns how many are pruned then (the per-layer and the global selection share this loop)."""
+    for i, heads in candidates:
+        if done >= target:
+            break
+        if fits(i, heads):
+            pruned[i] |= set(heads)
+            done += 1
+    return done
 
 
 def check_unit(layers: list[AttentionLayer], unit: str) -> None:
