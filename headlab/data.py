@@ -7,9 +7,10 @@ cut, evaluation text (perplexity) after it, so the two never share a character.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -57,6 +58,71 @@ class TextPart:
             "char_end": self.end,
             "calibration_fraction": CALIBRATION_FRACTION,
         }
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """Which text a command reads and how it is cut: a corpus (`data`: a spec string, or a Corpus once resolved),
+    its column, the part of it (`split`: calibration | eval | all), windows of `seq_len` tokens taken `batch_size`
+    at a time, and at most `max_tokens` tokens (None: no bound, or the reader's own default)."""
+
+    data: Corpus | str | None = None
+    text_column: str | None = None
+    split: str = "calibration"
+    seq_len: int = 256
+    batch_size: int = 4
+    max_tokens: int | None = 2048
+
+    def resolved(self) -> TextSpec:
+        """The same spec with its corpus loaded, so every later reader shares one Corpus (a command loads once)."""
+        return self if isinstance(self.data, Corpus) else replace(self, data=load_corpus(self.data, self.text_column))
+
+    @property
+    def corpus(self) -> Corpus:
+        return self.resolved().data
+
+    def but(self, **changes) -> TextSpec:
+        """A copy with some fields changed (e.g. the eval split with its own token budget)."""
+        return replace(self, **changes)
+
+    def batches(self, tokenizer, *, seq_len: int | None = None, max_positions: int | None = None):
+        """Its windows as CalibrationBatches; `seq_len` overrides the window length (encoders keep 2 for
+        [CLS]/[SEP])."""
+        return calibration_batches(
+            tokenizer,
+            self.corpus,
+            part=self.split,
+            seq_len=self.seq_len if seq_len is None else seq_len,
+            batch_size=self.batch_size,
+            max_tokens=self.max_tokens,
+            max_positions=max_positions,
+        )
+
+
+# The loose keywords of the earlier API that a TextSpec now carries; `part` and `corpus` are earlier names.
+TEXT_KEYWORDS = ("data", "text_column", "split", "seq_len", "batch_size", "max_tokens")
+_EARLIER_NAMES = {"part": "split", "corpus": "data"}
+
+
+def takes_text(**defaults):
+    """Let a function take its text as one `text: TextSpec` (with these defaults) while still accepting the loose
+    keywords (data, text_column, split, seq_len, batch_size, max_tokens; part, corpus) of the earlier API."""
+    default = TextSpec(**defaults)
+
+    def decorate(function):
+        @functools.wraps(function)
+        def wrapper(*args, text: TextSpec | None = None, **kwargs):
+            for old, new in _EARLIER_NAMES.items():
+                if old in kwargs:
+                    kwargs[new] = kwargs.pop(old)
+            loose = {name: kwargs.pop(name) for name in TEXT_KEYWORDS if name in kwargs}
+            text = default if text is None else text
+            return function(*args, text=replace(text, **loose) if loose else text, **kwargs)
+
+        wrapper.text_defaults = default
+        return wrapper
+
+    return decorate
 
 
 def _embedded_documents() -> list[str]:

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
 from headlab import distributed
 from headlab.capture import DEFAULT_CHUNK, AttentionChunk, capture_attention
-from headlab.data import calibration_batches
+from headlab.data import TextSpec, takes_text
 from headlab.errors import HeadlabError
 from headlab.tables import write_run
 
@@ -266,16 +267,12 @@ def _frame_tokens(loaded) -> tuple[list[int], list[int]]:
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []), []
 
 
+@takes_text(split="calibration", seq_len=512, max_tokens=8192)
 def head_statistics(
     loaded,
     batches=None,
     *,
-    data=None,
-    part: str = "calibration",
-    seq_len: int = 512,
-    batch_size: int = 4,
-    max_tokens: int | None = 8192,
-    text_column: str | None = None,
+    text: TextSpec,
     induction: bool = True,
     induction_len: int = 64,
     induction_count: int = 8,
@@ -285,57 +282,93 @@ def head_statistics(
 ) -> pd.DataFrame:
     """Per-head statistics as a tidy table `layer, head, kv_head, statistic, value` (meta in `.attrs["meta"]`).
 
-    `batches`: an iterable of (input_ids [B, T], attention_mask [B, T], ...) tuples, or None to take calibration
-    windows of `data` (embedded corpus by default). Encoder windows get [CLS] .. [SEP] around them (2 of the
-    seq_len tokens). See `wide_statistics` for one row per head.
+    `batches`: an iterable of (input_ids [B, T], attention_mask [B, T], ...) tuples, or None to take the windows of
+    `text` (a TextSpec; the loose keywords data, split, seq_len, batch_size, max_tokens, text_column also work;
+    default: calibration part of the embedded corpus, 512-token windows, 8,192 tokens). Encoder windows get
+    [CLS] .. [SEP] around them (2 of the seq_len tokens). See `wide_statistics` for one row per head.
     """
-    from tqdm.auto import tqdm
-
-    model, adapter, layers = loaded.model, loaded.adapter, loaded.layers
-    max_positions = loaded.max_positions
     prefix, suffix = _frame_tokens(loaded)
-    framed = adapter.is_encoder and len(prefix) == 1 and len(suffix) == 1
+    framed = loaded.adapter.is_encoder and len(prefix) == 1 and len(suffix) == 1
     if induction:
-        if induction_len < 2 or induction_count < 1:
-            raise HeadlabError(f"induction needs length >= 2 and count >= 1, got {induction_len}, {induction_count}")
-        need = 2 * induction_len + len(prefix) + len(suffix)
-        if max_positions is not None and need > max_positions:
-            raise HeadlabError(f"induction sequences of {need} tokens exceed the model's {max_positions} positions")
+        _check_induction(loaded, induction_len, induction_count, len(prefix) + len(suffix))
     data_meta = {}
     if batches is None:
-        if seq_len < (4 if framed else 2):
-            raise HeadlabError(f"--seq-len must be at least {4 if framed else 2}, got {seq_len}")
-        if max_positions is not None and seq_len > max_positions:
-            raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({max_positions})")
-        if loaded.tokenizer is None:
-            raise HeadlabError("the model has no tokenizer; pass token batches instead of a corpus")
-        batches = calibration_batches(
-            loaded.tokenizer,
-            data,
-            part=part,
-            seq_len=seq_len - 2 if framed else seq_len,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            text_column=text_column,
-        )
-        data_meta = dict(batches.meta, seq_len=seq_len, framed_with_cls_sep=framed)
-    tokenizer = loaded.tokenizer
+        batches = _statistics_windows(loaded, text, framed)
+        data_meta = dict(batches.meta, seq_len=text.seq_len, framed_with_cls_sep=framed)
+    frame = (prefix, suffix) if framed and data_meta else None
+    means, tokens = _collect_text_statistics(loaded, batches, frame, chunk_size, progress)
+    induction_meta = None
+    if induction:
+        settings = dict(length=induction_len, count=induction_count, seed=seed, batch_size=text.batch_size)
+        for index, values in _collect_induction(loaded, settings, chunk_size, progress).items():
+            means[index]["induction"] = values["induction"]
+        induction_meta = {
+            "length": induction_len,
+            "sequences": induction_count,
+            "seed": seed,
+            "prefix_tokens": prefix,
+            "suffix_tokens": suffix,
+        }
+    table, denominators = _tidy_statistics(loaded.layers, means)
+    table.attrs["meta"] = {
+        **loaded.describe(),
+        "data": data_meta or {"data": "caller batches"},
+        "tokens": tokens,
+        "seq_len": data_meta.get("seq_len") if data_meta else None,
+        "seed": seed,
+        "chunk_size": chunk_size,
+        "induction": induction_meta,
+        "positional_threshold": POSITIONAL_THRESHOLD,
+        "sink_tokens": SINK_TOKENS,
+        "blocks": {layer.index: layer.block for layer in loaded.layers},
+        "output_norm_before_gate": loaded.adapter.gated,
+        "denominators": denominators,
+        "edge_rules": EDGE_RULES,
+    }
+    return table
+
+
+def _check_induction(loaded, length: int, count: int, frame_tokens: int) -> None:
+    if length < 2 or count < 1:
+        raise HeadlabError(f"induction needs length >= 2 and count >= 1, got {length}, {count}")
+    need = 2 * length + frame_tokens
+    if loaded.max_positions is not None and need > loaded.max_positions:
+        raise HeadlabError(f"induction sequences of {need} tokens exceed the model's {loaded.max_positions} positions")
+
+
+def _statistics_windows(loaded, text: TextSpec, framed: bool):
+    """The text's windows, 2 tokens shorter when [CLS]/[SEP] frame them, after checking the window length."""
+    if text.seq_len < (4 if framed else 2):
+        raise HeadlabError(f"--seq-len must be at least {4 if framed else 2}, got {text.seq_len}")
+    if loaded.max_positions is not None and text.seq_len > loaded.max_positions:
+        raise HeadlabError(f"--seq-len {text.seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
+    if loaded.tokenizer is None:
+        raise HeadlabError("the model has no tokenizer; pass token batches instead of a corpus")
+    return text.batches(loaded.tokenizer, seq_len=text.seq_len - 2 if framed else text.seq_len)
+
+
+def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: bool):
+    """Every statistic but induction, summed over the batches (this process's share under torchrun) and reduced:
+    (per-layer means, tokens seen). frame: ([CLS], [SEP]) ids to wrap each window in, or None."""
+    tokenizer, adapter = loaded.tokenizer, loaded.adapter
     sep_id = getattr(tokenizer, "sep_token_id", None) if adapter.is_encoder else None
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-
-    collector = StatisticsCollector(layers, is_encoder=adapter.is_encoder)
+    collector = StatisticsCollector(loaded.layers, is_encoder=adapter.is_encoder)
     tokens = 0
     if distributed.active():  # torchrun: this process takes its share of the windows
         batches = distributed.shard(list(batches))
     total = len(batches) if hasattr(batches, "__len__") else None
-    with torch.no_grad(), capture_attention(model, layers, collector.on_chunk, collector.on_output, chunk_size):
+    capture = capture_attention(loaded.model, loaded.layers, collector.on_chunk, collector.on_output, chunk_size)
+    with torch.no_grad(), capture:
         for batch in tqdm(batches, total=total, desc="attention statistics", disable=not progress, unit="batch"):
             input_ids, attention_mask = batch[0], batch[1]
-            if framed and data_meta:
-                input_ids, attention_mask = _frame_encoder_batch(input_ids, attention_mask, *prefix, *suffix, pad_id)
+            if frame is not None:
+                input_ids, attention_mask = _frame_encoder_batch(
+                    input_ids, attention_mask, *frame[0], *frame[1], pad_id
+                )
             sep_keys = (input_ids == sep_id) if sep_id is not None else None
             collector.set_batch(sep_keys=None if sep_keys is None else sep_keys.to(loaded.device))
-            model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
+            loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
             tokens += int(attention_mask.sum())
     collector.reduce()
     tokens = int(distributed.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
@@ -349,32 +382,29 @@ def head_statistics(
             f"attention statistics are not finite with {str(loaded.dtype).removeprefix('torch.')} "
             "(overflow?); try --dtype bfloat16 or float32"
         )
+    return means, tokens
 
-    induction_meta = None
-    if induction:
-        inductor = StatisticsCollector(layers, induction_only=True)
-        runs = induction_batches(loaded, length=induction_len, count=induction_count, seed=seed, batch_size=batch_size)
-        steps = math.ceil(induction_count / batch_size)
-        if distributed.active():
-            runs = distributed.shard(list(runs))
-            steps = len(runs)
-        with torch.no_grad(), capture_attention(model, layers, inductor.on_chunk, None, chunk_size):
-            for input_ids, attention_mask, target in tqdm(
-                runs, total=steps, desc="induction", disable=not progress, unit="batch"
-            ):
-                inductor.set_batch(target=target.to(loaded.device))
-                model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
-        inductor.reduce()
-        for index, values in inductor.means().items():
-            means[index]["induction"] = values["induction"]
-        induction_meta = {
-            "length": induction_len,
-            "sequences": induction_count,
-            "seed": seed,
-            "prefix_tokens": prefix,
-            "suffix_tokens": suffix,
-        }
 
+def _collect_induction(loaded, settings: dict, chunk_size: int, progress: bool) -> dict:
+    """Induction scores on repeated random-token sequences (induction_batches with `settings`), per layer."""
+    inductor = StatisticsCollector(loaded.layers, induction_only=True)
+    runs = induction_batches(loaded, **settings)
+    steps = math.ceil(settings["count"] / settings["batch_size"])
+    if distributed.active():
+        runs = distributed.shard(list(runs))
+        steps = len(runs)
+    with torch.no_grad(), capture_attention(loaded.model, loaded.layers, inductor.on_chunk, None, chunk_size):
+        for input_ids, attention_mask, target in tqdm(
+            runs, total=steps, desc="induction", disable=not progress, unit="batch"
+        ):
+            inductor.set_batch(target=target.to(loaded.device))
+            loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
+    inductor.reduce()
+    return inductor.means()
+
+
+def _tidy_statistics(layers, means: dict) -> tuple[pd.DataFrame, dict]:
+    """The tidy table (one row per layer, head and statistic) and each statistic's per-layer denominators."""
     rows, denominators = [], {}
     for layer in layers:
         values = means[layer.index]
@@ -391,22 +421,7 @@ def head_statistics(
             for head in range(layer.num_heads):
                 rows.append((layer.index, head, layer.kv_head_of(head), name, float(column[head])))
     table = pd.DataFrame(rows, columns=["layer", "head", "kv_head", "statistic", "value"])
-    table.attrs["meta"] = {
-        **loaded.describe(),
-        "data": data_meta or {"data": "caller batches"},
-        "tokens": tokens,
-        "seq_len": data_meta.get("seq_len") if data_meta else None,
-        "seed": seed,
-        "chunk_size": chunk_size,
-        "induction": induction_meta,
-        "positional_threshold": POSITIONAL_THRESHOLD,
-        "sink_tokens": SINK_TOKENS,
-        "blocks": {layer.index: layer.block for layer in layers},
-        "output_norm_before_gate": adapter.gated,
-        "denominators": {name: [counts.get(i) for i in sorted(counts)] for name, counts in denominators.items()},
-        "edge_rules": EDGE_RULES,
-    }
-    return table
+    return table, {name: [counts.get(i) for i in sorted(counts)] for name, counts in denominators.items()}
 
 
 def wide_statistics(tidy: pd.DataFrame) -> pd.DataFrame:
