@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from headlab.data import calibration_batches
+from headlab.data import TextSpec, takes_text
 from headlab.errors import HeadlabError
 from headlab.hooks import hooks
 from headlab.loading import LoadedModel, check_resident
@@ -209,21 +209,13 @@ def apply_compensation(
     return pd.DataFrame(rows)
 
 
-def compensation_batches(
-    loaded: LoadedModel, data=None, *, text_column=None, seq_len=256, batch_size=4, max_tokens=2048
-):
-    """Calibration-split windows for the statistics (never the eval split)."""
-
-    return calibration_batches(
-        loaded.tokenizer,
-        data,
-        part="calibration",
-        seq_len=seq_len,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-        text_column=text_column,
-        max_positions=loaded.max_positions,
-    )
+@takes_text(split="calibration", seq_len=256, batch_size=4, max_tokens=2048)
+def compensation_batches(loaded: LoadedModel, data=None, *, text: TextSpec):
+    """Calibration-split windows of `text` for the statistics (never the eval split); `data`, when given, is its
+    corpus."""
+    if data is not None:
+        text = text.but(data=data)
+    return text.but(split="calibration").batches(loaded.tokenizer, max_positions=loaded.max_positions)
 
 
 @contextlib.contextmanager

@@ -22,12 +22,13 @@ from headlab.costs import peak_memory
 from headlab.data import (
     MLM_SEED,
     Corpus,
+    TextSpec,
     batch_windows,
-    load_corpus,
     masked_lm_batch,
     require_tokens,
     rolling_windows,
     split_text,
+    takes_text,
     tokenize,
 )
 from headlab.errors import HeadlabError, moved_names
@@ -115,28 +116,29 @@ def check_max_length(loaded: LoadedModel, max_length: int) -> None:
         )
 
 
+@takes_text(split="eval", seq_len=512, max_tokens=4096)
 def perplexity(
     loaded: LoadedModel,
-    corpus: Corpus | str | None = None,
+    data: Corpus | str | None = None,
     *,
-    part: str = "eval",
-    seq_len: int = 512,
+    text: TextSpec,
     stride: int | None = None,
-    batch_size: int = 4,
-    max_tokens: int | None = 4096,
-    text_column: str | None = None,
     progress: bool = True,
 ) -> Perplexity:
     """Token perplexity exp(-(1/N) sum_i log p(x_i | x_<i)) over the N tokens of the chosen part, plus word
     perplexity and bits per byte (lm-evaluation-harness wikitext definitions), in lm-eval's rolling windows.
 
-    seq_len is the model input length of a window (lm-eval's max_length, the CLI's --max-length); stride (default
-    seq_len, lm-eval's layout) < seq_len gives each scored token seq_len - stride tokens of extra context.
+    `text`: a TextSpec (the loose keywords split, seq_len, batch_size, max_tokens, text_column also work; `data`,
+    when given, is its corpus). Its seq_len is the model input length of a window (lm-eval's max_length, the CLI's
+    --max-length); stride (default seq_len, lm-eval's layout) < seq_len gives each scored token seq_len - stride
+    tokens of extra context.
     """
+    if data is not None:
+        text = text.but(data=data)
+    part, seq_len, batch_size, max_tokens = text.split, text.seq_len, text.batch_size, text.max_tokens
     stride = seq_len if stride is None else stride
     check_max_length(loaded, seq_len)
-    if not isinstance(corpus, Corpus):
-        corpus = load_corpus(corpus, text_column)
+    corpus = text.corpus
     text_part = split_text(corpus, part)
     if loaded.adapter.is_encoder:
         return _masked_lm_loss(loaded, text_part.text, seq_len, batch_size, max_tokens, progress)

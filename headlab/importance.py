@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from headlab import distributed, losses
 from headlab.costs import peak_memory
-from headlab.data import MLM_SEED, calibration_batches, masked_lm_batch
+from headlab.data import MLM_SEED, TextSpec, masked_lm_batch, takes_text
 from headlab.errors import HeadlabError
 from headlab.gates import head_gates, read_mask
 from headlab.loading import LoadedModel
@@ -408,20 +408,17 @@ def importance_tables(
     return table, groups
 
 
+@takes_text(split="calibration", seq_len=256, max_tokens=None)
 def head_importance(
     loaded: LoadedModel,
     batches: Iterable | None = None,
     *,
     method: str = "grad",
-    data=None,
-    seq_len: int = 256,
-    batch_size: int = 4,
-    max_tokens: int | None = None,
+    text: TextSpec,
     layer_norm: bool = True,
     global_norm: bool = True,
     accumulate: str = "per-sequence",
     mask=None,
-    text_column: str | None = None,
     gradient_checkpointing: bool = False,
     max_rows: int | None = None,
     progress: bool = True,
@@ -429,21 +426,15 @@ def head_importance(
     """Score every attention head with `method` (grad | taylor | fisher | ablation) on calibration text (or `batches` of
     (input_ids, attention_mask, ...)); see the module docstring for the formulas.
 
-    max_tokens defaults to 2048 for grad/taylor/fisher and 256 for ablation (one forward pass set per head). `mask`: gates
-    ([H_l] per layer) or a mask-file path; scores are taken with those heads already gated. For encoders the windows
-    are seq_len - 2 tokens, wrapped in [CLS] ... [SEP]. gradient_checkpointing (grad, taylor): recompute each block
-    in the backward pass instead of keeping its activations (long windows; same scores, one more forward).
+    `text`: a TextSpec (the loose keywords data, seq_len, batch_size, max_tokens, text_column also work); its
+    max_tokens defaults to 2048 for grad/taylor/fisher and 256 for ablation (one forward pass set per head). `mask`:
+    gates ([H_l] per layer) or a mask-file path; scores are taken with those heads already gated. For encoders the
+    windows are seq_len - 2 tokens, wrapped in [CLS] ... [SEP]. gradient_checkpointing (grad, taylor): recompute each
+    block in the backward pass instead of keeping its activations (long windows; same scores, one more forward).
     max_rows: sequences per forward/backward pass (per-sequence scores are sums over sequences, so splitting a
     batch gives the same scores with the logits and activations of fewer rows held at once).
     """
-    if method not in SCORERS:
-        raise HeadlabError(f"unknown importance method {method!r}; use one of {', '.join(SCORERS)}")
-    if accumulate not in ACCUMULATE:
-        raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
-    if accumulate == "bertology" and method != "grad":
-        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
-    if gradient_checkpointing and method == "ablation":
-        raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
+    _check_importance_options(method, accumulate, gradient_checkpointing)
     layers = loaded.layers
     mask_path = None
     if mask is not None and not isinstance(mask, (list, tuple)):
@@ -453,24 +444,8 @@ def head_importance(
             raise HeadlabError("mask must hold one [H_l] gate tensor per attention layer")
     data_meta: dict = {}
     if batches is None:
-        if loaded.tokenizer is None:
-            raise HeadlabError("scoring calibration text needs the model's tokenizer; pass batches instead")
-        max_tokens = DEFAULT_MAX_TOKENS[method] if max_tokens is None else max_tokens
-        window = seq_len - 2 if loaded.adapter.is_encoder else seq_len
-        if window < 2:
-            raise HeadlabError(f"--seq-len {seq_len} is too short")
-        calibration = calibration_batches(
-            loaded.tokenizer,
-            data,
-            part="calibration",
-            seq_len=window,
-            batch_size=batch_size,
-            max_tokens=max_tokens,
-            text_column=text_column,
-            max_positions=loaded.max_positions,
-        )
-        data_meta = dict(calibration.meta, seq_len=seq_len)
-        batches = calibration
+        batches = _importance_windows(loaded, text, method)
+        data_meta = dict(batches.meta, seq_len=text.seq_len)
     prepared = scoring_batches(loaded, batches)
     if max_rows is not None and accumulate == "per-sequence":  # bertology's batch mean depends on the batch
         prepared = split_rows(prepared, max_rows)
@@ -511,6 +486,34 @@ def head_importance(
         "peak_memory_bytes": peak_memory(device),
     }
     return ImportanceResult(table, groups, scores, raw, meta)
+
+
+def _check_importance_options(method: str, accumulate: str, gradient_checkpointing: bool) -> None:
+    if method not in SCORERS:
+        raise HeadlabError(f"unknown importance method {method!r}; use one of {', '.join(SCORERS)}")
+    if accumulate not in ACCUMULATE:
+        raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
+    if accumulate == "bertology" and method != "grad":
+        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    if gradient_checkpointing and method == "ablation":
+        raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
+
+
+def _importance_windows(loaded: LoadedModel, text: TextSpec, method: str):
+    """The calibration windows importance scores on: the method's default token budget unless the text sets one,
+    windows 2 tokens shorter for an encoder's [CLS]/[SEP]."""
+    if loaded.tokenizer is None:
+        raise HeadlabError("scoring calibration text needs the model's tokenizer; pass batches instead")
+    if text.split != "calibration":
+        raise HeadlabError(
+            f"split {text.split!r}: importance is scored on calibration text only (eval is for perplexity)"
+        )
+    if text.max_tokens is None:
+        text = text.but(max_tokens=DEFAULT_MAX_TOKENS[method])
+    window = text.seq_len - 2 if loaded.adapter.is_encoder else text.seq_len
+    if window < 2:
+        raise HeadlabError(f"--seq-len {text.seq_len} is too short")
+    return text.batches(loaded.tokenizer, seq_len=window, max_positions=loaded.max_positions)
 
 
 def _global_count(local: int) -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headlab.data import Corpus, load_corpus, require_tokens, split_text, tokenize
+from headlab.data import TextSpec, require_tokens, split_text, takes_text, tokenize
 from headlab.errors import HeadlabError
 from headlab.evaluate import _prefix_token
 from headlab.loading import LoadedModel
@@ -107,24 +107,17 @@ def compare_logprobs(loaded: LoadedModel, gguf_path: Path, windows: list[torch.T
     }
 
 
-def eval_windows(
-    loaded: LoadedModel,
-    corpus=None,
-    *,
-    part: str = "eval",
-    max_tokens: int = 512,
-    seq_len: int = 256,
-    text_column: str | None = None,
-) -> list[torch.Tensor]:
-    """Consecutive windows of the corpus part's token ids, each starting with the prefix token (BOS, else EOS) as
-    in headlab's perplexity, so every text token is scored once."""
-
-    if not isinstance(corpus, Corpus):
-        corpus = load_corpus(corpus, text_column)
-    ids, _ = tokenize(loaded.tokenizer, split_text(corpus, part).text, max_tokens)
-    require_tokens(ids, f"the {part} part of corpus {corpus.spec!r}")
+@takes_text(split="eval", max_tokens=512, seq_len=256)
+def eval_windows(loaded: LoadedModel, data=None, *, text: TextSpec) -> list[torch.Tensor]:
+    """Consecutive windows of the text's token ids (`data`, when given, is its corpus), each starting with the
+    prefix token (BOS, else EOS) as in headlab's perplexity, so every text token is scored once."""
+    if data is not None:
+        text = text.but(data=data)
+    corpus = text.corpus
+    ids, _ = tokenize(loaded.tokenizer, split_text(corpus, text.split).text, text.max_tokens)
+    require_tokens(ids, f"the {text.split} part of corpus {corpus.spec!r}")
     prefix = _prefix_token(loaded.tokenizer)
-    body = seq_len - (prefix is not None)
+    body = text.seq_len - (prefix is not None)
     windows = []
     for start in range(0, len(ids), body):
         chunk = ids[start : start + body]

@@ -20,7 +20,7 @@ from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out
 from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
 from headlab.costs import costs
-from headlab.data import Corpus, load_corpus
+from headlab.data import Corpus, TextSpec, takes_text
 from headlab.errors import HeadlabError, moved_names
 from headlab.evaluate import perplexity
 from headlab.fsio import atomic_directory
@@ -282,6 +282,7 @@ def apply(loaded: LoadedModel, pruned: list[set[int]], mode: str) -> list[LayerL
     return layout
 
 
+@takes_text(split="calibration", seq_len=256, batch_size=4)
 def prune(
     loaded: LoadedModel,
     *,
@@ -298,12 +299,9 @@ def prune(
     out=None,
     overwrite: bool = False,
     method: str = "grad",
-    data=None,
-    text_column: str | None = None,
+    text: TextSpec,
     calibration_tokens: int = 2048,
     eval_tokens: int | None = 1024,
-    seq_len: int = 256,
-    batch_size: int = 4,
     evaluate: bool = True,
     progress: bool = True,
     compensate: str | None = None,
@@ -317,17 +315,19 @@ def prune(
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
 
-    The workflow is score -> plan -> compensate -> apply -> evaluate -> save. compensate: "ridge" refits the kept
-    heads' output-projection columns, "bias" folds the removed heads' mean output into the o_proj bias
-    (headlab.compensate), on `calibration_tokens` calibration tokens, before pruning. recovery: a function(loaded)
-    -> record run on the pruned model before saving (headlab.recover).
+    The workflow is score -> plan -> compensate -> apply -> evaluate -> save. text: the corpus, its column, the
+    window length and batch size (a TextSpec; the loose keywords data, text_column, seq_len, batch_size also work);
+    scores and compensation read its calibration split (`calibration_tokens`), perplexity its eval split
+    (`eval_tokens`). compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed
+    heads' mean output into the o_proj bias (headlab.compensate), before pruning. recovery: a function(loaded) ->
+    record run on the pruned model before saving (headlab.recover).
     method: a score source of headlab.scores (grad, taylor, fisher, ablation, obs, random with `seed`, entropy);
     select: rank | fisher-block | obs and budget: global | per-layer | uniform | search (headlab.selection; the
     per_layer / uniform flags are the same budgets); search_tokens: calibration tokens the budget search measures on.
     low_memory: importance runs one sequence per backward pass with activation checkpointing (same scores, a
     fraction of the memory)."""
     # More than 12 parameters: this is the Python face of every `headlab prune` option, kept for API compatibility;
-    # inside, they become a PruneSpec (plan) and a ScoreRequest (scores).
+    # inside, they become a PruneSpec (plan), a ScoreRequest (scores) and two TextSpecs (calibration, eval).
     check_compensation(loaded, compensate)
     budget = _budget(budget, per_layer, uniform)
     spec = PruneSpec(fraction, count, budget == "per-layer", unit, budget == "uniform", allow_empty_layer)
@@ -336,91 +336,129 @@ def prune(
     _check_selection(loaded, spec, select, budget, method, compensate, iterative, heads, scores, joint)
     # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
     reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
-    corpus = load_corpus(data, text_column) if reads_text and not isinstance(data, Corpus) else data
+    text = text.resolved() if reads_text else text
     request = ScoreRequest(
-        corpus,
-        text_column,
-        seq_len,
-        batch_size,
-        calibration_tokens,
+        text.but(split="calibration", max_tokens=calibration_tokens),
         progress,
         seed,
         table=scores,
         low_memory=low_memory,
     )
-    choosing = heads is None and scores is None
+    choice = _select_heads(loaded, spec, request, heads=heads, method=method, select=select, budget=budget,
+                           iterative=iterative, compensate=compensate, search_tokens=search_tokens)  # fmt: skip
+    gates = gates_from_pruned(loaded.layers, choice.pruned)  # on the original heads, before physical surgery
+    eval_text = text.but(split="eval", max_tokens=eval_tokens)
+    evaluation = eval_text if evaluate else None
+    measured = _prune_and_measure(loaded, choice.pruned, mode, compensate, request, evaluation, recovery)
+    selection = dict(heads=heads, scores=scores, method=method, iterative=iterative, select=select, budget=budget,
+                     calibration_tokens=calibration_tokens, joint=choice.joint_meta, seed=seed)  # fmt: skip
+    meta = _prune_record(loaded, mode, measured, _selection_record(selection, spec), choice.pruned, eval_text)
+    verification = None
+    if out is not None:
+        verification = save_pruned(
+            loaded, out, meta, choice.table, gates, overwrite=overwrite, recovery=measured["recovered"]
+        )
+    out = Path(out) if out is not None else None
+    return PruneResult(
+        choice.pruned, choice.table, mode, measured["loader"], measured["layout"], measured["before"],
+        measured["after"], measured["ppl_before"], measured["ppl_after"], out, verification, meta,
+    )  # fmt: skip
+
+
+@dataclass
+class _Choice:
+    """Which heads go, with their scores table (and the joint selection's record when one chose them)."""
+
+    pruned: list[set[int]]
+    table: pd.DataFrame
+    joint_meta: dict | None = None
+
+
+def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, method, select, budget, iterative,
+                  compensate, search_tokens) -> _Choice:  # fmt: skip
+    """The selection step: explicit heads, score -> plan (iterated), or a joint selection / budget search."""
+    table_source = request.table
+    choosing = heads is None and table_source is None
+    joint = heads is None and (select != "rank" or budget == "search")
     if heads is None and (select == "obs" or (choosing and method == "obs") or (budget == "search" and compensate)):
-        window = dict(text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=calibration_tokens)
-        request = replace(request, grams=calibration_grams(loaded, data=corpus, **window, progress=progress))
+        request = replace(request, grams=calibration_grams(loaded, request.text, progress=request.progress))
     # Everything cheap is checked; explicit heads and score tables are validated before any forward pass.
-    table_scores = score_heads("table", loaded, request) if scores is not None else None
+    table_scores = score_heads("table", loaded, request) if table_source is not None else None
     if heads is not None:
         pruned, current = parse_heads(heads, loaded.layers), None
-        check_not_empty(loaded.layers, pruned, allow_empty_layer)
+        check_not_empty(loaded.layers, pruned, spec.allow_empty_layer)
     elif joint:
         chosen = _choose_joint(loaded, spec, select, budget, method, request, table_scores, compensate, search_tokens)
-        pruned, current = chosen.pruned, chosen.scores
+        table = _with_steps(pruned_table(loaded.layers, chosen.pruned, chosen.scores), chosen.table)
+        return _Choice(chosen.pruned, table, chosen.meta)
     else:
         pruned, current = _choose(loaded, spec, method, request, table_scores, iterative)
-    table = pruned_table(loaded.layers, pruned, current)
-    if joint:  # the joint selection's own record: the step and cost at which each head left its layer
-        table = _with_steps(table, chosen.table)
-    gates = gates_from_pruned(loaded.layers, pruned)
+    return _Choice(pruned, pruned_table(loaded.layers, pruned, current))
 
-    eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
-    before = costs(loaded)
-    ppl_before = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate else None
-    compensation = None if compensate is None else _compensate(loaded, pruned, compensate, request)
-    equivalent = _physical_equivalent(loaded, pruned) if mode == "mask" else (None, None)
+
+def _prune_and_measure(loaded, pruned, mode, compensate, request, evaluation, recovery) -> dict:
+    """compensate -> apply -> recover, with costs and perplexity (on `evaluation`, a TextSpec or None) around it."""
+    measured = {"before": costs(loaded), "ppl_before": _ppl(loaded, evaluation, request.progress)}
+    measured["compensation"] = None if compensate is None else _compensate(loaded, pruned, compensate, request)
+    measured["equivalent"] = _physical_equivalent(loaded, pruned) if mode == "mask" else (None, None)
     layout = apply(loaded, pruned, mode)
-    after = costs(loaded)
-    ppl_after = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate else None
+    measured.update(layout=layout, after=costs(loaded), ppl_after=_ppl(loaded, evaluation, request.progress))
     recovered = recovery(loaded) if recovery is not None else None
-    ppl_recovered = _ppl(loaded, corpus, eval_kwargs, progress) if evaluate and recovered is not None else None
-    loader = prepare_config(loaded, layout)
-    selection = {
-        "heads": heads,
-        "scores": str(scores) if scores is not None and not isinstance(scores, pd.DataFrame) else scores is not None,
-        "method": None if heads is not None or scores is not None or select != "rank" else method,
-        "iterative": iterative,
-        "calibration_tokens": calibration_tokens,
-        "select": select if heads is None else None,
-        "budget": budget if heads is None else None,
-        "joint": chosen.meta if joint else None,
-        "seed": seed if choosing and method == "random" else None,
-    }
+    measured["recovered"] = recovered
+    measured["ppl_recovered"] = _ppl(loaded, evaluation, request.progress) if recovered is not None else None
+    measured["loader"] = prepare_config(loaded, layout)
+    return measured
+
+
+def _prune_record(loaded, mode, measured: dict, selection: dict, pruned, eval_text: TextSpec) -> dict:
+    """The checkpoint's meta.json (key order as earlier records)."""
+    layout, equivalent, recovered = measured["layout"], measured["equivalent"], measured["recovered"]
+    eval_settings = {"seq_len": eval_text.seq_len, "batch_size": eval_text.batch_size,
+                     "max_tokens": eval_text.max_tokens, "text_column": eval_text.text_column}  # fmt: skip
     meta = {
         **loaded.describe(),
         "mode": mode,
-        "loader": loader,
-        "selection": _selection_record(selection, spec),
+        "loader": measured["loader"],
+        "selection": selection,
         "pruned_heads": sum(len(p) for p in pruned),
         "total_heads": sum(layer.num_heads for layer in loaded.layers),
         "approximate": mode == "physical" and loaded.adapter.norm_spans_heads,
         "padding_heads": sum(len(lay.padding) for lay in layout or []),
-        "costs_before": before,
-        "costs_after": after,
+        "costs_before": measured["before"],
+        "costs_after": measured["after"],
         "physical_equivalent": equivalent[0],
         "physical_equivalent_layout": equivalent[1],
-        "perplexity_before": ppl_before,
-        "perplexity_after": ppl_after,
-        "compensation": compensation,
-        "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
+        "perplexity_before": measured["ppl_before"],
+        "perplexity_after": measured["ppl_after"],
+        "compensation": measured["compensation"],
+        "eval": {"data": _corpus_name(eval_text), "split": "eval", **eval_settings},
     }
     if recovered is not None:
         meta["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
-        meta["perplexity_recovered"] = ppl_recovered
-    verification = None
-    if out is not None:
-        verification = save_pruned(loaded, out, meta, table, gates, overwrite=overwrite, recovery=recovered)
-    out = Path(out) if out is not None else None
-    return PruneResult(
-        pruned, table, mode, loader, layout, before, after, ppl_before, ppl_after, out, verification, meta
-    )
+        meta["perplexity_recovered"] = measured["ppl_recovered"]
+    return meta
 
 
-def _selection_record(selection: dict, spec: PruneSpec) -> dict:
-    """The meta.json `selection` entry, in the key order earlier records used."""
+def _corpus_name(text: TextSpec) -> str:
+    data = text.data
+    return data.spec if isinstance(data, Corpus) else (data or "pydoc-topics")
+
+
+def _selection_record(options: dict, spec: PruneSpec) -> dict:
+    """The meta.json `selection` entry, in the key order earlier records used; `options`: prune's selection
+    arguments (heads, scores, method, iterative, select, budget, calibration_tokens, joint, seed)."""
+    heads, scores, method, select = options["heads"], options["scores"], options["method"], options["select"]
+    selection = {
+        "heads": heads,
+        "scores": str(scores) if scores is not None and not isinstance(scores, pd.DataFrame) else scores is not None,
+        "method": None if heads is not None or scores is not None or select != "rank" else method,
+        "iterative": options["iterative"],
+        "calibration_tokens": options["calibration_tokens"],
+        "select": select if heads is None else None,
+        "budget": options["budget"] if heads is None else None,
+        "joint": options["joint"],
+        "seed": options["seed"] if heads is None and scores is None and method == "random" else None,
+    }
     keys = ("heads", "scores", "method", "fraction", "count", "per_layer", "unit", "uniform", "iterative")
     merged = {**selection, **vars(spec)}
     extra = ("allow_empty_layer", "calibration_tokens", "select", "budget", "joint", "seed")
@@ -464,14 +502,7 @@ def _choose(loaded, spec: PruneSpec, method: str, request: ScoreRequest, table_s
 def _compensate(loaded, pruned, method: str, request: ScoreRequest) -> dict:
     """Refit the output projections for the heads about to go (in place); the meta.json `compensation` entry.
     The Grams come from `request.grams` when the selection computed them on the same calibration windows."""
-    batches = compensation_batches(
-        loaded,
-        request.data,
-        text_column=request.text_column,
-        seq_len=request.seq_len,
-        batch_size=request.batch_size,
-        max_tokens=request.max_tokens,
-    )
+    batches = compensation_batches(loaded, text=request.text)
     grams = (
         request.grams if request.grams is not None else output_statistics(loaded, batches, progress=request.progress)
     )
@@ -526,15 +557,12 @@ def _choose_joint(loaded, spec: PruneSpec, select, budget, method, request, tabl
     current = table_scores
     if current is None and select == "rank":
         current = score_heads(method, loaded, request)
-    window = dict(
-        data=request.data, text_column=request.text_column, seq_len=request.seq_len, batch_size=request.batch_size
-    )
     chosen = select_joint(
         loaded, select=select, budget=budget, unit=spec.unit, fraction=spec.fraction, count=spec.count,
         allow_empty_layer=spec.allow_empty_layer,
-        scoring_batches=calibration_scoring_batches(loaded, **window, max_tokens=request.max_tokens),
+        scoring_batches=calibration_scoring_batches(loaded, request.text),
         grams=request.grams, scores=current, compensate=compensate,
-        search_batches=calibration_scoring_batches(loaded, **window, max_tokens=search_tokens)
+        search_batches=calibration_scoring_batches(loaded, request.text.but(max_tokens=search_tokens))
         if budget == "search" else None,
         progress=request.progress,
     )  # fmt: skip
@@ -554,9 +582,9 @@ def _physical_equivalent(loaded, pruned) -> tuple[dict, list[dict]]:
         return costs(loaded), [lay.to_dict() for lay in physical]
 
 
-def _ppl(loaded, data, eval_kwargs, progress) -> float:
-
-    return perplexity(loaded, data, part="eval", progress=progress, **eval_kwargs).perplexity
+def _ppl(loaded, evaluation: TextSpec | None, progress: bool) -> float | None:
+    """Perplexity on the eval text, or None when nothing is evaluated."""
+    return None if evaluation is None else perplexity(loaded, text=evaluation, progress=progress).perplexity
 
 
 __getattr__ = moved_names(

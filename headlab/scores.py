@@ -15,6 +15,7 @@ import pandas as pd
 import torch
 
 from headlab.arch import AttentionLayer
+from headlab.data import TextSpec
 from headlab.errors import HeadlabError
 from headlab.gates import gates_from_pruned
 from headlab.importance import METHODS as IMPORTANCE_METHODS
@@ -117,11 +118,7 @@ class ScoreRequest:
     """What a score source may need, resolved once per command: calibration text and budget, the random seed, the
     heads already pruned (iterative pruning; masked while scoring) and, for "table", the table itself."""
 
-    data: object = None  # corpus spec or Corpus (calibration split)
-    text_column: str | None = None
-    seq_len: int = 256
-    batch_size: int = 4
-    max_tokens: int | None = 2048
+    text: TextSpec = TextSpec()  # the calibration text (corpus resolved once) and its token budget
     progress: bool = True
     seed: int = 0
     pruned: list[set[int]] | None = None
@@ -134,33 +131,21 @@ class ScoreRequest:
 
 def _importance(method: str) -> Callable:
     def source(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
-        kwargs = dict(
+        return importance_scores(
+            loaded,
+            request.pruned,
             method=method,
-            data=request.data,
-            seq_len=request.seq_len,
-            batch_size=request.batch_size,
-            max_tokens=request.max_tokens,
+            text=request.text,
             progress=request.progress,
             max_rows=1 if request.low_memory else None,
             gradient_checkpointing=request.low_memory and method != "ablation",
         )
-        if request.text_column is not None:
-            kwargs["text_column"] = request.text_column
-        return importance_scores(loaded, request.pruned, **kwargs)
 
     return source
 
 
 def _entropy(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
-    return entropy_scores(
-        loaded,
-        data=request.data,
-        seq_len=request.seq_len,
-        batch_size=request.batch_size,
-        progress=request.progress,
-        text_column=request.text_column,
-        max_tokens=request.max_tokens,
-    )
+    return entropy_scores(loaded, text=request.text, progress=request.progress)
 
 
 def _obs(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
@@ -168,14 +153,10 @@ def _obs(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
     (headlab.obs): the Grams of --compensate and the block-output Fisher, on calibration text."""
     if request.pruned is not None and any(request.pruned):
         raise HeadlabError("the obs score is taken on the unpruned model; --iterative re-scores importance methods")
-    window = dict(
-        data=request.data, text_column=request.text_column, seq_len=request.seq_len, batch_size=request.batch_size,
-        max_tokens=request.max_tokens,
-    )  # fmt: skip
-    grams = (
-        request.grams if request.grams is not None else calibration_grams(loaded, **window, progress=request.progress)
-    )
-    batches = calibration_scoring_batches(loaded, **window)
+    grams = request.grams
+    if grams is None:
+        grams = calibration_grams(loaded, request.text, progress=request.progress)
+    batches = calibration_scoring_batches(loaded, request.text)
     stats = fisher_statistics(loaded, batches, output_fisher=True, progress=request.progress)
     return single_obs_scores(loaded, grams, stats.output, request.progress)
 

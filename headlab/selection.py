@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from headlab.arch import AttentionLayer
 from headlab.compensate import compensated, compensation_batches, output_statistics
+from headlab.data import TextSpec
 from headlab.errors import HeadlabError
 from headlab.gates import gates_from_pruned, head_gates
 from headlab.importance import fisher_statistics, sequence_nll
@@ -565,19 +566,13 @@ def single_obs_scores(loaded, grams, output_fisher, progress=True) -> list[torch
     ]
 
 
-def calibration_scoring_batches(loaded, *, data, text_column, seq_len, batch_size, max_tokens, progress=True):
-    """ScoringBatches of the calibration split (never the eval split)."""
+def calibration_scoring_batches(loaded, text: TextSpec):
+    """ScoringBatches of the text's calibration split (never the eval split)."""
     if loaded.tokenizer is None:
         raise HeadlabError("scoring calibration text needs the model's tokenizer")
-    batches = compensation_batches(
-        loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
-    )
-    return prepare_batches(loaded, batches)
+    return prepare_batches(loaded, compensation_batches(loaded, text=text))
 
 
-def calibration_grams(loaded, *, data, text_column, seq_len, batch_size, max_tokens, progress=True):
+def calibration_grams(loaded, text: TextSpec, progress: bool = True):
     """headlab.compensate's output statistics on the calibration split (the Grams --compensate refits from)."""
-    batches = compensation_batches(
-        loaded, data, text_column=text_column, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens
-    )
-    return output_statistics(loaded, batches, progress=progress)
+    return output_statistics(loaded, compensation_batches(loaded, text=text), progress=progress)

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from headlab.compensate import check_compensation, compensated, compensation_batches, output_statistics
 from headlab.costs import costs
-from headlab.data import Corpus, load_corpus
+from headlab.data import TextSpec, takes_text
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.importance import METHODS as IMPORTANCE_METHODS
@@ -68,6 +68,7 @@ def check_sweep(fractions, orders, seeds) -> None:
         raise HeadlabError("the random order needs at least one seed")
 
 
+@takes_text(split="calibration", seq_len=256, batch_size=4)
 def sweep(
     loaded: LoadedModel,
     *,
@@ -78,12 +79,9 @@ def sweep(
     per_layer: bool = False,
     allow_empty_layer: bool = False,
     mode: str = "physical",
-    data=None,
-    text_column: str | None = None,
+    text: TextSpec,
     calibration_tokens: int = 1024,
     eval_tokens: int | None = 1024,
-    seq_len: int = 256,
-    batch_size: int = 4,
     method: str = "grad",
     progress: bool = True,
     compensate: str | None = None,
@@ -95,70 +93,45 @@ def sweep(
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
     mode="physical" slices the heads out (measured tokens/s is that of the smaller model); where physical pruning
-    is approximate (q/k norms spanning heads) the sweep falls back to mask mode, which is exact. Scores come from
-    the calibration split; importance by `method`. compensate ("ridge" or "bias", headlab.compensate) adds a second
-    row per pruned model with the output projection refitted on `calibration_tokens` calibration tokens (column
-    compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
-    scores already computed with the same settings (e.g. the report's importance step), instead of computing them again.
+    is approximate (q/k norms spanning heads) the sweep falls back to mask mode, which is exact. text: the corpus,
+    its column, window length and batch size (a TextSpec; the loose keywords data, text_column, seq_len, batch_size
+    also work); scores come from its calibration split (`calibration_tokens`), importance by `method`, perplexity
+    from its eval split (`eval_tokens`). compensate ("ridge" or "bias", headlab.compensate) adds a second row per
+    pruned model with the output projection refitted on the calibration tokens (column compensation; "none" for the
+    plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting scores already computed with
+    the same settings (e.g. the report's importance step), instead of computing them again.
     tasks: lm-eval tasks (headlab.lm_eval_bridge) run on every pruned model too, as "task/metric" columns; at most
     task_limit documents each; include_path holds local task YAMLs.
     """
 
     # More than 12 parameters: the Python face of every `headlab sweep` option (API compatibility); inside, the
-    # calibration settings become one ScoreRequest and the evaluation settings one dict.
+    # calibration settings become one ScoreRequest and the evaluation settings one TextSpec.
     check_compensation(loaded, compensate)
     fractions = sorted(set(float(f) for f in fractions))
     orders, seeds = list(dict.fromkeys(orders)), list(dict.fromkeys(seeds))
-    check_sweep(fractions, orders, seeds)
-    check_unit(loaded.layers, unit)
-    if loaded.max_positions is not None and seq_len > loaded.max_positions:  # fail before the first score pass
-        raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
-    manager = None
-    if tasks:  # unknown names, bad YAMLs and a missing lm-eval fail here, before the first score pass
-        manager = task_manager(list(tasks), include_path)
-    if mode not in MODES:
-        raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
-    if mode == "physical" and loaded.adapter.norm_spans_heads:
-        mode = "mask"  # physical is approximate here; the sweep reports exact masked perplexity instead
-    corpus = data if isinstance(data, Corpus) else load_corpus(data, text_column)  # resolved once for every pass
-    request = ScoreRequest(corpus, text_column, seq_len, batch_size, calibration_tokens, progress)
-    eval_kwargs = dict(seq_len=seq_len, batch_size=batch_size, max_tokens=eval_tokens, text_column=text_column)
+    mode, manager = _check_sweep_options(loaded, fractions, orders, seeds, unit, mode, text, tasks, include_path)
+    text = text.resolved()  # one corpus for every score and perplexity pass
+    request = ScoreRequest(text.but(split="calibration", max_tokens=calibration_tokens), progress)
+    evaluation = text.but(split="eval", max_tokens=eval_tokens)
     grams = None
     if compensate is not None or "obs" in orders:  # obs selects from the Grams the refit uses
-        batches = compensation_batches(
-            loaded,
-            corpus,
-            text_column=text_column,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            max_tokens=calibration_tokens,
-        )
-        grams = output_statistics(loaded, batches, progress=progress)
-
-    measure = _Measure(loaded, mode, grams, eval_kwargs, corpus)
+        grams = output_statistics(loaded, compensation_batches(loaded, text=request.text), progress=progress)
+    measure = _Measure(loaded, mode, grams, evaluation)
     if tasks:  # lm-eval's metrics of each pruned model, beside its perplexity
-        measure.extra = lambda: _task_values(loaded, tasks, include_path, task_limit, batch_size, manager)
+        measure.extra = lambda: _task_values(loaded, tasks, include_path, task_limit, text.batch_size, manager)
     spec = PruneSpec(per_layer=per_layer, unit=unit, allow_empty_layer=allow_empty_layer)
     total_heads = sum(layer.num_heads for layer in loaded.layers)
-    runs = [(order, seed) for order in orders for seed in (seeds if order == "random" else [None])]
-    rows = []
     start = time.perf_counter()
-    bar = tqdm(total=len(runs) * len(fractions), desc="sweep", disable=not progress, unit="model")
-    for order, seed in runs:
-        given = None if scores is None or order not in scores else scores[order]
-        steps = (
-            _joint_steps(loaded, order, fractions, spec, request, grams)
-            if order in JOINT_ORDERS
-            else _order_steps(loaded, order, seed or 0, fractions, spec, method, request, given)
-        )
-        for fraction, pruned in steps:
-            n = sum(len(p) for p in pruned)
-            for compensation in [None] + ([compensate] if compensate else []):
-                row = {"order": order, "seed": seed, "fraction": fraction, "pruned_heads": n}
-                row.update(fraction_pruned=n / total_heads, compensation=compensation or "none")
-                rows.append({**row, **measure(pruned, compensation)})
-            bar.update()
-    bar.close()
+    runs = [(order, seed) for order in orders for seed in (seeds if order == "random" else [None])]
+    with tqdm(total=len(runs) * len(fractions), desc="sweep", disable=not progress, unit="model") as bar:
+        steps = {
+            run: _joint_steps(loaded, run[0], fractions, spec, request, grams)
+            if run[0] in JOINT_ORDERS
+            else _order_steps(loaded, run[0], run[1] or 0, fractions, spec, method, request, (scores or {}).get(run[0]))
+            for run in runs
+        }  # generators: each order is scored when its turn comes
+        rows = list(_sweep_rows(steps, measure, [None] + ([compensate] if compensate else []), total_heads, bar))
+    name = text.corpus.spec
     meta = {
         **loaded.describe(),
         "mode": mode,
@@ -169,14 +142,52 @@ def sweep(
         "seeds": seeds,
         "method": method,
         "compensate": compensate,
-        "calibration": {"data": data or "pydoc-topics", "split": "calibration", "max_tokens": calibration_tokens},
-        "eval": {"data": data or "pydoc-topics", "split": "eval", **eval_kwargs},
+        "calibration": {"data": name, "split": "calibration", "max_tokens": calibration_tokens},
+        "eval": {"data": name, "split": "eval", **_eval_settings(evaluation)},
         "total_heads": total_heads,
         "tasks": {"names": list(tasks), "include_path": include_path, "limit": task_limit} if tasks else None,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
     }
     return SweepResult(pd.DataFrame(rows), meta)
+
+
+def _sweep_rows(steps: dict, measure, compensations: list, total_heads: int, bar):
+    """One row per (order, seed, fraction, compensation): the pruned model's measurements (`measure`)."""
+    for (order, seed), fractions in steps.items():
+        for fraction, pruned in fractions:
+            n = sum(len(p) for p in pruned)
+            for compensation in compensations:
+                row = {"order": order, "seed": seed, "fraction": fraction, "pruned_heads": n}
+                row.update(fraction_pruned=n / total_heads, compensation=compensation or "none")
+                yield {**row, **measure(pruned, compensation)}
+            bar.update()
+
+
+def _check_sweep_options(loaded, fractions, orders, seeds, unit, mode, text, tasks, include_path):
+    """Every sweep option check that needs no forward pass; (the mode the sweep runs in, the lm-eval task manager)."""
+    check_sweep(fractions, orders, seeds)
+    check_unit(loaded.layers, unit)
+    if loaded.max_positions is not None and text.seq_len > loaded.max_positions:  # before the first score pass
+        raise HeadlabError(f"--seq-len {text.seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
+    manager = None
+    if tasks:  # unknown names, bad YAMLs and a missing lm-eval fail here, before the first score pass
+        manager = task_manager(list(tasks), include_path)
+    if mode not in MODES:
+        raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
+    if mode == "physical" and loaded.adapter.norm_spans_heads:
+        mode = "mask"  # physical is approximate here; the sweep reports exact masked perplexity instead
+    return mode, manager
+
+
+def _eval_settings(evaluation: TextSpec) -> dict:
+    """The eval text's window settings as meta.json records them."""
+    return {
+        "seq_len": evaluation.seq_len,
+        "batch_size": evaluation.batch_size,
+        "max_tokens": evaluation.max_tokens,
+        "text_column": evaluation.text_column,
+    }
 
 
 def _order_steps(loaded, order: str, seed: int, fractions, spec: PruneSpec, method: str, request, given):
@@ -199,10 +210,7 @@ def _joint_steps(loaded, order: str, fractions, spec: PruneSpec, request, grams)
     """(fraction, pruned heads) of a joint selection: the layers' greedy paths built once, then for each fraction
     the global (or per-layer) budget's steps taken from them (headlab.selection)."""
     budget = "per-layer" if spec.per_layer else "global"
-    batches = calibration_scoring_batches(
-        loaded, data=request.data, text_column=request.text_column, seq_len=request.seq_len,
-        batch_size=request.batch_size, max_tokens=request.max_tokens,
-    )  # fmt: skip
+    batches = calibration_scoring_batches(loaded, request.text)
     paths, _ = joint_paths(
         loaded, select=order, budget=budget, unit=spec.unit, cap=None, allow_empty_layer=spec.allow_empty_layer,
         scoring_batches=batches, grams=grams, progress=request.progress,
@@ -219,7 +227,9 @@ def _order_source(order: str, method: str) -> str:
 
 def _order_request(order: str, seed: int, request):
     if order == "ablation":
-        return replace(request, max_tokens=None)  # ablation's own budget (one forward pass set per head)
+        return replace(
+            request, text=request.text.but(max_tokens=None)
+        )  # ablation's own budget (one forward pass set per head)
     if order == "random":
         return replace(request, seed=seed)
     return request
@@ -229,8 +239,8 @@ class _Measure:
     """Perplexity, costs and speed of the model with a set of heads pruned (and compensated), made in memory and
     restored afterwards; cached by (heads, compensation) since random seeds and orders often agree."""
 
-    def __init__(self, loaded, mode, grams, eval_kwargs, data):
-        self.loaded, self.mode, self.grams, self.eval_kwargs, self.data = loaded, mode, grams, eval_kwargs, data
+    def __init__(self, loaded, mode, grams, evaluation: TextSpec):
+        self.loaded, self.mode, self.grams, self.evaluation = loaded, mode, grams, evaluation
         self.cache: dict[tuple, dict] = {}
         self.extra = dict  # more columns measured on the pruned model (sweep --tasks); none by default
 
@@ -241,10 +251,10 @@ class _Measure:
         return self.cache[key]
 
     def _measure(self, pruned, compensation) -> dict:
-        loaded, seq_len = self.loaded, self.eval_kwargs["seq_len"]
+        loaded, seq_len = self.loaded, self.evaluation.seq_len
         refit = compensated(loaded, pruned, self.grams, compensation) if compensation else contextlib.nullcontext()
         with refit, pruned_in_place(loaded, pruned, self.mode) as layout:
-            result = perplexity(loaded, self.data, part="eval", progress=False, **self.eval_kwargs)
+            result = perplexity(loaded, text=self.evaluation, progress=False)
             size = costs(loaded, context=seq_len)
             extra = self.extra()
         if self.mode == "mask":  # the model kept its shapes: report what the physical prune would cost

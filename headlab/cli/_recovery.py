@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import click
 
+from headlab.data import TextSpec
 from headlab.recover import RecoverySpec, parse_stages, recover, teacher_copy
 from headlab.uptrain import DEFAULT_LR, OBJECTIVES, UptrainConfig
 
@@ -62,14 +63,14 @@ def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | N
     return spec
 
 
-def recovery_for(spec, loaded, data, text_column, progress: bool):
+def recovery_for(spec, loaded, text: TextSpec, progress: bool):
     """A function(student) -> record for convert/prune to call on their edited model; the teacher is a copy of
-    `loaded` taken now, before the edit."""
+    `loaded` taken now, before the edit. Recovery reads the calibration split of `text`'s corpus."""
     if spec is None:
         return None
     teacher = teacher_copy(loaded)
 
     def run(student):
-        return recover(student, teacher, spec, corpus=data, text_column=text_column, progress=progress)
+        return recover(student, teacher, spec, corpus=text.data, text_column=text.text_column, progress=progress)
 
     return run

@@ -10,7 +10,14 @@ import click
 from headlab.arch import adapter_for
 from headlab.checkpoint import describe_check
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
-from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
+from headlab.cli.options import (
+    calibration_tokens_option,
+    data_options,
+    guard,
+    guard_checkpoint_space,
+    model_options,
+    out_option,
+)
 from headlab.errors import HeadlabError
 from headlab.fsio import check_free_space
 from headlab.gqa import METHODS, convert_checkpoint
@@ -144,13 +151,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     show_default=True,
     help="contiguous: transformers' layout; similarity: group KV heads that behave alike on calibration text",
 )
-@click.option(
-    "--calib-tokens",
-    type=click.IntRange(min=1),
-    default=2048,
-    show_default=True,
-    help="calibration tokens for similarity grouping and the svd merge",
-)
+@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 # One window per forward: perplexity does not depend on the batch size, and 4 x 512 logits over a large
@@ -166,15 +167,10 @@ def command(
     method,
     pool,
     grouping,
-    calib_tokens,
+    calibration_tokens,
     seed,
     no_eval,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     out,
     overwrite,
     streaming,
@@ -186,7 +182,7 @@ def command(
     from pathlib import Path
 
     out = Path(out) if out is not None else Path("headlab-gqa")
-    guard(out, overwrite, {"model": load.spec}, data=data, run_dir_bytes=False)
+    guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     recovery = recovery_spec(recovery_options)
     if streaming:
         if recovery is not None:
@@ -216,17 +212,17 @@ def command(
         pool=pool,
         method=method,
         grouping=grouping,
-        corpus=data,
-        text_column=text_column,
-        part=part,
-        max_tokens=max_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        calib_tokens=calib_tokens,
+        corpus=text.data,
+        text_column=text.text_column,
+        part=text.split,
+        max_tokens=text.max_tokens,
+        seq_len=text.seq_len,
+        batch_size=text.batch_size,
+        calib_tokens=calibration_tokens,
         seed=seed,
         evaluate=not no_eval,
         overwrite=overwrite,
         progress=not as_json,
-        recovery=recovery_for(recovery, loaded, data, text_column, not as_json),
+        recovery=recovery_for(recovery, loaded, text, not as_json),
     )
     show(record, as_json)

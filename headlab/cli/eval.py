@@ -6,7 +6,7 @@ import json
 
 import click
 
-from headlab.cli.options import data_options, model_options, out_option
+from headlab.cli.options import data_options, model_options, out_option, task_options
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.fsio import check_out
@@ -25,26 +25,17 @@ from headlab.tables import write_run
     help="new tokens scored per window after the first; each gets max-length - stride extra context "
     "[default: max-length, lm-eval's layout]",
 )
-@click.option(
-    "--tasks",
-    default=None,
-    metavar="NAMES",
-    help="comma-separated lm-eval tasks to run instead of perplexity (needs the lmeval extra); --max-length applies "
-    "only when given, else lm-eval's default for the model",
+@task_options(
+    "comma-separated lm-eval tasks to run instead of perplexity (needs the lmeval extra); --max-length applies "
+    "only when given, else lm-eval's default for the model"
 )
-@click.option("--include-path", default=None, metavar="DIR", help="directory of local lm-eval task YAMLs")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="at most this many documents per task")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="few-shot examples per task")
 @out_option(required=False, help_text="with --tasks: write tasks.csv/.parquet and meta.json here (atomically)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(  # click passes every option as a parameter
     load,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     stride,
     tasks,
     include_path,
@@ -62,8 +53,8 @@ def command(  # click passes every option as a parameter
             load,
             tasks,
             include_path,
-            seq_len if explicit else None,
-            batch_size,
+            text.seq_len if explicit else None,
+            text.batch_size,
             limit,
             num_fewshot,
             out,
@@ -74,21 +65,12 @@ def command(  # click passes every option as a parameter
     if out is not None or include_path is not None:
         raise HeadlabError("--out and --include-path go with --tasks")
     loaded = load()
-    result = perplexity(
-        loaded,
-        data,
-        part=part,
-        seq_len=seq_len,
-        stride=stride,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-        text_column=text_column,
-        progress=not as_json,
-    )
+    result = perplexity(loaded, text=text, stride=stride, progress=not as_json)
     if as_json:
         click.echo(
             json.dumps(
-                {**loaded.describe(), "data": data or "pydoc-topics", "split": part, **result.to_dict()}, indent=2
+                {**loaded.describe(), "data": text.data or "pydoc-topics", "split": text.split, **result.to_dict()},
+                indent=2,
             )
         )
         return

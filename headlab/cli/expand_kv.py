@@ -28,12 +28,7 @@ def command(
     load,
     kv_heads,
     no_eval,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     out,
     overwrite,
     streaming,
@@ -41,7 +36,7 @@ def command(
     as_json,
 ):
     """Repeat KV heads (GQA -> MHA); the model computes exactly what it did, with a larger KV cache."""
-    guard(out, overwrite, {"model": load.spec}, data=data, run_dir_bytes=False)
+    guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     if streaming:
         return run_streaming(
             load, kv_heads, out, overwrite=overwrite, direction="expand", max_shard_size=max_shard_size, as_json=as_json
@@ -62,12 +57,12 @@ def command(
         loaded,
         target,
         out,
-        corpus=data,
-        text_column=text_column,
-        part=part,
-        max_tokens=max_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
+        corpus=text.data,
+        text_column=text.text_column,
+        part=text.split,
+        max_tokens=text.max_tokens,
+        seq_len=text.seq_len,
+        batch_size=text.batch_size,
         evaluate=not no_eval,
         direction="expand",
         overwrite=overwrite,

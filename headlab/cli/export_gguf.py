@@ -33,7 +33,7 @@ from headlab.report_text import human_bytes
     "[default: when llama-cpp-python is installed]",
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(load, data, text_column, part, max_tokens, seq_len, batch_size, out, overwrite, outtype, verify, as_json):
+def command(load, text, out, overwrite, outtype, verify, as_json):
     """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3; per-layer head counts go to llama.cpp's `deci`
     architecture (the one whose graph builds each layer with its own head counts)."""
     if out.exists() and not overwrite:
@@ -46,7 +46,7 @@ def command(load, data, text_column, part, max_tokens, seq_len, batch_size, out,
     loaded = load()
     check = None
     if verify:
-        windows = eval_windows(loaded, data, part=part, max_tokens=max_tokens, seq_len=seq_len, text_column=text_column)
+        windows = eval_windows(loaded, text=text)
 
         def check(path):
             return compare_logprobs(loaded, path, windows, progress=not as_json)

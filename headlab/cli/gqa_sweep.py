@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from headlab.cli.options import data_options, guard, model_options, out_option
+from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
 from headlab.gqa import METHODS, run_sweep
 from headlab.kv_heads import GROUPINGS, POOLS
 from headlab.report_text import human_bytes, parse_list
@@ -27,9 +27,7 @@ from headlab.report_text import human_bytes, parse_list
     show_default=True,
     help=f"comma list of {', '.join(METHODS)}: mean pools by each --pool; svd adds the calibrated merge",
 )
-@click.option(
-    "--calib-tokens", type=click.IntRange(min=1), default=2048, show_default=True, help="tokens for similarity"
-)
+@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")
@@ -39,14 +37,9 @@ def command(
     grouping,
     pool,
     method,
-    calib_tokens,
+    calibration_tokens,
     seed,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     out,
     overwrite,
 ):
@@ -54,7 +47,7 @@ def command(
     from pathlib import Path
 
     out = out or Path("gqa-sweep")
-    guard(out, overwrite, {"model": load.spec}, data=data)
+    guard(out, overwrite, {"model": load.spec}, data=text.data)
     frame, _ = run_sweep(
         load(),
         out,
@@ -63,13 +56,13 @@ def command(
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
         pools=tuple(parse_list(pool, str, "pool", POOLS)),
         methods=tuple(parse_list(method, str, "method", METHODS)),
-        corpus=data,
-        text_column=text_column,
-        part=part,
-        max_tokens=max_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        calib_tokens=calib_tokens,
+        corpus=text.data,
+        text_column=text.text_column,
+        part=text.split,
+        max_tokens=text.max_tokens,
+        seq_len=text.seq_len,
+        batch_size=text.batch_size,
+        calib_tokens=calibration_tokens,
         seed=seed,
     )
     for row in frame.itertuples():

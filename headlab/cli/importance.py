@@ -47,12 +47,7 @@ from headlab.validate import check_table_origin
 @out_option(required=False, help_text="output directory, written atomically [default: runs/importance-METHOD]")
 def command(
     load,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     method,
     no_layer_norm,
     no_global_norm,
@@ -70,9 +65,9 @@ def command(
     --max-tokens defaults to 2048 for grad and taylor, 256 for ablation (one forward pass set per head).
     Importance reads calibration text only: the eval part is kept for perplexity.
     """
-    if part != "calibration":
+    if text.split != "calibration":
         raise HeadlabError(
-            f"--split {part}: importance is scored on calibration text only (eval text is for perplexity)"
+            f"--split {text.split}: importance is scored on calibration text only (eval text is for perplexity)"
         )
     if bertology_compat and method != "grad":
         raise HeadlabError("--bertology-compat applies to --method grad only")
@@ -81,17 +76,13 @@ def command(
     if mask is not None and not mask.is_file():
         raise HeadlabError(f"no such mask file: {mask}")
     out = out if out is not None else Path("runs") / f"importance-{method}"
-    guard(out, overwrite, {"model": load.spec}, data=data, mask=mask)
+    guard(out, overwrite, {"model": load.spec}, data=text.data, mask=mask)
     loaded = load()
     check_table_origin(mask, loaded, "--mask", allow_foreign_scores)
     result = head_importance(
         loaded,
         method=method,
-        data=data,
-        text_column=text_column,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS[method],
+        text=text if text.max_tokens is not None else text.but(max_tokens=DEFAULT_MAX_TOKENS[method]),
         layer_norm=not no_layer_norm,
         global_norm=not no_global_norm,
         accumulate="bertology" if bertology_compat else "per-sequence",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from headlab.data import PARTS
+from headlab.data import PARTS, TextSpec
 from headlab.fsio import RUN_DIR_BYTES, check_free_space, guard_output
 from headlab.loading import (
     DEFAULT_MODEL,
@@ -65,7 +65,8 @@ def model_options(function):
 def data_options(
     default_split: str, max_tokens: int | None, seq_len: int, batch_size: int, perplexity_windows: bool = False
 ):
-    """--data, --text-column, --split, --max-tokens, --seq-len, --batch-size with a command's own defaults.
+    """--data, --text-column, --split, --max-tokens, --seq-len, --batch-size with a command's own defaults; the
+    command receives them as one `text: TextSpec` (headlab.data).
 
     perplexity_windows: the window option is --max-length (lm-eval's name and meaning: model input tokens per
     window, each scoring as many predictions) with --seq-len kept as the same option, since both count the tokens
@@ -111,8 +112,9 @@ def data_options(
             help="windows per forward pass",
         )
         @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            return function(*args, **kwargs)
+        def wrapper(*args, data, text_column, part, max_tokens, seq_len, batch_size, **kwargs):
+            text = TextSpec(data, text_column, part, seq_len, batch_size, max_tokens)
+            return function(*args, text=text, **kwargs)
 
         return wrapper
 
@@ -161,3 +163,43 @@ def allow_foreign_option(function):
         is_flag=True,
         help="use a score or mask table whose run metadata names another model or head layout",
     )(function)
+
+
+def calibration_tokens_option(default: int, help_text: str):
+    """--calibration-tokens (one name in every command), with --calib-tokens, its earlier name on convert-gqa and
+    gqa-sweep, kept hidden for one release: it still works and prints a deprecation line."""
+
+    def decorate(function):
+        @click.option(
+            "--calibration-tokens",
+            type=click.IntRange(min=1),
+            default=default,
+            show_default=True,
+            help=help_text,
+        )
+        @click.option("--calib-tokens", "calib_tokens", type=click.IntRange(min=1), default=None, hidden=True)
+        @functools.wraps(function)
+        def wrapper(*args, calibration_tokens, calib_tokens, **kwargs):
+            if calib_tokens is not None:
+                source = click.get_current_context().get_parameter_source("calibration_tokens")
+                if source is not None and source.name != "DEFAULT":
+                    raise click.UsageError("--calib-tokens is the earlier name of --calibration-tokens; give one")
+                click.echo("headlab: --calib-tokens is deprecated; use --calibration-tokens", err=True)
+                calibration_tokens = calib_tokens
+            return function(*args, calibration_tokens=calibration_tokens, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def task_options(help_text: str):
+    """--tasks NAMES and --include-path DIR (lm-eval tasks and local task YAMLs), with the command's own --tasks help."""
+
+    def decorate(function):
+        function = click.option(
+            "--include-path", default=None, metavar="DIR", help="directory of local lm-eval task YAMLs"
+        )(function)
+        return click.option("--tasks", default=None, metavar="NAMES", help=help_text)(function)
+
+    return decorate

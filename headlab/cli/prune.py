@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -94,14 +95,9 @@ SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table com
 @recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 @allow_foreign_option
-def command(
+def command(  # click passes every option as a parameter
     load,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     out,
     overwrite,
     scores,
@@ -128,14 +124,13 @@ def command(
     """Prune the lowest-scoring heads (importance computed on the calibration split unless --scores/--heads),
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
     checkpoint that is reloaded and compared before the command returns."""
-    from pathlib import Path
-
-    if part != "eval":
+    if text.split != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
     out = Path(out) if out is not None else Path("headlab-pruned")
-    guard(out, overwrite, {"model": load.spec}, data=data, scores=scores, run_dir_bytes=False)  # before loading
+    guard(out, overwrite, {"model": load.spec}, data=text.data, scores=scores, run_dir_bytes=False)  # before loading
     recovery = recovery_spec(recovery_options)
     loaded = load()
+    text = text.resolved()  # one corpus for scoring, compensation, perplexity and recovery
     guard_checkpoint_space(out, loaded)
     check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
     result = prune(
@@ -153,15 +148,12 @@ def command(
         out=out,
         overwrite=overwrite,
         method=method,
-        data=data,
-        text_column=text_column,
+        text=text,
         calibration_tokens=calibration_tokens,
-        eval_tokens=max_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
+        eval_tokens=text.max_tokens,
         progress=not as_json,
         compensate=compensate,
-        recovery=recovery_for(recovery, loaded, data, text_column, not as_json),
+        recovery=recovery_for(recovery, loaded, text, not as_json),
         select=select,
         budget=budget,
         search_tokens=search_tokens,
@@ -169,7 +161,12 @@ def command(
     )
     if as_json:
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))
-        return
+    else:
+        _show(result, mode)
+
+
+def _show(result, mode: str) -> None:
+    """The before/after table a prune prints: perplexity, recovery, compensation, costs, checkpoint, notes."""
     b, a = result.before, result.after
     rows = [
         ("pruned heads", f"{result.num_pruned} of {result.meta['total_heads']} ({mode} mode)"),

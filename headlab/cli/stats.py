@@ -31,12 +31,7 @@ DEFAULT_OUT = Path("runs/stats")
 @out_option(required=False, help_text=f"output directory, written atomically [default: {DEFAULT_OUT}]")
 def command(
     load,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     seed,
     induction,
     induction_len,
@@ -51,16 +46,11 @@ def command(
     from headlab.stats import head_statistics, wide_statistics, write_statistics
 
     out = out or DEFAULT_OUT
-    guard(out, overwrite, {"model": load.spec}, data=data)
+    guard(out, overwrite, {"model": load.spec}, data=text.data)
     loaded = load()
     tidy = head_statistics(
         loaded,
-        data=data,
-        part=part,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-        text_column=text_column,
+        text=text,
         induction=induction,
         induction_len=induction_len,
         induction_count=induction_count,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, guard, model_options, out_option
+from headlab.cli.options import data_options, guard, model_options, out_option, task_options
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.lm_eval_bridge import metric_columns, task_manager
@@ -70,23 +70,14 @@ from headlab.sweep import (
     help="also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = "
     "ridge)",
 )
-@click.option(
-    "--tasks",
-    default=None,
-    metavar="NAMES",
-    help="comma-separated lm-eval tasks also run on every pruned model (task/metric columns, sweep_tasks.png; needs "
-    "the lmeval extra)",
+@task_options(
+    "comma-separated lm-eval tasks also run on every pruned model (task/metric columns, sweep_tasks.png; needs "
+    "the lmeval extra)"
 )
-@click.option("--include-path", default=None, metavar="DIR", help="directory of local lm-eval task YAMLs")
 @click.option("--task-limit", type=click.IntRange(min=1), default=None, help="at most this many documents per task")
 def command(  # click passes every option as a parameter
     load,
-    data,
-    text_column,
-    part,
-    max_tokens,
-    seq_len,
-    batch_size,
+    text,
     out,
     overwrite,
     fractions,
@@ -105,7 +96,7 @@ def command(  # click passes every option as a parameter
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
 
-    if part != "eval":
+    if text.split != "eval":
         raise HeadlabError("sweep scores perplexity on the eval split; scores always use the calibration split")
     fraction_list = parse_list(fractions, float, "fractions")
     order_list = parse_list(orders, str, "orders")
@@ -117,7 +108,7 @@ def command(  # click passes every option as a parameter
     if task_list:  # names, YAMLs and lm-eval itself are checked before the model loads
         task_manager(task_list, include_path)
     out = Path(out) if out is not None else Path("headlab-sweep")
-    guard(out, overwrite, {"model": load.spec}, data=data)
+    guard(out, overwrite, {"model": load.spec}, data=text.data)
     loaded = load()
     result = sweep(
         loaded,
@@ -127,12 +118,9 @@ def command(  # click passes every option as a parameter
         unit=unit,
         per_layer=per_layer,
         mode=mode,
-        data=data,
-        text_column=text_column,
+        text=text,
         calibration_tokens=calibration_tokens,
-        eval_tokens=max_tokens,
-        seq_len=seq_len,
-        batch_size=batch_size,
+        eval_tokens=text.max_tokens,
         method=method,
         compensate=compensate,
         tasks=task_list,

@@ -75,6 +75,7 @@ def _paths(loaded, method, budget, count, stats, grams):
 def _select(loaded, method, prepared, grams, data_kw):
     """{setting: pruned sets} for one method, and its wall time (scores + selection, both settings)."""
     from headlab import prune as P
+    from headlab.data import TextSpec
     from headlab.importance import fisher_statistics
     from headlab.scores import ScoreRequest, score_heads
 
@@ -86,7 +87,7 @@ def _select(loaded, method, prepared, grams, data_kw):
             out[name] = _paths(loaded, method, budget, count, stats, grams)
     else:
         name, _, seed = method.partition("-")
-        request = ScoreRequest(None, None, **data_kw, progress=False, seed=int(seed or 0), grams=grams)
+        request = ScoreRequest(TextSpec(**data_kw), progress=False, seed=int(seed or 0), grams=grams)
         scores = score_heads(name, loaded, request)
         for setting, (budget, count) in SETTINGS.items():
             out[setting] = P.select_heads(loaded.layers, scores, count=count, uniform=budget == "uniform")
