@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, renamed_keywords
 
 DEFAULT_CORPUS = "pydoc-topics"
 PARTS = ("calibration", "eval", "all")
@@ -91,7 +91,7 @@ class TextSpec:
         return calibration_batches(
             tokenizer,
             self.corpus,
-            part=self.split,
+            split=self.split,
             seq_len=self.seq_len if seq_len is None else seq_len,
             batch_size=self.batch_size,
             max_tokens=self.max_tokens,
@@ -253,8 +253,10 @@ def _load_hub_dataset(spec: str, text_column: str | None) -> list[str]:
     return _column(dataset.to_dict(), text_column, spec)
 
 
-def split_text(corpus: Corpus, part: str = "calibration") -> TextPart:
+@renamed_keywords(part="split")
+def split_text(corpus: Corpus, split: str = "calibration") -> TextPart:
     """The calibration part, the evaluation part or all of a corpus (see the module docstring for the cut)."""
+    part = split
     if part not in PARTS:
         raise HeadlabError(f"unknown split {part!r}; use one of {', '.join(PARTS)}")
     text = corpus.text
@@ -396,18 +398,20 @@ class CalibrationBatches:
         return sum(w.end - w.start for w in self.windows)
 
 
+@renamed_keywords(part="split")
 def calibration_batches(
     tokenizer,
     corpus: Corpus | str | None = None,
     *,
-    part: str = "calibration",
+    split: str = "calibration",
     seq_len: int = 256,
     batch_size: int = 4,
     max_tokens: int | None = 8192,
     text_column: str | None = None,
     max_positions: int | None = None,
 ) -> CalibrationBatches:
-    """Token windows of the calibration part (by default) of a corpus, for statistics and importance."""
+    """Token windows of the calibration part (by default; `split`) of a corpus, for statistics and importance."""
+    part = split
     if max_positions is not None and seq_len > max_positions:
         raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({max_positions})")
     if not isinstance(corpus, Corpus):

@@ -39,7 +39,7 @@ def run(args) -> dict:
 
         def headlab_run():
             ours["r"] = perplexity(
-                loaded, document, part="all", seq_len=MAX_LENGTH, batch_size=BATCH, max_tokens=None, progress=False
+                loaded, document, split="all", seq_len=MAX_LENGTH, batch_size=BATCH, max_tokens=None, progress=False
             )
 
         def lm_eval_run():

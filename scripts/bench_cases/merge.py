@@ -32,7 +32,7 @@ def run(args) -> dict:
 
     def ppl(loaded):
         return perplexity(
-            loaded, corpus, part="eval", seq_len=SEQ_LEN, batch_size=4, max_tokens=EVAL_TOKENS, progress=False
+            loaded, corpus, split="eval", seq_len=SEQ_LEN, batch_size=4, max_tokens=EVAL_TOKENS, progress=False
         ).perplexity
 
     result = {

@@ -102,11 +102,11 @@ def _ppl(loaded, pruned, grams, compensate):
     if compensate:
         with compensated(loaded, pruned, grams, "ridge"), pruned_in_place(loaded, pruned, "mask"):
             return perplexity(
-                loaded, None, part="eval", seq_len=EVAL_SEQ, max_tokens=EVAL_TOKENS, progress=False
+                loaded, None, split="eval", seq_len=EVAL_SEQ, max_tokens=EVAL_TOKENS, progress=False
             ).perplexity
     with pruned_in_place(loaded, pruned, "mask"):
         return perplexity(
-            loaded, None, part="eval", seq_len=EVAL_SEQ, max_tokens=EVAL_TOKENS, progress=False
+            loaded, None, split="eval", seq_len=EVAL_SEQ, max_tokens=EVAL_TOKENS, progress=False
         ).perplexity
 
 
