@@ -4,6 +4,9 @@ The CLI prints a HeadlabError as a single line and exits with code 2; any other 
 its traceback.
 """
 
+import importlib
+import warnings
+
 
 class HeadlabError(Exception):
     """Bad input from the user (path, option, model, corpus): reported as one line, exit code 2."""
@@ -12,8 +15,6 @@ class HeadlabError(Exception):
 def moved_names(module: str, moved: dict[str, str]):
     """A module `__getattr__` (PEP 562) for names another module now owns: each still resolves from `module`, with a
     DeprecationWarning naming the new home, for one release (issue 13 gave many functions new homes)."""
-    import importlib
-    import warnings
 
     def __getattr__(name: str):
         if name not in moved:
