@@ -100,7 +100,7 @@ def _check_yamls(include_path: Path) -> None:
 
 @functools.lru_cache(maxsize=4)
 def _task_manager(include_path: str | None, include_defaults: bool):
-    # Indexing lm-eval's own task tree reads thousands of YAMLs (tens of seconds): build it once per process.
+    # Indexing lm-eval's own task tree reads every one of its task YAMLs: build it once per process.
     from lm_eval.tasks import TaskManager  # optional: the lmeval extra
 
     return TaskManager(include_path=include_path, include_defaults=include_defaults)
