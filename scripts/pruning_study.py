@@ -25,7 +25,7 @@ from headlab.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, write_sweep
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_common.py sits beside this script
 from study_common import measure_models, run_script, slug, study_arguments, write_study  # noqa: E402
 
-__all__ = ["main", "slug"]
+__all__ = ["main", "slug"]  # slug names the per-model directories; callers (tests) read them with it
 
 
 def own_options(parser) -> None:
