@@ -414,7 +414,25 @@ class SeparateQKV(Adapter):
 
 
 @dataclass
-class FusedQKV(Adapter):
+class PackedQKV(Adapter):
+    """Adapters whose q, k and v share one module `qkv` (each subclass knows its row layout) beside the output
+    projection `o`; writing replaces both modules and records the new head counts."""
+
+    qkv: str = ""
+    o: str = ""
+
+    def out_proj(self, layer):
+        return _get(layer.block_module, self.o)
+
+    def _replace(self, layer, qkv: nn.Module, o: nn.Module, counts: tuple[int, int, int]) -> None:
+        """Put the rebuilt `qkv` and `o` modules in place; counts: the new (H, G, D)."""
+        _set(layer.block_module, self.qkv, qkv)
+        _set(layer.block_module, self.o, o)
+        self._update_counts(layer, *counts)
+
+
+@dataclass
+class FusedQKV(PackedQKV):
     """Phi3: one nn.Linear `qkv_proj` with rows [q (H*D), k (G*D), v (G*D)], then `o_proj`."""
 
     qkv: str = "self_attn.qkv_proj"
@@ -424,9 +442,6 @@ class FusedQKV(Adapter):
         D = layer.head_dim
         H = _get(layer.block_module, self.o).in_features // D
         return H, (_get(layer.block_module, self.qkv).out_features - H * D) // (2 * D)
-
-    def out_proj(self, layer):
-        return _get(layer.block_module, self.o)
 
     def read(self, layer):
         qkv, o = _get(layer.block_module, self.qkv), _get(layer.block_module, self.o)
@@ -451,13 +466,12 @@ class FusedQKV(Adapter):
         weight = torch.cat([weights.q.reshape(H * D, C), weights.k.reshape(G * D, C), weights.v.reshape(G * D, C)])
         biases = (weights.q_bias, weights.k_bias, weights.v_bias)
         bias = None if weights.q_bias is None else torch.cat([_flat(b) for b in biases])  # [(H+2G)*D]
-        _set(block, self.qkv, _linear_like(_get(block, self.qkv), weight, bias))
-        _set(block, self.o, _linear_like(_get(block, self.o), weights.o.reshape(-1, H * D), weights.o_bias))
-        self._update_counts(layer, H, G, D)
+        o = _linear_like(_get(block, self.o), weights.o.reshape(-1, H * D), weights.o_bias)
+        self._replace(layer, _linear_like(_get(block, self.qkv), weight, bias), o, (H, G, D))
 
 
 @dataclass
-class InterleavedQKV(Adapter):
+class InterleavedQKV(PackedQKV):
     """GPT-NeoX: one nn.Linear `query_key_value` whose rows go head by head, [q (D), k (D), v (D)] per head."""
 
     qkv: str = "attention.query_key_value"
@@ -466,9 +480,6 @@ class InterleavedQKV(Adapter):
     def head_counts(self, layer):
         H = _get(layer.block_module, self.o).in_features // layer.head_dim
         return H, H
-
-    def out_proj(self, layer):
-        return _get(layer.block_module, self.o)
 
     def read(self, layer):
         qkv, o = _get(layer.block_module, self.qkv), _get(layer.block_module, self.o)
@@ -494,13 +505,12 @@ class InterleavedQKV(Adapter):
         bias = None
         if weights.q_bias is not None:
             bias = torch.stack([weights.q_bias, weights.k_bias, weights.v_bias], dim=1).reshape(-1)  # [H*3*D]
-        _set(block, self.qkv, _linear_like(_get(block, self.qkv), weight, bias))
-        _set(block, self.o, _linear_like(_get(block, self.o), weights.o.reshape(-1, H * D), weights.o_bias))
-        self._update_counts(layer, H, G, D)
+        o = _linear_like(_get(block, self.o), weights.o.reshape(-1, H * D), weights.o_bias)
+        self._replace(layer, _linear_like(_get(block, self.qkv), weight, bias), o, (H, G, D))
 
 
 @dataclass
-class Conv1DQKV(Adapter):
+class Conv1DQKV(PackedQKV):
     """GPT-2: Conv1D `c_attn` with weight [C, 3*H*D] (columns [q, k, v]) and Conv1D `c_proj` with weight [H*D, C]."""
 
     qkv: str = "attn.c_attn"
@@ -509,9 +519,6 @@ class Conv1DQKV(Adapter):
     def head_counts(self, layer):
         H = _get(layer.block_module, self.o).weight.shape[0] // layer.head_dim
         return H, H
-
-    def out_proj(self, layer):
-        return _get(layer.block_module, self.o)
 
     def read(self, layer):
         qkv, o = _get(layer.block_module, self.qkv), _get(layer.block_module, self.o)
@@ -538,9 +545,8 @@ class Conv1DQKV(Adapter):
         biases = (weights.q_bias, weights.k_bias, weights.v_bias)
         bias = torch.cat([_flat(b) if b is not None else zeros for b in biases])  # [3*H*D]
         o_bias = weights.o_bias if weights.o_bias is not None else torch.zeros(C, dtype=weights.o.dtype)
-        _set(block, self.qkv, _conv1d_like(_get(block, self.qkv), weight, bias))
-        _set(block, self.o, _conv1d_like(_get(block, self.o), weights.o.reshape(C, H * D).t(), o_bias))
-        self._update_counts(layer, H, G, D)
+        o = _conv1d_like(_get(block, self.o), weights.o.reshape(C, H * D).t(), o_bias)
+        self._replace(layer, _conv1d_like(_get(block, self.qkv), weight, bias), o, (H, G, D))
 
 
 ADAPTERS: dict[str, Adapter] = {}

@@ -152,7 +152,7 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
 def _publish_lock(target: Path):
     """Where renameat2 is missing: an exclusive lock beside `target`, held from the existence check to the rename,
     so two headlab runs cannot both publish (other programs are not bound by it)."""
-    import fcntl
+    import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
 
     lock = target.parent / f".{target.name}{_LOCK_SUFFIX}"
     with open(lock, "a") as handle:

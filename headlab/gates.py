@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from headlab.arch import AttentionLayer, adapter_for
@@ -133,8 +134,6 @@ def read_mask(path, layers) -> list[torch.Tensor]:
     `layers`: the model's attention layers (or a LoadedModel / model). Unknown layers or heads, duplicate rows,
     missing columns and non-finite gates are HeadlabErrors.
     """
-    import pandas as pd
-
     layers = _layers(layers)
     path = Path(path)
     if not path.is_file():

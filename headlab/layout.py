@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import transformers
 
 from headlab.arch import Adapter, AttentionLayer
 from headlab.errors import HeadlabError
@@ -120,6 +121,7 @@ def compose(config, layout: list[LayerLayout]) -> list[LayerLayout]:
 
 def auto_class(adapter: Adapter):
     """The transformers Auto class for the adapter's family: masked-LM for encoders, causal-LM otherwise."""
+    # start-up: the Auto model classes import transformers' modeling code, which `headlab --help` never needs
     from transformers import AutoModelForCausalLM, AutoModelForMaskedLM
 
     return AutoModelForMaskedLM if adapter.is_encoder else AutoModelForCausalLM
@@ -128,8 +130,6 @@ def auto_class(adapter: Adapter):
 def model_class(config, adapter):
     """The class the checkpoint was saved from (config.architectures, e.g. a multimodal wrapper whose names differ
     from its text model's), else the adapter's Auto class."""
-    import transformers
-
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:

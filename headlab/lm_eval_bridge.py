@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import pandas as pd
@@ -63,8 +64,9 @@ def process_results(doc, results):
 def require_lm_eval():
     """The lm_eval module, or a one-line error saying how to install it."""
     try:
+        # optional: lm-eval is the `lmeval` extra; the task manager lives in lm_eval.tasks
         import lm_eval
-        import lm_eval.tasks  # noqa: F401 - the task manager lives here
+        import lm_eval.tasks  # noqa: F401
     except ImportError:
         raise HeadlabError(f"--tasks needs lm-eval, which is not installed; {INSTALL_HINT}") from None
     # lm-eval logs warnings (a model object passed as `pretrained`, task overrides) meant for its own CLI.
@@ -86,7 +88,7 @@ def write_rolling_task(directory: Path, texts: list[str], name: str = ROLLING_TA
 
 def _check_yamls(include_path: Path) -> None:
     """lm-eval skips a task YAML that does not parse without a word; say which one and why instead."""
-    from lm_eval.tasks._yaml_loader import load_yaml
+    from lm_eval.tasks._yaml_loader import load_yaml  # optional: the lmeval extra
 
     for path in sorted(include_path.rglob("*.yaml")):
         try:
@@ -98,8 +100,8 @@ def _check_yamls(include_path: Path) -> None:
 
 @functools.lru_cache(maxsize=4)
 def _task_manager(include_path: str | None, include_defaults: bool):
-    # Indexing lm-eval's own task tree reads thousands of YAMLs (tens of seconds): build it once per process.
-    from lm_eval.tasks import TaskManager
+    # Indexing lm-eval's own task tree reads every one of its task YAMLs: build it once per process.
+    from lm_eval.tasks import TaskManager  # optional: the lmeval extra
 
     return TaskManager(include_path=include_path, include_defaults=include_defaults)
 
@@ -141,6 +143,7 @@ def _go_offline_if_unreachable() -> bool:
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
+        # start-up: datasets loads only where the hub is unreachable and lm-eval is about to read it
         import datasets.config
         import huggingface_hub.constants
 
@@ -172,7 +175,7 @@ def load_tasks(manager, tasks: list[str]) -> list:
 def wrap(loaded: LoadedModel, max_length: int | None = None, batch_size: int = 1):
     """lm-eval's HFLM around the in-memory model and tokenizer (nothing is saved or reloaded)."""
     require_lm_eval()
-    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.huggingface import HFLM  # optional: the lmeval extra
 
     return HFLM(pretrained=loaded.model, tokenizer=loaded.tokenizer, max_length=max_length, batch_size=batch_size)
 
@@ -265,8 +268,6 @@ def run_tasks(
 
 
 def _version(package: str) -> str:
-    from importlib.metadata import version
-
     return version(package)
 
 

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+import huggingface_hub.constants
 import torch
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 from headlab import distributed, validate
 from headlab.arch import Adapter, AttentionLayer, adapter_for
@@ -124,6 +126,7 @@ def embedded_checkpoint() -> Path:
     if (target / "config.json").is_file():
         return target
     gguf = embedded_gguf_path()
+    # start-up: transformers' Auto classes import its modeling code, which `headlab --help` never needs
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -172,8 +175,7 @@ def load_model(
     Validated before use (headlab.validate): the config's head arithmetic before transformers builds the model, the
     safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
     """
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
 
     hf_logging.disable_progress_bar()  # headlab shows its own progress; per-tensor loading bars are noise
     spec = spec or DEFAULT_MODEL
@@ -241,8 +243,7 @@ def load_model(
 def _load_weights(spec: str, source: str, config, adapter: Adapter, kwargs: dict, load_kwargs: dict):
     """Model and tokenizer from a validated config; every loading failure is one HeadlabError line, and
     transformers' own load report is summarised there instead of printed."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
+    from transformers import AutoTokenizer  # start-up: the tokenizer registry loads on the first model load only
 
     layout = getattr(config, HEAD_LAYOUT_KEY, None)
     verbosity = hf_logging.get_verbosity()
@@ -283,9 +284,7 @@ def model_location(spec: str | None) -> Path | None:
     path = Path(spec).expanduser()
     if os.path.lexists(path) or _looks_like_path(spec):
         return path
-    from huggingface_hub.constants import HF_HUB_CACHE
-
-    return Path(HF_HUB_CACHE) / f"models--{spec.replace('/', '--')}"
+    return Path(huggingface_hub.constants.HF_HUB_CACHE) / f"models--{spec.replace('/', '--')}"
 
 
 def weight_bytes(model: nn.Module) -> int:

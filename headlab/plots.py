@@ -7,6 +7,7 @@ directory (what `headlab plot` does); `save_figure` writes PNG, SVG or PDF.
 from __future__ import annotations
 
 import io
+import json
 import math
 from pathlib import Path
 
@@ -557,8 +558,6 @@ def _read(path: Path | None) -> pd.DataFrame | None:
 
 
 def _model_name(run_dir: Path) -> str:
-    import json
-
     for meta in [run_dir / "meta.json", *sorted(run_dir.glob("*/meta.json"))]:
         if meta.is_file():
             model = json.loads(meta.read_text()).get("model")

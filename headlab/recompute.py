@@ -32,6 +32,7 @@ def _arm(module, args):
 
 def checkpointing_supported(model) -> bool:
     """Whether transformers can checkpoint this model's blocks (GradientCheckpointingLayer)."""
+    # start-up: transformers.modeling_layers imports its modeling code, which `headlab --help` never needs
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     return getattr(model, "supports_gradient_checkpointing", False) and any(
@@ -48,7 +49,7 @@ def activation_checkpointing(model, enabled: bool = True):
     block's own training flag, and the checkpointed forward runs with it cleared. Every flag, the checkpoint
     function and the eval/train state are restored on exit, including a checkpointing state the model had before.
     """
-    from transformers.modeling_layers import GradientCheckpointingLayer
+    from transformers.modeling_layers import GradientCheckpointingLayer  # start-up: as in checkpointing_supported
 
     if not enabled or not getattr(model, "supports_gradient_checkpointing", False):
         yield False

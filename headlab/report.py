@@ -259,6 +259,8 @@ def gqa_trades(frame: pd.DataFrame) -> list[str]:
 
 
 def _flags(**options) -> str:
+    """Options as CLI flags in the order given: --name value (lists comma-joined, quoted for a shell), a bare --name
+    for True, nothing for None or False."""
     parts = []
     for name, value in options.items():
         if value is None or value is False:
@@ -273,76 +275,49 @@ def _flags(**options) -> str:
     return " ".join(parts)
 
 
+def _command(words: str, **options) -> str:
+    """`headlab WORDS --option value ...` (options as _flags writes them)."""
+    return f"headlab {words} {_flags(**options)}".strip()
+
+
 def step_commands(model: str | None, data: str | None, text_column: str | None, s: Settings, out: Path, target):
     """The CLI command behind each step, with the options the report used (each writing its own runs/STEP)."""
     common = dict(model=model, data=data, text_column=text_column)
     size = dict(seq_len=s.seq_len, batch_size=s.batch_size)
+    convert = dict(**common, kv_heads=target)  # the grouping and recovery steps are both `headlab convert-gqa`
+    budget = dict(calib_tokens=s.calibration_tokens, max_tokens=s.eval_tokens, **size)
+    induction = dict(induction_len=s.induction_len, induction_count=s.induction_count)
     return {
-        "info": f"headlab info {_flags(model=model)}".strip(),
-        "stats": "headlab stats "
-        + _flags(
+        "info": _command("info", model=model),
+        "stats": _command("stats", **common, max_tokens=s.stats_tokens, **size, **induction, out="runs/stats"),
+        "importance": _command("importance", **common, max_tokens=s.importance_tokens, **size, out="runs/importance"),
+        "sweep": _command(
+            "sweep",
             **common,
-            max_tokens=s.stats_tokens,
-            **size,
-            induction_len=s.induction_len,
-            induction_count=s.induction_count,
-            out="runs/stats",
-        ),
-        "importance": "headlab importance "
-        + _flags(**common, max_tokens=s.importance_tokens, **size, out="runs/importance"),
-        "sweep": "headlab sweep "
-        + _flags(
-            **common,
-            fractions=s.fractions,
-            orders=s.orders,
-            seeds=s.seeds,
-            max_tokens=s.eval_tokens,
-            calibration_tokens=s.importance_tokens,
-            **size,
+            **dict(fractions=s.fractions, orders=s.orders, seeds=s.seeds),
+            **dict(max_tokens=s.eval_tokens, calibration_tokens=s.importance_tokens, **size),
             out="runs/sweep",
         ),
-        "gqa_sweep": "headlab gqa-sweep "
-        + _flags(
+        "gqa_sweep": _command(
+            "gqa-sweep",
             **common,
-            grouping=s.groupings,
-            pool=s.pools,
-            method=s.methods,
-            max_tokens=s.eval_tokens,
-            calib_tokens=s.calibration_tokens,
-            **size,
+            **dict(grouping=s.groupings, pool=s.pools, method=s.methods),
+            **dict(max_tokens=s.eval_tokens, calib_tokens=s.calibration_tokens, **size),
             out="runs/gqa_sweep",
         ),
-        "gqa_groups": "headlab convert-gqa "
-        + _flags(
-            **common,
-            kv_heads=target,
-            grouping="similarity",
-            calib_tokens=s.calibration_tokens,
-            max_tokens=s.eval_tokens,
-            **size,
-            out="converted",
-        ),
-        "recovery": "headlab convert-gqa "
-        + _flags(
-            **common,
-            kv_heads=target,
+        "gqa_groups": _command("convert-gqa", **convert, grouping="similarity", **budget, out="converted"),
+        "recovery": _command(
+            "convert-gqa",
+            **convert,
             method="svd",
-            calib_tokens=s.calibration_tokens,
-            max_tokens=s.eval_tokens,
-            **size,
-            recover="local,uptrain",
-            recover_minutes=s.recovery_minutes,
+            **budget,
+            **dict(recover="local,uptrain", recover_minutes=s.recovery_minutes),
             out="recovered",
         ),
-        "speed": "headlab speed "
-        + (shlex.quote(model) + " " if model else "")
-        + _flags(
-            contexts=",".join(map(str, s.speed_contexts)),
-            batches=",".join(map(str, s.speed_batches)),
-            decode_tokens=s.speed_decode_tokens,
-            prefill_limit=s.speed_prefill_limit,
-            runtime="transformers",
-            out="runs/speed",
+        "speed": _command(
+            "speed" + (" " + shlex.quote(model) if model else ""),
+            **dict(contexts=s.speed_contexts, batches=s.speed_batches, decode_tokens=s.speed_decode_tokens),
+            **dict(prefill_limit=s.speed_prefill_limit, runtime="transformers", out="runs/speed"),
         ),
         "plot": f"headlab plot {shlex.quote(str(out))}",
     }
@@ -545,7 +520,6 @@ def _figures_step(run: ReportRun, fmt: str) -> None:
     run.figures = sorted(figures)
 
 
-# The report is this list of steps, run in order inside one atomic directory; "gqa" only where KV heads can pool.
 def _speed_step(run: ReportRun) -> None:
     s = run.s
     spec = SpeedSpec(s.speed_contexts, s.speed_batches, s.speed_decode_tokens, s.speed_prefill_limit, ("transformers",))
@@ -554,6 +528,7 @@ def _speed_step(run: ReportRun) -> None:
     write_run(run.tmp / "speed", {"speed": table}, {**run.loaded.describe(), "spec": spec.to_dict()})
 
 
+# The report is this list of steps, run in order inside one atomic directory; "gqa" only where KV heads can pool.
 REPORT_STEPS = [
     ("info", _info_step),
     ("stats", _stats_step),
@@ -566,6 +541,88 @@ REPORT_STEPS = [
 ]
 
 
+@dataclass(frozen=True)
+class ReportPlan:
+    """What a report runs, decided from the model's layout before any model work: the fitted settings, the KV-head
+    count the grouping and recovery steps pool to, the steps in order and the command behind each."""
+
+    settings: Settings
+    can_gqa: bool  # every layer has the same (H, G) and the adapter can hold fewer KV heads
+    target: int | None
+    recovering: bool
+    steps: list[tuple[str, object]]
+    commands: dict[str, str]
+    model_flag: str | None  # --model as a user would type it (None for the embedded default)
+
+
+def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, tasks, include_path) -> ReportPlan:
+    """Which steps run on this model and with which settings (`s` already fitted to its positions)."""
+    layers = loaded.layers
+    G = layers[0].num_kv_heads
+    can_gqa = loaded.adapter.supports_gqa and len({(la.num_heads, la.num_kv_heads) for la in layers}) == 1
+    target = gqa_target(G) if can_gqa else None
+    # Similarity grouping differs from contiguous only when pooling to 1 < G' < G groups; otherwise its rows would
+    # repeat the contiguous ones, so the sweep skips them (and their similarity pass).
+    groupings = (
+        s.groupings if any(G % g == 0 for g in range(2, G)) else tuple(g for g in s.groupings if g != "similarity")
+    )
+    s = replace(s, groupings=groupings or ("contiguous",))
+    model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
+    commands = step_commands(model_flag, data, text_column, s, out, target)
+    if tasks:  # the sweep ran lm-eval tasks too
+        commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
+    recovering = target is not None and s.recovery_minutes > 0
+    skipped = {"gqa": not can_gqa, "recovery": not recovering}
+    steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
+    return ReportPlan(s, can_gqa, target, recovering, steps, commands, model_flag)
+
+
+def _run_steps(run: ReportRun, steps: list, progress: bool) -> dict[str, float]:
+    """Run each step in order, announcing it; the seconds each took, by step name."""
+    seconds = {}
+    for name, function in steps:
+        _say(progress, f"[{len(seconds) + 1}/{len(steps)}] {name}")
+        begin = time.perf_counter()
+        function(run)
+        seconds[name] = round(time.perf_counter() - begin, 2)
+    return seconds
+
+
+def _report_meta(loaded: LoadedModel, plan: ReportPlan, report: Report, options: dict, total: float) -> dict:
+    """meta.json of a report: the model, the settings, each step's seconds and command, the summary, versions.
+    `options`: the run's command, data, text_column, quick and out, as run_report received them."""
+    s, data = plan.settings, options["data"]
+    flags = _flags(
+        model=plan.model_flag, data=data, text_column=options["text_column"], quick=options["quick"], out=options["out"]
+    )
+    return {
+        **loaded.describe(),
+        "command": options["command"],
+        "data": data or "pydoc-topics",
+        "quick": options["quick"],
+        "settings": {k: getattr(s, k) for k in s.__dataclass_fields__},
+        "seconds": report.seconds,
+        "total_seconds": total,
+        "threads": torch.get_num_threads(),
+        "figures": report.figures,
+        "commands": plan.commands,
+        "command_line": f"{options['command']} " + flags,
+        "summary": report.summary,
+        "recovery_kv_heads": plan.target if plan.recovering else None,
+        "versions": versions(),
+    }
+
+
+def _write_documents(tmp: Path, meta: dict, info: dict, fmt: str) -> None:
+    """meta.json, report.md and the self-contained report.html, all read from the tables under `tmp`."""
+    write_json(tmp / "meta.json", meta)
+    sections = build_sections(tmp, meta, info, fmt)
+    (tmp / "report.md").write_text(render_markdown(sections, meta))
+    (tmp / "report.html").write_text(render_html(sections, meta, tmp))
+
+
+# 13 parameters: one per `headlab report` option, so the Python API mirrors the command (and `headlab demo` reuses
+# it with its own `command`); the steps themselves take the ReportPlan and ReportRun bundles.
 def run_report(
     loaded: LoadedModel,
     out,
@@ -593,59 +650,21 @@ def run_report(
         raise HeadlabError(f"unknown figure format {fmt!r}; use one of {', '.join(plots.FORMATS)}")
     check_report_out(out, overwrite, demo=command == DEMO_MARKER)
     load_corpus(data, text_column)  # a bad --data fails here, before any model work
-    layers = loaded.layers
-    G = layers[0].num_kv_heads
-    can_gqa = loaded.adapter.supports_gqa and len({(la.num_heads, la.num_kv_heads) for la in layers}) == 1
-    target = gqa_target(G) if can_gqa else None
-    # Similarity grouping differs from contiguous only when pooling to 1 < G' < G groups; otherwise its rows would
-    # repeat the contiguous ones, so the sweep skips them (and their similarity pass).
-    groupings = (
-        s.groupings if any(G % g == 0 for g in range(2, G)) else tuple(g for g in s.groupings if g != "similarity")
-    )
-    s = replace(s, groupings=groupings or ("contiguous",))
-    model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
-    commands = step_commands(model_flag, data, text_column, s, out, target)
-    if tasks:  # the sweep ran lm-eval tasks too
-        commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
+    plan = plan_report(loaded, s, data, text_column, out, tasks, include_path)
+    s = plan.settings
     report = Report(out)
-    recovering = target is not None and s.recovery_minutes > 0
-    skipped = {"gqa": not can_gqa, "recovery": not recovering}
-    steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
     started = time.perf_counter()
     common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
     # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
     replaceable = is_demo_run if command == DEMO_MARKER else None
     with atomic_directory(out, overwrite=overwrite, replaceable=replaceable) as tmp:
         task_options = {"tasks": tasks, "include_path": include_path} if tasks else {}
-        run = ReportRun(loaded, s, tmp, common, sentence, target, task_options)
-        for name, function in steps + [("figures", lambda run: _figures_step(run, fmt))]:
-            _say(progress, f"[{len(report.seconds) + 1}/{len(steps) + 1}] {name}")
-            begin = time.perf_counter()
-            function(run)
-            report.seconds[name] = round(time.perf_counter() - begin, 2)
+        run = ReportRun(loaded, s, tmp, common, sentence, plan.target, task_options)
+        report.seconds = _run_steps(run, plan.steps + [("figures", lambda run: _figures_step(run, fmt))], progress)
         report.figures = run.figures
-        report.summary = pruning_trades(run.sweep_table) + (gqa_trades(run.gqa_frame) if can_gqa else [])
+        report.summary = pruning_trades(run.sweep_table) + (gqa_trades(run.gqa_frame) if plan.can_gqa else [])
         total = round(time.perf_counter() - started, 2)
-        meta = {
-            **loaded.describe(),
-            "command": command,
-            "data": data or "pydoc-topics",
-            "quick": quick,
-            "settings": {k: getattr(s, k) for k in s.__dataclass_fields__},
-            "seconds": report.seconds,
-            "total_seconds": total,
-            "threads": torch.get_num_threads(),
-            "figures": report.figures,
-            "commands": commands,
-            "command_line": f"{command} "
-            + _flags(model=model_flag, data=data, text_column=text_column, quick=quick, out=out),
-            "summary": report.summary,
-            "recovery_kv_heads": target if recovering else None,
-            "versions": versions(),
-        }
-        write_json(tmp / "meta.json", meta)
-        sections = build_sections(tmp, meta, run.info, fmt)
-        (tmp / "report.md").write_text(render_markdown(sections, meta))
-        (tmp / "report.html").write_text(render_html(sections, meta, tmp))
+        options = dict(command=command, data=data, text_column=text_column, quick=quick, out=out)
+        _write_documents(tmp, _report_meta(loaded, plan, report, options, total), run.info, fmt)
     _say(progress, f"report written to {out} in {total:.0f} s")
     return report

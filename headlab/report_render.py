@@ -41,7 +41,9 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
     sections = [Section("Summary", [f"- {line}" for line in meta["summary"]]), _model_section(info, meta["commands"])]
     for build in (_stats_section, _importance_section, _gallery_section, _sweep_section):
         sections.append(build(run, meta, figure))
-    return sections + _gqa_sections(run, meta, figure) + _recovery_sections(run, meta, figure) + _speed_sections(run, meta, figure)
+    for build in (_gqa_sections, _recovery_sections, _speed_sections):  # each empty where its step did not run
+        sections += build(run, meta, figure)
+    return sections
 
 
 def _recovery_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
@@ -124,7 +126,8 @@ def _importance_section(run: Path, meta: dict, figure: dict) -> Section:
     return Section(
         "Head importance",
         [
-            f"{imp_meta['definition']} ({imp_meta['scored_tokens']:,} scored tokens), normalised per layer then to [0, 1]."
+            f"{imp_meta['definition']} ({imp_meta['scored_tokens']:,} scored tokens), "
+            "normalised per layer then to [0, 1]."
         ],
         [("all heads by rank", top)]
         if len(top) <= 20

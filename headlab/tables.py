@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
+import transformers
 
 from headlab import __version__, distributed
 from headlab.errors import moved_names
@@ -19,9 +21,6 @@ from headlab.fsio import atomic_directory, json_text
 
 
 def versions() -> dict:
-    import torch
-    import transformers
-
     return {
         "headlab": __version__,
         "transformers": transformers.__version__,

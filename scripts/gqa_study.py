@@ -14,58 +14,49 @@ model) and `study.png` (relative perplexity against the relative KV cache, one c
 
 from __future__ import annotations
 
-import argparse
-import re
+import sys
 from pathlib import Path
 
 import pandas as pd
 
 from headlab import gqa, kv_heads
 from headlab.errors import HeadlabError
-from headlab.fsio import check_out
-from headlab.loading import DEFAULT_MODEL, load_model
 from headlab.plots import figure_bytes, plot_gqa_sweep, plot_study
 from headlab.report_text import parse_list
 from headlab.tables import write_run
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_common.py sits beside this script
+from study_common import measure_models, run_script, slug, study_arguments, write_study  # noqa: E402
 
-def arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("models", nargs="*", default=[DEFAULT_MODEL], help="model specs (hub id, directory, .gguf)")
-    parser.add_argument("--data", default=None, help="corpus spec [default: embedded Python reference]")
+__all__ = ["main", "slug"]  # slug names the per-model directories; callers (tests) read them with it
+
+
+def own_options(parser) -> None:
     parser.add_argument("--groupings", default="contiguous,similarity", help="KV groupings")
     parser.add_argument("--pools", default="mean", help="pooling rules: mean, first, random")
-    parser.add_argument("--eval-tokens", type=int, default=1024, help="eval-split tokens per perplexity")
-    parser.add_argument("--calib-tokens", type=int, default=1024, help="calibration tokens for similarity grouping")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", type=Path, default=Path("runs/gqa-study"))
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser.parse_args(argv)
 
 
-def slug(spec: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", spec.strip("/")).strip("_") or "model"
+def arguments(argv=None):
+    calibration = ("--calib-tokens", "calibration tokens for similarity grouping")
+    return study_arguments(__doc__, argv, "runs/gqa-study", own_options, calibration)
+
+
+def write_model(directory: Path, run) -> None:
+    """One gqa-sweep run directory: the model's sweep table (without the study's columns) and its figure."""
+    frame, model_meta = run
+    columns = [c for c in frame.columns if c not in ("model", "relative_perplexity", "setting")]
+    figure = figure_bytes(plot_gqa_sweep(frame, frame["model"].iloc[0]))
+    write_run(directory, {"sweep": frame[columns]}, model_meta, extra_files={"gqa_sweep.png": figure})
 
 
 def main(argv=None) -> Path:
     args = arguments(argv)
     groupings = tuple(parse_list(args.groupings, str, "groupings", kv_heads.GROUPINGS))
     pools = tuple(parse_list(args.pools, str, "pools", kv_heads.POOLS))
-    check_out(args.out, args.overwrite)
-    tables, runs, skipped = [], {}, {}
-    for spec in args.models:
-        loaded = load_model(spec, device=args.device)
+
+    def measure(loaded, spec):
         if not loaded.adapter.supports_gqa:
-            skipped[spec] = f"{loaded.model.config.model_type} cannot hold fewer KV heads"
-            print(f"{spec}: skipped ({skipped[spec]})")
-            continue
+            return f"{loaded.model.config.model_type} cannot hold fewer KV heads"
         frame, meta = gqa.gqa_sweep(
             loaded,
             groupings=groupings,
@@ -81,18 +72,18 @@ def main(argv=None) -> Path:
         frame = frame.assign(model=spec, relative_perplexity=frame["perplexity"] / base["perplexity"])
         frame["relative_kv_bytes"] = frame["kv_bytes_per_token"] / base["kv_bytes_per_token"]
         frame["setting"] = frame["grouping"].fillna(frame["action"]) + "/" + frame["pool"].fillna("-")
-        tables.append(frame)
-        runs[spec] = (frame, meta)
         best = frame.sort_values("relative_kv_bytes").iloc[0]
         print(
             f"{spec}: {int(base['kv_heads'])} -> {int(best['kv_heads'])} KV heads: "
             f"{best['relative_kv_bytes']:.0%} of the KV cache, {best['relative_perplexity']:.2f}x perplexity"
         )
-    if not tables:
-        raise HeadlabError(
-            "none of the models can hold fewer KV heads: " + "; ".join(f"{k}: {v}" for k, v in skipped.items())
-        )
-    study = pd.concat(tables, ignore_index=True)
+        return frame, (frame, meta)
+
+    measured = measure_models(args, measure)
+    if not measured.tables:
+        reasons = "; ".join(f"{k}: {v}" for k, v in measured.skipped.items())
+        raise HeadlabError(f"none of the models can hold fewer KV heads: {reasons}")
+    study = pd.concat(measured.tables, ignore_index=True)
     study = study[study["same_as"].isna()]  # a repeated variant would sit on the row it repeats
     fig = plot_study(
         study.sort_values("relative_kv_bytes"),
@@ -103,7 +94,7 @@ def main(argv=None) -> Path:
     )
     meta = {
         "models": args.models,
-        "skipped": skipped,
+        "skipped": measured.skipped,
         "data": args.data or "pydoc-topics",
         "groupings": groupings,
         "pools": pools,
@@ -111,23 +102,10 @@ def main(argv=None) -> Path:
         "calib_tokens": args.calib_tokens,
         "seq_len": args.seq_len,
     }
-    out = write_run(
-        args.out, {"study": study}, meta, overwrite=args.overwrite, extra_files={"study.png": figure_bytes(fig)}
-    )
-    for spec, (frame, model_meta) in runs.items():
-        columns = [c for c in frame.columns if c not in ("model", "relative_perplexity", "setting")]
-        write_run(
-            out / slug(spec),
-            {"sweep": frame[columns]},
-            model_meta,
-            extra_files={"gqa_sweep.png": figure_bytes(plot_gqa_sweep(frame, spec))},
-        )
+    out = write_study(args, study, fig, meta, measured.runs, write_model)
     print(f"wrote {out}/study.csv, study.png and one gqa-sweep directory per model")
     return out
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except HeadlabError as error:
-        raise SystemExit(f"gqa_study: error: {error}") from None
+    run_script("gqa_study", main)

@@ -13,45 +13,30 @@ of heads pruned, one colour per model).
 
 from __future__ import annotations
 
-import argparse
-import re
+import sys
 from pathlib import Path
 
 import pandas as pd
 
-from headlab.errors import HeadlabError
-from headlab.fsio import check_out
-from headlab.loading import DEFAULT_MODEL, load_model
 from headlab.plots import plot_study
 from headlab.report_text import parse_list
 from headlab.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, write_sweep
-from headlab.tables import write_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_common.py sits beside this script
+from study_common import measure_models, run_script, slug, study_arguments, write_study  # noqa: E402
+
+__all__ = ["main", "slug"]  # slug names the per-model directories; callers (tests) read them with it
 
 
-def arguments(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("models", nargs="*", default=[DEFAULT_MODEL], help="model specs (hub id, directory, .gguf)")
-    parser.add_argument("--data", default=None, help="corpus spec [default: embedded Python reference]")
+def own_options(parser) -> None:
     parser.add_argument("--fractions", default=",".join(map(str, DEFAULT_FRACTIONS)), help="fractions of heads")
     parser.add_argument("--orders", default="importance,random", help="pruning orders (headlab sweep --help)")
     parser.add_argument("--seeds", default="0,1", help="seeds the random order averages over")
-    parser.add_argument("--eval-tokens", type=int, default=1024, help="eval-split tokens per perplexity")
-    parser.add_argument("--calibration-tokens", type=int, default=1024, help="calibration tokens for the scores")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--out", type=Path, default=Path("runs/pruning-study"))
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser.parse_args(argv)
 
 
-def slug(spec: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", spec.strip("/")).strip("_") or "model"
+def arguments(argv=None):
+    calibration = ("--calibration-tokens", "calibration tokens for the scores")
+    return study_arguments(__doc__, argv, "runs/pruning-study", own_options, calibration)
 
 
 def main(argv=None) -> Path:
@@ -59,10 +44,8 @@ def main(argv=None) -> Path:
     fractions = parse_list(args.fractions, float, "fractions")
     orders, seeds = parse_list(args.orders, str, "orders"), parse_list(args.seeds, int, "seeds")
     check_sweep(fractions, orders, seeds)  # bad input fails before any model is loaded
-    check_out(args.out, args.overwrite)
-    tables, runs = [], {}
-    for spec in args.models:
-        loaded = load_model(spec, device=args.device)
+
+    def measure(loaded, spec):
         result = sweep(
             loaded,
             fractions=fractions,
@@ -78,13 +61,14 @@ def main(argv=None) -> Path:
         table = result.table.assign(model=spec)
         base = table.loc[table["pruned_heads"] == 0, "perplexity"].mean()
         table["relative_perplexity"] = table["perplexity"] / base
-        tables.append(table)
-        runs[spec] = result
         print(
             f"{spec}: unpruned perplexity {base:.3f}; at {max(fractions):.0%} pruned: "
             + ", ".join(f"{o} {g['relative_perplexity'].iloc[-1]:.2f}x" for o, g in table.groupby("order", sort=False))
         )
-    study = pd.concat(tables, ignore_index=True)
+        return table, result
+
+    measured = measure_models(args, measure)
+    study = pd.concat(measured.tables, ignore_index=True)
     fig = plot_study(
         study,
         "fraction_pruned",
@@ -102,19 +86,10 @@ def main(argv=None) -> Path:
         "calibration_tokens": args.calibration_tokens,
         "seq_len": args.seq_len,
     }
-    from headlab.plots import figure_bytes
-
-    out = write_run(
-        args.out, {"study": study}, meta, overwrite=args.overwrite, extra_files={"study.png": figure_bytes(fig)}
-    )
-    for spec, result in runs.items():
-        write_sweep(result, out / slug(spec))
+    out = write_study(args, study, fig, meta, measured.runs, lambda directory, result: write_sweep(result, directory))
     print(f"wrote {out}/study.csv, study.png and one sweep directory per model")
     return out
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except HeadlabError as error:
-        raise SystemExit(f"pruning_study: error: {error}") from None
+    run_script("pruning_study", main)

@@ -61,6 +61,14 @@ _QWEN3_5_VISION = dict(
 )
 _TOKENS = dict(bos_token_id=1, eos_token_id=2)
 
+
+def _vlm(model_type: str, text: dict, vision: dict, **tokens) -> tuple[str, str, dict]:
+    """An image-text wrapper spec: the text config as `{model_type}_text`, the vision tower, image token id 5 and the
+    family's other special-token ids (`tokens`, kept below the ids tiny_inputs draws)."""
+    config = dict(text_config=dict(text, model_type=f"{model_type}_text"), vision_config=vision, image_token_id=5)
+    return model_type, "vlm", {**config, **tokens}
+
+
 # name -> (model_type, kind, config kwargs); kind is "causal", "masked" (encoder) or "vlm" (image-text wrapper whose
 # text part is text_config, where overrides go). Names are model types, plus "_mha" variants of GQA families.
 SPECS: dict[str, tuple[str, str, dict]] = {
@@ -82,31 +90,11 @@ SPECS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     "qwen3_5_text": ("qwen3_5_text", "causal", _HYBRID),
-    "qwen3_5": (
-        "qwen3_5",
-        "vlm",
-        dict(
-            text_config=dict(_HYBRID, model_type="qwen3_5_text"),
-            vision_config=_QWEN3_5_VISION,
-            image_token_id=5,
-            video_token_id=6,
-            vision_start_token_id=7,
-            vision_end_token_id=8,
-        ),
+    "qwen3_5": _vlm(
+        "qwen3_5", _HYBRID, _QWEN3_5_VISION, video_token_id=6, vision_start_token_id=7, vision_end_token_id=8
     ),
     "gemma3_text": ("gemma3_text", "causal", _GEMMA3_TEXT),
-    "gemma3": (
-        "gemma3",
-        "vlm",
-        dict(
-            text_config=dict(_GEMMA3_TEXT, model_type="gemma3_text"),
-            vision_config=_SIGLIP,
-            mm_tokens_per_image=4,
-            image_token_id=5,
-            boi_token_id=6,
-            eoi_token_id=7,
-        ),
-    ),
+    "gemma3": _vlm("gemma3", _GEMMA3_TEXT, _SIGLIP, mm_tokens_per_image=4, boi_token_id=6, eoi_token_id=7),
     "olmo2": ("olmo2", "causal", _LLAMA),
     "phi3": ("phi3", "causal", dict(_LLAMA, pad_token_id=0)),
     "phi3_mha": ("phi3", "causal", dict(_LLAMA, num_key_value_heads=4, pad_token_id=0)),

@@ -201,6 +201,70 @@ def test_imports_inside_functions_say_they_buy_start_up_time():
     assert not silent, "function-level imports without a start-up comment:\n" + "\n".join(silent)
 
 
+# Why an import may sit inside a function, one of which its comment must name: "start-up" (the import costs time a
+# path that does not need it should not pay), "optional" (an extra that may not be installed), "platform" (a module
+# some systems lack). A circle is no reason: test_no_import_circles_including_imports_inside_functions fails on one.
+INSIDE_FUNCTION_REASONS = ("start-up", "optional", "platform")
+
+
+def function_level_imports(source: str) -> list[tuple[int, str, str]]:
+    """Every import statement (headlab's, third-party or standard library) inside a function of `source`, as
+    (line, statement, comment): the comment text on its own line, or on the comment and import lines right above
+    it (a comment may head a block of imports)."""
+    lines = source.splitlines()
+    found = {}
+    for function in ast.walk(ast.parse(source)):
+        if not isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(function):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and node.lineno not in found:
+                first = node.lineno - 1
+                while first > 0 and lines[first - 1].strip().startswith(("from ", "import ", "#")):
+                    first -= 1
+                comment = " ".join(line.partition("#")[2] for line in lines[first : node.end_lineno])
+                found[node.lineno] = (node.lineno, lines[node.lineno - 1].strip(), comment)
+    return sorted(found.values())
+
+
+def test_every_import_inside_a_function_says_why():
+    silent = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {statement}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for line, statement, comment in function_level_imports(path.read_text())
+        if not any(reason in comment for reason in INSIDE_FUNCTION_REASONS)
+    ]
+    assert not silent, (
+        f"imports inside functions whose comment (same line, or heading the block) names no reason "
+        f"({', '.join(INSIDE_FUNCTION_REASONS)}); move them to the top or say why:\n" + "\n".join(silent)
+    )
+
+
+def test_the_import_checker_reads_comments_on_the_line_and_above_only():
+    source = (
+        "def f():\n"
+        "    # start-up: torch loads only when f runs\n"
+        "    import torch\n"
+        "    import numpy\n"
+        "    x = 1  # optional\n"
+        "    import json\n"
+        "    import lm_eval  # optional extra\n"
+        "def g():\n"
+        '    """start-up is not said in a docstring."""\n'
+        "    import pandas\n"
+    )
+    found = {statement: comment for _, statement, comment in function_level_imports(source)}
+    assert set(found) == {
+        "import torch",
+        "import numpy",
+        "import json",
+        "import lm_eval  # optional extra",
+        "import pandas",
+    }
+    assert "start-up" in found["import torch"] and "start-up" in found["import numpy"]  # one comment heads the block
+    assert found["import json"].strip() == "" and found["import pandas"].strip() == ""
+    assert "optional" in found["import lm_eval  # optional extra"]
+
+
 def test_the_checker_sees_a_circle_and_an_upward_import():
     """The checks themselves, on a made-up graph: a loop is found, a straight chain is not."""
     assert find_cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from headlab.cli.options import guard, model_options
@@ -24,8 +26,6 @@ from headlab.report import DEMO_MARKER, DEMO_OUT, is_demo_run, run_report
 def command(load, data, text_column, quick, fmt, out, overwrite):
     """Run every analysis on the embedded model and write runs/demo/report.md and report.html (a few minutes on a
     CPU; --quick about half that)."""
-    from pathlib import Path
-
     out = Path(out)
     guard(out, overwrite or is_demo_run(out), {"model": load.spec}, data=data)
     load_corpus(data, text_column)

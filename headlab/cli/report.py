@@ -8,7 +8,12 @@ import dataclasses
 import click
 
 from headlab.cli.options import guard, model_options, out_option
+from headlab.data import load_corpus
+from headlab.lm_eval_bridge import task_manager
 from headlab.plots import FORMATS
+from headlab.report import PRESETS, run_report
+from headlab.report_text import parse_list
+from headlab.sweep import check_sweep
 
 
 def report_options(function):
@@ -52,13 +57,6 @@ def report_options(function):
 def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_path, orders):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
-    # torch and transformers load here, not at import: `headlab report --help` keeps its start-up time short.
-    from headlab.data import load_corpus
-    from headlab.lm_eval_bridge import task_manager
-    from headlab.report import PRESETS, run_report
-    from headlab.report_text import parse_list
-    from headlab.sweep import check_sweep
-
     settings = PRESETS["quick" if quick else "full"]
     if orders is not None:
         settings = dataclasses.replace(settings, orders=tuple(parse_list(orders, str, "orders")))
