@@ -126,13 +126,13 @@ def takes_text(**defaults):
 
 
 def _embedded_documents() -> list[str]:
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # start-up: a large module, read only when the embedded corpus is used
 
     return [topics[key] for key in sorted(topics)]
 
 
 def _read_table(path: Path, text_column: str | None) -> list[str]:
-    import pandas as pd
+    import pandas as pd  # start-up: the CLI imports this module; only table corpora need pandas
 
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
@@ -227,7 +227,7 @@ def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corp
 
 
 def _load_saved_dataset(path: Path, text_column: str | None) -> list[str]:
-    import datasets
+    import datasets  # start-up: seconds to import, needed only for datasets corpora
 
     try:
         dataset = datasets.load_from_disk(str(path))
@@ -240,7 +240,7 @@ def _load_saved_dataset(path: Path, text_column: str | None) -> list[str]:
 
 
 def _load_hub_dataset(spec: str, text_column: str | None) -> list[str]:
-    import datasets
+    import datasets  # start-up: seconds to import, needed only for datasets corpora
 
     name, config, split = (spec.split(":") + [None, None])[:3]
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from headlab.data import TextSpec, require_tokens, split_text, takes_text, tokenize
 from headlab.errors import HeadlabError
@@ -23,7 +24,7 @@ GGML_TYPE_F32 = 0  # ggml_type of an f32 KV cache: verification keeps the cache 
 def unavailable() -> str | None:
     """None when llama_cpp imports, else the reason (tests skip with it, commands refuse with it)."""
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401 - optional: the llamacpp extra may not be installed
     except Exception as error:  # noqa: BLE001 - a broken native build raises OSError, RuntimeError, ...
         return f"llama-cpp-python is not usable ({type(error).__name__}: {error}); {INSTALL}"
     return None
@@ -42,7 +43,7 @@ def threads() -> int:
 def open_model(path: Path, n_ctx: int, *, logits_all: bool = False, f32_cache: bool = False, n_batch: int = 512):
     """A llama_cpp.Llama on `path` (CPU, quiet). f32_cache keeps K and V in float32 (llama.cpp's default is f16)."""
     require()
-    from llama_cpp import Llama
+    from llama_cpp import Llama  # optional: the llamacpp extra (require() said so above if missing)
 
     kwargs = dict(type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32) if f32_cache else {}
     try:
@@ -71,8 +72,6 @@ def compare_logprobs(loaded: LoadedModel, gguf_path: Path, windows: list[torch.T
     """Run each window of token ids through transformers and through llama.cpp (f32 KV cache, logits of every
     position) and compare: token perplexity exp(-mean log p(x_i | x_<i)) of each runtime over the same scored
     tokens, their relative difference, and the worst |logit difference| over every position and vocabulary entry."""
-    from tqdm.auto import tqdm
-
     longest = max(len(w) for w in windows)
     llm = open_model(gguf_path, n_ctx=longest, logits_all=True, f32_cache=True)
     nll = {"transformers": 0.0, "llama.cpp": 0.0}

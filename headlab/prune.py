@@ -11,6 +11,7 @@ import contextlib
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pandas as pd
 import torch
@@ -227,8 +228,6 @@ def save_pruned(
 
 def _original_layers(table: pd.DataFrame):
     """Minimal layer views (index, num_heads) of the original model, from the pruning record."""
-    from types import SimpleNamespace
-
     return [
         SimpleNamespace(index=int(layer), num_heads=int(len(group)))
         for layer, group in table.groupby("layer", sort=True)

@@ -4,6 +4,7 @@ that vanilla transformers loads, verified by reloading it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 
@@ -179,8 +180,6 @@ def command(
     as_json,
 ):
     """Pool groups of KV heads into one (MHA -> GQA, GQA -> fewer groups or MQA) and save a checkpoint."""
-    from pathlib import Path
-
     out = Path(out) if out is not None else Path("headlab-gqa")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     recovery = recovery_spec(recovery_options)

@@ -3,6 +3,8 @@ pooling rules; a table, meta.json and a plot."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
@@ -44,8 +46,6 @@ def command(
     overwrite,
 ):
     """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool, with a plot."""
-    from pathlib import Path
-
     out = out or Path("gqa-sweep")
     guard(out, overwrite, {"model": load.spec}, data=text.data)
     frame, _ = run_sweep(
