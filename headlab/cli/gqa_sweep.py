@@ -29,7 +29,7 @@ from headlab.report_text import human_bytes, parse_list
     show_default=True,
     help=f"comma list of {', '.join(METHODS)}: mean pools by each --pool; svd adds the calibrated merge",
 )
-@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge")
+@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge", earlier_name=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")

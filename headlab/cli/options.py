@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from headlab.compensate import COMPENSATIONS
 from headlab.data import PARTS, TextSpec
 from headlab.fsio import RUN_DIR_BYTES, check_free_space, guard_output
 from headlab.loading import (
@@ -165,18 +166,18 @@ def allow_foreign_option(function):
     )(function)
 
 
-def calibration_tokens_option(default: int, help_text: str):
-    """--calibration-tokens (one name in every command), with --calib-tokens, its earlier name on convert-gqa and
-    gqa-sweep, kept hidden for one release: it still works and prints a deprecation line."""
+def calibration_tokens_option(default: int, help_text: str, earlier_name: bool = False):
+    """--calibration-tokens (one name in every command). earlier_name: also --calib-tokens, its earlier name on
+    convert-gqa and gqa-sweep, kept hidden for one release: it still works and prints a deprecation line."""
 
     def decorate(function):
-        @click.option(
-            "--calibration-tokens",
-            type=click.IntRange(min=1),
-            default=default,
-            show_default=True,
-            help=help_text,
+        option = click.option(
+            "--calibration-tokens", type=click.IntRange(min=1), default=default, show_default=True, help=help_text
         )
+        if not earlier_name:
+            return option(function)
+
+        @option
         @click.option("--calib-tokens", "calib_tokens", type=click.IntRange(min=1), default=None, hidden=True)
         @functools.wraps(function)
         def wrapper(*args, calibration_tokens, calib_tokens, **kwargs):
@@ -203,3 +204,15 @@ def task_options(help_text: str):
         return click.option("--tasks", default=None, metavar="NAMES", help=help_text)(function)
 
     return decorate
+
+
+def compensate_option(help_text: str):
+    """--compensate [ridge|bias] (headlab.compensate's registry); the bare flag means ridge."""
+    return click.option(
+        "--compensate",
+        type=click.Choice(COMPENSATIONS),
+        is_flag=False,
+        flag_value="ridge",
+        default=None,
+        help=help_text,
+    )

@@ -11,13 +11,14 @@ from headlab.checkpoint import describe_check
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     allow_foreign_option,
+    calibration_tokens_option,
+    compensate_option,
     data_options,
     guard,
     guard_checkpoint_space,
     model_options,
     out_option,
 )
-from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.prune import MODES, prune
 from headlab.report_text import human_bytes
@@ -76,21 +77,10 @@ SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table com
     help="calibration tokens each --budget search measurement runs on",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --method random")
-@click.option(
-    "--calibration-tokens",
-    type=click.IntRange(min=1),
-    default=2048,
-    show_default=True,
-    help="calibration tokens for on-the-fly importance",
-)
-@click.option(
-    "--compensate",
-    type=click.Choice(COMPENSATIONS),
-    is_flag=False,
-    flag_value="ridge",
-    default=None,
-    help="refit the kept heads' output projection on calibration text (--compensate = ridge: least squares with a "
-    "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
+@calibration_tokens_option(2048, "calibration tokens for on-the-fly importance")
+@compensate_option(
+    "refit the kept heads' output projection on calibration text (--compensate = ridge: least squares with a "
+    "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)"
 )
 @recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")

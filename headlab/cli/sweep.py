@@ -6,8 +6,15 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, guard, model_options, out_option, task_options
-from headlab.compensate import COMPENSATIONS
+from headlab.cli.options import (
+    calibration_tokens_option,
+    compensate_option,
+    data_options,
+    guard,
+    model_options,
+    out_option,
+    task_options,
+)
 from headlab.errors import HeadlabError
 from headlab.lm_eval_bridge import metric_columns, task_manager
 from headlab.prune import MODES
@@ -53,7 +60,7 @@ from headlab.sweep import (
     show_default=True,
     help="physical measures the smaller model's speed; mask keeps shapes (same perplexity)",
 )
-@click.option("--calibration-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
+@calibration_tokens_option(1024, "calibration tokens for the scores and the --compensate refit")
 @click.option(
     "--method",
     type=click.Choice(METHODS),
@@ -61,14 +68,8 @@ from headlab.sweep import (
     show_default=True,
     help="score of the importance and iterative orders",
 )
-@click.option(
-    "--compensate",
-    type=click.Choice(COMPENSATIONS),
-    is_flag=False,
-    flag_value="ridge",
-    default=None,
-    help="also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = "
-    "ridge)",
+@compensate_option(
+    "also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = ridge)"
 )
 @task_options(
     "comma-separated lm-eval tasks also run on every pruned model (task/metric columns, sweep_tasks.png; needs "
