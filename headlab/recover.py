@@ -154,36 +154,19 @@ def before_after(record: dict) -> pd.DataFrame:
     rows = []
     if "local" in record:
         local = record["local"]
-        rows.append(
-            {
-                "stage": "local",
-                "measure": "held-out relative layer error (mean over layers)",
-                "before": local["error_before"],
-                "after": local["error_after"],
-                "seconds": local["seconds"],
-            }
-        )
+        measure = "held-out relative layer error (mean over layers)"
+        rows.append(_row("local", measure, local["error_before"], local["error_after"], local["seconds"]))
     if "uptrain" in record:
         up = record["uptrain"]
-        rows.append(
-            {
-                "stage": "uptrain",
-                "measure": "held-out calibration perplexity",
-                "before": up["heldout_perplexity_before"],
-                "after": up["heldout_perplexity_after"],
-                "seconds": up["seconds"],
-            }
-        )
-        rows.append(
-            {
-                "stage": "uptrain",
-                "measure": "eval-split perplexity (report only)",
-                "before": up["perplexity_before"],
-                "after": up["perplexity_after"],
-                "seconds": up["seconds"],
-            }
-        )
+        before, after = up["heldout_perplexity_before"], up["heldout_perplexity_after"]
+        rows.append(_row("uptrain", "held-out calibration perplexity", before, after, up["seconds"]))
+        before, after = up["perplexity_before"], up["perplexity_after"]
+        rows.append(_row("uptrain", "eval-split perplexity (report only)", before, after, up["seconds"]))
     return pd.DataFrame(rows)
+
+
+def _row(stage: str, measure: str, before: float, after: float, seconds: float) -> dict:
+    return {"stage": stage, "measure": measure, "before": before, "after": after, "seconds": seconds}
 
 
 def spec_record(spec: RecoverySpec) -> dict:

@@ -41,14 +41,18 @@ class UptrainResult:
 
 def attention_parameters(loaded: LoadedModel) -> list[torch.nn.Parameter]:
     """Parameters of every softmax-attention module and its output projection (through the adapter), deduplicated."""
-    seen, params = set(), []
-    for layer in loaded.layers:
-        for module in (layer.module, loaded.adapter.out_proj(layer)):
-            for param in module.parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    params.append(param)
-    return params
+    modules = [m for layer in loaded.layers for m in (layer.module, loaded.adapter.out_proj(layer))]
+    return _unique(p for module in modules for p in module.parameters())
+
+
+def _unique(params) -> list[torch.nn.Parameter]:
+    """`params` without repeats (tied or shared parameters), first occurrence kept, in order."""
+    seen, unique = set(), []
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
 
 
 def distillation_loss(student_logits, teacher_logits, valid) -> torch.Tensor:
@@ -135,13 +139,8 @@ def trained_parameters(loaded: LoadedModel, trained: str = "attention") -> list[
         return list(loaded.model.parameters())
     params = attention_parameters(loaded)
     if trained == "norms":
-        seen = {id(p) for p in params}
-        for module in loaded.model.modules():
-            if "norm" in type(module).__name__.lower():
-                for p in module.parameters(recurse=False):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        params.append(p)
+        norms = [m for m in loaded.model.modules() if "norm" in type(m).__name__.lower()]
+        params = _unique([*params, *(p for module in norms for p in module.parameters(recurse=False))])
     return params
 
 
