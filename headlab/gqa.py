@@ -468,5 +468,9 @@ def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) ->
 
 __getattr__ = moved_names(
     "headlab.gqa",
-    {"similarity_table": "headlab.kv_heads", "permute_heads": "headlab.kv_heads", "pool_weights": "headlab.kv_heads"},
+    {
+        name: "headlab.kv_heads"
+        for name in ("similarity_table", "permute_heads", "pool_weights")
+        + ("best_groups", "canonical", "contiguous_groups", "identity_groups")  # no longer used here since plan/apply
+    },
 )
