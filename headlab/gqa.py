@@ -253,7 +253,7 @@ def convert_checkpoint(
     more KV heads than the model has, "expand" (expand-kv) fewer. recovery: a function(loaded) -> record run on the
     converted model before saving (headlab.recover; the checkpoint then holds recovery/).
 
-    Composes validate -> calibrate -> plan -> apply -> recover -> evaluate -> save. 19 parameters because this is the
+    Composes validate -> measure -> calibrate -> plan -> apply -> measure -> recover -> save. 19 parameters because this is the
     Python API of both commands (scripts and tests call it by keyword); the seven data ones become one TextSpec.
     """
     action = _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, grouping, method)
@@ -262,13 +262,13 @@ def convert_checkpoint(
         corpus = load_corpus(corpus, text_column)
     eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
     score = _scorer(loaded, corpus if evaluate else None, eval_args, progress)
-    G = gqa_layers(loaded)[0].num_kv_heads
+    layers = gqa_layers(loaded)
+    G = layers[0].num_kv_heads
     record = {"model": loaded.spec, "source": loaded.source, "kv_heads_before": G, "kv_heads_after": kv_heads}
     record.update(_measured(loaded, "before", score))
     calibration = dict(seq_len=seq_len, batch_size=batch_size, calib_tokens=calib_tokens, progress=progress)
     similarity, batches, calibrated = _calibration(loaded, corpus, action == "pool", {grouping}, {method}, calibration)
     record.update(calibrated)
-    layers = gqa_layers(loaded)
     plan = plan_conversion(
         layers, kv_heads, pool=pool, grouping=grouping, method=method, similarity=similarity, seed=seed
     )
