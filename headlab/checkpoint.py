@@ -1,23 +1,26 @@
 """Saving edited models as checkpoints that vanilla transformers loads, verified by reloading them.
 
-Shared by every command that writes weights (GQA conversion, physical pruning): save atomically, reload, compare
-logits on a fixed probe input, and only then move the directory into place.
+Shared by every command that writes weights (GQA conversion, physical pruning, recovery): save atomically, reload,
+compare logits on a fixed probe input, and only then move the directory into place (with the command's record files
+beside the weights: `save_with_record`).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 from headlab.arch import adapter_for
 from headlab.errors import HeadlabError
 from headlab.fsio import atomic_directory, check_out, write_json
 from headlab.layout import HEAD_LAYOUT_KEY, load_pruned, model_class
-from headlab.loading import input_device, load_model
+from headlab.loading import LoadedModel, input_device, load_model
 from headlab.reload_stream import should_stream, streamed_reload
 from headlab.tables import versions
 
@@ -97,6 +100,7 @@ def default_tolerance(dtype: torch.dtype) -> float:
 
 def _auto_class_for(model: nn.Module):
     """The transformers Auto class that maps this model's config to exactly its class (vanilla loading)."""
+    # The Auto classes' mappings take about half a second to import: only a reload needs them (start-up time).
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMaskedLM
 
     for auto in (AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForImageTextToText):
@@ -119,8 +123,6 @@ def reload(path: Path, like: nn.Module) -> tuple[nn.Module, str]:
         dtype = str(parameter.dtype).removeprefix("torch.")
         loaded = load_model(str(path), device=device, dtype=dtype, attn_implementation=attn)
         return loaded.model.to(parameter.device), "headlab.loading.load_model"
-    from transformers.utils import logging as hf_logging
-
     auto = _auto_class_for(like)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a mismatch is reported as one line by verify_reload, not as transformers' table
@@ -175,8 +177,8 @@ def meta_load_check(path: Path, tolerated: set[str] = frozenset()) -> dict:
     transformers checks every tensor name and shape against the config without allocating storage. For checkpoints
     too large to reload beside the model (layer-by-layer conversion, models spread over several devices).
     `tolerated`: stored names transformers may ignore as unexpected (ones the source already held)."""
+    # AutoConfig's mapping takes about half a second to import: only this check needs it (start-up time).
     from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
 
     config = AutoConfig.from_pretrained(path)
     adapter = adapter_for(config)
@@ -220,8 +222,6 @@ def save_checkpoint(
     """Save model (+ tokenizer, + `headlab.json` with `meta`) to `out` atomically; with verify=True reload the saved
     files first and raise CheckpointMismatch (writing nothing) if their logits differ from the model's. A model a
     device map spread over several devices is checked by `meta_load_check` instead (no room for a second copy)."""
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # per-shard bars are noise next to headlab's own progress
     out = Path(out)
     check_out(out, overwrite)
@@ -244,3 +244,24 @@ def save_checkpoint(
         }
         write_json(tmp / META_FILE, record)
     return verification
+
+
+def save_with_record(
+    loaded: LoadedModel,
+    out: Path,
+    meta: dict,
+    write_extras: Callable[[Path], None] | None = None,
+    *,
+    overwrite: bool = False,
+) -> dict | None:
+    """Save `loaded`'s model and tokenizer to `out` with `headlab.json` (`meta`) and the command's own record files,
+    all published by one rename: stage `out` (fsio.atomic_directory), `save_checkpoint` into the staging directory
+    (it reloads the files and compares logits first), `write_extras(staging)` adds the record files, then publish.
+    Any failure, the reload check's included, leaves nothing at `out`. Returns the verification (as a dict)."""
+    with atomic_directory(Path(out), overwrite=overwrite) as staging:
+        # save_checkpoint stages its own directory and moves it onto `staging`; the record files join it before the
+        # one rename that publishes `out`.
+        verification = save_checkpoint(loaded.model, loaded.tokenizer, staging, overwrite=True, meta=meta)
+        if write_extras is not None:
+            write_extras(staging)
+    return verification.to_dict() if verification else None

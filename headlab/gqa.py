@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab.arch import AttentionLayer
-from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_checkpoint
+from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_with_record
 from headlab.costs import kv_bytes_per_token
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError, moved_names
@@ -26,17 +26,17 @@ from headlab.evaluate import perplexity
 from headlab.fsio import check_out
 from headlab.kv_heads import (
     GROUPINGS,
+    METHODS,
     POOLS,
-    best_groups,
-    canonical,
+    ConversionPlan,
     check_direction,
     check_kv_heads,
-    contiguous_groups,
     expand_weights,
     gqa_layers,
-    identity_groups,
     kv_similarity,
+    layer_groups,
     permute_weights,
+    plan_conversion,
     pool_weights,
 )
 from headlab.loading import LoadedModel, check_resident
@@ -44,9 +44,6 @@ from headlab.merge import merge_kv_heads
 from headlab.recover import save_recovered
 from headlab.restore import restoring
 from headlab.tables import versions, write_run
-
-# mean: pool by POOLS (Ainslie et al. 2023); svd: calibrated, training-free merge (headlab.merge)
-METHODS = ("mean", "svd")
 
 
 @dataclass
@@ -65,6 +62,22 @@ class Conversion:
     method: str = "mean"  # mean (pooled by `pool`) or svd (headlab.merge)
     merge: dict | None = None  # what the svd merge did (keys/values: svd or mean, calibration tokens)
 
+    @classmethod
+    def from_plan(cls, plan: ConversionPlan) -> Conversion:
+        """The record of `plan` before it is applied (apply fills in permuted_layers and merge)."""
+        groups = [[list(group) for group in layer] for layer in plan.groups]
+        return cls(
+            plan.kv_heads_before,
+            plan.kv_heads_after,
+            plan.action,
+            plan.pool,
+            plan.grouping,
+            plan.seed,
+            groups,
+            list(plan.methods),
+            method=plan.method or "mean",
+        )
+
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
@@ -82,17 +95,49 @@ class Conversion:
 def plan_groups(
     loaded: LoadedModel, kv_heads: int, grouping: str = "contiguous", similarity: dict | None = None
 ) -> tuple[list[list[list[int]]], list[str]]:
-    """Per layer, the groups of current KV heads to pool (and how they were found)."""
-    if grouping not in GROUPINGS:
-        raise HeadlabError(f"unknown --grouping {grouping!r}; use one of {', '.join(GROUPINGS)}")
+    """Per layer, the groups of current KV heads to pool (and how they were found): kv_heads.layer_groups."""
+    return layer_groups(gqa_layers(loaded), kv_heads, grouping, similarity)
+
+
+def apply(loaded: LoadedModel, plan: ConversionPlan, *, batches=None, progress: bool = False) -> Conversion:
+    """Do `plan`'s weight surgery on `loaded` in place (pool, merge, expand, or nothing to keep) and write the new
+    count into the config (num_key_value_heads), so save_pretrained gives a vanilla-loadable checkpoint. A plan
+    with method "svd" merges each group with headlab.merge, calibrated on `batches` (calibration windows)."""
+    check_resident(loaded, "KV-head conversion")
     layers = gqa_layers(loaded)
-    G = layers[0].num_kv_heads
-    if grouping == "contiguous":
-        return [contiguous_groups(G, kv_heads) for _ in layers], ["contiguous"] * len(layers)
-    if similarity is None:
-        raise ValueError("similarity grouping needs kv_similarity(...) results")
-    found = [best_groups(similarity["similarity"][layer.index], kv_heads) for layer in layers]
-    return [g for g, _ in found], [m for _, m in found]
+    layout = (plan.num_heads, plan.kv_heads_before, plan.head_dim)
+    if (layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim) != layout or len(plan.groups) != len(layers):
+        raise ValueError(f"the plan is for {len(plan.groups)} layers of (H, G, D) = {layout}, not this model's")
+    if plan.method == "svd" and batches is None:
+        raise ValueError("method='svd' needs calibration batches")
+    conversion = Conversion.from_plan(plan)
+    if plan.action == "expand":
+        for layer in layers:
+            loaded.adapter.write(layer, expand_weights(loaded.adapter.read(layer), plan.kv_heads_after))
+    elif plan.action == "pool":
+        conversion.permuted_layers = _pool_layers(loaded, layers, plan)
+        if plan.method == "svd":
+            conversion.merge = merge_kv_heads(loaded, plan.kv_heads_after, batches, progress=progress)
+    if plan.action != "keep":
+        loaded.adapter.set_config_heads(loaded.model.config, plan.num_heads, plan.kv_heads_after, plan.head_dim)
+    return conversion
+
+
+def _pool_layers(loaded: LoadedModel, layers: list[AttentionLayer], plan: ConversionPlan) -> int:
+    """Permute each layer whose groups are not contiguous, then pool (method "mean"); the svd merge that follows
+    works on the permuted, contiguous groups. Returns how many layers were permuted."""
+    permuted = 0
+    for layer in layers:
+        weights = loaded.adapter.read(layer)
+        if plan.permutes(layer.index):
+            weights = permute_weights(weights, plan.order(layer.index))
+            permuted += 1
+            if plan.method == "svd":
+                loaded.adapter.write(layer, weights)
+        if plan.method == "mean":
+            pooled = pool_weights(weights, plan.kv_heads_after, plan.pool, seed=plan.seed + layer.index)
+            loaded.adapter.write(layer, pooled)
+    return permuted
 
 
 def convert(
@@ -108,59 +153,25 @@ def convert(
     batches=None,
     progress: bool = False,
 ) -> Conversion:
-    """Change every softmax-attention layer to `kv_heads` KV heads in place (pool, expand, or keep) and write the
-    count into the config (num_key_value_heads), so save_pretrained gives a vanilla-loadable checkpoint.
+    """Change every softmax-attention layer to `kv_heads` KV heads in place (pool, expand, or keep): `plan_conversion`
+    then `apply`.
 
     Pooling with grouping="similarity" needs `similarity` (kv_similarity) or explicit per-layer `groups`.
     method="svd" merges each group with headlab.merge, calibrated on `batches` (calibration windows), instead of
     pooling by `pool`.
     """
-    if method not in METHODS:
-        raise HeadlabError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
     check_resident(loaded, "KV-head conversion")
-    layers = gqa_layers(loaded)
-    H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
-    action = check_kv_heads(H, G, kv_heads)
-    if pool not in POOLS:
-        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
-    if action != "pool":
-        if action == "expand":
-            for layer in layers:
-                loaded.adapter.write(layer, expand_weights(loaded.adapter.read(layer), kv_heads))
-            loaded.adapter.set_config_heads(loaded.model.config, H, kv_heads, D)
-        identity = [identity_groups(G, kv_heads) for _ in layers]
-        return Conversion(G, kv_heads, action, None, None, seed, identity, [action] * len(layers))
-    if groups is None:
-        groups, methods = plan_groups(loaded, kv_heads, grouping, similarity)
-    else:
-        methods = ["given"] * len(layers)
-    conversion = Conversion(
-        G, kv_heads, "pool", pool, grouping, seed, [canonical(g) for g in groups], methods, method=method
+    plan = plan_conversion(
+        gqa_layers(loaded),
+        kv_heads,
+        pool=pool,
+        grouping=grouping,
+        method=method,
+        similarity=similarity,
+        groups=groups,
+        seed=seed,
     )
-    if method == "svd" and batches is None:
-        raise ValueError("method='svd' needs calibration batches")
-    for layer in layers:
-        layer_groups = conversion.groups[layer.index]
-        if sorted(i for g in layer_groups for i in g) != list(range(G)) or {len(g) for g in layer_groups} != {
-            G // kv_heads
-        }:
-            raise HeadlabError(
-                f"layer {layer.index}: groups {layer_groups} are not {kv_heads} equal parts of {G} heads"
-            )
-        weights = loaded.adapter.read(layer)
-        order = [i for g in layer_groups for i in g]
-        if order != list(range(G)):
-            weights = permute_weights(weights, order)
-            conversion.permuted_layers += 1
-            if method == "svd":  # groups made contiguous; the merge below works on contiguous groups
-                loaded.adapter.write(layer, weights)
-        if method == "mean":
-            loaded.adapter.write(layer, pool_weights(weights, kv_heads, pool, seed=seed + layer.index))
-    if method == "svd":
-        conversion.pool = None
-        conversion.merge = merge_kv_heads(loaded, kv_heads, batches, progress=progress)
-    loaded.adapter.set_config_heads(loaded.model.config, H, kv_heads, D)
-    return conversion
+    return apply(loaded, plan, batches=batches, progress=progress)
 
 
 # ---- KV-cache bytes ------------------------------------------------------------------------------------------------
@@ -240,7 +251,38 @@ def convert_checkpoint(
     bytes after, save to `out` verified by a vanilla reload. Bad input fails before any work; the source files are
     never touched (an --out equal to or containing the source is refused). direction "pool" (convert-gqa) refuses
     more KV heads than the model has, "expand" (expand-kv) fewer. recovery: a function(loaded) -> record run on the
-    converted model before saving (headlab.recover; the checkpoint then holds recovery/)."""
+    converted model before saving (headlab.recover; the checkpoint then holds recovery/).
+
+    Composes validate -> measure -> calibrate -> plan -> apply -> measure -> recover -> save. 19 parameters because this is the
+    Python API of both commands (scripts and tests call it by keyword); the seven data ones become one TextSpec.
+    """
+    action = _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, grouping, method)
+    calibrate = action == "pool" and (grouping == "similarity" or method == "svd")
+    if not isinstance(corpus, Corpus) and (evaluate or calibrate):
+        corpus = load_corpus(corpus, text_column)
+    eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
+    score = _scorer(loaded, corpus if evaluate else None, eval_args, progress)
+    layers = gqa_layers(loaded)
+    G = layers[0].num_kv_heads
+    record = {"model": loaded.spec, "source": loaded.source, "kv_heads_before": G, "kv_heads_after": kv_heads}
+    record.update(_measured(loaded, "before", score))
+    calibration = dict(seq_len=seq_len, batch_size=batch_size, calib_tokens=calib_tokens, progress=progress)
+    similarity, batches, calibrated = _calibration(loaded, corpus, action == "pool", {grouping}, {method}, calibration)
+    record.update(calibrated)
+    plan = plan_conversion(
+        layers, kv_heads, pool=pool, grouping=grouping, method=method, similarity=similarity, seed=seed
+    )
+    record["conversion"] = apply(loaded, plan, batches=batches, progress=progress).to_dict()
+    record.update(_measured(loaded, "after", score))
+    if evaluate:
+        record["eval"] = {"data": getattr(corpus, "spec", corpus), **eval_args}
+    record.update(_recover_and_save(loaded, out, record, recovery, score, overwrite))
+    record["out"] = str(out)
+    return record
+
+
+def _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, grouping, method) -> str:
+    """convert_checkpoint's checks before any work (--out, target, direction, choices); returns the action."""
     check_checkpoint_out(out, overwrite, loaded.source)
     layers = gqa_layers(loaded)
     H, G = layers[0].num_heads, layers[0].num_kv_heads
@@ -250,51 +292,52 @@ def convert_checkpoint(
         raise HeadlabError(
             f"--pool must be one of {POOLS}, --grouping one of {GROUPINGS} and --method one of {METHODS}"
         )
-    calibrate = action == "pool" and (grouping == "similarity" or method == "svd")
-    if not isinstance(corpus, Corpus) and (evaluate or calibrate):
-        corpus = load_corpus(corpus, text_column)
-    eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
-    record = {"model": loaded.spec, "source": loaded.source, "kv_heads_before": G, "kv_heads_after": kv_heads}
-    record["kv_bytes_per_token_before"] = kv_bytes_per_token(loaded)
-    record["measured_kv_bytes_per_token_before"] = measured_kv_bytes_per_token(loaded)
-    if evaluate:
-        record["perplexity_before"] = _perplexity(loaded, corpus, eval_args, progress).to_dict()
-    similarity = None
-    if action == "pool" and grouping == "similarity":
+    return action
+
+
+def _scorer(loaded, corpus, eval_args, progress):
+    """The eval-split perplexity of `loaded` as it is when called, as a dict; None without a corpus (no --eval)."""
+    if corpus is None:
+        return None
+    return lambda: _perplexity(loaded, corpus, eval_args, progress).to_dict()
+
+
+def _measured(loaded: LoadedModel, when: str, score) -> dict:
+    """KV bytes per token by formula and from a real cache, and perplexity when scored, suffixed by `when`."""
+    measured = {
+        f"kv_bytes_per_token_{when}": kv_bytes_per_token(loaded),
+        f"measured_kv_bytes_per_token_{when}": measured_kv_bytes_per_token(loaded),
+    }
+    if score is not None:
+        measured[f"perplexity_{when}"] = score()
+    return measured
+
+
+def _calibration(loaded, corpus, pooling: bool, groupings, methods, calibration: dict):
+    """(similarity, merge batches, record) for the pooled targets: KV-head similarity when a grouping is
+    "similarity", calibration windows when a method is "svd"; None (and nothing recorded) otherwise."""
+    seq_len, batch_size, calib_tokens = (calibration[k] for k in ("seq_len", "batch_size", "calib_tokens"))
+    similarity, batches, record = None, None, {}
+    if pooling and "similarity" in groupings:
         calib = dict(part="calibration", seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens)
-        similarity, record["calibration"] = _similarity_for(loaded, corpus, calib, progress)
-    batches = None
-    if action == "pool" and method == "svd":
+        similarity, record["calibration"] = _similarity_for(loaded, corpus, calib, calibration["progress"])
+    if pooling and "svd" in methods:
         batches = _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens)
         record["merge_calibration"] = batches.meta
-    conversion = convert(
-        loaded,
-        kv_heads,
-        pool=pool,
-        grouping=grouping,
-        similarity=similarity,
-        seed=seed,
-        method=method,
-        batches=batches,
-        progress=progress,
-    )
-    record["conversion"] = conversion.to_dict()
-    record["kv_bytes_per_token_after"] = kv_bytes_per_token(loaded)
-    record["measured_kv_bytes_per_token_after"] = measured_kv_bytes_per_token(loaded)
-    if evaluate:
-        record["perplexity_after"] = _perplexity(loaded, corpus, eval_args, progress).to_dict()
-        record["eval"] = {"data": getattr(corpus, "spec", corpus), **eval_args}
-    if recovery is not None:
-        recovered = recovery(loaded)
-        if evaluate:
-            record["perplexity_recovered"] = _perplexity(loaded, corpus, eval_args, progress).to_dict()
-        record["verification"] = save_recovered(loaded, out, recovered, record, overwrite=overwrite)
-        record["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
-    else:
-        verification = save_checkpoint(loaded.model, loaded.tokenizer, out, overwrite=overwrite, meta=record)
-        record["verification"] = verification.to_dict()
-    record["out"] = str(out)
-    return record
+    return similarity, batches, record
+
+
+def _recover_and_save(loaded: LoadedModel, out, record: dict, recovery, score, overwrite: bool) -> dict:
+    """Run `recovery` (if any) on the converted model, score it, and save with the record; returns what the record
+    gains (perplexity_recovered, verification, recovery)."""
+    if recovery is None:
+        return {"verification": save_with_record(loaded, out, record, overwrite=overwrite)}
+    recovered = recovery(loaded)
+    gained = {} if score is None else {"perplexity_recovered": score()}
+    record = {**record, **gained}
+    gained["verification"] = save_recovered(loaded, out, recovered, record, overwrite=overwrite)
+    gained["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
+    return gained
 
 
 def gqa_sweep(
@@ -320,6 +363,7 @@ def gqa_sweep(
     Conversions whose per-layer groups and pool equal an earlier row's give the same weights and reuse its numbers
     (column same_as). The model is restored to its original weights after each row. methods: "mean" pools by each
     of `pools`; "svd" adds one calibrated merge (headlab.merge) per grouping (pool column "svd").
+    14 parameters: the Python API of `headlab gqa-sweep` (scripts call it by keyword); the data ones become a TextSpec.
     """
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
@@ -332,59 +376,56 @@ def gqa_sweep(
     eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
     meta = {"model": loaded.spec, "source": loaded.source, "eval": {"data": corpus.spec, **eval_args}, "seed": seed}
     pooling = any(a == "pool" for a in actions.values())
-    similarity = None
-    if "similarity" in groupings and pooling:
-        calib = dict(part="calibration", seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens)
-        similarity, meta["calibration"] = _similarity_for(loaded, corpus, calib, progress)
-    batches = None
-    if "svd" in methods and pooling:
-        batches = _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens)
-        meta["merge_calibration"] = batches.meta
+    calibration = dict(seq_len=seq_len, batch_size=batch_size, calib_tokens=calib_tokens, progress=progress)
+    similarity, batches, calibrated = _calibration(loaded, corpus, pooling, groupings, methods, calibration)
+    meta.update(calibrated)
 
     rows, seen = [], {}
     jobs = _sweep_jobs(kv_heads, actions, groupings, pools, methods)
     for g, grouping, pool in tqdm(jobs, desc="GQA sweep", disable=not progress, unit="variant"):
-        groups = None
-        if grouping is not None:
-            groups, _ = plan_groups(loaded, g, grouping, similarity)
-            groups = [canonical(x) for x in groups]
-        key = (g, pool, repr(groups))
+        plan = _variant_plan(layers, g, grouping, pool, similarity, seed)
+        key = (g, pool, repr(plan.groups))
         label = f"{g}/{grouping or actions[g]}/{pool or '-'}"
         if key in seen:
             rows.append(dict(seen[key], grouping=grouping, pool=pool, variant=label, same_as=seen[key]["variant"]))
             continue
         with restoring(loaded):  # back to the original model for the next variant, also after an error
-            conversion = convert(
-                loaded,
-                g,
-                pool="mean" if pool in (None, "svd") else pool,
-                grouping=grouping or "contiguous",
-                groups=groups,
-                seed=seed,
-                method="svd" if pool == "svd" else "mean",
-                batches=batches,
-            )
-            result = _perplexity(loaded, corpus, eval_args, progress=False)
-            row = {
-                "variant": label,
-                "kv_heads": g,
-                "action": conversion.action,
-                "grouping": grouping,
-                "pool": pool,
-                "perplexity": result.perplexity,
-                "nll": result.nll,
-                "scored_tokens": result.scored_tokens,
-                "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
-                "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
-                "permuted_layers": conversion.permuted_layers,
-                "same_as": None,
-            }
+            conversion = apply(loaded, plan, batches=batches)
+            row = {"variant": label, "kv_heads": g, "action": conversion.action, "grouping": grouping, "pool": pool}
+            row.update(_variant_numbers(loaded, corpus, eval_args, conversion))
         rows.append(row)
         seen[key] = row
     frame = pd.DataFrame(rows)
     frame["relative_kv_bytes"] = frame["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
     meta.update({"query_heads": H, "kv_heads": G, "head_dim": D, "targets": kv_heads, "dtype": str(loaded.dtype)})
     return frame, meta
+
+
+def _variant_plan(layers, kv_heads: int, grouping: str | None, pool: str | None, similarity, seed: int):
+    """The plan of one sweep row: pool column "svd" is the calibrated merge, None an expanded or unchanged model."""
+    return plan_conversion(
+        layers,
+        kv_heads,
+        pool="mean" if pool in (None, "svd") else pool,
+        grouping=grouping or "contiguous",
+        method="svd" if pool == "svd" else "mean",
+        similarity=similarity,
+        seed=seed,
+    )
+
+
+def _variant_numbers(loaded: LoadedModel, corpus, eval_args: dict, conversion: Conversion) -> dict:
+    """One sweep row's measurements of the converted model in memory."""
+    result = _perplexity(loaded, corpus, eval_args, progress=False)
+    return {
+        "perplexity": result.perplexity,
+        "nll": result.nll,
+        "scored_tokens": result.scored_tokens,
+        "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
+        "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
+        "permuted_layers": conversion.permuted_layers,
+        "same_as": None,
+    }
 
 
 def _check_choices(groupings, pools, methods) -> None:
@@ -427,5 +468,9 @@ def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) ->
 
 __getattr__ = moved_names(
     "headlab.gqa",
-    {"similarity_table": "headlab.kv_heads", "permute_heads": "headlab.kv_heads", "pool_weights": "headlab.kv_heads"},
+    {
+        name: "headlab.kv_heads"
+        for name in ("similarity_table", "permute_heads", "pool_weights")
+        + ("best_groups", "canonical", "contiguous_groups", "identity_groups")  # no longer used here since plan/apply
+    },
 )

@@ -1,5 +1,6 @@
-"""KV-head grouping and pooling algebra: which KV heads to group (contiguous, or by calibrated similarity), and
-the weight edits that pool, repeat or permute them (Ainslie et al. 2023). No saving or evaluation: see gqa.py.
+"""KV-head grouping and pooling algebra: which KV heads to group (contiguous, or by calibrated similarity), the pure
+conversion plan (`plan_conversion`), and the weight edits that pool, repeat or permute them (Ainslie et al. 2023).
+No saving or evaluation: see gqa.py, which applies a plan to a model.
 
 Layout rule (transformers' repeat_kv): query head h reads KV head h // (H / G). Pooling contiguous KV heads
 [g*m, (g+1)*m) into KV head g keeps that rule for the same query heads, so query weights never change; any other
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import pandas as pd
 import torch
@@ -23,6 +25,8 @@ from headlab.loading import LoadedModel, check_resident
 
 POOLS = ("mean", "first", "random")
 GROUPINGS = ("contiguous", "similarity")
+# mean: pool by POOLS (Ainslie et al. 2023); svd: calibrated, training-free merge (headlab.merge)
+METHODS = ("mean", "svd")
 # Enumerate every equal-size partition up to this many (9 heads in 3s: 280; 12 in 3s: 15,400; 12 in 4s: 5,775).
 EXACT_SEARCH_LIMIT = 100_000
 
@@ -41,10 +45,16 @@ def gqa_layers(loaded: LoadedModel) -> list[AttentionLayer]:
             f"num_key_value_heads; supports_gqa=False); KV-head conversion works for: {', '.join(capable)}"
         )
     layers = loaded.layers
+    uniform_layout(layers)
+    return layers
+
+
+def uniform_layout(layers: Sequence[AttentionLayer]) -> tuple[int, int, int]:
+    """The one (H, G, D) of every layer; a model whose layers differ cannot be converted (one config count)."""
     layouts = sorted({(layer.num_heads, layer.num_kv_heads, layer.head_dim) for layer in layers})
     if len(layouts) != 1:
         raise HeadlabError(f"KV-head conversion needs the same (H, G, D) in every layer, found {layouts}")
-    return layers
+    return layouts[0]
 
 
 def check_kv_heads(num_heads: int, num_kv_heads: int, kv_heads: int) -> str:
@@ -174,6 +184,103 @@ def best_groups(similarity: torch.Tensor, kv_heads: int) -> tuple[list[list[int]
     return canonical(_greedy_groups(similarity, m)), "greedy"
 
 
+def layer_groups(
+    layers: Sequence[AttentionLayer], kv_heads: int, grouping: str = "contiguous", similarity: dict | None = None
+) -> tuple[list[list[list[int]]], list[str]]:
+    """Per layer, the groups of current KV heads to pool into `kv_heads` (and how each layer's were found):
+    contiguous (transformers' layout) or similarity (`best_groups` on `similarity["similarity"][layer]`)."""
+    if grouping not in GROUPINGS:
+        raise HeadlabError(f"unknown --grouping {grouping!r}; use one of {', '.join(GROUPINGS)}")
+    G = layers[0].num_kv_heads
+    if grouping == "contiguous":
+        return [contiguous_groups(G, kv_heads) for _ in layers], ["contiguous"] * len(layers)
+    if similarity is None:
+        raise ValueError("similarity grouping needs kv_similarity(...) results")
+    found = [best_groups(similarity["similarity"][layer.index], kv_heads) for layer in layers]
+    return [g for g, _ in found], [m for _, m in found]
+
+
+# ---- the conversion plan (pure: no weight is read or written) ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """What a KV-head conversion will do, decided before any weight is touched (`plan_conversion`); headlab.gqa.apply
+    does it. Per softmax-attention layer i, `groups[i]` says what each KV head becomes:
+    - pool: new KV head g is the pool (`pool`) or calibrated merge (method "svd") of the original KV heads
+      groups[i][g]; a layer whose groups are not contiguous is permuted first (`order`, `permutes`);
+    - expand / keep: original KV head g becomes the new KV heads groups[i][g] (copies; keep: itself).
+    """
+
+    num_heads: int  # H, query heads (unchanged)
+    kv_heads_before: int  # G
+    kv_heads_after: int  # G'
+    head_dim: int  # D
+    action: str  # pool, expand or keep
+    pool: str | None  # the pooling rule (POOLS) of method "mean"; None otherwise
+    grouping: str | None  # how the groups were chosen (GROUPINGS); None when not pooling
+    method: str | None  # mean or svd (METHODS) when pooling; None otherwise
+    seed: int
+    groups: list[list[list[int]]]  # [layer][new or original KV head] -> KV heads
+    methods: list[str]  # per layer: contiguous, trivial, exact, greedy, given, expand or keep
+
+    def order(self, layer: int) -> list[int]:
+        """The original KV heads in the order that makes the layer's groups contiguous (identity when they are)."""
+        return [i for group in self.groups[layer] for i in group]
+
+    def permutes(self, layer: int) -> bool:
+        """True when pooling this layer needs its KV heads (and their query heads) permuted first."""
+        return self.action == "pool" and self.order(layer) != list(range(self.kv_heads_before))
+
+    def table(self) -> pd.DataFrame:
+        """One row per (original, new) KV-head pair: layer, kv_head, new_kv_head. Pooling maps a group of original
+        heads to one new head; expanding maps one original head to a group of new ones."""
+        pooled = self.action == "pool"
+        rows = [
+            (layer, member if pooled else g, g if pooled else member)
+            for layer, layer_groups in enumerate(self.groups)
+            for g, group in enumerate(layer_groups)
+            for member in group
+        ]
+        return pd.DataFrame(rows, columns=["layer", "kv_head", "new_kv_head"])
+
+
+def plan_conversion(
+    layers: Sequence[AttentionLayer],
+    kv_heads: int,
+    *,
+    pool: str = "mean",
+    grouping: str = "contiguous",
+    method: str = "mean",
+    similarity: dict | None = None,
+    groups: list[list[list[int]]] | None = None,
+    seed: int = 0,
+) -> ConversionPlan:
+    """Pure: layers' (H, G, D) + target `kv_heads` + grouping, pool and method -> the ConversionPlan. Bad choices and
+    bad explicit `groups` (not `kv_heads` equal parts of every layer's G heads) raise before any weight is touched.
+    grouping="similarity" needs `similarity` (kv_similarity) unless `groups` are given."""
+    if method not in METHODS:
+        raise HeadlabError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
+    H, G, D = uniform_layout(layers)
+    action = check_kv_heads(H, G, kv_heads)
+    if pool not in POOLS:
+        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
+    if action != "pool":
+        identity = [identity_groups(G, kv_heads) for _ in layers]
+        return ConversionPlan(H, G, kv_heads, D, action, None, None, None, seed, identity, [action] * len(layers))
+    if groups is None:
+        groups, methods = layer_groups(layers, kv_heads, grouping, similarity)
+    else:
+        methods = ["given"] * len(layers)
+    groups = [canonical(g) for g in groups]
+    for layer in layers:
+        members = groups[layer.index]
+        if sorted(i for g in members for i in g) != list(range(G)) or {len(g) for g in members} != {G // kv_heads}:
+            raise HeadlabError(f"layer {layer.index}: groups {members} are not {kv_heads} equal parts of {G} heads")
+    pooled_by = pool if method == "mean" else None
+    return ConversionPlan(H, G, kv_heads, D, "pool", pooled_by, grouping, method, seed, groups, methods)
+
+
 # ---- similarity on calibration text --------------------------------------------------------------------------------
 
 
@@ -265,6 +372,23 @@ def _std(t: torch.Tensor) -> torch.Tensor:
     return t.float().std() if t.numel() > 1 else t.float().abs().mean()
 
 
+Edit = Callable[[torch.Tensor | None], torch.Tensor | None]
+
+
+def _edit_kv_heads(weights: HeadWeights, edit: Edit, spanning_norm: Edit) -> HeadWeights:
+    """`edit` applied to every per-KV-head tensor (k, v and their biases, leading dim G); a key norm spanning the
+    heads ([G, D], OLMo2) gets `spanning_norm`, a norm shared by all heads ([D]) is left as it is."""
+    spans = weights.k_norm is not None and weights.k_norm.dim() == 2
+    return replace(
+        weights,
+        k=edit(weights.k),
+        v=edit(weights.v),
+        k_bias=edit(weights.k_bias),
+        v_bias=edit(weights.v_bias),
+        k_norm=spanning_norm(weights.k_norm) if spans else weights.k_norm,
+    )
+
+
 def pool_weights(weights: HeadWeights, kv_heads: int, pool: str = "mean", seed: int = 0) -> HeadWeights:
     """Pool contiguous runs of m = G / kv_heads KV heads into one each (Ainslie et al. 2023, sec. 2.2).
 
@@ -298,15 +422,7 @@ def pool_weights(weights: HeadWeights, kv_heads: int, pool: str = "mean", seed: 
         noise = torch.randn(members[:, 0].shape, generator=generator, dtype=torch.float32)  # [G', ...]
         return (noise * scale.view(-1, *[1] * (noise.dim() - 1))).to(t.dtype).to(t.device)
 
-    spans = weights.k_norm is not None and weights.k_norm.dim() == 2
-    return replace(
-        weights,
-        k=pooled(weights.k),
-        v=pooled(weights.v),
-        k_bias=pooled(weights.k_bias),
-        v_bias=pooled(weights.v_bias),
-        k_norm=mean(weights.k_norm) if spans else weights.k_norm,
-    )
+    return _edit_kv_heads(weights, pooled, spanning_norm=mean)
 
 
 def expand_weights(weights: HeadWeights, kv_heads: int) -> HeadWeights:
@@ -317,15 +433,7 @@ def expand_weights(weights: HeadWeights, kv_heads: int) -> HeadWeights:
         return None if t is None else t.repeat_interleave(factor, dim=0)
 
     # A spanning norm over repeated copies has the same RMS (each value repeated `factor` times): still exact.
-    spans = weights.k_norm is not None and weights.k_norm.dim() == 2
-    return replace(
-        weights,
-        k=repeat(weights.k),
-        v=repeat(weights.v),
-        k_bias=repeat(weights.k_bias),
-        v_bias=repeat(weights.v_bias),
-        k_norm=repeat(weights.k_norm) if spans else weights.k_norm,
-    )
+    return _edit_kv_heads(weights, repeat, spanning_norm=repeat)
 
 
 def permute_heads(loaded: LoadedModel, kv_orders: list[list[int]]) -> None:

@@ -24,7 +24,6 @@ from headlab.costs import costs
 from headlab.data import Corpus, TextSpec, takes_text
 from headlab.errors import HeadlabError, moved_names
 from headlab.evaluate import perplexity
-from headlab.fsio import atomic_directory
 from headlab.gates import gates_from_pruned, write_mask
 from headlab.importance import METHODS as IMPORTANCE_METHODS
 from headlab.layout import (
@@ -211,19 +210,14 @@ def save_pruned(
     """Save the pruned model atomically with its record (pruning/heads.csv+.parquet, mask.csv, meta.json), after
     checkpoint.save_checkpoint has reloaded it and compared logits. Returns the verification."""
 
-    out = Path(out)
-    with atomic_directory(out, overwrite=overwrite) as staging:
-        # save_checkpoint stages its own directory and moves it onto `staging`; the record joins it before the one
-        # rename that publishes `out`.
-        verification = checkpoint.save_checkpoint(
-            loaded.model, loaded.tokenizer, staging, overwrite=True, meta=result_meta
-        )
+    def write_record(staging: Path) -> None:
         write_run(staging / RECORD_DIR, {"heads": table}, result_meta, overwrite=False)
         # The model may no longer have the original shapes: the mask is indexed by the original heads.
         write_mask(staging / RECORD_DIR / "mask.csv", gates, _original_layers(table))
         if recovery is not None:
             write_recovery(staging / RECOVERY_DIR, recovery, f"recovery of {loaded.spec}")
-    return verification.to_dict() if verification else None
+
+    return checkpoint.save_with_record(loaded, Path(out), result_meta, write_record, overwrite=overwrite)
 
 
 def _original_layers(table: pd.DataFrame):

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from headlab.checkpoint import save_checkpoint
+from headlab.checkpoint import save_with_record
 from headlab.data import Corpus, calibration_batches, load_corpus
 from headlab.errors import HeadlabError
-from headlab.fsio import atomic_directory
 from headlab.loading import LoadedModel, check_resident, from_model
 from headlab.reconstruct import LocalSpec, check_pair, reconstruct, summary
 from headlab.tables import write_run
@@ -143,13 +142,11 @@ def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
 def save_recovered(student: LoadedModel, out, record: dict, meta: dict, *, overwrite: bool = False) -> dict | None:
     """Save the recovered checkpoint, verified by a reload (headlab.checkpoint), with recovery/ beside it, atomically."""
     plain = {k: v for k, v in record.items() if k != "tables"}
-    with atomic_directory(Path(out), overwrite=overwrite) as staging:
-        # save_checkpoint replaces `staging` with its own staged directory: the recovery files go in after it.
-        verification = save_checkpoint(
-            student.model, student.tokenizer, staging, overwrite=True, meta={**meta, "recovery": plain}
-        )
+
+    def write_record(staging: Path) -> None:
         write_recovery(staging / RECOVERY_DIR, record, f"recovery of {student.spec}")
-    return verification.to_dict() if verification else None
+
+    return save_with_record(student, Path(out), {**meta, "recovery": plain}, write_record, overwrite=overwrite)
 
 
 def before_after(record: dict) -> pd.DataFrame:
@@ -157,36 +154,19 @@ def before_after(record: dict) -> pd.DataFrame:
     rows = []
     if "local" in record:
         local = record["local"]
-        rows.append(
-            {
-                "stage": "local",
-                "measure": "held-out relative layer error (mean over layers)",
-                "before": local["error_before"],
-                "after": local["error_after"],
-                "seconds": local["seconds"],
-            }
-        )
+        measure = "held-out relative layer error (mean over layers)"
+        rows.append(_row("local", measure, local["error_before"], local["error_after"], local["seconds"]))
     if "uptrain" in record:
         up = record["uptrain"]
-        rows.append(
-            {
-                "stage": "uptrain",
-                "measure": "held-out calibration perplexity",
-                "before": up["heldout_perplexity_before"],
-                "after": up["heldout_perplexity_after"],
-                "seconds": up["seconds"],
-            }
-        )
-        rows.append(
-            {
-                "stage": "uptrain",
-                "measure": "eval-split perplexity (report only)",
-                "before": up["perplexity_before"],
-                "after": up["perplexity_after"],
-                "seconds": up["seconds"],
-            }
-        )
+        before, after = up["heldout_perplexity_before"], up["heldout_perplexity_after"]
+        rows.append(_row("uptrain", "held-out calibration perplexity", before, after, up["seconds"]))
+        before, after = up["perplexity_before"], up["perplexity_after"]
+        rows.append(_row("uptrain", "eval-split perplexity (report only)", before, after, up["seconds"]))
     return pd.DataFrame(rows)
+
+
+def _row(stage: str, measure: str, before: float, after: float, seconds: float) -> dict:
+    return {"stage": stage, "measure": measure, "before": before, "after": after, "seconds": seconds}
 
 
 def spec_record(spec: RecoverySpec) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 
 import pandas as pd
@@ -40,14 +41,18 @@ class UptrainResult:
 
 def attention_parameters(loaded: LoadedModel) -> list[torch.nn.Parameter]:
     """Parameters of every softmax-attention module and its output projection (through the adapter), deduplicated."""
-    seen, params = set(), []
-    for layer in loaded.layers:
-        for module in (layer.module, loaded.adapter.out_proj(layer)):
-            for param in module.parameters():
-                if id(param) not in seen:
-                    seen.add(id(param))
-                    params.append(param)
-    return params
+    modules = [m for layer in loaded.layers for m in (layer.module, loaded.adapter.out_proj(layer))]
+    return _unique(p for module in modules for p in module.parameters())
+
+
+def _unique(params) -> list[torch.nn.Parameter]:
+    """`params` without repeats (tied or shared parameters), first occurrence kept, in order."""
+    seen, unique = set(), []
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
 
 
 def distillation_loss(student_logits, teacher_logits, valid) -> torch.Tensor:
@@ -134,13 +139,8 @@ def trained_parameters(loaded: LoadedModel, trained: str = "attention") -> list[
         return list(loaded.model.parameters())
     params = attention_parameters(loaded)
     if trained == "norms":
-        seen = {id(p) for p in params}
-        for module in loaded.model.modules():
-            if "norm" in type(module).__name__.lower():
-                for p in module.parameters(recurse=False):
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        params.append(p)
+        norms = [m for m in loaded.model.modules() if "norm" in type(m).__name__.lower()]
+        params = _unique([*params, *(p for module in norms for p in module.parameters(recurse=False))])
     return params
 
 
@@ -307,6 +307,57 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
     return stream_batches(tokenizer, train_text, config, pad_id), heldout, record
 
 
+@dataclass
+class _Best:
+    """The trained parameters' state with the lowest held-out calibration perplexity so far (the start included):
+    what uptrain hands back."""
+
+    perplexity: float
+    step: int
+    state: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, params: list[torch.nn.Parameter], perplexity: float, step: int = 0) -> _Best:
+        return cls(perplexity, step, [p.detach().clone() for p in params])
+
+    def offer(self, params: list[torch.nn.Parameter], perplexity: float, step: int) -> None:
+        """Keep the current state when it is better (strictly lower held-out perplexity)."""
+        if perplexity < self.perplexity:
+            self.perplexity, self.step, self.state = perplexity, step, [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def restore(self, params: list[torch.nn.Parameter]) -> None:
+        for p, kept in zip(params, self.state):
+            p.copy_(kept)
+
+
+@dataclass
+class _Run:
+    """One uptraining run's fixed parts, built from the spec (UptrainConfig) before the first step."""
+
+    student: LoadedModel
+    teacher: LoadedModel | None
+    config: UptrainConfig
+    corpus: Corpus
+    stream: Iterator  # training batches (stream_batches)
+    heldout: list  # held-out calibration batches
+    data_record: dict
+    bf16: bool
+    params: list[torch.nn.Parameter]  # the trained ones
+    optimizer: torch.optim.Optimizer
+    eval_args: dict = field(default_factory=dict)
+
+    def evaluate(self) -> float:
+        """Eval-split perplexity for the curve (NaN with --eval-tokens 0)."""
+        if self.config.eval_tokens == 0:
+            return math.nan
+        self.student.model.eval()
+        return perplexity(self.student, self.corpus, progress=False, **self.eval_args).perplexity
+
+    def heldout_perplexity(self) -> float:
+        return heldout_perplexity(self.student, self.heldout, self.bf16)
+
+
 def uptrain(
     student: LoadedModel,
     teacher: LoadedModel | None,
@@ -322,59 +373,73 @@ def uptrain(
     worse on held-out calibration text than the one given. `settings` override fields of `config`.
 
     Curve: one row per step (lr, loss, kl, ce, tokens, grad_norm, seconds), held-out perplexity at the checks, and
-    eval-split perplexity at step 0, every eval_every steps and at the end (the eval split only reports)."""
+    eval-split perplexity at step 0, every eval_every steps and at the end (the eval split only reports).
+    Steps: check and prepare the data (`_prepare`), the optimiser (`_optimiser`), the loop with held-out checks that
+    keep the best state (`_train`), the record (`_record`)."""
     config = replace(config or UptrainConfig(), **settings)
+    corpus = _check(student, teacher, corpus, text_column, config)
+    stream, heldout, data_record = _data(student, corpus, config)
+    bf16 = student.device.type == "cuda" if config.bf16 is None else config.bf16
+    params, optimizer = _optimiser(student, config)
+    torch.manual_seed(config.seed)
+    eval_args = dict(
+        part="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
+    )
+    run = _Run(student, teacher, config, corpus, stream, heldout, data_record, bf16, params, optimizer, eval_args)
+    start = time.perf_counter()
+    best = _Best.of(params, run.heldout_perplexity())
+    check_seconds = time.perf_counter() - start
+    rows = [_first_row(best.perplexity, run.evaluate())]
+    loop = _train(run, best, rows, start, check_seconds, progress)
+    curve = pd.DataFrame(rows)
+    final = curve["perplexity"].iloc[-1] if best.step == loop["steps_run"] else run.evaluate()
+    return UptrainResult(curve, _record(run, best, rows, loop, float(final), start))
+
+
+def _check(student, teacher, corpus, text_column, config: UptrainConfig) -> Corpus:
+    """Bad settings, a missing teacher or a mismatched pair fail before any work; returns the resolved corpus."""
     config.check()
     if config.objective != "ce" and teacher is None:
         raise HeadlabError(f"the {config.objective} objective needs a teacher")
     if teacher is not None:
         check_pair(student, teacher)
     check_resident(student, "uptraining")
-    if not isinstance(corpus, Corpus):
-        corpus = load_corpus(corpus, text_column)
-    stream, heldout, data_record = _data(student, corpus, config)
-    device, model = student.device, student.model
-    bf16 = device.type == "cuda" if config.bf16 is None else config.bf16
+    return corpus if isinstance(corpus, Corpus) else load_corpus(corpus, text_column)
+
+
+def _optimiser(student: LoadedModel, config: UptrainConfig) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The trained parameters (config.trained) and their AdamW (weight decay 0; the lr is set at every step)."""
     params = trained_parameters(student, config.trained)
-    trained = {id(p) for p in params}
-    frozen = [(p, p.requires_grad) for p in model.parameters()]
-    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
-    torch.manual_seed(config.seed)
-    eval_args = dict(
-        part="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
-    )
+    return params, torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
 
-    def evaluate() -> float:
-        if config.eval_tokens == 0:
-            return math.nan
-        model.eval()
-        return perplexity(student, corpus, progress=False, **eval_args).perplexity
 
-    start = time.perf_counter()
-    check_start = time.perf_counter()
-    best_ppl = heldout_perplexity(student, heldout, bf16)
-    check_seconds = time.perf_counter() - check_start
-    best_step, best_state = 0, [p.detach().clone() for p in params]
-    start_ppl = best_ppl
-    rows = [
-        {
-            "step": 0,
-            "lr": 0.0,
-            "loss": math.nan,
-            "kl": math.nan,
-            "ce": math.nan,
-            "tokens": 0,
-            "seconds": 0.0,
-            "heldout_perplexity": best_ppl,
-            "perplexity": evaluate(),
-        }
-    ]
+def _first_row(heldout: float, perplexity_now: float) -> dict:
+    """The curve's step 0: the start, before any training."""
+    return {
+        "step": 0,
+        "lr": 0.0,
+        "loss": math.nan,
+        "kl": math.nan,
+        "ce": math.nan,
+        "tokens": 0,
+        "seconds": 0.0,
+        "heldout_perplexity": heldout,
+        "perplexity": perplexity_now,
+    }
+
+
+def _train(run: _Run, best: _Best, rows: list[dict], start: float, check_seconds: float, progress: bool) -> dict:
+    """The loop: optimiser steps until config.steps or the minutes budget, held-out checks offering each state to
+    `best`, eval-split points for the curve (appended to `rows`). Afterwards, also after an error, the model is in
+    eval mode with the best state and its own requires_grad flags. Returns the loop's counts."""
+    config, model = run.config, run.student.model
     total = config.steps if config.steps is not None else 3  # re-planned after two steps under a minutes budget
-    heldout_every = config.heldout_every
     deadline = start + (config.minutes * 60 if config.minutes is not None else math.inf)
+    trained = {id(p) for p in run.params}
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
     restore = contextlib.ExitStack()
     checkpointing = restore.enter_context(activation_checkpointing(model, config.gradient_checkpointing))
-    kept_dead = restore.enter_context(dead_heads_kept(student))  # pruned heads stay pruned
+    kept_dead = restore.enter_context(dead_heads_kept(run.student))  # pruned heads stay pruned
     tokens_seen, step, train_seconds = 0, 0, 0.0
     bar = tqdm(total=total, desc="uptrain", disable=not progress, unit="step")
     try:
@@ -383,27 +448,17 @@ def uptrain(
         while step < total and time.perf_counter() < deadline:
             step += 1
             began = time.perf_counter()
+            lr = learning_rate(step, total, config)
             row = _train_step(
-                student, teacher, stream, optimizer, params, step, learning_rate(step, total, config), config, bf16
+                run.student, run.teacher, run.stream, run.optimizer, run.params, step, lr, config, run.bf16
             )
             train_seconds += time.perf_counter() - began
             tokens_seen += row["tokens"]
             if step == 2 and config.minutes is not None:
                 total = _planned_steps(config, step, time.perf_counter() - start, train_seconds / 2, check_seconds)
                 bar.total = total
-            every = heldout_every or max(1, total // 8)
             row.update(step=step, tokens=tokens_seen, heldout_perplexity=math.nan, perplexity=math.nan)
-            last = step >= total or time.perf_counter() >= deadline
-            if step % every == 0 or last:
-                row["heldout_perplexity"] = heldout_perplexity(student, heldout, bf16)
-                if row["heldout_perplexity"] < best_ppl:
-                    best_ppl, best_step, best_state = (
-                        row["heldout_perplexity"],
-                        step,
-                        [p.detach().clone() for p in params],
-                    )
-            if (config.eval_every and step % config.eval_every == 0) or last:
-                row["perplexity"] = evaluate()
+            _checkpoints(run, best, row, total, last=step >= total or time.perf_counter() >= deadline)
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             bar.update(1)
@@ -412,17 +467,37 @@ def uptrain(
         bar.close()
         restore.close()
         model.eval()
-        optimizer.zero_grad(set_to_none=True)
-        with torch.no_grad():  # the best state is what the caller gets, also after an error
-            for p, kept in zip(params, best_state):
-                p.copy_(kept)
+        run.optimizer.zero_grad(set_to_none=True)
+        best.restore(run.params)  # the best state is what the caller gets, also after an error
         for p, requires_grad in frozen:
             p.requires_grad_(requires_grad)
-    curve = pd.DataFrame(rows)
-    final = curve["perplexity"].iloc[-1] if best_step == step else evaluate()
-    meta = {
-        "student": student.describe(),
-        "teacher": teacher.describe() if teacher is not None else None,
+    return {
+        "steps_run": step,
+        "steps_planned": total,
+        "tokens_seen": tokens_seen,
+        "gradient_checkpointing": checkpointing,
+        "dead_heads_kept": kept_dead,
+    }
+
+
+def _checkpoints(run: _Run, best: _Best, row: dict, total: int, last: bool) -> None:
+    """At a held-out check (every heldout_every steps [default: about 8 per run] and the last step) offer the state
+    to `best`; at an eval point (every eval_every steps and the last) add the eval-split perplexity to `row`."""
+    config, step = run.config, row["step"]
+    every = config.heldout_every or max(1, total // 8)
+    if step % every == 0 or last:
+        row["heldout_perplexity"] = run.heldout_perplexity()
+        best.offer(run.params, row["heldout_perplexity"], step)
+    if (config.eval_every and step % config.eval_every == 0) or last:
+        row["perplexity"] = run.evaluate()
+
+
+def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, start: float) -> dict:
+    """The run's metadata: who trained what with which recipe, the counts, held-out and eval perplexities."""
+    config = run.config
+    return {
+        "student": run.student.describe(),
+        "teacher": run.teacher.describe() if run.teacher is not None else None,
         "config": asdict(config),
         "objective": {
             "kl": "mean KL(p_teacher || p_student) per token, temperature 1",
@@ -430,22 +505,21 @@ def uptrain(
             "mixed": f"(1 - {config.ce_weight}) KL + {config.ce_weight} CE",
         }[config.objective],
         "schedule": "AdamW (weight decay 0), linear warmup, cosine decay to 0, global-norm clipping",
-        "trained_parameters": sum(p.numel() for p in params),
-        "steps_run": step,
-        "steps_planned": total,
-        "tokens_seen": tokens_seen,
+        "trained_parameters": sum(p.numel() for p in run.params),
+        "steps_run": loop["steps_run"],
+        "steps_planned": loop["steps_planned"],
+        "tokens_seen": loop["tokens_seen"],
         "epochs_started": int(max(r.get("epoch", 0) for r in rows)) + 1,
-        "kept_step": best_step,
-        "heldout_perplexity_before": start_ppl,
-        "heldout_perplexity_after": best_ppl,
+        "kept_step": best.step,
+        "heldout_perplexity_before": rows[0]["heldout_perplexity"],
+        "heldout_perplexity_after": best.perplexity,
         "perplexity_before": rows[0]["perplexity"],
-        "perplexity_after": float(final),
-        "gradient_checkpointing": checkpointing,
-        "dead_heads_kept": kept_dead,
-        "bf16_autocast": bf16,
+        "perplexity_after": final,
+        "gradient_checkpointing": loop["gradient_checkpointing"],
+        "dead_heads_kept": loop["dead_heads_kept"],
+        "bf16_autocast": run.bf16,
         "processes": distributed.world_size(),
-        "calibration": data_record,
-        "eval": {"data": corpus.spec, **eval_args},
+        "calibration": run.data_record,
+        "eval": {"data": run.corpus.spec, **run.eval_args},
         "seconds": time.perf_counter() - start,
     }
-    return UptrainResult(curve, meta)

@@ -154,6 +154,10 @@ CASES = [
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--kv-heads", "3"], "3"),
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--pool", "median"], "median"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--grouping", "contiguous,random"], "random"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--method", "mean,pca"], "pca"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--kv-heads", "0"], "at least 1"),
+    (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "0", "--out", "c"], "at least 1"),
     # uptrain
     (
         ["uptrain", "--model", "{llama}", "--teacher", "{mha}", *M, *DATA, "--eval-seq-len", "32", "--steps", "-1"],

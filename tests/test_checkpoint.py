@@ -17,9 +17,11 @@ from headlab.checkpoint import (
     describe_check,
     logits_of,
     save_checkpoint,
+    save_with_record,
     verify_reload,
 )
 from headlab.errors import HeadlabError
+from headlab.loading import from_model
 
 
 def test_verify_reload_catches_a_mismatch(tmp_path):
@@ -64,3 +66,49 @@ def test_out_must_be_new_and_apart_from_the_source(tmp_path):
     for out in (tmp_path / "source", tmp_path / "source" / "inside", tmp_path):
         with pytest.raises(HeadlabError, match="source model"):
             check_checkpoint_out(out, overwrite=True, source=tmp_path / "source")
+
+
+def test_save_with_record_publishes_weights_record_and_extras_together(tmp_path):
+    model = tiny_model("llama")
+
+    def extras(staging):
+        assert (staging / META_FILE).is_file() and not (tmp_path / "out").exists()  # staged, not yet published
+        (staging / "record").mkdir()
+        (staging / "record" / "table.csv").write_text("layer,head\n0,1\n")
+
+    check = save_with_record(from_model(model), tmp_path / "out", {"edit": "none"}, extras)
+    assert check["max_abs_diff"] <= check["tolerance"]
+    assert (tmp_path / "out" / "record" / "table.csv").read_text() == "layer,head\n0,1\n"
+    record = json.loads((tmp_path / "out" / META_FILE).read_text())
+    assert record["edit"] == "none" and record["verification"]["max_abs_diff"] == check["max_abs_diff"]
+    assert sorted(os.listdir(tmp_path)) == ["out"]  # no staging directory left beside it
+
+
+@pytest.mark.parametrize("stage", ["verification", "extras"])
+def test_save_with_record_leaves_nothing_when_a_stage_fails(stage, tmp_path, monkeypatch):
+    import headlab.checkpoint as checkpoint
+
+    def mismatch(*args, **kwargs):
+        raise CheckpointMismatch("differs")
+
+    def extras(staging):
+        (staging / "record").mkdir()
+        if stage == "extras":
+            raise OSError("the record could not be written")
+
+    if stage == "verification":
+        monkeypatch.setattr(checkpoint, "verify_reload", mismatch)
+    with pytest.raises((CheckpointMismatch, OSError)):
+        save_with_record(from_model(tiny_model("llama")), tmp_path / "out", {}, extras)
+    assert os.listdir(tmp_path) == []  # neither the target nor a temporary directory is left
+
+
+def test_save_with_record_keeps_an_existing_output_without_overwrite(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    with pytest.raises(HeadlabError, match="already exists"):
+        save_with_record(from_model(tiny_model("llama")), tmp_path / "out", {})
+    assert os.listdir(tmp_path / "out") == ["old.txt"]
+    save_with_record(from_model(tiny_model("llama")), tmp_path / "out", {"edit": "new"}, overwrite=True)
+    assert not (tmp_path / "out" / "old.txt").exists()
+    assert json.loads((tmp_path / "out" / META_FILE).read_text())["edit"] == "new"
