@@ -20,8 +20,8 @@ from tqdm.auto import tqdm
 from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_with_record
 from headlab.costs import kv_bytes_per_token
-from headlab.data import Corpus, calibration_batches, load_corpus
-from headlab.errors import HeadlabError, moved_names
+from headlab.data import Corpus, TextSpec, takes_text
+from headlab.errors import HeadlabError, moved_names, renamed_keywords
 from headlab.evaluate import perplexity
 from headlab.fsio import check_out
 from headlab.kv_heads import (
@@ -203,28 +203,29 @@ def measured_kv_bytes_per_token(loaded: LoadedModel, tokens: int = 8) -> int:
 # ---- the commands' functions ---------------------------------------------------------------------------------------
 
 
-def _perplexity(loaded, corpus, eval_args, progress):
-    return perplexity(loaded, corpus, progress=progress, **eval_args)
+def _perplexity(loaded, text: TextSpec, progress):
+    return perplexity(loaded, text=text, progress=progress)
 
 
-def _similarity_for(loaded, corpus, calib_args, progress):
-    batches = calibration_batches(loaded.tokenizer, corpus, max_positions=loaded.max_positions, **calib_args)
+def _eval_record(text: TextSpec) -> dict:
+    """The eval settings as the records have always named them."""
+    name = text.data.spec if isinstance(text.data, Corpus) else text.data
+    return {"data": name, "part": text.split, "seq_len": text.seq_len, "batch_size": text.batch_size,
+            "max_tokens": text.max_tokens}  # fmt: skip
+
+
+def _similarity_for(loaded, calibration: TextSpec, progress):
+    batches = calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
     return kv_similarity(loaded, batches, progress=progress), batches.meta
 
 
-def _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens):
+def _merge_batches(loaded, calibration: TextSpec):
     """Calibration windows for the calibrated (svd) merge."""
-    return calibration_batches(
-        loaded.tokenizer,
-        corpus,
-        part="calibration",
-        seq_len=seq_len,
-        batch_size=batch_size,
-        max_tokens=calib_tokens,
-        max_positions=loaded.max_positions,
-    )
+    return calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
 
 
+@renamed_keywords(calib_tokens="calibration_tokens")
+@takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
 def convert_checkpoint(
     loaded: LoadedModel,
     kv_heads: int,
@@ -232,13 +233,8 @@ def convert_checkpoint(
     *,
     pool: str = "mean",
     grouping: str = "contiguous",
-    corpus: Corpus | str | None = None,
-    text_column: str | None = None,
-    part: str = "eval",
-    max_tokens: int | None = 2048,
-    seq_len: int = 512,
-    batch_size: int = 4,
-    calib_tokens: int = 2048,
+    text: TextSpec,
+    calibration_tokens: int = 2048,
     seed: int = 0,
     evaluate: bool = True,
     overwrite: bool = False,
@@ -253,21 +249,26 @@ def convert_checkpoint(
     more KV heads than the model has, "expand" (expand-kv) fewer. recovery: a function(loaded) -> record run on the
     converted model before saving (headlab.recover; the checkpoint then holds recovery/).
 
-    Composes validate -> measure -> calibrate -> plan -> apply -> measure -> recover -> save. 19 parameters because this is the
-    Python API of both commands (scripts and tests call it by keyword); the seven data ones become one TextSpec.
+    text: the eval text (a TextSpec; the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
+    batch_size also work); similarity grouping and the svd merge read its calibration split, `calibration_tokens`
+    tokens (calib_tokens is the earlier name).
+
+    Composes validate -> measure -> calibrate -> plan -> apply -> measure -> recover -> save. 14 parameters because
+    this is the Python API of both commands (scripts and tests call it by keyword).
     """
     action = _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, grouping, method)
     calibrate = action == "pool" and (grouping == "similarity" or method == "svd")
-    if not isinstance(corpus, Corpus) and (evaluate or calibrate):
-        corpus = load_corpus(corpus, text_column)
-    eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
-    score = _scorer(loaded, corpus if evaluate else None, eval_args, progress)
+    if evaluate or calibrate:
+        text = text.resolved()  # one corpus for the perplexities and the calibration
+    score = _scorer(loaded, text if evaluate else None, progress)
     layers = gqa_layers(loaded)
     G = layers[0].num_kv_heads
     record = {"model": loaded.spec, "source": loaded.source, "kv_heads_before": G, "kv_heads_after": kv_heads}
     record.update(_measured(loaded, "before", score))
-    calibration = dict(seq_len=seq_len, batch_size=batch_size, calib_tokens=calib_tokens, progress=progress)
-    similarity, batches, calibrated = _calibration(loaded, corpus, action == "pool", {grouping}, {method}, calibration)
+    calibration = text.but(split="calibration", max_tokens=calibration_tokens)
+    similarity, batches, calibrated = _calibration(
+        loaded, calibration, action == "pool", {grouping}, {method}, progress
+    )
     record.update(calibrated)
     plan = plan_conversion(
         layers, kv_heads, pool=pool, grouping=grouping, method=method, similarity=similarity, seed=seed
@@ -275,7 +276,7 @@ def convert_checkpoint(
     record["conversion"] = apply(loaded, plan, batches=batches, progress=progress).to_dict()
     record.update(_measured(loaded, "after", score))
     if evaluate:
-        record["eval"] = {"data": getattr(corpus, "spec", corpus), **eval_args}
+        record["eval"] = _eval_record(text)
     record.update(_recover_and_save(loaded, out, record, recovery, score, overwrite))
     record["out"] = str(out)
     return record
@@ -295,11 +296,11 @@ def _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, groupin
     return action
 
 
-def _scorer(loaded, corpus, eval_args, progress):
-    """The eval-split perplexity of `loaded` as it is when called, as a dict; None without a corpus (no --eval)."""
-    if corpus is None:
+def _scorer(loaded, text: TextSpec | None, progress):
+    """The eval-split perplexity of `loaded` as it is when called, as a dict; None without a text (no --eval)."""
+    if text is None:
         return None
-    return lambda: _perplexity(loaded, corpus, eval_args, progress).to_dict()
+    return lambda: _perplexity(loaded, text, progress).to_dict()
 
 
 def _measured(loaded: LoadedModel, when: str, score) -> dict:
@@ -313,16 +314,14 @@ def _measured(loaded: LoadedModel, when: str, score) -> dict:
     return measured
 
 
-def _calibration(loaded, corpus, pooling: bool, groupings, methods, calibration: dict):
+def _calibration(loaded, calibration: TextSpec, pooling: bool, groupings, methods, progress: bool):
     """(similarity, merge batches, record) for the pooled targets: KV-head similarity when a grouping is
     "similarity", calibration windows when a method is "svd"; None (and nothing recorded) otherwise."""
-    seq_len, batch_size, calib_tokens = (calibration[k] for k in ("seq_len", "batch_size", "calib_tokens"))
     similarity, batches, record = None, None, {}
     if pooling and "similarity" in groupings:
-        calib = dict(part="calibration", seq_len=seq_len, batch_size=batch_size, max_tokens=calib_tokens)
-        similarity, record["calibration"] = _similarity_for(loaded, corpus, calib, calibration["progress"])
+        similarity, record["calibration"] = _similarity_for(loaded, calibration, progress)
     if pooling and "svd" in methods:
-        batches = _merge_batches(loaded, corpus, seq_len, batch_size, calib_tokens)
+        batches = _merge_batches(loaded, calibration)
         record["merge_calibration"] = batches.meta
     return similarity, batches, record
 
@@ -340,6 +339,8 @@ def _recover_and_save(loaded: LoadedModel, out, record: dict, recovery, score, o
     return gained
 
 
+@renamed_keywords(calib_tokens="calibration_tokens")
+@takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
 def gqa_sweep(
     loaded: LoadedModel,
     kv_heads: list[int] | None = None,
@@ -347,13 +348,8 @@ def gqa_sweep(
     groupings: tuple[str, ...] = GROUPINGS,
     pools: tuple[str, ...] = POOLS,
     methods: tuple[str, ...] = ("mean",),
-    corpus: Corpus | str | None = None,
-    text_column: str | None = None,
-    part: str = "eval",
-    max_tokens: int | None = 2048,
-    seq_len: int = 512,
-    batch_size: int = 4,
-    calib_tokens: int = 2048,
+    text: TextSpec,
+    calibration_tokens: int = 2048,
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[pd.DataFrame, dict]:
@@ -363,7 +359,8 @@ def gqa_sweep(
     Conversions whose per-layer groups and pool equal an earlier row's give the same weights and reuse its numbers
     (column same_as). The model is restored to its original weights after each row. methods: "mean" pools by each
     of `pools`; "svd" adds one calibrated merge (headlab.merge) per grouping (pool column "svd").
-    14 parameters: the Python API of `headlab gqa-sweep` (scripts call it by keyword); the data ones become a TextSpec.
+    text: the eval text (a TextSpec, or the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
+    batch_size); calibration reads its calibration split, `calibration_tokens` tokens (calib_tokens: earlier name).
     """
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
@@ -371,13 +368,11 @@ def gqa_sweep(
         kv_heads = [g for g in range(H, 0, -1) if (G % g == 0) or (H % g == 0 and g % G == 0)]
     actions = {g: check_kv_heads(H, G, g) for g in kv_heads}  # validate every target before any work
     _check_choices(groupings, pools, methods)
-    if not isinstance(corpus, Corpus):
-        corpus = load_corpus(corpus, text_column)
-    eval_args = dict(part=part, seq_len=seq_len, batch_size=batch_size, max_tokens=max_tokens)
-    meta = {"model": loaded.spec, "source": loaded.source, "eval": {"data": corpus.spec, **eval_args}, "seed": seed}
+    text = text.resolved()  # one corpus for every row and the calibration
+    meta = {"model": loaded.spec, "source": loaded.source, "eval": _eval_record(text), "seed": seed}
     pooling = any(a == "pool" for a in actions.values())
-    calibration = dict(seq_len=seq_len, batch_size=batch_size, calib_tokens=calib_tokens, progress=progress)
-    similarity, batches, calibrated = _calibration(loaded, corpus, pooling, groupings, methods, calibration)
+    calibration = text.but(split="calibration", max_tokens=calibration_tokens)
+    similarity, batches, calibrated = _calibration(loaded, calibration, pooling, groupings, methods, progress)
     meta.update(calibrated)
 
     rows, seen = [], {}
@@ -392,7 +387,7 @@ def gqa_sweep(
         with restoring(loaded):  # back to the original model for the next variant, also after an error
             conversion = apply(loaded, plan, batches=batches)
             row = {"variant": label, "kv_heads": g, "action": conversion.action, "grouping": grouping, "pool": pool}
-            row.update(_variant_numbers(loaded, corpus, eval_args, conversion))
+            row.update(_variant_numbers(loaded, text, conversion))
         rows.append(row)
         seen[key] = row
     frame = pd.DataFrame(rows)
@@ -414,9 +409,9 @@ def _variant_plan(layers, kv_heads: int, grouping: str | None, pool: str | None,
     )
 
 
-def _variant_numbers(loaded: LoadedModel, corpus, eval_args: dict, conversion: Conversion) -> dict:
+def _variant_numbers(loaded: LoadedModel, text: TextSpec, conversion: Conversion) -> dict:
     """One sweep row's measurements of the converted model in memory."""
-    result = _perplexity(loaded, corpus, eval_args, progress=False)
+    result = _perplexity(loaded, text, progress=False)
     return {
         "perplexity": result.perplexity,
         "nll": result.nll,

@@ -16,7 +16,7 @@ import pandas as pd
 
 from headlab.checkpoint import save_with_record
 from headlab.data import Corpus, calibration_batches, load_corpus
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, renamed_keywords
 from headlab.loading import LoadedModel, check_resident, from_model
 from headlab.reconstruct import LocalSpec, check_pair, reconstruct, summary
 from headlab.tables import write_run
@@ -71,12 +71,13 @@ def teacher_copy(loaded: LoadedModel) -> LoadedModel:
     return teacher
 
 
+@renamed_keywords(corpus="data")
 def recover(
     student: LoadedModel,
     teacher: LoadedModel,
     spec: RecoverySpec,
     *,
-    corpus: Corpus | str | None = None,
+    data: Corpus | str | None = None,
     text_column: str | None = None,
     progress: bool = True,
 ) -> dict:
@@ -86,8 +87,7 @@ def recover(
     check_pair(student, teacher)
     check_resident(student, "recovery")
     check_resident(teacher, "recovery")
-    if not isinstance(corpus, Corpus):
-        corpus = load_corpus(corpus, text_column)
+    corpus = data if isinstance(data, Corpus) else load_corpus(data, text_column)
     if student.max_positions is not None:  # windows no longer than the model takes (tiny test models: 64)
         spec = replace(spec, local_seq_len=min(spec.local_seq_len, student.max_positions))
         up, most = spec.uptrain, student.max_positions
@@ -101,7 +101,7 @@ def recover(
         batches = calibration_batches(
             student.tokenizer,
             corpus,
-            part="calibration",
+            split="calibration",
             seq_len=spec.local_seq_len,
             batch_size=spec.local_batch_size,
             max_tokens=spec.local_tokens,
@@ -116,7 +116,7 @@ def recover(
             if left <= 0:
                 raise HeadlabError("local reconstruction used the whole --recover-minutes; give more minutes")
             config = replace(config, minutes=left / 60)
-        result = uptrain(student, teacher, corpus=corpus, config=config, progress=progress)
+        result = uptrain(student, teacher, data=corpus, config=config, progress=progress)
         tables["curve"] = result.curve
         record["uptrain"] = result.meta
     record["seconds"] = time.perf_counter() - start

@@ -285,7 +285,7 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
     common = dict(model=model, data=data, text_column=text_column)
     size = dict(seq_len=s.seq_len, batch_size=s.batch_size)
     convert = dict(**common, kv_heads=target)  # the grouping and recovery steps are both `headlab convert-gqa`
-    budget = dict(calib_tokens=s.calibration_tokens, max_tokens=s.eval_tokens, **size)
+    budget = dict(calibration_tokens=s.calibration_tokens, max_tokens=s.eval_tokens, **size)
     induction = dict(induction_len=s.induction_len, induction_count=s.induction_count)
     return {
         "info": _command("info", model=model),
@@ -302,7 +302,7 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             "gqa-sweep",
             **common,
             **dict(grouping=s.groupings, pool=s.pools, method=s.methods),
-            **dict(max_tokens=s.eval_tokens, calib_tokens=s.calibration_tokens, **size),
+            **dict(max_tokens=s.eval_tokens, calibration_tokens=s.calibration_tokens, **size),
             out="runs/gqa_sweep",
         ),
         "gqa_groups": _command("convert-gqa", **convert, grouping="similarity", **budget, out="converted"),
@@ -461,7 +461,7 @@ def _gqa_step(run: ReportRun) -> None:
         max_tokens=s.eval_tokens,
         seq_len=s.seq_len,
         batch_size=s.batch_size,
-        calib_tokens=s.calibration_tokens,
+        calibration_tokens=s.calibration_tokens,
         progress=run.common["progress"],
     )
     write_run(run.tmp / "gqa_sweep", {"sweep": run.gqa_frame}, gqa_meta)
@@ -498,14 +498,14 @@ def _recovery_step(run: ReportRun) -> None:
         student.tokenizer, corpus, seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.calibration_tokens
     )
     gqa.convert(student, run.target, method="svd", batches=batches)
-    eval_args = dict(part="eval", seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.eval_tokens, progress=False)
+    eval_args = dict(split="eval", seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.eval_tokens, progress=False)
     rows = [{"model": "original", "perplexity": perplexity(loaded, corpus, **eval_args).perplexity, "seconds": 0.0}]
     merged = f"{run.target} KV heads, svd merge"
     rows.append({"model": merged, "perplexity": perplexity(student, corpus, **eval_args).perplexity, "seconds": 0.0})
     config = UptrainConfig(steps=40, seq_len=min(128, s.seq_len), heldout_tokens=512, eval_tokens=0)
     spec = RecoverySpec(minutes=s.recovery_minutes, uptrain=config, local_tokens=s.calibration_tokens)
     spec.local_seq_len = s.seq_len
-    record = recover(student, loaded, spec, corpus=corpus, progress=run.common["progress"])
+    record = recover(student, loaded, spec, data=corpus, progress=run.common["progress"])
     after = perplexity(student, corpus, **eval_args).perplexity
     rows.append({"model": f"{merged} + local + uptrain", "perplexity": after, "seconds": record["seconds"]})
     record["tables"]["before_after"] = pd.DataFrame(rows)

@@ -104,8 +104,7 @@ def sweep(
     task_limit documents each; include_path holds local task YAMLs.
     """
 
-    # More than 12 parameters: the Python face of every `headlab sweep` option (API compatibility); inside, the
-    # calibration settings become one ScoreRequest and the evaluation settings one TextSpec.
+    # More than 12 parameters: the Python face of every `headlab sweep` option (API compatibility).
     check_compensation(loaded, compensate)
     fractions = sorted(set(float(f) for f in fractions))
     orders, seeds = list(dict.fromkeys(orders)), list(dict.fromkeys(seeds))

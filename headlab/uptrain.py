@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from headlab import distributed
 from headlab.data import Corpus, batch_windows, chunk_windows, load_corpus, require_tokens, split_text, tokenize
-from headlab.errors import HeadlabError
+from headlab.errors import HeadlabError, renamed_keywords
 from headlab.evaluate import perplexity
 from headlab.loading import LoadedModel, check_resident
 from headlab.recompute import activation_checkpointing
@@ -358,11 +358,12 @@ class _Run:
         return heldout_perplexity(self.student, self.heldout, self.bf16)
 
 
+@renamed_keywords(corpus="data")
 def uptrain(
     student: LoadedModel,
     teacher: LoadedModel | None,
     *,
-    corpus: Corpus | str | None = None,
+    data: Corpus | str | None = None,
     text_column: str | None = None,
     config: UptrainConfig | None = None,
     progress: bool = True,
@@ -377,13 +378,13 @@ def uptrain(
     Steps: check and prepare the data (`_prepare`), the optimiser (`_optimiser`), the loop with held-out checks that
     keep the best state (`_train`), the record (`_record`)."""
     config = replace(config or UptrainConfig(), **settings)
-    corpus = _check(student, teacher, corpus, text_column, config)
+    corpus = _check(student, teacher, data, text_column, config)
     stream, heldout, data_record = _data(student, corpus, config)
     bf16 = student.device.type == "cuda" if config.bf16 is None else config.bf16
     params, optimizer = _optimiser(student, config)
     torch.manual_seed(config.seed)
     eval_args = dict(
-        part="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
+        split="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
     )
     run = _Run(student, teacher, config, corpus, stream, heldout, data_record, bf16, params, optimizer, eval_args)
     start = time.perf_counter()

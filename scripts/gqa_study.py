@@ -65,7 +65,7 @@ def main(argv=None) -> Path:
             max_tokens=args.eval_tokens,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
-            calib_tokens=args.calib_tokens,
+            calibration_tokens=args.calib_tokens,
             progress=not args.quiet,
         )
         base = frame.loc[frame["action"] == "keep"].iloc[0]

@@ -71,6 +71,6 @@ def recovery_for(spec, loaded, text: TextSpec, progress: bool):
     teacher = teacher_copy(loaded)
 
     def run(student):
-        return recover(student, teacher, spec, corpus=text.data, text_column=text.text_column, progress=progress)
+        return recover(student, teacher, spec, data=text.data, text_column=text.text_column, progress=progress)
 
     return run

@@ -162,7 +162,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 @streaming_options
 @recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
-def command(
+def command(  # click passes every option as a parameter
     load,
     kv_heads,
     method,
@@ -211,13 +211,8 @@ def command(
         pool=pool,
         method=method,
         grouping=grouping,
-        corpus=text.data,
-        text_column=text.text_column,
-        part=text.split,
-        max_tokens=text.max_tokens,
-        seq_len=text.seq_len,
-        batch_size=text.batch_size,
-        calib_tokens=calibration_tokens,
+        text=text,
+        calibration_tokens=calibration_tokens,
         seed=seed,
         evaluate=not no_eval,
         overwrite=overwrite,

@@ -56,13 +56,8 @@ def command(
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
         pools=tuple(parse_list(pool, str, "pool", POOLS)),
         methods=tuple(parse_list(method, str, "method", METHODS)),
-        corpus=text.data,
-        text_column=text.text_column,
-        part=text.split,
-        max_tokens=text.max_tokens,
-        seq_len=text.seq_len,
-        batch_size=text.batch_size,
-        calib_tokens=calibration_tokens,
+        text=text,
+        calibration_tokens=calibration_tokens,
         seed=seed,
     )
     for row in frame.itertuples():

@@ -87,7 +87,7 @@ def command(
             raise HeadlabError(f"{option} {recipe[name]} exceeds the model's maximum positions ({most})")
     teacher_model = load_model(teacher, device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
     guard_checkpoint_space(out, student_model)
-    record = recover(student_model, teacher_model, spec, corpus=data, text_column=text_column)
+    record = recover(student_model, teacher_model, spec, data=data, text_column=text_column)
     meta = {"student": student_model.describe(), "teacher": teacher_model.describe()}
     if not distributed.is_main():  # torchrun: every rank holds the same weights; rank 0 writes them
         return

@@ -295,6 +295,9 @@ def markdown(result: dict) -> str:
         ]
     load = result.get("load_average")
     if load:
-        lines += ["", f"Load average {load[0]:.1f} on 2 cores when the result was written; measurements resumed from a store "
-            "may have been made under other load (the 2026-12-01 measurements: 17-30, shared with other jobs)."]
+        lines += [
+            "",
+            f"Load average {load[0]:.1f} on 2 cores when the result was written; measurements resumed from a store "
+            "may have been made under other load (the 2026-12-01 measurements: 17-30, shared with other jobs).",
+        ]
     return "\n".join(lines)
