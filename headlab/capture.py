@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from headlab.arch import AttentionLayer
 from headlab.errors import HeadlabError
@@ -116,8 +117,6 @@ def output_from_chunks(output: str, device: torch.device) -> bool:
 
 def _attention_function(module, query, key, value, attention_mask, **kwargs):
     """transformers attention function: sdpa for the output, plus the chunked probabilities for captured layers."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     entry = _ACTIVE.get(id(module))
     if entry is None:  # a module headlab does not analyse (e.g. a vision tower): plain sdpa
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -127,12 +126,85 @@ def _attention_function(module, query, key, value, attention_mask, **kwargs):
 
 def register() -> str:
     """Register headlab's attention function and sdpa's mask function under FUNCTION_NAME (idempotent)."""
+    # Deferred for start-up time: both pull in transformers' modeling_utils, which the commands that import this
+    # module only need once they load a model.
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(FUNCTION_NAME, _attention_function)
     AttentionMaskInterface.register(FUNCTION_NAME, sdpa_mask)
     return FUNCTION_NAME
+
+
+@dataclass(slots=True)
+class _LayerCall:
+    """One captured layer call made ready for chunking: the operands in the working dtype (float32, float64 for a
+    float64 model, so the statistics keep their float32 error against float64 whatever the model's dtype;
+    docs/performance.md), the visibility, and which queries and keys are real tokens."""
+
+    q: torch.Tensor  # [B, G, R, Tq, D] with the scale folded in; query head h = g * R + r reads KV head g
+    k: torch.Tensor  # [B, G, D, Tk]
+    v: torch.Tensor | None  # [B, G, Tk, D] when the output comes from the chunks, else None
+    value_dtype: torch.dtype
+    work: torch.dtype
+    visible: torch.Tensor  # [B|1, 1|H, Tq, Tk] bool
+    hidden: torch.Tensor  # ~visible, once per call rather than per chunk
+    bias: torch.Tensor | None  # additive float mask
+    causal: bool  # the visibility is the plain causal pattern
+    unmasked: bool  # transformers passed no mask
+    offset: int  # Tk - Tq
+    softcap: float | None
+    sinks: torch.Tensor | None  # [H] learned sink logits
+    position_bias: torch.Tensor | None
+    query_valid: torch.Tensor  # [B, Tq] bool
+    token_valid: torch.Tensor  # [B, Tk] bool
+
+    @classmethod
+    def prepare(cls, module, query, key, value, attention_mask, kwargs, from_chunks: bool, grad: bool) -> _LayerCall:
+        """The call's operands and masks from transformers' arguments (query [B, H, Tq, D], key/value
+        [B, G, Tk, D]); `grad`: keep the graph to the inputs (gradients through the chunked output)."""
+        B, H, Tq, D = query.shape
+        G, Tk = key.shape[1], key.shape[2]
+        work = torch.promote_types(query.dtype, torch.float32)
+        scaling = kwargs.get("scaling")
+        scaling = scaling if scaling is not None else D**-0.5  # sdpa's default
+        visible, bias, causal = _visibility(attention_mask, module, kwargs, Tq, Tk, query.device)
+        offset = Tk - Tq
+        # A real token always sees itself, so the mask's diagonal tells which tokens are padding.
+        diagonal = visible[:, 0].diagonal(offset=offset, dim1=-2, dim2=-1)  # [B|1, Tq]
+        query_valid = diagonal.expand(B, Tq)  # [B, Tq]
+        token_valid = torch.ones(B, Tk, dtype=torch.bool, device=query.device)  # [B, Tk]
+        token_valid[:, offset:] = query_valid
+        R = H // G  # repeat_kv: query head h reads KV head h // R
+        # Scale folded into the queries: one pass over [B, H, T, D] instead of one per score chunk.
+        q = (query if grad else query.detach()).to(work).reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
+        k = (key if grad else key.detach()).to(work).transpose(-1, -2)  # [B, G, D, Tk]
+        v = (value if grad else value.detach()).to(work) if from_chunks else None  # [B, G, Tk, D]
+        return cls(
+            q, k, v, value.dtype, work, visible, ~visible, bias, causal, attention_mask is None, offset,
+            kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("position_bias"), query_valid, token_valid,
+        )  # fmt: skip
+
+    def weights(self, start: int, stop: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scores, probabilities) [B, H, c, end] of query rows [start, stop) over keys [0, end): softmax of the
+        scaled logits, soft-capped, plus mask and position biases, hidden keys at finfo.min, with the sink logit."""
+        B, G, R, _, D = self.q.shape
+        H, c = G * R, stop - start
+        # Query heads of one KV group side by side: [B, G, R*c, D] @ [B, G, D, Tk'] with no copy of K per head.
+        scores = (self.q[:, :, :, start:stop].reshape(B, G, R * c, D) @ self.k[..., :end]).view(B, H, c, end)
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.bias is not None:
+            scores = scores + self.bias[..., start:stop, :end]
+        if self.position_bias is not None:
+            scores = scores + self.position_bias[..., start:stop, :end].to(self.work)
+        _hide(scores, self.hidden[..., start:stop, :end])
+        if self.sinks is not None:
+            sink = self.sinks.to(self.work).reshape(1, H, 1, 1).expand(B, H, c, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, H, c, Tk']
+        else:
+            probs = torch.softmax(scores, dim=-1)  # [B, H, c, Tk']
+        return scores, probs
 
 
 class AttentionCapture:
@@ -158,10 +230,9 @@ class AttentionCapture:
         self.calls = 0  # layer calls captured (tests check the function really ran)
 
     def forward(self, layer, module, query, key, value, attention_mask, kwargs):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        B, H, Tq, D = query.shape
-        G, Tk = key.shape[1], key.shape[2]
+        """One layer call: the chunked weights to `on_chunk`, the output from the chunks or from sdpa beside them
+        (decoding steps against a cache go straight to sdpa)."""
+        Tq, Tk = query.shape[2], key.shape[2]
         softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         # sdpa has no soft-capping or sinks: those layers get their output from the chunked weights (eager's math).
         exact = softcap is not None or sinks is not None
@@ -170,79 +241,56 @@ class AttentionCapture:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         self.calls += 1
         from_chunks = exact or output_from_chunks(self.output, query.device)
-        # Weights, statistics and the output are computed in float32 (float64 for a float64 model) whatever the
-        # model's dtype, so the statistics keep their float32 error against float64 (docs/performance.md).
-        work = torch.promote_types(query.dtype, torch.float32)
-        scaling = kwargs.get("scaling")
-        scaling = scaling if scaling is not None else D**-0.5  # sdpa's default
-        visible, bias, causal = _visibility(attention_mask, module, kwargs, Tq, Tk, query.device)
-        offset = Tk - Tq
-        # A real token always sees itself, so the mask's diagonal tells which tokens are padding.
-        diagonal = visible[:, 0].diagonal(offset=offset, dim1=-2, dim2=-1)  # [B|1, Tq]
-        query_valid = diagonal.expand(B, Tq)  # [B, Tq]
-        token_valid = torch.ones(B, Tk, dtype=torch.bool, device=query.device)  # [B, Tk]
-        token_valid[:, offset:] = query_valid
-
-        R = H // G  # repeat_kv: query head h reads KV head h // R
-        hidden = ~visible  # [B|1, 1|H, Tq, Tk], once per call rather than per chunk
         grad = torch.is_grad_enabled() and from_chunks
         with torch.set_grad_enabled(grad):
-            # Scale folded into the queries: one pass over [B, H, T, D] instead of one per score chunk.
-            q = (query if grad else query.detach()).to(work).reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
-            k = (key if grad else key.detach()).to(work).transpose(-1, -2)  # [B, G, D, Tk]
-            v = (value if grad else value.detach()).to(work) if from_chunks else None  # [B, G, Tk, D]
-            outputs = []
-            for start in range(0, Tq, self.chunk_size):
-                stop = min(start + self.chunk_size, Tq)
-                c = stop - start
-                seen = visible[..., start:stop, :]  # [B|1, 1|H, c, Tk]
-                end = _last_key(seen, causal, attention_mask is None, stop + offset)
-                seen = seen[..., :end]
-                # Query heads of one KV group side by side: [B, G, R*c, D] @ [B, G, D, Tk'] with no copy of K per head.
-                scores = (q[:, :, :, start:stop].reshape(B, G, R * c, D) @ k[..., :end]).view(B, H, c, end)
-                if softcap is not None:
-                    scores = torch.tanh(scores / softcap) * softcap
-                if bias is not None:
-                    scores = scores + bias[..., start:stop, :end]
-                if kwargs.get("position_bias") is not None:
-                    scores = scores + kwargs["position_bias"][..., start:stop, :end].to(work)
-                _hide(scores, hidden[..., start:stop, :end])
-                if sinks is not None:
-                    sink = sinks.to(work).reshape(1, H, 1, 1).expand(B, H, c, 1)
-                    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]  # [B, H, c, Tk']
-                else:
-                    probs = torch.softmax(scores, dim=-1)  # [B, H, c, Tk']
-                if from_chunks:
-                    # Rounded to the value dtype first, as eager attention does (a no-op for float32 models).
-                    weights = probs.to(value.dtype).to(work).reshape(B, G, R * c, end)
-                    outputs.append((weights @ v[:, :, :end]).view(B, H, c, D))  # [B, H, c, D]
-                    probs, scores = probs.detach(), scores.detach()
-                if Tq == Tk:
-                    chunk = AttentionChunk(
-                        layer,
-                        probs,
-                        seen.expand(B, -1, -1, -1),
-                        start,
-                        query_valid[:, start:stop],
-                        token_valid[:, :end],
-                        scores,
-                        sinks is not None,
-                    )
-                    with torch.no_grad():
-                        self.on_chunk(chunk)
+            call = _LayerCall.prepare(module, query, key, value, attention_mask, kwargs, from_chunks, grad)
+            outputs = self._run_chunks(layer, call)
         if from_chunks:
             attn_output = torch.cat(outputs, dim=2).transpose(1, 2).to(value.dtype).contiguous()  # [B, Tq, H, D]
         else:
             attn_output, _ = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         if self.on_output is not None and Tq == Tk:
             with torch.no_grad():
-                self.on_output(layer, attn_output.detach(), query_valid)
+                self.on_output(layer, attn_output.detach(), call.query_valid)
         return attn_output, None
+
+    def _run_chunks(self, layer: AttentionLayer, call: _LayerCall) -> list[torch.Tensor]:
+        """Every query chunk of one call: its weights to `on_chunk`; returns the chunks' outputs [B, H, c, D] when
+        the layer's output comes from them (else an empty list)."""
+        B, G, R, Tq, D = call.q.shape
+        H, Tk = G * R, call.k.shape[-1]
+        outputs = []
+        for start in range(0, Tq, self.chunk_size):
+            stop = min(start + self.chunk_size, Tq)
+            c = stop - start
+            seen = call.visible[..., start:stop, :]  # [B|1, 1|H, c, Tk]
+            end = _last_key(seen, call.causal, call.unmasked, stop + call.offset)
+            seen = seen[..., :end]
+            scores, probs = call.weights(start, stop, end)  # each [B, H, c, Tk']
+            if call.v is not None:
+                # Rounded to the value dtype first, as eager attention does (a no-op for float32 models).
+                weights = probs.to(call.value_dtype).to(call.work).reshape(B, G, R * c, end)
+                outputs.append((weights @ call.v[:, :, :end]).view(B, H, c, D))  # [B, H, c, D]
+                probs, scores = probs.detach(), scores.detach()
+            if Tq == Tk:
+                chunk = AttentionChunk(
+                    layer,
+                    probs,
+                    seen.expand(B, -1, -1, -1),
+                    start,
+                    call.query_valid[:, start:stop],
+                    call.token_valid[:, :end],
+                    scores,
+                    call.sinks is not None,
+                )
+                with torch.no_grad():
+                    self.on_chunk(chunk)
+        return outputs
 
 
 def _configs(model: nn.Module) -> list:
     """Every config whose _attn_implementation the model's (sub)models read."""
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel  # deferred for start-up time: it loads transformers' modeling_utils
 
     seen, configs = set(), []
     pending = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]

@@ -15,6 +15,7 @@ Which llama.cpp architecture runs which layout (read from llama.cpp's loader, sr
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,8 +24,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import gguf
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from headlab.errors import HeadlabError
 from headlab.loading import LoadedModel
@@ -220,8 +223,6 @@ def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def writable_types() -> list[str]:
     """Tensor types this gguf package can write: the float types plus every type gguf.quants quantizes in numpy."""
-    import gguf
-
     out = list(FLOAT_TYPES)
     sample = np.linspace(-1, 1, 256 * 4, dtype=np.float32).reshape(4, 256)
     for qtype in gguf.GGMLQuantizationType:
@@ -250,8 +251,6 @@ def check_type(outtype: str) -> str:
 def _tensor_type(outtype: str, name: str, shape: tuple[int, ...]):
     """The ggml type one tensor is written in: vectors (norms, biases, rope_freqs) stay f32 as in llama.cpp's
     converter; a matrix whose rows do not split into the quantized type's blocks falls back to f16."""
-    import gguf
-
     if len(shape) == 1 or outtype == "f32":
         return gguf.GGMLQuantizationType.F32
     qtype = gguf.GGMLQuantizationType[outtype.upper()]
@@ -262,8 +261,6 @@ def _tensor_type(outtype: str, name: str, shape: tuple[int, ...]):
 
 
 def _encode(array: np.ndarray, qtype) -> np.ndarray:
-    import gguf
-
     if qtype == gguf.GGMLQuantizationType.F32:
         return array.astype(np.float32)
     if qtype == gguf.GGMLQuantizationType.F16:
@@ -295,8 +292,6 @@ def _pre_tokenizer(spec: dict | None) -> tuple[str | None, str | None]:
 
 def _tokenizer_fields(tokenizer, vocab_size: int) -> tuple[dict, list[str]]:
     """GGUF tokenizer metadata for a byte-level BPE tokenizer (vocabulary type "gpt2" in llama.cpp)."""
-    import gguf
-
     backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
     if backend is None:
         raise HeadlabError("export-gguf needs a fast (tokenizers) tokenizer to write the vocabulary")
@@ -399,6 +394,45 @@ def _converted(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torc
     return data.numpy()
 
 
+@contextlib.contextmanager
+def _temporary_beside(out: Path):
+    """A temporary file in `out`'s directory (so the final rename is atomic), removed if the block fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(handle)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _file_type(outtype: str) -> int:
+    """GGUF's general.file_type code for the output type (llama.cpp's LLAMA_FTYPE; 0 for a type it has none for)."""
+    file_type = {"f32": 0, "f16": 1, "bf16": 32}.get(outtype)
+    if file_type is None:
+        file_type = int(getattr(gguf.LlamaFileType, f"MOSTLY_{outtype.upper()}", 0))
+    return file_type
+
+
+def _add_tensor_infos(writer, items: list, types: dict) -> None:
+    """The tensor index: each tensor's name, stored (byte) shape, numpy dtype and size, in writing order."""
+    for name, _, tensor in items:
+        qtype = types[name]
+        shape = tuple(tensor.shape)
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype) if qtype.name not in ("F32", "F16") else shape
+        itemsize = {"F32": 4, "F16": 2}.get(qtype.name, 1)
+        dtype = {"F32": np.float32, "F16": np.float16}.get(qtype.name, np.uint8)
+        writer.add_tensor_info(
+            name,
+            byte_shape,
+            np.dtype(dtype),
+            math.prod(byte_shape) * itemsize,
+            raw_dtype=None if qtype.name in ("F32", "F16") else qtype,
+        )
+
+
 def export_gguf(
     loaded: LoadedModel,
     out: Path,
@@ -414,9 +448,6 @@ def export_gguf(
     export holds the model plus one converted tensor. `verify(path)` (optional) runs on the finished temporary file
     before it is published; its result goes into the returned record. Returns what was written.
     """
-    import gguf
-    from tqdm.auto import tqdm
-
     out = Path(out)
     if out.exists() and not overwrite:
         raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
@@ -426,36 +457,17 @@ def export_gguf(
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
-    tensors = _gguf_names(loaded.model)
-    items = [(gguf_name, block, tensor) for gguf_name, block, tensor in tensors.values()]
+    items = [(gguf_name, block, tensor) for gguf_name, block, tensor in _gguf_names(loaded.model).values()]
     if plan.rope_freqs is not None:
         items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
     types = {name: _tensor_type(outtype, name, tuple(t.shape)) for name, _, t in items}
-    file_type = {"f32": 0, "f16": 1, "bf16": 32}.get(outtype)
-    if file_type is None:
-        file_type = int(getattr(gguf.LlamaFileType, f"MOSTLY_{outtype.upper()}", 0))
+    file_type = _file_type(outtype)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(handle)
-    tmp = Path(tmp_name)
-    try:
+    with _temporary_beside(out) as tmp:
         writer = gguf.GGUFWriter(tmp, plan.target.arch)
         _hparams(writer, plan, config, loaded, file_type)
         _add_tokenizer(writer, tokens)
-        for name, _, tensor in items:
-            qtype = types[name]
-            shape = tuple(tensor.shape)
-            byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype) if qtype.name not in ("F32", "F16") else shape
-            itemsize = {"F32": 4, "F16": 2}.get(qtype.name, 1)
-            dtype = {"F32": np.float32, "F16": np.float16}.get(qtype.name, np.uint8)
-            writer.add_tensor_info(
-                name,
-                byte_shape,
-                np.dtype(dtype),
-                math.prod(byte_shape) * itemsize,
-                raw_dtype=None if qtype.name in ("F32", "F16") else qtype,
-            )
+        _add_tensor_infos(writer, items, types)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -482,7 +494,4 @@ def export_gguf(
         if verify is not None:
             record["verification"] = verify(tmp)
         os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return record

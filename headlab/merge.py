@@ -74,6 +74,90 @@ def merge_plan(loaded: LoadedModel) -> dict[str, str]:
 # ---- statistics -----------------------------------------------------------------------------------------------
 
 
+def _augmented(weight: torch.Tensor, bias: torch.Tensor | None, rows: int, C: int) -> torch.Tensor:
+    """[rows, C + 1] float32: the bias as the weight of a constant-1 input column."""
+    b = bias.reshape(rows) if bias is not None else torch.zeros(rows)
+    return torch.cat([weight.reshape(rows, C), b.reshape(rows, 1).to(weight)], 1).float()
+
+
+def _projections(loaded: LoadedModel, layers) -> tuple[dict, dict]:
+    """Per layer index the augmented (key [G*D, C+1], query [H*D, C+1] on each head's first D rows, value
+    [G*D, C+1]) projections, and the device the layer's weights (and so its statistics) live on."""
+    projections, layer_device = {}, {}
+    for layer in layers:
+        H, G, D = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        w = loaded.adapter.read(layer)
+        C = w.k.shape[2]
+        layer_device[layer.index] = w.k.device  # under a device map each layer's statistics stay on its device
+        q_bias = None if w.q_bias is None else w.q_bias[:, :D]
+        projections[layer.index] = (
+            _augmented(w.k, w.k_bias, G * D, C),
+            _augmented(w.q[:, :D], q_bias, H * D, C),
+            _augmented(w.v, w.v_bias, G * D, C),
+        )
+    return projections, layer_device
+
+
+class _Calibration:
+    """The running sums of one calibration pass: a pre-hook per attention module adds the key and query Grams of its
+    input (and, uniformly weighted, the value Grams); `on_chunk` adds the attention-mixed value Grams."""
+
+    def __init__(self, layers, projections, layer_device, kv_heads: int, keys: bool, value_weighting: str | None):
+        H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
+        self.H, self.D, self.m = H, D, G // kv_heads
+        self.projections, self.kv_heads, self.keys, self.value_weighting = projections, kv_heads, keys, value_weighting
+        self.stats: dict[int, LayerStats] = {}
+        for layer in layers:
+            f64 = dict(dtype=torch.float64, device=layer_device[layer.index])
+            self.stats[layer.index] = LayerStats(
+                torch.zeros(G * D, G * D, **f64) if keys else None,
+                torch.zeros(H, D, D, **f64) if keys else None,
+                torch.zeros(H, self.m * D, self.m * D, **f64),
+                0,
+            )
+        self.valid: torch.Tensor | None = None  # [B, T] bool, the current batch's real tokens
+        self.values: dict[int, torch.Tensor] = {}  # layer index -> [B, T, G', m*D], for on_chunk of this batch
+
+    def pre_hook_for(self, layer):
+        """The attention-input hook of `layer`: x [B, T, C] after the input norm."""
+        H, D, m, kv_heads = self.H, self.D, self.m, self.kv_heads
+
+        def hook(x):
+            x = x.float()  # [B, T, C]
+            B, T, _ = x.shape
+            x = torch.cat([x, torch.ones(B, T, 1, dtype=x.dtype, device=x.device)], -1)  # [B, T, C+1]
+            k_w, q_w, v_w = self.projections[layer.index]
+            valid = self.valid.to(x.device)  # [B, T]
+            s = self.stats[layer.index]
+            s.tokens += int(valid.sum())
+            xv = x[valid]  # [N, C+1]
+            if self.keys:
+                k = xv @ k_w.T  # [N, G*D]
+                s.key_gram += (k.T @ k).double()
+                q = (xv @ q_w.T).reshape(-1, H, D)  # [N, H, D]
+                s.query_gram += torch.einsum("nhd,nhe->hde", q, q).double()
+            if self.value_weighting is None:
+                return
+            values = (x @ v_w.T).reshape(B, T, kv_heads, m * D)  # [B, T, G', m*D] members of each new group
+            if self.value_weighting == "uniform":
+                per_group = torch.einsum("ngd,nge->gde", values[valid], values[valid]).double()  # [G', mD, mD]
+                s.value_gram += per_group.repeat_interleave(H // kv_heads, 0)
+            else:
+                self.values[layer.index] = values
+
+        return hook
+
+    def on_chunk(self, chunk) -> None:
+        """y_h = sum_t A_h[., t] v(t) for every query head of the chunk, into its value Gram."""
+        H, m, D, kv_heads = self.H, self.m, self.D, self.kv_heads
+        values = self.values[chunk.layer.index]  # [B, T, G', mD]
+        B, _, c, Tk = chunk.probs.shape
+        probs = chunk.probs.reshape(B, kv_heads, H // kv_heads, c, Tk)  # [B, G', H/G', c, Tk]
+        y = torch.einsum("bgrct,btgn->bgrcn", probs, values[:, :Tk]).reshape(B, H, c, m * D)  # [B, H, c, mD]
+        y = y * chunk.query_valid[:, None, :, None]
+        self.stats[chunk.layer.index].value_gram += torch.einsum("bhcn,bhck->hnk", y, y).double()
+
+
 @torch.no_grad()
 def merge_statistics(
     loaded: LoadedModel,
@@ -92,81 +176,21 @@ def merge_statistics(
     if value_weighting is not None and value_weighting not in VALUE_WEIGHTINGS:
         raise HeadlabError(f"unknown value weighting {value_weighting!r}; use one of {', '.join(VALUE_WEIGHTINGS)}")
     layers = gqa_layers(loaded)
-    H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
-    m = G // kv_heads
     device = loaded.device
     check_resident(loaded, "the svd merge")
-    projections, layer_device = {}, {}
-    for layer in layers:
-        w = loaded.adapter.read(layer)
-        C = w.k.shape[2]
-        layer_device[layer.index] = w.k.device  # under a device map each layer's statistics stay on its device
-
-        def aug(weight, bias, rows, C=C):  # [rows, C + 1]: the bias as the weight of a constant-1 input column
-            b = bias.reshape(rows) if bias is not None else torch.zeros(rows)
-            return torch.cat([weight.reshape(rows, C), b.reshape(rows, 1).to(weight)], 1).float()
-
-        q_bias = None if w.q_bias is None else w.q_bias[:, :D]
-        projections[layer.index] = (
-            aug(w.k, w.k_bias, G * D),
-            aug(w.q[:, :D], q_bias, H * D),
-            aug(w.v, w.v_bias, G * D),
-        )
-    stats = {}
-    for layer in layers:
-        f64 = dict(dtype=torch.float64, device=layer_device[layer.index])
-        stats[layer.index] = LayerStats(
-            torch.zeros(G * D, G * D, **f64) if keys else None,
-            torch.zeros(H, D, D, **f64) if keys else None,
-            torch.zeros(H, m * D, m * D, **f64),
-            0,
-        )
-    state: dict = {"values": {}}
-
-    def pre_hook_for(layer):
-        def hook(x):
-            x = x.float()  # [B, T, C]
-            B, T, _ = x.shape
-            x = torch.cat([x, torch.ones(B, T, 1, dtype=x.dtype, device=x.device)], -1)  # [B, T, C+1]
-            k_w, q_w, v_w = projections[layer.index]
-            valid = state["valid"].to(x.device)  # [B, T]
-            s = stats[layer.index]
-            s.tokens += int(valid.sum())
-            xv = x[valid]  # [N, C+1]
-            if keys:
-                k = xv @ k_w.T  # [N, G*D]
-                s.key_gram += (k.T @ k).double()
-                q = (xv @ q_w.T).reshape(-1, H, D)  # [N, H, D]
-                s.query_gram += torch.einsum("nhd,nhe->hde", q, q).double()
-            if value_weighting is None:
-                return
-            values = (x @ v_w.T).reshape(B, T, kv_heads, m * D)  # [B, T, G', m*D] members of each new group
-            if value_weighting == "uniform":
-                per_group = torch.einsum("ngd,nge->gde", values[valid], values[valid]).double()  # [G', mD, mD]
-                s.value_gram += per_group.repeat_interleave(H // kv_heads, 0)
-            else:
-                state["values"][layer.index] = values
-
-        return hook
-
-    def on_chunk(chunk):
-        values = state["values"][chunk.layer.index]  # [B, T, G', mD]
-        B, _, c, Tk = chunk.probs.shape
-        probs = chunk.probs.reshape(B, kv_heads, H // kv_heads, c, Tk)  # [B, G', H/G', c, Tk]
-        y = torch.einsum("bgrct,btgn->bgrcn", probs, values[:, :Tk]).reshape(B, H, c, m * D)  # [B, H, c, mD]
-        y = y * chunk.query_valid[:, None, :, None]
-        stats[chunk.layer.index].value_gram += torch.einsum("bhcn,bhck->hnk", y, y).double()
-
+    projections, layer_device = _projections(loaded, layers)
+    calibration = _Calibration(layers, projections, layer_device, kv_heads, keys, value_weighting)
     model = loaded.model
-    capturing = capture_attention(model, layers, on_chunk) if value_weighting == "attention" else nullcontext()
-    with hooks(loaded.adapter, [("attn_in", layer, pre_hook_for(layer)) for layer in layers]), capturing:
+    attending = value_weighting == "attention"
+    capturing = capture_attention(model, layers, calibration.on_chunk) if attending else nullcontext()
+    with hooks(loaded.adapter, [("attn_in", layer, calibration.pre_hook_for(layer)) for layer in layers]), capturing:
         for input_ids, attention_mask, *_ in tqdm(batches, desc="merge calibration", disable=not progress):
-            state["valid"] = attention_mask.bool().to(device)
+            calibration.valid = attention_mask.bool().to(device)
             model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-            state["values"].clear()
+            calibration.values.clear()
     # The closed forms run in float64 on the CPU, whichever device each layer's statistics were summed on.
     out = [
-        LayerStats(*(t.cpu() if torch.is_tensor(t) else t for t in vars(stats[layer.index]).values()))
+        LayerStats(*(t.cpu() if torch.is_tensor(t) else t for t in vars(calibration.stats[layer.index]).values()))
         for layer in layers
     ]
     if not out or out[0].tokens == 0:

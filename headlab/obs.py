@@ -67,6 +67,72 @@ def _chol_factor(output_fisher: torch.Tensor | None, C: int) -> torch.Tensor | N
     return torch.linalg.cholesky(B + eps * torch.eye(C, dtype=B.dtype))
 
 
+class _GreedyState:
+    """What one greedy OBS path updates together at every removal (module docstring): Hinv = (G + lam P)^{-1} over
+    the live rows, the refit T in plain and Tw in B-weighted coordinates (the same tensor when B = I), the two
+    accumulated ridge objectives, and, with a held-out Gram G1, the product G1 (Tw - Tw0) and the error summed."""
+
+    def __init__(self, gram, W, b, alpha: float, output_fisher, held_out):
+        gram, W = gram.double(), W.double()
+        b = None if b is None else b.double()
+        n, C = W.shape[1], W.shape[0]
+        T0, live = _target(W, b)
+        self.T0 = T0[live]  # [m, C]
+        G = gram[live][:, live]  # [m, m]
+        self.lam = ridge_lambda(gram, n, alpha)
+        self.penalty = torch.ones(len(live), dtype=G.dtype)
+        if b is not None:
+            self.penalty[-1] = 0.0  # the bias is refit freely, as in compensate.ridge_refit
+        self.Hinv = torch.linalg.inv(G + self.lam * torch.diag(self.penalty))
+        L = _chol_factor(output_fisher, C)
+        self.T = self.T0.clone()  # current refit, original coordinates
+        self.Tw = self.T0 @ L if L is not None else self.T  # the same rows in B-weighted coordinates
+        self.weighted = L is not None
+        self.norm = max(float((self.T0 * (G @ self.T0)).sum()), 1e-300)
+        tokens = max(float(gram[n, n]), 1.0)
+        self.scale = 0.5 / tokens if self.weighted else 1.0
+        self.G1 = None if held_out is None else held_out.double()[live][:, live]
+        # G1 @ (Tw - Tw0)
+        self.G1_delta = None if self.G1 is None else torch.zeros_like(self.T0 if not self.weighted else self.Tw)
+        self.Tw0 = self.Tw.clone()
+        self.objective_w = self.objective_u = 0.0
+        self.held_total = 0.0
+
+    def increment(self, R: list[int], X_rows: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+        """tr( X_R^T (Hinv_RR)^{-1} X_R ): the objective's rise on removing rows R; with the solve and the block."""
+        block = self.Hinv[R][:, R]
+        solved = torch.linalg.solve(block, X_rows[R])  # (Hinv_RR)^{-1} T_R
+        return float((X_rows[R] * solved).sum()), solved, block
+
+    def remove(self, R: list[int], cost: float) -> tuple[float, float]:
+        """Remove rows R (B-weighted objective rise `cost`): OBS update of the refit and of Hinv, the held-out error
+        added; returns the data part (ridge objective - lam ||P (T' - T0)||^2), B-weighted and plain."""
+        _, solved_w, block = self.increment(R, self.Tw)
+        solved_u = torch.linalg.solve(block, self.T[R])
+        column = self.Hinv[:, R]  # [m, |R|]
+        self.objective_w += cost
+        self.objective_u += float((self.T[R] * solved_u).sum())
+        step_w = column @ solved_w
+        self.T = self.T - column @ solved_u
+        self.Tw = self.Tw - step_w if self.weighted else self.T
+        if self.G1_delta is not None:
+            self.G1_delta = self.G1_delta - (self.G1 @ column) @ (solved_w if self.weighted else solved_u)
+        self.Hinv = self.Hinv - column @ torch.linalg.solve(block, self.Hinv[R])
+        self.T[R], self.Hinv[R], self.Hinv[:, R] = 0.0, 0.0, 0.0
+        if self.weighted:
+            self.Tw[R] = 0.0
+        pen_u = self.lam * float((self.penalty[:, None] * (self.T - self.T0) ** 2).sum())
+        data_u = self.objective_u - pen_u
+        if self.weighted:
+            data_w = self.objective_w - self.lam * float((self.penalty[:, None] * (self.Tw - self.Tw0) ** 2).sum())
+        else:
+            data_w = data_u
+        if self.G1_delta is not None:
+            delta = (self.Tw - self.Tw0) if self.weighted else (self.T - self.T0)
+            self.held_total += float((delta * self.G1_delta).sum())
+        return data_w, data_u
+
+
 def obs_path(
     gram: torch.Tensor,
     W: torch.Tensor,
@@ -85,42 +151,13 @@ def obs_path(
     other windows), the B-weighted held-out error of the path's refits summed over its steps (for choosing alpha).
 
     gram [n+1, n+1] of [z, 1]; W [C, n]; b [C] or None; units: candidate removals as lists of query heads;
-    allowed(removed_heads, unit): constraint (GQA / uniform caps); steps: stop after this many removals.
-    Longer than most: one greedy loop whose state (Hinv, the refit in plain and weighted coordinates, the held-out
-    product) must be updated together at every removal; split up, the pieces would pass all of it around."""
-    gram, W = gram.double(), W.double()
-    b = None if b is None else b.double()
-    n, C = W.shape[1], W.shape[0]
-    T0, live = _target(W, b)
-    T0 = T0[live]  # [m, C]
-    G = gram[live][:, live]  # [m, m]
-    lam = ridge_lambda(gram, n, alpha)
-    penalty = torch.ones(len(live), dtype=G.dtype)
-    if b is not None:
-        penalty[-1] = 0.0  # the bias is refit freely, as in compensate.ridge_refit
-    Hinv = torch.linalg.inv(G + lam * torch.diag(penalty))
-    L = _chol_factor(output_fisher, C)
-    T = T0.clone()  # current refit, original coordinates
-    Tw = T0 @ L if L is not None else T  # the same rows in B-weighted coordinates
-    weighted = L is not None
-    norm = max(float((T0 * (G @ T0)).sum()), 1e-300)
-    tokens = max(float(gram[n, n]), 1.0)
-    scale = 0.5 / tokens if weighted else 1.0
-    G1 = None if held_out is None else held_out.double()[live][:, live]
-    G1_delta = None if G1 is None else torch.zeros_like(T0 if not weighted else Tw)  # G1 @ (Tw - Tw0)
-    Tw0 = Tw.clone()
-    objective_w = objective_u = 0.0
+    allowed(removed_heads, unit): constraint (GQA / uniform caps); steps: stop after this many removals."""
+    state = _GreedyState(gram, W, b, alpha, output_fisher, held_out)
     removed: set[int] = set()
-    path = ObsPath(layer, [], [], [], alpha, lam)
-    held_total = 0.0
+    path = ObsPath(layer, [], [], [], alpha, state.lam)
 
     def dims(unit):
         return [h * head_dim + d for h in unit for d in range(head_dim)]
-
-    def increment(R, X_rows):
-        block = Hinv[R][:, R]
-        solved = torch.linalg.solve(block, X_rows[R])  # (Hinv_RR)^{-1} T_R
-        return float((X_rows[R] * solved).sum()), solved, block
 
     limit = len(units) if steps is None else steps
     while len(path.units) < limit:
@@ -129,41 +166,17 @@ def obs_path(
             break
         scored = []
         for u in candidates:
-            cost, _, _ = increment(dims(u), Tw)
+            cost, _, _ = state.increment(dims(u), state.Tw)
             scored.append((cost, u))
             if not path.units:
                 path.single[tuple(u)] = cost
         cost, unit = min(scored, key=lambda c: (c[0], c[1]))
-        R = dims(unit)
-        _, solved_w, block = increment(R, Tw)
-        solved_u = torch.linalg.solve(block, T[R])
-        column = Hinv[:, R]  # [m, |R|]
-        objective_w += cost
-        objective_u += float((T[R] * solved_u).sum())
-        step_w = column @ solved_w
-        T = T - column @ solved_u
-        Tw = Tw - step_w if weighted else T
-        if G1_delta is not None:
-            G1_delta = G1_delta - (G1 @ column) @ (solved_w if weighted else solved_u)
-        Hinv = Hinv - column @ torch.linalg.solve(block, Hinv[R])
-        T[R], Hinv[R], Hinv[:, R] = 0.0, 0.0, 0.0
-        if weighted:
-            Tw[R] = 0.0
+        data_w, data_u = state.remove(dims(unit), cost)
         removed |= set(unit)
-        # data part = ridge objective - lam ||P (T' - T0)||^2 (B-weighted and plain)
-        pen_u = lam * float((penalty[:, None] * (T - T0) ** 2).sum())
-        data_u = objective_u - pen_u
-        if weighted:
-            data_w = objective_w - lam * float((penalty[:, None] * (Tw - Tw0) ** 2).sum())
-        else:
-            data_w = data_u
         path.units.append(list(unit))
-        path.cost.append(scale * data_w)
-        path.error.append(data_u / norm)
-        if G1_delta is not None:
-            delta = (Tw - Tw0) if weighted else (T - T0)
-            held_total += float((delta * G1_delta).sum())
-    return path, held_total
+        path.cost.append(state.scale * data_w)
+        path.error.append(data_u / state.norm)
+    return path, state.held_total
 
 
 def choose_alpha_path(

@@ -13,8 +13,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
 
 from headlab.errors import HeadlabError
 from headlab.fsio import check_out
@@ -100,8 +103,6 @@ def cache_bytes(cache) -> int:
 def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: torch.Generator):
     """A DynamicCache holding `context` random keys and values per layer in the model's per-layer shapes
     [B, G_l, T, D]: decoding cost depends on the cache's size, not on its values."""
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=loaded.model.config)
     for layer in loaded.layers:
         shape = (batch, layer.num_kv_heads, context, layer.head_dim)
@@ -209,8 +210,6 @@ def _gguf_copy(loaded: LoadedModel, spec: SpeedSpec):
 
 def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bool = True) -> pd.DataFrame:
     """Every (runtime, context, batch) point for one model: a tidy table, one row per point."""
-    from tqdm.auto import tqdm
-
     check_contexts(loaded.max_positions, spec, label)
     rows = []
     base = {
@@ -270,6 +269,7 @@ def _label(spec: str | None) -> str:
 
 def _check_positions_first(models: list[str | None], spec: SpeedSpec) -> None:
     """Refuse a too-long context before any model is measured (configs only, for local checkpoints)."""
+    # Deferred for start-up time: AutoConfig loads transformers' model registries, which `--help` does not need.
     from transformers import AutoConfig
 
     for model in models:
@@ -302,8 +302,6 @@ def run_speed(
     table = relative_to_first(pd.concat(frames, ignore_index=True))
     if out is None:
         return table, None
-    import matplotlib.pyplot as plt
-
     figure = plot_speed(table, "decode speed with a KV cache")
     png = figure_bytes(figure)
     plt.close(figure)

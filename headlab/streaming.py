@@ -16,7 +16,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm.auto import tqdm
+from transformers.utils import logging as hf_logging
 
 from headlab.arch import adapter_for
 from headlab.checkpoint import META_FILE, check_checkpoint_out, meta_load_check
@@ -81,9 +83,6 @@ class _ShardWriter:
     model-0000i-of-0000n.safetensors (or model.safetensors when one suffices) and writes the index."""
 
     def __init__(self, directory: Path, max_bytes: int):
-        from safetensors.torch import save_file
-
-        self.save_file = save_file
         self.directory, self.max_bytes = directory, max_bytes
         self.pending: dict[str, torch.Tensor] = {}
         self.pending_bytes = 0
@@ -102,7 +101,7 @@ class _ShardWriter:
         if not self.pending:
             return
         name = f"part-{len(self.shards):05d}.safetensors"
-        self.save_file(self.pending, str(self.directory / name), metadata={"format": "pt"})
+        save_file(self.pending, str(self.directory / name), metadata={"format": "pt"})
         self.shards.append((name, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
@@ -128,6 +127,8 @@ def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
     relative = list(module.state_dict())
     candidates = [{k: prefix + k for k in relative}]
     try:
+        # Deferred for start-up time (core_model_loading pulls in transformers' modeling code), and inside the try
+        # so that a transformers without it falls back to the plain names.
         from transformers.core_model_loading import revert_weight_conversion
 
         renamed = {}
@@ -161,6 +162,132 @@ def verify_streamed(out: Path, source_keys: set[str]) -> dict:
     return {**result, "tensors": len(stored)}
 
 
+def _read_config(source: Path, out: Path, overwrite: bool, pool: str, max_shard_bytes: int):
+    """Refuse a request in one line before anything is read in bulk; returns the checkpoint's files and config."""
+    # Deferred for start-up time: AutoConfig loads transformers' model registries, which `--help` does not need.
+    from transformers import AutoConfig
+
+    if not (source / "config.json").is_file():
+        raise HeadlabError(f"{source} is not a checkpoint directory with config.json")
+    check_checkpoint_out(out, overwrite, source)
+    if pool not in POOLS:
+        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
+    if max_shard_bytes < 1:
+        raise HeadlabError("the shard size must be positive")
+    files = checkpoint_files(source)
+    check_config_file(source / "config.json", str(source))
+    config = AutoConfig.from_pretrained(source)
+    check_config_heads(config, adapter_for(config), str(source))
+    if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
+        raise HeadlabError(
+            f"{source} has a per-layer head layout (a pruned checkpoint); KV conversion needs one layout"
+        )
+    return files, config
+
+
+class _TensorReader:
+    """The source's tensors by name: which file holds each (first file wins, in index order) and its stored dtype."""
+
+    def __init__(self, source: Path, files: list[str]):
+        self.source = source
+        self.where: dict[str, str] = {}  # tensor name -> file holding it
+        self.dtypes: dict[str, str] = {}  # tensor name -> safetensors dtype code
+        for name in files:
+            with safe_open(str(source / name), "pt") as handle:
+                for key in handle.keys():
+                    self.where.setdefault(key, name)
+                    self.dtypes.setdefault(key, handle.get_slice(key).get_dtype())
+
+    def read(self, key: str) -> torch.Tensor:
+        # One open per tensor: the file is unmapped again at once, so its pages do not pile up in the process's
+        # resident set while the rest of the checkpoint streams through (headers are small; opening is cheap).
+        with safe_open(str(self.source / self.where[key]), "pt") as handle:
+            return handle.get_tensor(key)
+
+    def torch_dtype(self, key: str) -> torch.dtype:
+        """The torch dtype `key` is stored in (float32 for a code outside _SAFETENSORS_DTYPES)."""
+        return getattr(torch, _SAFETENSORS_DTYPES.get(self.dtypes[key], "float32"))
+
+
+class _LayerConverter:
+    """Converts one attention module at a time: materialised from the files, pooled or expanded through its
+    adapter, its new tensors returned under their stored names, its storage dropped again."""
+
+    def __init__(self, model, adapter, layers, reader: _TensorReader, action: str, kv_heads: int, pool: str, seed: int):
+        self.model, self.adapter, self.reader = model, adapter, reader
+        self.action, self.kv_heads, self.pool, self.seed = action, kv_heads, pool, seed
+        self.file_keys = [stored_names(model, layer.module, reader.where) for layer in layers]  # module -> file key
+        # file key -> index of the layer whose attention module holds it
+        self.owner = {file_key: layer.index for layer in layers for file_key in self.file_keys[layer.index].values()}
+
+    def convert(self, layer) -> dict[str, torch.Tensor]:
+        """Materialise one attention module from the files, convert it, return its new tensors, free it."""
+        names = self.file_keys[layer.index]
+        state = {key: self.reader.read(stored) for key, stored in names.items()}
+        layer.module.load_state_dict(state, strict=True, assign=True)
+        outside_before = self._outside(layer)
+        with torch.no_grad():
+            weights = self.adapter.read(layer)
+            if self.action == "pool":
+                pooled = pool_weights(weights, self.kv_heads, self.pool, seed=self.seed + layer.index)
+                self.adapter.write(layer, pooled)
+            elif self.action == "expand":
+                self.adapter.write(layer, expand_weights(weights, self.kv_heads))
+        converted = {names[k]: t for k, t in layer.module.state_dict().items()}
+        outside_after = self._outside(layer)
+        if outside_after.keys() != outside_before.keys() or any(
+            outside_after[n] is not p for n, p in outside_before.items()
+        ):
+            # The adapter rewrote weights outside the attention module (BERT-style output projections), which this
+            # path copies through unread: refuse rather than write a half-converted layer.
+            raise HeadlabError(
+                f"{type(self.model).__name__} keeps attention weights outside its attention module; convert it "
+                "without --streaming"
+            )
+        layer.module.to("meta")  # drop the storage before the next layer
+        return converted
+
+    @staticmethod
+    def _outside(layer) -> dict:
+        """The block's parameters that are not the attention module's, by name."""
+        inside = {id(p) for p in layer.module.parameters()}
+        return {n: p for n, p in layer.block_module.named_parameters() if id(p) not in inside}
+
+
+def _stream_tensors(reader: _TensorReader, converter: _LayerConverter, layers, writer: _ShardWriter, progress: bool):
+    """Every source tensor in file order into `writer`: copied through as stored, or, for an attention module,
+    the whole converted module where its first tensor appears."""
+    emitted: set[int] = set()  # layers already written
+    bar = tqdm(total=len(reader.where), desc="converting", unit="tensor", disable=not progress)
+    for key in reader.where:
+        i = converter.owner.get(key)
+        if i is None:
+            writer.add(key, reader.read(key))
+        elif i not in emitted:
+            for name, tensor in converter.convert(layers[i]).items():
+                writer.add(name, tensor)
+            emitted.add(i)
+        bar.update()
+    bar.close()
+
+
+def _copy_side_files(source: Path, tmp: Path) -> None:
+    """Tokenizer files, generation config and the like, copied as they are (not the weights, config or record)."""
+    for item in source.iterdir():
+        skip = item.name in ("config.json", INDEX_FILE, META_FILE) or item.name.endswith(".safetensors")
+        if item.is_file() and not skip:
+            shutil.copy2(item, tmp / item.name)
+
+
+def _conversion(G: int, kv_heads: int, action: str, pool: str, seed: int, num_layers: int) -> Conversion:
+    """The record of what was done, in the form `headlab.gqa.convert` writes (contiguous groups in every layer)."""
+    groups = contiguous_groups(G, kv_heads) if action == "pool" else identity_groups(G, kv_heads)
+    conversion = Conversion(G, kv_heads, action, pool if action == "pool" else None, "contiguous", seed)
+    conversion.groups = [groups for _ in range(num_layers)]
+    conversion.methods = ["contiguous" if action == "pool" else action] * num_layers
+    return conversion
+
+
 def convert_streaming(
     source,
     kv_heads: int | None,
@@ -180,26 +307,9 @@ def convert_streaming(
     stored in the source's dtypes. Similarity grouping and the svd merge need activations and so the whole model;
     they are not available here.
     """
-    from transformers import AutoConfig
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # headlab shows its own progress
     source, out = Path(source), Path(out)
-    if not (source / "config.json").is_file():
-        raise HeadlabError(f"{source} is not a checkpoint directory with config.json")
-    check_checkpoint_out(out, overwrite, source)
-    if pool not in POOLS:
-        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
-    if max_shard_bytes < 1:
-        raise HeadlabError("the shard size must be positive")
-    files = checkpoint_files(source)
-    check_config_file(source / "config.json", str(source))
-    config = AutoConfig.from_pretrained(source)
-    check_config_heads(config, adapter_for(config), str(source))
-    if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
-        raise HeadlabError(
-            f"{source} has a per-layer head layout (a pruned checkpoint); KV conversion needs one layout"
-        )
+    files, config = _read_config(source, out, overwrite, pool, max_shard_bytes)
     model, adapter = skeleton(config)
     loaded = LoadedModel(model, None, adapter, str(source), str(source), torch.device("meta"), torch.float32)
     layers = gqa_layers(loaded)
@@ -207,83 +317,21 @@ def convert_streaming(
     kv_heads = H if kv_heads is None else kv_heads  # expand-kv's default: one KV head per query head
     action = check_kv_heads(H, G, kv_heads)
     check_direction(direction, action, H, G, kv_heads)
-
-    where: dict[str, str] = {}  # tensor name -> file holding it
-    dtypes: dict[str, str] = {}  # tensor name -> safetensors dtype code
-    for name in files:
-        with safe_open(str(source / name), "pt") as handle:
-            for key in handle.keys():
-                where.setdefault(key, name)
-                dtypes.setdefault(key, handle.get_slice(key).get_dtype())
-
-    def read(key: str) -> torch.Tensor:
-        # One open per tensor: the file is unmapped again at once, so its pages do not pile up in the process's
-        # resident set while the rest of the checkpoint streams through (headers are small; opening is cheap).
-        with safe_open(str(source / where[key]), "pt") as handle:
-            return handle.get_tensor(key)
-
-    file_keys = [stored_names(model, layer.module, where) for layer in layers]  # per layer: module key -> file key
-    owner = {file_key: layer.index for layer in layers for file_key in file_keys[layer.index].values()}
-
-    def convert_layer(layer) -> dict[str, torch.Tensor]:
-        """Materialise one attention module from the files, convert it, return its new tensors, free it."""
-        names = file_keys[layer.index]
-        state = {key: read(stored) for key, stored in names.items()}
-        layer.module.load_state_dict(state, strict=True, assign=True)
-        inside = {id(p) for p in layer.module.parameters()}
-        outside_before = {n: p for n, p in layer.block_module.named_parameters() if id(p) not in inside}
-        with torch.no_grad():
-            weights = adapter.read(layer)
-            if action == "pool":
-                adapter.write(layer, pool_weights(weights, kv_heads, pool, seed=seed + layer.index))
-            elif action == "expand":
-                adapter.write(layer, expand_weights(weights, kv_heads))
-        converted = {names[k]: t for k, t in layer.module.state_dict().items()}
-        inside = {id(p) for p in layer.module.parameters()}
-        outside_after = {n: p for n, p in layer.block_module.named_parameters() if id(p) not in inside}
-        if outside_after.keys() != outside_before.keys() or any(
-            outside_after[n] is not p for n, p in outside_before.items()
-        ):
-            # The adapter rewrote weights outside the attention module (BERT-style output projections), which this
-            # path copies through unread: refuse rather than write a half-converted layer.
-            raise HeadlabError(
-                f"{type(model).__name__} keeps attention weights outside its attention module; convert it without "
-                "--streaming"
-            )
-        layer.module.to("meta")  # drop the storage before the next layer
-        return converted
+    reader = _TensorReader(source, files)
+    converter = _LayerConverter(model, adapter, layers, reader, action, kv_heads, pool, seed)
 
     # KV bytes per token before and after, by arithmetic in the stored dtype (the model is never run here).
-    first_key = next(iter(file_keys[0].values()))
-    loaded.dtype = getattr(torch, _SAFETENSORS_DTYPES.get(dtypes[first_key], "float32"))
+    loaded.dtype = reader.torch_dtype(next(iter(converter.file_keys[0].values())))
     kv_bytes_before = kv_bytes_per_token(loaded)
-    emitted: set[int] = set()  # layers already written
     with atomic_directory(out, overwrite=overwrite) as tmp:
         writer = _ShardWriter(tmp, max_shard_bytes)
-        bar = tqdm(total=len(where), desc="converting", unit="tensor", disable=not progress)
-        for key in where:
-            i = owner.get(key)
-            if i is None:
-                writer.add(key, read(key))
-            elif i not in emitted:  # the whole attention module goes out where its first tensor appears
-                for name, tensor in convert_layer(layers[i]).items():
-                    writer.add(name, tensor)
-                emitted.add(i)
-            bar.update()
-        bar.close()
+        _stream_tensors(reader, converter, layers, writer, progress)
         shards = writer.finish()
         kv_bytes_after = kv_bytes_per_token(loaded)  # the meta modules now have the converted shapes
         adapter.set_config_heads(model.config, H, kv_heads, D)
         model.config.save_pretrained(tmp)
-        for item in source.iterdir():
-            skip = item.name in ("config.json", INDEX_FILE, META_FILE) or item.name.endswith(".safetensors")
-            if item.is_file() and not skip:
-                shutil.copy2(item, tmp / item.name)
-        verification = verify_streamed(tmp, set(where))
-        groups = contiguous_groups(G, kv_heads) if action == "pool" else identity_groups(G, kv_heads)
-        conversion = Conversion(G, kv_heads, action, pool if action == "pool" else None, "contiguous", seed)
-        conversion.groups = [groups for _ in layers]
-        conversion.methods = ["contiguous" if action == "pool" else action] * len(layers)
+        _copy_side_files(source, tmp)
+        verification = verify_streamed(tmp, set(reader.where))
         record = {
             "model": str(source),
             "source": str(source),
@@ -292,7 +340,7 @@ def convert_streaming(
             "kv_heads_after": kv_heads,
             "kv_bytes_per_token_before": kv_bytes_before,
             "kv_bytes_per_token_after": kv_bytes_after,
-            "conversion": conversion.to_dict(),
+            "conversion": _conversion(G, kv_heads, action, pool, seed, len(layers)).to_dict(),
             "shards": shards,
             "bytes_written": writer.total_bytes,
             "max_shard_bytes": max_shard_bytes,
