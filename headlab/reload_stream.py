@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import tempfile
 from pathlib import Path
 
@@ -44,6 +45,27 @@ def streamed_device_map(like: nn.Module) -> dict[str, str]:
     return device_map
 
 
+# accelerate logs this when a device map offloads blocks; for headlab's own verification copy the offload is the
+# intent, and the line (printed by logging's last-resort handler) reads to users as if their model were broken.
+OFFLOAD_NOTICE = "Some parameters are on the meta device"
+OFFLOAD_LOGGER = "accelerate.big_modeling"
+
+
+def _not_offload_notice(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(OFFLOAD_NOTICE)
+
+
+@contextlib.contextmanager
+def offload_notice_dropped():
+    """Drop accelerate's offload notice, and only it, while the block runs; the logger is restored on exit."""
+    logger = logging.getLogger(OFFLOAD_LOGGER)
+    logger.addFilter(_not_offload_notice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_not_offload_notice)
+
+
 @contextlib.contextmanager
 def streamed_reload(path: Path, like: nn.Module, auto_class):
     """Yield (model, loader name): `path` loaded the way a user would (`auto_class`.from_pretrained, or headlab's
@@ -60,13 +82,14 @@ def streamed_reload(path: Path, like: nn.Module, auto_class):
             device_map=streamed_device_map(like),
             offload_folder=offload,
         )
-        if HEAD_LAYOUT_KEY in raw or HEAD_LAYOUT_KEY in (raw.get("text_config") or {}):
-            config = AutoConfig.from_pretrained(path)
-            model = load_pruned(str(path), config, adapter_for(config), **kwargs)
-            loader = "headlab load_pruned, blocks streamed from disk"
-        else:
-            model = auto_class.from_pretrained(str(path), **kwargs)
-            loader = f"transformers.{auto_class.__name__}.from_pretrained, blocks streamed from disk"
+        with offload_notice_dropped():
+            if HEAD_LAYOUT_KEY in raw or HEAD_LAYOUT_KEY in (raw.get("text_config") or {}):
+                config = AutoConfig.from_pretrained(path)
+                model = load_pruned(str(path), config, adapter_for(config), **kwargs)
+                loader = "headlab load_pruned, blocks streamed from disk"
+            else:
+                model = auto_class.from_pretrained(str(path), **kwargs)
+                loader = f"transformers.{auto_class.__name__}.from_pretrained, blocks streamed from disk"
         try:
             yield model.eval(), loader
         finally:

@@ -263,6 +263,9 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
             if p.grad is not None:
                 distributed.all_reduce_sum(p.grad).div_(distributed.world_size())
         tokens = int(distributed.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
+        # the curve records the step's loss over every rank's windows, not rank 0's share
+        reduced = distributed.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64))
+        sums = dict(zip(sums, (reduced / distributed.world_size()).tolist()))
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip if config.clip > 0 else math.inf)
     for group in optimizer.param_groups:
         group["lr"] = lr

@@ -4,10 +4,12 @@ calibration perplexity per step."""
 
 from __future__ import annotations
 
+import os
+
 TITLE = "Uptraining learning rate (evidence for `headlab.uptrain.DEFAULT_LR`)"
 LRS = (1e-5, 3e-5, 1e-4, 3e-4)
-STEPS = 6
-SETTINGS = dict(seq_len=128, batch_size=4, heldout_tokens=512, heldout_every=3, eval_tokens=0)
+STEPS = 8  # a step budget, not minutes, so that the load of a shared machine cannot bias the comparison
+SETTINGS = dict(seq_len=128, batch_size=4, heldout_tokens=1024, heldout_every=2, eval_tokens=0)
 SETTINGS.update(gradient_checkpointing=False)
 CALIB_TOKENS = 2048
 
@@ -25,6 +27,7 @@ def run(args) -> dict:
     corpus = load_corpus(None)
     teacher = load_model(None, device=args.device)
     result = {"threads": torch.get_num_threads(), "steps": STEPS, "settings": SETTINGS, "runs": {}}
+    result["load_average_start"] = list(os.getloadavg())  # step budgets: load slows the run, it does not bias it
     for name in ("svd", "mean"):
         edited = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
         if name == "svd":
@@ -64,11 +67,16 @@ def run(args) -> dict:
     return result
 
 
+def _load(r: dict) -> str:
+    load = r.get("load_average_start")
+    return f", load average {' / '.join(f'{v:.1f}' for v in load)} at the start" if load else ""
+
+
 def markdown(r: dict) -> str:
     s = r["settings"]
     lines = [
         f"{r['steps']} steps of {s['batch_size']} x {s['seq_len']} calibration tokens (KL, attention only, "
-        f"{r['threads']} torch threads, CPU shared with other jobs); held-out calibration perplexity "
+        f"{r['threads']} torch threads, CPU shared with other jobs{_load(r)}); held-out calibration perplexity "
         f"({s['heldout_tokens']:,} tokens, the calibration part's tail) at the steps listed. The eval split is not "
         "used. The svd model's last row is the old recipe (no warmup, no clipping).",
         "",
