@@ -70,7 +70,7 @@ def offload_notice_dropped():
 def streamed_reload(path: Path, like: nn.Module, auto_class):
     """Yield (model, loader name): `path` loaded the way a user would (`auto_class`.from_pretrained, or headlab's
     loader for per-layer layouts) with its blocks offloaded to a temporary folder; removed on exit."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # start-up: transformers loads its config registry on first use (about 0.5 s)
 
     parameter = next(like.parameters())
     attn = getattr(like.config, "_attn_implementation", None) or "eager"
