@@ -9,6 +9,9 @@ masked-LM encoders the NLL of the fixed-seed 15% masked tokens, as in headlab.ev
 - ablation: I_h = (sum_x L(x) with head h gated to 0 - sum_x L(x)) / N, the exact loss increase (signed).
 - fisher:   I_h = (1/S) sum_x (dl(x)/dxi_h)^2 over the S sequences, l(x) = L(x) / n_x: the diagonal empirical
             Fisher of the gates (Kwon et al. 2022), with its block-diagonal (per-layer) form.
+- second-order: I_h = -(1/S) sum_x dl(x)/dxi_h + F_hh / 2, the second-order Taylor expansion of the mean-loss change
+            when xi_h goes from 1 to 0 (LeCun et al. 1990's OBD with the empirical Fisher as the Hessian diagonal):
+            a signed estimate of ablation from one gradient pass.
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from headlab.loading import LoadedModel
 from headlab.recompute import activation_checkpointing, checkpointing_supported
 from headlab.tables import head_table
 
-METHODS = ("grad", "taylor", "fisher", "ablation")
+METHODS = ("grad", "taylor", "fisher", "second-order", "ablation")
 ACCUMULATE = ("per-sequence", "bertology")
-DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "fisher": 2048, "ablation": 256}
+DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "fisher": 2048, "second-order": 2048, "ablation": 256}
 
 
 @dataclass
@@ -356,10 +359,25 @@ def fisher_scores(
     return stats.diagonal
 
 
+def second_order_scores(
+    loaded, batches, *, mask=None, accumulate="per-sequence", progress=True, gradient_checkpointing=False
+) -> list[torch.Tensor]:
+    """I_h = -mean_x dl(x)/dxi_h + F_hh / 2: the second-order Taylor estimate of the mean-loss increase when head h
+    is removed (xi_h: 1 -> 0), with the diagonal empirical Fisher F as the Hessian (LeCun et al. 1990; Kwon et al.
+    2022). Signed like ablation; lowest is pruned first."""
+    if accumulate != "per-sequence":
+        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+    stats = fisher_statistics(
+        loaded, batches, mask=mask, progress=progress, gradient_checkpointing=gradient_checkpointing
+    )
+    return [f / 2 - g for g, f in zip(stats.mean_gradient, stats.diagonal)]
+
+
 SCORERS: dict[str, Callable] = {
     "grad": grad_scores,
     "taylor": taylor_scores,
     "fisher": fisher_scores,
+    "second-order": second_order_scores,
     "ablation": ablation_scores,
 }
 
@@ -526,6 +544,8 @@ _DEFINITIONS = {
     "ablation": "I_h = (sum_x L(x) with xi_h = 0 - sum_x L(x)) / N; N scored tokens",
     "fisher": "I_h = (1/S) sum_x (dl(x)/dxi_h)^2 at xi = 1; l(x) = L(x) / n_x the mean token NLL of sequence x, "
     "S sequences (diagonal empirical Fisher, Kwon et al. 2022)",
+    "second-order": "I_h = -(1/S) sum_x dl(x)/dxi_h + F_hh / 2 at xi = 1: second-order Taylor estimate of the mean "
+    "loss increase when head h is removed, F the diagonal empirical Fisher (LeCun et al. 1990; Kwon et al. 2022)",
     "bertology": "I_h = (1/N_in) sum_k |sum_{j<=k} d meanNLL_j/dxi_h| (transformers' run_bertology.py, gradient "
     "never reset); N_in input tokens",
 }

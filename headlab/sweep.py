@@ -29,7 +29,8 @@ from headlab.selection import allocate, calibration_scoring_batches, check_unit,
 from headlab.tables import write_run
 
 ORDERS = (
-    "importance", "iterative", "random", "entropy", "ablation", "grad", "taylor", "fisher", "obs", "fisher-block",
+    "importance", "iterative", "random", "entropy", "ablation", "grad", "taylor", "fisher", "second-order", "obs",
+    "fisher-block",
 )  # fmt: skip
 JOINT_ORDERS = ("obs", "fisher-block")  # joint per-layer greedy paths (headlab.selection), not a per-head ranking
 # Gradient importance methods for the importance orders (ablation is too slow to re-score iteratively).
@@ -45,6 +46,7 @@ ORDER_HELP = {
     "grad": "gradient importance E_x |dL(x)/dxi_h| (Michel et al.), whatever --method says",
     "taylor": "per-token |ctx_h . dL/dctx_h| (Michel et al.'s code)",
     "fisher": "diagonal empirical Fisher of the head gates (Kwon et al. 2022)",
+    "second-order": "second-order Taylor estimate of each head's ablation: -mean gate gradient + Fisher / 2",
     "obs": "structured OBS: per layer the heads whose removal leaves the least loss-weighted o_proj error after the "
     "ridge refit, greedily, layers by estimated loss (headlab.obs)",
     "fisher-block": "per layer the heads with the least joint block-diagonal Fisher cost, layers by that cost",

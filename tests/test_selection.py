@@ -70,6 +70,34 @@ def test_fisher_equals_a_slow_per_sequence_loop(name):
     torch.testing.assert_close(torch.cat(result.raw).double(), torch.cat(stats.diagonal), rtol=1e-4, atol=1e-10)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_second_order_equals_the_taylor_terms_of_a_slow_loop(name):
+    """second-order: I_h = -mean_x dl(x)/dxi_h + mean_x (dl(x)/dxi_h)^2 / 2, one sequence at a time by hand."""
+    loaded = from_model(tiny_model(name))
+    prepared = _prepared(loaded, name)
+    first = [torch.zeros(layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
+    square = [torch.zeros(layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
+    count = 0
+    with frozen(loaded.model):
+        for batch in prepared:
+            for row in range(batch.input_ids.shape[0]):
+                ids, mask, labels = (t[row : row + 1] for t in (batch.input_ids, batch.attention_mask, batch.labels))
+                gates = [torch.ones(layer.num_heads, requires_grad=True) for layer in loaded.layers]
+                with head_gates(loaded, gates):
+                    logits = loaded.model(input_ids=ids, attention_mask=mask).logits[0]
+                    nll = torch.nn.functional.cross_entropy(logits, labels[0], ignore_index=-100)
+                    grads = torch.autograd.grad(nll, gates)
+                for l, g in enumerate(grads):
+                    first[l] += g.double()
+                    square[l] += g.double() ** 2
+                count += 1
+    raw_batches = [(b.input_ids, b.attention_mask) for b in prepared]
+    result = head_importance(loaded, raw_batches, method="second-order", progress=False)
+    expected = torch.cat([-f / count + s / count / 2 for f, s in zip(first, square)])
+    torch.testing.assert_close(torch.cat(result.raw).double(), expected, rtol=1e-4, atol=1e-9)
+    assert result.meta["definition"].startswith("I_h = -(1/S) sum_x dl(x)/dxi_h + F_hh / 2")
+
+
 def test_output_fisher_equals_a_slow_loop():
     """B_l = (1/N) sum_t d_t d_t^T with d_t = dL(x)/d(block output at t), over scored positions."""
     loaded = from_model(tiny_model("llama"))

@@ -22,7 +22,7 @@ CALIBRATION_TOKENS, CALIBRATION_SEQ, BATCH = 2048, 256, 4  # scores, Fisher, Gra
 EVAL_TOKENS, EVAL_SEQ = 2048, 512
 SPEARMAN_TOKENS, SPEARMAN_SEQ = 512, 128  # the importance case's ablation setting
 SETTINGS = {"90 uniform": ("uniform", 90), "135 global": ("global", 135)}
-METHODS = ("obs", "grad", "fisher", "random-0", "fisher-block", "taylor", "random-1", "random-2", "entropy")
+METHODS = ("obs", "grad", "fisher", "random-0", "fisher-block", "taylor", "random-1", "random-2", "entropy", "second-order")
 PARTIAL = Path.home() / ".cache" / "headlab" / "bench-selection-partial.json"
 
 
@@ -86,7 +86,7 @@ def _select(loaded, method, prepared, grams, data_kw):
         for name, (budget, count) in SETTINGS.items():
             out[name] = _paths(loaded, method, budget, count, stats, grams)
     else:
-        name, _, seed = method.partition("-")
+        name, seed = method.split("-", 1) if method.startswith("random-") else (method, 0)
         request = ScoreRequest(TextSpec(**data_kw), progress=False, seed=int(seed or 0), grams=grams)
         scores = score_heads(name, loaded, request)
         for setting, (budget, count) in SETTINGS.items():
@@ -123,7 +123,7 @@ def _spearman_part(loaded, store, methods):
     )
     prepared = scoring_batches(loaded, windows)
     scores = store.get("spearman_scores") or {}
-    for method in ("grad", "taylor", "fisher"):
+    for method in ("grad", "taylor", "fisher", "second-order"):
         if method not in scores:
             scores[method] = (
                 head_importance(loaded, windows, method=method, progress=False).table["importance_raw"].tolist()
