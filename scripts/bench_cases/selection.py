@@ -22,7 +22,18 @@ CALIBRATION_TOKENS, CALIBRATION_SEQ, BATCH = 2048, 256, 4  # scores, Fisher, Gra
 EVAL_TOKENS, EVAL_SEQ = 2048, 512
 SPEARMAN_TOKENS, SPEARMAN_SEQ = 512, 128  # the importance case's ablation setting
 SETTINGS = {"90 uniform": ("uniform", 90), "135 global": ("global", 135)}
-METHODS = ("obs", "grad", "fisher", "random-0", "fisher-block", "taylor", "random-1", "random-2", "entropy", "second-order")
+METHODS = (
+    "obs",
+    "grad",
+    "fisher",
+    "random-0",
+    "fisher-block",
+    "taylor",
+    "random-1",
+    "random-2",
+    "entropy",
+    "second-order",
+)
 PARTIAL = Path.home() / ".cache" / "headlab" / "bench-selection-partial.json"
 
 
