@@ -12,6 +12,9 @@ EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS = 2048, 512, 2048
 LOCAL_MINUTES = float(os.environ.get("HEADLAB_BENCH_LOCAL_MINUTES", 2))
 UPTRAIN_MINUTES = float(os.environ.get("HEADLAB_BENCH_UPTRAIN_MINUTES", 2))
 MODELS = ("svd", "mean", "pruned")  # mean before pruned: a run stopped by a deadline still has both KV merges
+# HEADLAB_BENCH_RECOVERY_MODELS=svd,mean reruns some models (e.g. on a quieter machine) and keeps the others' rows from
+# the previous results file, marked as carried over with their own load averages.
+RERUN = tuple(m for m in os.environ.get("HEADLAB_BENCH_RECOVERY_MODELS", ",".join(MODELS)).split(",") if m)
 LOCAL = dict(local_tokens=1024, local_seq_len=256, local_batch_size=4)
 UPTRAIN = dict(steps=None, seq_len=128, batch_size=4, heldout_tokens=1024, eval_tokens=0, gradient_checkpointing=False)
 COMMANDS = {
@@ -106,8 +109,15 @@ def run(args) -> dict:
     result.update(local_minutes=LOCAL_MINUTES, uptrain_minutes=UPTRAIN_MINUTES, local=LOCAL, uptrain=UPTRAIN)
     result["load_average_start"] = list(os.getloadavg())  # the machine is shared: how busy it was, per model below
     result["original"] = ppl(teacher)
-    result["unfinished"] = list(MODELS)
+    result["unfinished"] = list(RERUN)
+    previous = _previous() if set(RERUN) != set(MODELS) else {}
     for name in MODELS:
+        if name not in RERUN:
+            if name in previous.get("models", {}):
+                result["models"][name] = previous["models"][name]
+                result.setdefault("load_average", {})[name] = previous.get("load_average", {}).get(name)
+                result.setdefault("carried_over", []).append(name)
+            continue
         edited = _edited(name, teacher, corpus, device)
         rows = {"none": {"perplexity": ppl(edited), "seconds": 0.0, "tokens": 0, "peak_extra_bytes": 0}}
         local = from_model(copy.deepcopy(edited.model), edited.tokenizer, spec=name)
@@ -130,6 +140,16 @@ def run(args) -> dict:
         del local
         _save_partial(result)
     return result
+
+
+def _previous() -> dict:
+    """The previous run's result (for the models this run does not measure again), or {}."""
+    import json
+
+    from benchmark import RESULTS
+
+    path = RESULTS / "recovery.json"
+    return json.loads(path.read_text())["result"] if path.exists() else {}
 
 
 def _save_partial(result: dict) -> None:
@@ -163,7 +183,7 @@ def _sharing(r: dict) -> str:
     if "load_average_start" not in r:
         return "The CPU was shared with other jobs (8 on 2 cores in that run)."
     ends = "; ".join(
-        f"{name} {' / '.join(f'{v:.1f}' for v in load)}" for name, load in r.get("load_average", {}).items()
+        f"{name} {' / '.join(f'{v:.1f}' for v in load)}" for name, load in r.get("load_average", {}).items() if load
     )
     start = " / ".join(f"{v:.1f}" for v in r["load_average_start"])
     return f"The CPU was shared with other jobs: load average (1 / 5 / 15 min) {start} at the start" + (
@@ -187,6 +207,15 @@ def markdown(r: dict) -> str:
             if r.get("unfinished")
             else []
         ),
+        *(
+            [
+                f"Carried over from the previous run (not measured again; load average there as listed): "
+                f"{', '.join(r['carried_over'])}.",
+                "",
+            ]
+            if r.get("carried_over")
+            else []
+        ),  # fmt: skip
         "",
         "| model | recovery | perplexity | wall time | tokens seen | peak memory (extra) | goal floor / aim | command |",
         "|---|---|---|---|---|---|---|---|",
