@@ -235,7 +235,8 @@ def test_mask_scores_with_heads_already_gated(tmp_path):
 
 def test_bad_arguments():
     loaded = _loaded("llama")
-    with pytest.raises(HeadlabError, match="grad, taylor, fisher, ablation"):  # fisher is a method now (selection)
+    # the error lists every method of the registry
+    with pytest.raises(HeadlabError, match="grad, taylor, fisher, second-order, ablation"):
         head_importance(loaded, [_padded("llama")], method="fishy", progress=False)
     with pytest.raises(HeadlabError, match="one \\[H_l\\] gate"):
         head_importance(loaded, [_padded("llama")], mask=[torch.ones(4)], progress=False)
