@@ -37,7 +37,8 @@ def own_options(parser) -> None:
 
 
 def arguments(argv=None):
-    calibration = ("--calib-tokens", "calibration tokens for similarity grouping")
+    # --calib-tokens: the earlier name, still accepted (headlab's commands say --calibration-tokens)
+    calibration = ("--calibration-tokens --calib-tokens", "calibration tokens for similarity grouping")
     return study_arguments(__doc__, argv, "runs/gqa-study", own_options, calibration)
 
 
@@ -65,7 +66,7 @@ def main(argv=None) -> Path:
             max_tokens=args.eval_tokens,
             seq_len=args.seq_len,
             batch_size=args.batch_size,
-            calibration_tokens=args.calib_tokens,
+            calibration_tokens=args.calibration_tokens,
             progress=not args.quiet,
         )
         base = frame.loc[frame["action"] == "keep"].iloc[0]
@@ -99,7 +100,7 @@ def main(argv=None) -> Path:
         "groupings": groupings,
         "pools": pools,
         "eval_tokens": args.eval_tokens,
-        "calib_tokens": args.calib_tokens,
+        "calibration_tokens": args.calibration_tokens,
         "seq_len": args.seq_len,
     }
     out = write_study(args, study, fig, meta, measured.runs, write_model)

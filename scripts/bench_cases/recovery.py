@@ -18,7 +18,7 @@ RERUN = tuple(m for m in os.environ.get("HEADLAB_BENCH_RECOVERY_MODELS", ",".joi
 LOCAL = dict(local_tokens=1024, local_seq_len=256, local_batch_size=4)
 UPTRAIN = dict(steps=None, seq_len=128, batch_size=4, heldout_tokens=1024, eval_tokens=0, gradient_checkpointing=False)
 COMMANDS = {
-    "svd": "headlab convert-gqa --kv-heads 1 --method svd --calib-tokens 2048",
+    "svd": "headlab convert-gqa --kv-heads 1 --method svd --calibration-tokens 2048",
     "mean": "headlab convert-gqa --kv-heads 1",
     "pruned": "headlab prune --count 90 --uniform --compensate --calibration-tokens 2048 --seq-len 512",
 }
