@@ -30,7 +30,8 @@ def study_arguments(
 ) -> argparse.Namespace:
     """The command line of a study script: its docstring as help (first paragraph, then the rest as epilog), the
     models and --data, the script's own options (`add_own`), the token budgets (--eval-tokens and `calibration`:
-    (flags, help) of its calibration budget; flags separated by spaces, an earlier name after the first), the window shape, --device and the output options."""
+    (flags, help) of its calibration budget; flags separated by spaces, an earlier name after the first), the
+    window shape, --device and the output options."""
     parser = argparse.ArgumentParser(
         description=doc.split("\n\n")[0],
         epilog=doc.split("\n\n", 1)[1],
