@@ -41,14 +41,9 @@ def _prepared(loaded, name="llama", seq=24):
 # ---- Fisher ----------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_fisher_equals_a_slow_per_sequence_loop(name):
-    loaded = from_model(tiny_model(name))
-    prepared = _prepared(loaded, name)
-    stats = fisher_statistics(loaded, prepared, progress=False)
-    # Slow: one sequence at a time, gates [H] per layer, the gradient of its mean token NLL, outer products averaged.
-    outer = [torch.zeros(layer.num_heads, layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
-    count = 0
+def _gate_gradients_one_by_one(loaded, prepared):
+    """Slow and obvious: for each sequence alone, gates [H] per layer at 1 and the float64 gradients of its mean
+    token NLL with respect to them."""
     with frozen(loaded.model):
         for batch in prepared:
             for row in range(batch.input_ids.shape[0]):
@@ -57,10 +52,21 @@ def test_fisher_equals_a_slow_per_sequence_loop(name):
                 with head_gates(loaded, gates):
                     logits = loaded.model(input_ids=ids, attention_mask=mask).logits[0]
                     nll = torch.nn.functional.cross_entropy(logits, labels[0], ignore_index=-100)  # mean over n_x
-                    grads = torch.autograd.grad(nll, gates)
-                for l, g in enumerate(grads):
-                    outer[l] += torch.outer(g.double(), g.double())
-                count += 1
+                    yield [g.double() for g in torch.autograd.grad(nll, gates)]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_fisher_equals_a_slow_per_sequence_loop(name):
+    loaded = from_model(tiny_model(name))
+    prepared = _prepared(loaded, name)
+    stats = fisher_statistics(loaded, prepared, progress=False)
+    # Slow: one sequence at a time, gates [H] per layer, the gradient of its mean token NLL, outer products averaged.
+    outer = [torch.zeros(layer.num_heads, layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
+    count = 0
+    for grads in _gate_gradients_one_by_one(loaded, prepared):
+        for l, g in enumerate(grads):
+            outer[l] += torch.outer(g, g)
+        count += 1
     for l in range(len(loaded.layers)):
         torch.testing.assert_close(stats.block[l], outer[l] / count, rtol=1e-4, atol=1e-10)
         torch.testing.assert_close(stats.diagonal[l], torch.diagonal(outer[l]) / count, rtol=1e-4, atol=1e-10)
@@ -78,19 +84,11 @@ def test_second_order_equals_the_taylor_terms_of_a_slow_loop(name):
     first = [torch.zeros(layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
     square = [torch.zeros(layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
     count = 0
-    with frozen(loaded.model):
-        for batch in prepared:
-            for row in range(batch.input_ids.shape[0]):
-                ids, mask, labels = (t[row : row + 1] for t in (batch.input_ids, batch.attention_mask, batch.labels))
-                gates = [torch.ones(layer.num_heads, requires_grad=True) for layer in loaded.layers]
-                with head_gates(loaded, gates):
-                    logits = loaded.model(input_ids=ids, attention_mask=mask).logits[0]
-                    nll = torch.nn.functional.cross_entropy(logits, labels[0], ignore_index=-100)
-                    grads = torch.autograd.grad(nll, gates)
-                for l, g in enumerate(grads):
-                    first[l] += g.double()
-                    square[l] += g.double() ** 2
-                count += 1
+    for grads in _gate_gradients_one_by_one(loaded, prepared):
+        for l, g in enumerate(grads):
+            first[l] += g
+            square[l] += g**2
+        count += 1
     raw_batches = [(b.input_ids, b.attention_mask) for b in prepared]
     result = head_importance(loaded, raw_batches, method="second-order", progress=False)
     expected = torch.cat([-f / count + s / count / 2 for f, s in zip(first, square)])
