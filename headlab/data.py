@@ -81,6 +81,11 @@ class TextSpec:
     def corpus(self) -> Corpus:
         return self.resolved().data
 
+    @property
+    def corpus_name(self) -> str:
+        """The corpus spec as records name it, without loading the corpus."""
+        return self.data.spec if isinstance(self.data, Corpus) else (self.data or DEFAULT_CORPUS)
+
     def but(self, **changes) -> TextSpec:
         """A copy with some fields changed (e.g. the eval split with its own token budget)."""
         return replace(self, **changes)

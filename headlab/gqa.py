@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_with_record
 from headlab.costs import kv_bytes_per_token
-from headlab.data import Corpus, TextSpec, takes_text
+from headlab.data import TextSpec, takes_text
 from headlab.errors import HeadlabError, moved_names, renamed_keywords
 from headlab.evaluate import perplexity
 from headlab.fsio import check_out
@@ -209,8 +209,7 @@ def _perplexity(loaded, text: TextSpec, progress):
 
 def _eval_record(text: TextSpec) -> dict:
     """The eval settings as the records have always named them."""
-    name = text.data.spec if isinstance(text.data, Corpus) else text.data
-    return {"data": name, "part": text.split, "seq_len": text.seq_len, "batch_size": text.batch_size,
+    return {"data": text.corpus_name, "part": text.split, "seq_len": text.seq_len, "batch_size": text.batch_size,
             "max_tokens": text.max_tokens}  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out
 from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
 from headlab.costs import costs
-from headlab.data import Corpus, TextSpec, takes_text
+from headlab.data import TextSpec, takes_text
 from headlab.errors import HeadlabError, moved_names
 from headlab.evaluate import perplexity
 from headlab.gates import gates_from_pruned, write_mask
@@ -337,7 +337,7 @@ def prune(
         table=scores,
         low_memory=low_memory,
     )
-    choice = _select_heads(loaded, spec, request, heads=heads, method=method, select=select, budget=budget,
+    choice = _select_heads(loaded, spec, request, heads=heads, method=method, select=select, budget=budget, joint=joint,
                            iterative=iterative, compensate=compensate, search_tokens=search_tokens)  # fmt: skip
     gates = gates_from_pruned(loaded.layers, choice.pruned)  # on the original heads, before physical surgery
     eval_text = text.but(split="eval", max_tokens=eval_tokens)
@@ -367,12 +367,12 @@ class _Choice:
     joint_meta: dict | None = None
 
 
-def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, method, select, budget, iterative,
-                  compensate, search_tokens) -> _Choice:  # fmt: skip
-    """The selection step: explicit heads, score -> plan (iterated), or a joint selection / budget search."""
+def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, method, select, budget, joint,
+                  iterative, compensate, search_tokens) -> _Choice:  # fmt: skip
+    """The selection step: explicit heads, score -> plan (iterated), or (`joint`) a joint selection / budget
+    search."""
     table_source = request.table
     choosing = heads is None and table_source is None
-    joint = heads is None and (select != "rank" or budget == "search")
     if heads is None and (select == "obs" or (choosing and method == "obs") or (budget == "search" and compensate)):
         request = replace(request, grams=calibration_grams(loaded, request.text, progress=request.progress))
     # Everything cheap is checked; explicit heads and score tables are validated before any forward pass.
@@ -424,17 +424,12 @@ def _prune_record(loaded, mode, measured: dict, selection: dict, pruned, eval_te
         "perplexity_before": measured["ppl_before"],
         "perplexity_after": measured["ppl_after"],
         "compensation": measured["compensation"],
-        "eval": {"data": _corpus_name(eval_text), "split": "eval", **eval_settings},
+        "eval": {"data": eval_text.corpus_name, "split": "eval", **eval_settings},
     }
     if recovered is not None:
         meta["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
         meta["perplexity_recovered"] = measured["ppl_recovered"]
     return meta
-
-
-def _corpus_name(text: TextSpec) -> str:
-    data = text.data
-    return data.spec if isinstance(data, Corpus) else (data or "pydoc-topics")
 
 
 def _selection_record(options: dict, spec: PruneSpec) -> dict:

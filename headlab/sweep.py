@@ -132,7 +132,7 @@ def sweep(
             for run in runs
         }  # generators: each order is scored when its turn comes
         rows = list(_sweep_rows(steps, measure, [None] + ([compensate] if compensate else []), total_heads, bar))
-    name = text.corpus.spec
+    name = text.corpus_name
     meta = {
         **loaded.describe(),
         "mode": mode,

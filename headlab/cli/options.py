@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from headlab.compensate import COMPENSATIONS
 from headlab.data import PARTS, TextSpec
 from headlab.fsio import RUN_DIR_BYTES, check_free_space, guard_output
 from headlab.loading import (
@@ -206,11 +205,12 @@ def task_options(help_text: str):
     return decorate
 
 
-def compensate_option(help_text: str):
-    """--compensate [ridge|bias] (headlab.compensate's registry); the bare flag means ridge."""
+def compensate_option(choices, help_text: str):
+    """--compensate CHOICE (the caller passes headlab.compensate.COMPENSATIONS: importing it here would load
+    pandas at every command's start-up); the bare flag means ridge."""
     return click.option(
         "--compensate",
-        type=click.Choice(COMPENSATIONS),
+        type=click.Choice(choices),
         is_flag=False,
         flag_value="ridge",
         default=None,

@@ -19,6 +19,7 @@ from headlab.cli.options import (
     model_options,
     out_option,
 )
+from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.prune import MODES, prune
 from headlab.report_text import human_bytes
@@ -79,8 +80,9 @@ SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table com
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --method random")
 @calibration_tokens_option(2048, "calibration tokens for on-the-fly importance")
 @compensate_option(
+    COMPENSATIONS,
     "refit the kept heads' output projection on calibration text (--compensate = ridge: least squares with a "
-    "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)"
+    "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
 )
 @recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")

@@ -15,6 +15,7 @@ from headlab.cli.options import (
     out_option,
     task_options,
 )
+from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.lm_eval_bridge import metric_columns, task_manager
 from headlab.prune import MODES
@@ -69,7 +70,8 @@ from headlab.sweep import (
     help="score of the importance and iterative orders",
 )
 @compensate_option(
-    "also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = ridge)"
+    COMPENSATIONS,
+    "also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = ridge)",
 )
 @task_options(
     "comma-separated lm-eval tasks also run on every pruned model (task/metric columns, sweep_tasks.png; needs "
