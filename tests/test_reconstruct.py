@@ -21,13 +21,7 @@ from headlab.reconstruct import LocalSpec, dead_heads, reconstruct
 CORPUS = Corpus("sample", [SAMPLE_TEXT * 6])
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matrices: thread start-up dominates on a shared machine
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def other_tokenizer():

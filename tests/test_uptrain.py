@@ -36,12 +36,7 @@ CORPUS = Corpus("sample", [SAMPLE_TEXT * 6])
 SMALL = dict(seq_len=32, batch_size=4, heldout_tokens=128, eval_tokens=128, eval_seq_len=32, progress=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_distillation_and_cross_entropy_by_hand():
