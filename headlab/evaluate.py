@@ -33,6 +33,7 @@ from headlab.data import (
 )
 from headlab.errors import HeadlabError, moved_names
 from headlab.loading import LoadedModel
+from headlab.losses import final_states, picked_log_probs
 
 WINDOW_CONVENTION = "lm-eval loglikelihood_rolling (prefix token; max_length inputs; full-context last window)"
 
@@ -75,14 +76,15 @@ def _prefix_token(tokenizer) -> int | None:
 @torch.no_grad()
 def token_nll(model, input_ids, attention_mask, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed NLL (float64) and count of scored tokens per row: the last len(targets[r]) real positions of row r
-    predict targets[r] (position p predicts token p + 1; lm-eval's continuation slice)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, T, V]
+    predict targets[r] (position p predicts token p + 1; lm-eval's continuation slice). The vocabulary projection runs
+    on chunks of the scored positions (losses.final_states), so the [B, T, V] logits never exist whole: they would
+    be most of the memory a command needs beyond the model (402 MB at the defaults for SmolLM2's 49,152 tokens)."""
+    states, head = final_states(model, input_ids, attention_mask)  # [B, T, C] (or [B, T, V] logits, head None)
     nll_sum = torch.zeros(input_ids.shape[0], dtype=torch.float64)
     counts = torch.zeros(input_ids.shape[0], dtype=torch.long)
     for row, row_targets in enumerate(targets):
         length, scored = int(attention_mask[row].sum()), len(row_targets)
-        log_probs = torch.log_softmax(logits[row, length - scored : length].float(), dim=-1)  # [scored, V]
-        picked = log_probs.gather(1, row_targets.to(log_probs.device)[:, None]).flatten()  # [scored]
+        picked = picked_log_probs(states[row, length - scored : length], head, row_targets)  # [scored]
         # Summed in float32 per window as lm-eval does (float(logits.sum())), so that word perplexity agrees to
         # 1e-6 even over few words; windows are then added in float64.
         nll_sum[row] = -float(picked.sum())

@@ -108,10 +108,10 @@ def split_rows(batches: list[ScoringBatch], max_rows: int) -> list[ScoringBatch]
     ]
 
 
-# Whole [B, T, V] logits by default: on an idle CPU the grad pass cost 2.21x a forward with them against 2.60x with
-# the chunked loss (BENCHMARKS.md "Head importance"); the chunked loss keeps the logits from existing whole (27 MiB
-# against 604 MiB of peak growth there) for long windows or large vocabularies, at that price in time.
-CHUNKED_LOSS = False
+# The chunked loss by default: the [B, T, V] logits never exist whole (at batch 1 x 256 tokens they were 48 MB, and
+# three tensors of that size, most of `importance`'s peak memory above the model). With 32 MiB chunks it costs about
+# the time of whole logits (BENCHMARKS.md "Head importance"); at 8 MiB it had cost 2.60x against 2.21x a forward.
+CHUNKED_LOSS = True
 
 
 def sequence_nll(model, batch: ScoringBatch, device, *, chunked: bool = CHUNKED_LOSS) -> torch.Tensor:

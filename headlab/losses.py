@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Bytes of float32 logits per chunk: about the size of a large last-level cache slice, so the chunk is written by the
-# projection and read by logsumexp, exp and the gradient projection while it is still warm.
-CHUNK_BYTES = 8 * 2**20
+# Bytes of float32 logits per chunk. Every chunk reads the whole [V, C] head weight twice (the projection and the
+# gradient projection), so small chunks are bound by that traffic: at 8 MiB (42 rows of SmolLM2's 49,152 logits) the
+# loss ran 2-2.5x slower than whole logits on CPU, at 32 MiB (170 rows) as fast (scripts/bench_cases/importance.py).
+CHUNK_BYTES = 32 * 2**20
 IGNORE = -100  # label of an unscored position (padding, the last position of a window), as in transformers
 
 # Models whose forward changes the head's output (soft-capping, scaling, casting): found on their first batch and
@@ -139,4 +140,45 @@ def sequence_nll(model: nn.Module, input_ids, attention_mask, labels, *, chunked
     return chunked_nll(out.logits, head, labels)
 
 
-__all__ = ["CHUNK_BYTES", "IGNORE", "chunked_nll", "plain_nll", "sequence_nll"]
+@torch.no_grad()
+def final_states(model: nn.Module, input_ids, attention_mask) -> tuple[torch.Tensor, nn.Module | None]:
+    """(states, head): the final hidden states [B, T, C] and the LM head to project slices of them with, so that the
+    whole [B, T, V] logits never exist; or (logits, None) where the head cannot be split off (device maps, a trained
+    head, a forward that transforms the head's output such as Gemma's soft-capping)."""
+    slot = _head_slot(model) if model not in _TRANSFORMED_LOGITS else None
+    if slot is None:
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits, None
+    parent, attribute, head = slot
+    with _hidden_states_instead_of_logits(parent, attribute) as stand_in:
+        out = model(input_ids=input_ids, attention_mask=attention_mask)
+    if out.logits is not stand_in.returned:
+        _TRANSFORMED_LOGITS.add(model)  # see sequence_nll
+        return model(input_ids=input_ids, attention_mask=attention_mask).logits, None
+    return out.logits, head
+
+
+@torch.no_grad()
+def picked_log_probs(states: torch.Tensor, head: nn.Module | None, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets[i] | row i) in float32 (float64 for a float64 model), [N], for rows `states` [N, C] of final
+    hidden states projected by `head` chunk by chunk (or [N, V] logits when head is None): log_softmax(W h + c)[y]."""
+    accumulate = torch.promote_types(states.dtype, torch.float32)
+    targets = targets.to(states.device)[:, None]
+    if head is None:
+        return torch.log_softmax(states.to(accumulate), dim=-1).gather(1, targets)[:, 0]
+    rows = max(1, CHUNK_BYTES // (4 * head.out_features))
+    picked = []
+    for start in range(0, len(states), rows):
+        logits = head(states[start : start + rows]).to(accumulate)  # [r, V]
+        picked.append(torch.log_softmax(logits, dim=-1).gather(1, targets[start : start + rows])[:, 0])
+    return torch.cat(picked) if picked else states.new_zeros(0, dtype=accumulate)
+
+
+__all__ = [
+    "CHUNK_BYTES",
+    "IGNORE",
+    "chunked_nll",
+    "final_states",
+    "picked_log_probs",
+    "plain_nll",
+    "sequence_nll",
+]

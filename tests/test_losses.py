@@ -167,3 +167,38 @@ def test_head_restored_after_an_exception():
         losses.sequence_nll(model, ids, torch.ones_like(ids), labels)
     hook.remove()
     assert model.get_output_embeddings() is head
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3_text"])
+def test_evaluation_log_probs_in_chunks_equal_whole_logits(name, monkeypatch):
+    """headlab.evaluate's per-token log-probabilities from final states projected a few rows at a time
+    (final_states + picked_log_probs) equal log_softmax of the model's own whole logits (float64)."""
+    monkeypatch.setattr(losses, "CHUNK_BYTES", 8 * 128 * 3)  # 3 rows per chunk: several chunks per row
+    model = tiny_model(name, attn_implementation="sdpa").to(torch.float64)
+    inputs = tiny_inputs(name, batch=2, seq=10)
+    with torch.no_grad():
+        logits = model(**inputs).logits  # [B, T, V]
+        states, head = losses.final_states(model, inputs["input_ids"], inputs["attention_mask"])
+    targets = torch.randint(0, logits.shape[-1], (10,), generator=torch.Generator().manual_seed(1))
+    for row in range(2):
+        expected = torch.log_softmax(logits[row], -1).gather(1, targets[:, None])[:, 0]
+        torch.testing.assert_close(losses.picked_log_probs(states[row], head, targets), expected)
+    assert head is not None  # the chunked projection really ran (none of these transforms its logits)
+
+
+def test_evaluation_falls_back_to_whole_logits_when_the_forward_transforms_them():
+    """A soft-capped head (gemma2): final_states hands back the model's own logits and no head to project with."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "gemma2", hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, vocab_size=64, final_logit_softcapping=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    ids = torch.randint(3, 64, (2, 6))
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        states, head = losses.final_states(model, ids, torch.ones_like(ids))
+    assert head is None
+    torch.testing.assert_close(states, expected)
