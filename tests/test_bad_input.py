@@ -101,6 +101,11 @@ CASES = [
     # convert-gqa
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "3", "--out", "c"], "3"),
     (["convert-gqa", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "2", "--out", "c"], "gpt2"),
+    # MLA (deepseek_v3): one latent for all heads, no KV heads to pool, expand or merge
+    (["convert-gqa", "--model", "{mla}", *M, *DATA, "--kv-heads", "2", "--method", "svd", "--out", "c"], "latent"),
+    (["convert-gqa", "--model", "{mla}", "--streaming", "--kv-heads", "2", "--out", "c"], "latent"),
+    (["expand-kv", "--model", "{mla}", "--streaming", "--kv-heads", "8", "--out", "e"], "latent"),
+    (["gqa-sweep", "--model", "{mla}", *M, *DATA], "latent"),
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--out", "{existing}"], "--overwrite"),
     (["convert-gqa", *NO_MODEL, *DATA, "--kv-heads", "2", "--out", "c"], "{missing}"),
     (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--method", "svd", "--out", "c"], "mean"),
@@ -335,6 +340,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "llama": save_tiny("llama", root / "llama"),  # 4 query heads, 2 KV heads, 64 positions
         "mha": save_tiny("llama_mha", root / "mha"),
         "gpt2": save_tiny("gpt2", root / "gpt2"),
+        "mla": save_tiny("deepseek_v3", root / "mla"),  # multi-head latent attention, dense MLPs
         "missing": root / "no-such-thing",
         "text": root / "sample.txt",
         "existing": root / "existing",

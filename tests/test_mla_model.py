@@ -317,14 +317,3 @@ def test_cli_info_prints_the_latent(tmp_path, capsys):
     save_tiny("llama", tmp_path / "l")
     code, out, _ = run_cli(["info", "--model", tmp_path / "l"], capsys)
     assert code == 0 and "MLA@MQA" in out and "16+16 latent" in out and "48+16 latent" in out
-
-
-# ---- refusals --------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("command", [["convert-gqa", "--kv-heads", "2"], ["expand-kv", "--kv-heads", "8"]])
-def test_kv_head_conversion_is_refused(tmp_path, capsys, command):
-    save_tiny("deepseek_v3", tmp_path / "m")
-    code, _, err = run_cli([*command, "--model", tmp_path / "m", "--out", tmp_path / "o"], capsys)
-    assert code == 2 and "latent" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "o").exists()

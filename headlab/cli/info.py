@@ -33,6 +33,11 @@ def command(load, context, batch, cache_dtype, as_json):
         ("model type", info["model_type"]),
         ("blocks / attention layers", f"{info['blocks']} / {info['attention_layers']}"),
         ("query heads / KV heads / head_dim", f"{info['query_heads']} / {info['kv_heads']} / {info['head_dim']}"),
+        *(
+            [("MLA latent + rope dims", f"{info['kv_lora_rank']} + {info['rope_dim']}")]
+            if "kv_lora_rank" in info
+            else []
+        ),
         ("parameters", f"{info['parameters']:,}"),
         ("attention parameters", f"{info['attention_parameters']:,}"),
         (f"KV cache per token ({info['cache_dtype']})", human_bytes(info["kv_bytes_per_token"])),
@@ -54,7 +59,7 @@ def command(load, context, batch, cache_dtype, as_json):
         click.echo("\nMLA rung (one latent + a shared rotary key per token and layer, at the same bytes):")
         for step in info["mla_rungs"]:
             click.echo(
-                f"  {step['variant']:<8} {_latent(step)}  "
+                f"  {step['variant']:<9} {_latent(step)}  "
                 f"{human_bytes(step['kv_bytes_per_token']):>10}/token  {human_bytes(step['kv_bytes']):>10}"
             )
 
