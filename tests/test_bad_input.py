@@ -209,6 +209,7 @@ CASES = [
     # export-gguf
     (["export-gguf", "--model", "{gpt2}", *M, "--no-verify", "--out", "g.gguf"], "llama family"),
     (["export-gguf", "--model", "{llama}", *M, "--no-verify", "--out", "g.gguf"], "byte-level BPE"),
+    (["export-gguf", "--model", "{mlamoe}", *M, "--no-verify", "--out", "g.gguf"], "MoE layers"),
     (["export-gguf", "--model", "{llama}", *M, "--no-verify", "--out", "{existing}"], "--overwrite"),
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "q9_z", "--out", "g.gguf"], "q9_z"),
     (["export-gguf", *NO_MODEL, "--no-verify", "--out", "g.gguf"], "{missing}"),
@@ -341,6 +342,10 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "mha": save_tiny("llama_mha", root / "mha"),
         "gpt2": save_tiny("gpt2", root / "gpt2"),
         "mla": save_tiny("deepseek_v3", root / "mla"),  # multi-head latent attention, dense MLPs
+        # MLA with a MoE MLP in block 1 (llama.cpp export takes dense-MLP MLA only)
+        "mlamoe": save_tiny(
+            "deepseek_v3", root / "mlamoe", first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1
+        ),
         "missing": root / "no-such-thing",
         "text": root / "sample.txt",
         "existing": root / "existing",
