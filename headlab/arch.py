@@ -319,6 +319,10 @@ class Adapter:
         factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
         return int(layer.head_dim * factor) // 2 * 2
 
+    def qk_head_dim(self, layer: AttentionLayer) -> int:
+        """Width of each head's queries and keys (the QK^T dot product); D for every family but MLA."""
+        return layer.head_dim
+
     def kv_cache_numbers(self, layer: AttentionLayer) -> int:
         """Numbers one token adds to the layer's KV cache: keys and values of every KV head, 2 x G x D."""
         return 2 * layer.num_kv_heads * layer.head_dim
@@ -631,6 +635,10 @@ class LatentQKV(Adapter):
     def kv_cache_numbers(self, layer) -> int:
         """The latent and the shared rotary key: kv_lora_rank + qk_rope_head_dim numbers per token (DeepSeek-V2)."""
         return int(layer.module.kv_lora_rank + layer.module.qk_rope_head_dim)
+
+    def qk_head_dim(self, layer) -> int:
+        """qk_nope_head_dim + qk_rope_head_dim (head_dim here is the value width)."""
+        return int(layer.module.qk_head_dim)
 
     def latent_dims(self, layer) -> tuple[int, int]:
         """(kv_lora_rank, qk_rope_head_dim) of the layer."""

@@ -58,12 +58,16 @@ def parameter_counts(loaded: LoadedModel) -> dict:
 
 
 def attention_flops_per_token(loaded: LoadedModel, context: int) -> int:
-    """Attention FLOPs per token at a given context: 2 x (projection MACs) + 2 x 2 x H x D x context (QK^T and AV)."""
+    """Attention FLOPs per token at a given context: 2 x (projection MACs) + 2 x H x (Dqk + Dv) x context (QK^T and
+    AV; Dqk = Dv = D except in MLA). MLA's projections include the shared latent ones (kv_a, q_a) and kv_b counted
+    per token, as transformers computes it (no weight absorption)."""
     flops = 0
     for layer in loaded.layers:
-        weights = loaded.adapter.read(layer)
-        macs = sum(weights.tensors()[name].numel() for name in ("q", "k", "v", "o"))
-        flops += 2 * macs + 4 * layer.num_heads * layer.head_dim * context
+        tensors = loaded.adapter.read(layer).tensors()
+        macs = sum(
+            tensors[name].numel() for name in ("q", "k", "v", "o", "kv_a", "q_a") if tensors.get(name) is not None
+        )
+        flops += 2 * macs + 2 * layer.num_heads * (loaded.adapter.qk_head_dim(layer) + layer.head_dim) * context
     return flops
 
 

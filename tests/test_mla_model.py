@@ -317,3 +317,27 @@ def test_cli_info_prints_the_latent(tmp_path, capsys):
     save_tiny("llama", tmp_path / "l")
     code, out, _ = run_cli(["info", "--model", tmp_path / "l"], capsys)
     assert code == 0 and "MLA@MQA" in out and "16+16 latent" in out and "48+16 latent" in out
+
+
+# ---- costs and compensation ----------------------------------------------------------------------------------------
+
+
+def test_parameters_and_flops_by_hand():
+    loaded = _loaded("deepseek_v3")  # C 64, H 4, kv_lora_rank 12, rope 8, qk_nope 16, v 16, no query LoRA, 2 layers
+    C, H, R, r, nope, Dv = 64, 4, 12, 8, 16, 16
+    per_head = (nope + r) * C + (nope + Dv) * R + C * Dv  # q rows, kv_b rows, o columns
+    shared = (R + r) * C  # kv_a_proj_with_mqa
+    costs = P.costs(loaded, context=10)
+    attention = sum(p.numel() for n, p in loaded.model.named_parameters() if "self_attn" in n)
+    assert costs["attention_parameters"] == attention == 2 * (H * per_head + shared + R)  # + the latent norm
+    assert costs["attention_flops_per_token"] == 2 * (2 * (H * per_head + shared) + 2 * H * (nope + r + Dv) * 10)
+    with P.pruned_in_place(loaded, [{0, 1}, {2, 3}], "physical"):
+        after = P.costs(loaded, context=10)
+    assert costs["attention_parameters"] - after["attention_parameters"] == 2 * 2 * per_head
+    assert costs["kv_bytes_per_token"] == after["kv_bytes_per_token"] == 2 * (R + r) * 4  # pruning keeps the latent
+
+
+def test_compensation_never_increases_the_calibration_error():
+    from test_compensate import test_compensation_never_increases_the_calibration_error as check
+
+    check("deepseek_v3_vdim")  # ridge refit of the output projection over H x v_head_dim columns
