@@ -323,6 +323,11 @@ class Adapter:
         """Width of each head's queries and keys (the QK^T dot product); D for every family but MLA."""
         return layer.head_dim
 
+    def cache_shapes(self, layer: AttentionLayer, batch: int, tokens: int) -> tuple[tuple, tuple]:
+        """Shapes of the (keys, values) transformers' cache holds for the layer: [B, G, T, D] each."""
+        shape = (batch, layer.num_kv_heads, tokens, layer.head_dim)
+        return shape, shape
+
     def kv_cache_numbers(self, layer: AttentionLayer) -> int:
         """Numbers one token adds to the layer's KV cache: keys and values of every KV head, 2 x G x D."""
         return 2 * layer.num_kv_heads * layer.head_dim
@@ -635,6 +640,12 @@ class LatentQKV(Adapter):
     def kv_cache_numbers(self, layer) -> int:
         """The latent and the shared rotary key: kv_lora_rank + qk_rope_head_dim numbers per token (DeepSeek-V2)."""
         return int(layer.module.kv_lora_rank + layer.module.qk_rope_head_dim)
+
+    def cache_shapes(self, layer, batch: int, tokens: int) -> tuple[tuple, tuple]:
+        """transformers' DeepseekV3Attention caches the normed latent as "keys" [B, 1, T, kv_lora_rank] and the rotated
+        shared key as "values" [B, 1, T, qk_rope_head_dim], and expands them to per-head keys and values per call."""
+        rank, rope = self.latent_dims(layer)
+        return (batch, 1, tokens, rank), (batch, 1, tokens, rope)
 
     def qk_head_dim(self, layer) -> int:
         """qk_nope_head_dim + qk_rope_head_dim (head_dim here is the value width)."""

@@ -341,3 +341,50 @@ def test_compensation_never_increases_the_calibration_error():
     from test_compensate import test_compensation_never_increases_the_calibration_error as check
 
     check("deepseek_v3_vdim")  # ridge refit of the output projection over H x v_head_dim columns
+
+
+def test_speed_holds_the_latent_cache_in_both_runtimes():
+    """Transformers' cache (prefilled or synthetic) and llama.cpp's hold kv_lora_rank + qk_rope numbers per token and
+    layer; llama.cpp's deepseek2 keeps no separate V (measured from its state size: 40 f16 bytes per token and layer
+    here, plus 12 bytes of cell metadata, against 268 - 12 = 256 for the same-sized tiny GQA llama)."""
+    import pandas as pd
+    from test_gguf import LLAMACPP, tiny
+
+    from headlab.speed import SpeedSpec, measure_model
+
+    spec = SpeedSpec(contexts=(16, 32), batches=(1, 2), decode_tokens=2, prefill_limit=32)
+    table = pd.DataFrame(measure_model(tiny("deepseek_v3"), "mla", spec, progress=False))
+    hf = table[table["runtime"] == "transformers"]
+    assert set(hf["cache_fill"]) == {"prefill", "synthetic"} and (hf["decode_tokens_per_s"] > 0).all()
+    assert (hf["kv_cache_bytes"] == 2 * (12 + 8) * 4 * hf["context"] * hf["batch"]).all()  # float32 cells
+    if LLAMACPP is None:
+        cpp = table[table["runtime"] == "llama.cpp"]
+        assert len(cpp) == 2 and (cpp["decode_tokens_per_s"] > 0).all()
+        allocated = cpp["kv_cache_bytes"] // (2 * (12 + 8) * 2)  # f16 cells
+        assert (cpp["kv_cache_bytes"] == 2 * (12 + 8) * 2 * allocated).all() and (allocated >= cpp["context"]).all()
+
+
+def test_llamacpp_state_grows_by_the_latent_per_token(tmp_path):
+    """llama.cpp's own bytes per cached token (state size at 48 minus at 16 tokens, over 32): the MLA model's equals
+    2 layers x (12 + 8) f16 numbers plus the cell metadata the same-shaped GQA llama shows beyond its 2 x 2 x 2 x 16."""
+    from test_gguf import LLAMACPP, tiny
+
+    from headlab.gguf_export import export_gguf
+    from headlab.llamacpp import open_model
+
+    if LLAMACPP is not None:
+        pytest.skip(LLAMACPP)
+
+    def per_token(loaded, name):
+        export_gguf(loaded, tmp_path / name, outtype="f32", progress=False)
+        sizes = []
+        for n in (16, 48):
+            llm = open_model(tmp_path / name, n_ctx=64)
+            llm.eval(list(range(3, 3 + n)))
+            sizes.append(llm.save_state().llama_state_size)
+            llm.close()
+        return (sizes[1] - sizes[0]) / 32
+
+    metadata = per_token(tiny("llama"), "gqa.gguf") - 2 * (2 * 2 * 16) * 2  # K and V of 2 KV heads, f16
+    assert metadata >= 0
+    assert per_token(tiny("deepseek_v3"), "mla.gguf") == 2 * (12 + 8) * 2 + metadata
