@@ -2,7 +2,8 @@
 model: the adapter's layout and weight round trip, head gates against masking by hand, physical pruning equal to
 masking (and vanilla reload), statistics against eager attention maps (query/key width != value width),
 importance against finite differences, perplexity against a slow loop, local reconstruction and uptraining, the
-KV-cache formula against a hand count and a real transformers cache, and the refusals (KV-head conversion)."""
+KV-cache formula against a hand count, a real transformers cache and llama.cpp's state, costs, compensation and
+speed (KV-head conversion's refusals are rows of tests/test_bad_input.py)."""
 
 from __future__ import annotations
 
