@@ -369,3 +369,21 @@ def test_llamacpp_runs_mla_like_transformers(tmp_path, variant):
     assert result["max_abs_logit"] > 1.0, result  # the check has logits worth comparing
     assert result["relative_difference"] < 1e-3, result
     assert result["max_abs_logit_diff"] < 1e-4 * max(1.0, result["max_abs_logit"]), result
+
+
+@pytest.mark.slow
+@needs_llamacpp
+@pytest.mark.parametrize("rank, rope", [(320, 64), (64, 64)], ids=["gqa3-budget", "mqa-budget"])
+def test_llamacpp_runs_smollm2_shaped_mla(tmp_path, rank, rope):
+    """The MLA shapes of SmolLM2-135M's budgets (hidden 576, 9 heads, qk_nope 64, v 64; latent + rope 320 + 64 and
+    64 + 64; 4 random layers): measured ~6e-7 apart in perplexity, worst logit difference ~3e-5 of ~7 (f32)."""
+    model = tiny_model(
+        "deepseek_v3", hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+        num_key_value_heads=9, kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=64, v_head_dim=64,
+        first_k_dense_replace=4, vocab_size=VOCAB, max_position_embeddings=256,
+    )  # fmt: skip
+    loaded = sharpened(from_model(model, bpe_tokenizer()), 3.0)
+    export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    result = compare_logprobs(loaded, tmp_path / "m.gguf", _windows(loaded, n=2, length=96))
+    assert result["max_abs_logit"] > 1.0 and result["relative_difference"] < 1e-4, result
+    assert result["max_abs_logit_diff"] < 1e-4 * max(1.0, result["max_abs_logit"]), result
