@@ -22,6 +22,7 @@ from headlab.arch import LatentHeadWeights, LatentQKV, adapter_for
 from headlab.capture import capture_attention
 from headlab.costs import kv_bytes_per_token, mla_budget, model_info
 from headlab.data import Corpus, calibration_batches, split_text
+from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
 from headlab.gates import head_gates, ones_gates
 from headlab.gqa import measured_kv_bytes_per_token
@@ -96,6 +97,52 @@ def test_restoring_a_read_undoes_training_of_the_shared_latent_projection():
     assert not torch.equal(_logits(model, "deepseek_v3_qlora"), before)
     adapter.write(layer, saved)
     assert torch.equal(_logits(model, "deepseek_v3_qlora"), before)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_qlora"])
+def test_write_keeps_dtype_grad_flags_no_aliasing_and_eager_equals_sdpa(name):
+    model = tiny_model(name).to(torch.bfloat16)
+    model.requires_grad_(False)
+    adapter = adapter_for(model)
+    layers = adapter.attention_layers(model)
+    w = adapter.read(layers[0]).take([0, 2])
+    adapter.write(layers[0], w)
+    for param in layers[0].block_module.parameters():
+        assert param.dtype == torch.bfloat16 and not param.requires_grad
+    w.q.zero_(), w.k.zero_(), w.kv_a.zero_()  # the model holds copies, not the caller's tensors
+    again = adapter.read(layers[0])
+    assert again.q.abs().sum() > 0 and again.k.abs().sum() > 0 and again.kv_a.abs().sum() > 0
+    model = model.float()
+    model.set_attn_implementation("eager")
+    eager = _logits(model, name)
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(_logits(model, name), eager, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(_logits(copy.deepcopy(model), name), eager, atol=1e-5, rtol=1e-4)
+
+
+def test_config_layout_rebuilds_a_pruned_model_strictly():
+    model = tiny_model("deepseek_v3_vdim")
+    adapter = adapter_for(model)
+    for layer in adapter.attention_layers(model):
+        adapter.write(layer, adapter.read(layer).take([1, 3]))
+    config = copy.deepcopy(model.config)
+    adapter.set_config_heads(config, 2, 2, 12)
+    assert adapter.layout_fields(config) == {"num_heads": 2, "num_kv_heads": 2, "head_dim": 12}
+    assert config.head_dim == 8  # DeepSeek configs keep the rope dim there: untouched
+    rebuilt = type(model)(config).eval()
+    rebuilt.load_state_dict(model.state_dict(), strict=True)
+    assert torch.equal(_logits(rebuilt, "deepseek_v3_vdim"), _logits(model, "deepseek_v3_vdim"))
+    with pytest.raises(HeadlabError, match="as many KV heads"):
+        adapter.set_config_heads(config, 2, 1, 12)
+    with pytest.raises(HeadlabError, match="own keys and values"):
+        adapter.read(adapter.attention_layers(model)[0]).take([0, 1], [0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_importance_in_float32_and_bfloat16(dtype):
+    from test_importance import test_every_architecture as check
+
+    check("deepseek_v3_qlora", dtype)
 
 
 # ---- gates, masking, physical pruning ------------------------------------------------------------------------------
