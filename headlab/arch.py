@@ -209,6 +209,9 @@ class Adapter:
     supports_gqa: bool = True
     # Queries and keys get rotary embeddings (rotate_half layout); see rotary_dim.
     rotary: bool = True
+    # The cache holds one compressed latent for all heads (MLA) instead of per-KV-head keys and values: KV-head
+    # pooling (convert-gqa, expand-kv, merge) does not apply, and kv_cache_numbers gives the latent's size.
+    latent_kv: bool = False
     extra: dict = field(default_factory=dict)
     # Name suffixes of the blocks' ModuleList, tried in order (multimodal wrappers first: their vision towers
     # also hold "layers").
@@ -315,6 +318,19 @@ class Adapter:
             params = params[layer_types[layer.block]]
         factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
         return int(layer.head_dim * factor) // 2 * 2
+
+    def qk_head_dim(self, layer: AttentionLayer) -> int:
+        """Width of each head's queries and keys (the QK^T dot product); D for every family but MLA."""
+        return layer.head_dim
+
+    def cache_shapes(self, layer: AttentionLayer, batch: int, tokens: int) -> tuple[tuple, tuple]:
+        """Shapes of the (keys, values) transformers' cache holds for the layer: [B, G, T, D] each."""
+        shape = (batch, layer.num_kv_heads, tokens, layer.head_dim)
+        return shape, shape
+
+    def kv_cache_numbers(self, layer: AttentionLayer) -> int:
+        """Numbers one token adds to the layer's KV cache: keys and values of every KV head, 2 x G x D."""
+        return 2 * layer.num_kv_heads * layer.head_dim
 
     def layout_fields(self, config) -> dict[str, int]:
         """The uniform layout a config describes: num_heads, num_kv_heads, head_dim (as set_config_heads writes)."""
@@ -549,6 +565,183 @@ class Conv1DQKV(PackedQKV):
         self._replace(layer, _conv1d_like(_get(block, self.qkv), weight, bias), o, (H, G, D))
 
 
+@dataclass
+class LatentHeadWeights(HeadWeights):
+    """Per-head tensors of a multi-head latent attention (MLA, DeepSeek-V2/V3) layer, plus the tensors all heads share.
+
+    Per head h: q[h] its query rows of q_proj (or of q_b_proj with a query LoRA), [Dqk, Cq] with Dqk = qk_nope +
+    qk_rope (the rope rows in consecutive-pair order); k[h] and v[h] its rows of kv_b_proj, [qk_nope, R] and [Dv, R],
+    which read the normed latent (R = kv_lora_rank), not the hidden state; o[:, h] its [C, Dv] output block. Shared by
+    every head and never sliced: kv_a ([R + qk_rope, C], the latent and the one rotary key), the latent norm's
+    weight [R] (None where the norm is an identity), and the query LoRA's q_a / q_a_norm. The per-head keys are
+    k_nope_h = k[h] @ norm(latent) joined with the shared rotary key (DeepSeek-V2, arXiv:2405.04434, eqs. 9-13).
+    """
+
+    kv_a: torch.Tensor | None = None  # [R + r, C]
+    kv_a_bias: torch.Tensor | None = None  # [R + r]
+    latent_norm: torch.Tensor | None = None  # [R]
+    q_a: torch.Tensor | None = None  # [Rq, C]
+    q_a_bias: torch.Tensor | None = None  # [Rq]
+    q_a_norm: torch.Tensor | None = None  # [Rq]
+
+    SHARED = ("kv_a", "kv_a_bias", "latent_norm", "q_a", "q_a_bias", "q_a_norm")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.q.shape[0]  # every query head has its own key and value, expanded from the latent
+
+    @property
+    def head_dim(self) -> int:
+        return self.v.shape[1]  # Dv: the width each head hands the output projection
+
+    def tensors(self) -> dict[str, torch.Tensor | None]:
+        return {**super().tensors(), **{f: getattr(self, f) for f in self.SHARED}}
+
+    def take(self, heads, kv_heads=None) -> LatentHeadWeights:
+        """Query heads `heads` with their own kv_b rows; kv_heads, when given, must name the same heads (each head
+        is its own KV head here); the shared tensors are copied whole."""
+        heads = list(heads)
+        if kv_heads is not None and list(kv_heads) != heads:
+            raise HeadlabError(f"MLA heads carry their own keys and values: KV heads {list(kv_heads)} != {heads}")
+        picked = HeadWeights.take(self, heads, heads)
+        shared = {f: _clone(getattr(self, f)) for f in self.SHARED}
+        return LatentHeadWeights(**{f: getattr(picked, f) for f in HeadWeights.tensors(picked)}, **shared)
+
+
+@dataclass
+class LatentQKV(Adapter):
+    """Multi-head latent attention (DeepSeek-V2/V3 in transformers): q_proj (or q_a -> norm -> q_b), a shared
+    kv_a_proj_with_mqa giving the latent and one rotary key, kv_a_layernorm on the latent, kv_b_proj expanding it to
+    per-head [k_nope; v], and o_proj over H x v_head_dim. AttentionLayer.head_dim is v_head_dim (what a head hands
+    the output projection and what gates, reconstruction and compensation slice); queries and keys are wider
+    (qk_nope + qk_rope). Heads prune physically (q rows, kv_b rows, o columns); KV-head pooling does not apply: the
+    cache is one latent for all heads."""
+
+    q: str = "self_attn.q_proj"
+    q_b: str = "self_attn.q_b_proj"
+    q_a: str = "self_attn.q_a_proj"
+    q_a_norm: str = "self_attn.q_a_layernorm"
+    kv_a: str = "self_attn.kv_a_proj_with_mqa"
+    latent_norm: str = "self_attn.kv_a_layernorm"
+    kv_b: str = "self_attn.kv_b_proj"
+    o: str = "self_attn.o_proj"
+
+    def head_counts(self, layer):
+        H = _get(layer.block_module, self.o).in_features // layer.head_dim
+        return H, H
+
+    def out_proj(self, layer):
+        return _get(layer.block_module, self.o)
+
+    def _query(self, layer) -> str:
+        """Path of the projection holding the per-head query rows: q_proj, or q_b_proj with a query LoRA."""
+        return self.q if _get(layer.block_module, self.q) is not None else self.q_b
+
+    def kv_cache_numbers(self, layer) -> int:
+        """The latent and the shared rotary key: kv_lora_rank + qk_rope_head_dim numbers per token (DeepSeek-V2)."""
+        return int(layer.module.kv_lora_rank + layer.module.qk_rope_head_dim)
+
+    def cache_shapes(self, layer, batch: int, tokens: int) -> tuple[tuple, tuple]:
+        """transformers' DeepseekV3Attention caches the normed latent as "keys" [B, 1, T, kv_lora_rank] and the rotated
+        shared key as "values" [B, 1, T, qk_rope_head_dim], and expands them to per-head keys and values per call."""
+        rank, rope = self.latent_dims(layer)
+        return (batch, 1, tokens, rank), (batch, 1, tokens, rope)
+
+    def qk_head_dim(self, layer) -> int:
+        """qk_nope_head_dim + qk_rope_head_dim (head_dim here is the value width)."""
+        return int(layer.module.qk_head_dim)
+
+    def latent_dims(self, layer) -> tuple[int, int]:
+        """(kv_lora_rank, qk_rope_head_dim) of the layer."""
+        return int(layer.module.kv_lora_rank), int(layer.module.qk_rope_head_dim)
+
+    def rotary_dim(self, layer, config) -> int:
+        """qk_rope_head_dim: the trailing query/key dimensions, in consecutive pairs (rope_interleave), not the
+        rotate_half layout of the other families; the value head (head_dim here) has no rotary part."""
+        return int(layer.module.qk_rope_head_dim)
+
+    def read(self, layer):
+        block, module = layer.block_module, layer.module
+        nope, Dv, Dqk = module.qk_nope_head_dim, module.v_head_dim, module.qk_nope_head_dim + module.qk_rope_head_dim
+        q, kv_b, o = _get(block, self._query(layer)), _get(block, self.kv_b), _get(block, self.o)
+        H = o.in_features // Dv
+        k, v = kv_b.weight.detach().view(H, nope + Dv, -1).split([nope, Dv], dim=1)
+        kv_a, q_a = _get(block, self.kv_a), _get(block, self.q_a)
+        return LatentHeadWeights(
+            q=_clone(q.weight, (H, Dqk, q.in_features)),
+            k=k.clone(),
+            v=v.clone(),
+            o=_clone(o.weight, (o.out_features, H, Dv)),
+            q_bias=_clone(q.bias, (H, Dqk)),
+            o_bias=_clone(o.bias),
+            kv_a=_clone(kv_a.weight),
+            kv_a_bias=_clone(kv_a.bias),
+            latent_norm=_clone(getattr(_get(block, self.latent_norm), "weight", None)),  # None: identity norm
+            q_a=None if q_a is None else _clone(q_a.weight),
+            q_a_bias=None if q_a is None else _clone(q_a.bias),
+            q_a_norm=None if q_a is None else _clone(_get(block, self.q_a_norm).weight),
+        )
+
+    def write(self, layer, weights):
+        if not isinstance(weights, LatentHeadWeights):
+            raise HeadlabError(f"layer {layer.index}: MLA layers take LatentHeadWeights, got {type(weights).__name__}")
+        block, module = layer.block_module, layer.module
+        H, nope, Dv = weights.num_heads, module.qk_nope_head_dim, module.v_head_dim
+        Dqk = nope + module.qk_rope_head_dim
+        shapes_ok = (
+            weights.q.shape[:2] == (H, Dqk)
+            and weights.k.shape[:2] == (H, nope)
+            and weights.v.shape[:2] == (H, Dv)
+            and weights.o.shape[1:] == (H, Dv)
+        )
+        if H < 1 or not shapes_ok:
+            raise HeadlabError(
+                f"layer {layer.index}: MLA heads need q [H, {Dqk}, .], k [H, {nope}, .], v [H, {Dv}, .], o [C, H, {Dv}]"
+                f"; got q {tuple(weights.q.shape)}, k {tuple(weights.k.shape)}, v {tuple(weights.v.shape)}, "
+                f"o {tuple(weights.o.shape)}"
+            )
+        kv_b = torch.cat([weights.k, weights.v], dim=1).reshape(H * (nope + Dv), -1)  # [H*(nope+Dv), R], per head
+        q_path = self._query(layer)
+        for path, w, b in (
+            (q_path, weights.q.reshape(H * Dqk, -1), _flat(weights.q_bias)),
+            (self.kv_b, kv_b, None),
+            (self.o, weights.o.reshape(weights.o.shape[0], H * Dv), weights.o_bias),
+        ):
+            _set(block, path, _linear_like(_get(block, path), w, b))
+        # The shared tensors keep their modules (and shapes); their values are copied in, so restoring an earlier
+        # read also undoes training of the latent projection.
+        with torch.no_grad():
+            for path, attr, value in (
+                (self.kv_a, "weight", weights.kv_a),
+                (self.kv_a, "bias", weights.kv_a_bias),
+                (self.latent_norm, "weight", weights.latent_norm),
+                (self.q_a, "weight", weights.q_a),
+                (self.q_a, "bias", weights.q_a_bias),
+                (self.q_a_norm, "weight", weights.q_a_norm),
+            ):
+                target = getattr(_get(block, path), attr, None) if _get(block, path) is not None else None
+                if target is not None and value is not None:
+                    target.copy_(value.to(device=target.device, dtype=target.dtype))
+        module.num_heads = H
+        self._update_counts(layer, H, H, Dv)
+
+    def set_config_heads(self, config, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """H query heads, each with its own expanded key and value (num_key_value_heads = H); the head dims
+        (qk_nope, qk_rope, v_head_dim) stay: config.head_dim is the rope dim in DeepSeek configs and is not touched."""
+        config = config.get_text_config()
+        if num_kv_heads != num_heads:
+            raise HeadlabError(f"{config.model_type} needs as many KV heads as query heads, got {num_kv_heads}")
+        if head_dim != config.v_head_dim:
+            raise HeadlabError(f"{config.model_type}: v_head_dim must stay {config.v_head_dim}, got {head_dim}")
+        config.num_attention_heads = num_heads
+        config.num_key_value_heads = num_heads
+
+    def layout_fields(self, config) -> dict[str, int]:
+        config = config.get_text_config()
+        H = config.num_attention_heads
+        return {"num_heads": H, "num_kv_heads": H, "head_dim": config.v_head_dim}
+
+
 ADAPTERS: dict[str, Adapter] = {}
 
 
@@ -653,5 +846,15 @@ register(
         rotary=False,
         attn="attn",
         module_counts=(("num_heads", "H"), ("split_size", "H*D")),
+    )
+)
+# MLA (DeepSeek-V3, dense or MoE MLPs alike: the adapter only reads attention): per-head outputs are v_head_dim wide; the cache is one latent for all heads.
+register(
+    LatentQKV(
+        ("deepseek_v3",),
+        supports_gqa=False,
+        latent_kv=True,
+        head_dim_attr="v_head_dim",
+        module_counts=(("num_key_value_groups", "H/G"),),
     )
 )

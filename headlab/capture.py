@@ -144,7 +144,7 @@ class _LayerCall:
 
     q: torch.Tensor  # [B, G, R, Tq, D] with the scale folded in; query head h = g * R + r reads KV head g
     k: torch.Tensor  # [B, G, D, Tk]
-    v: torch.Tensor | None  # [B, G, Tk, D] when the output comes from the chunks, else None
+    v: torch.Tensor | None  # [B, G, Tk, Dv] when the output comes from the chunks, else None
     value_dtype: torch.dtype
     work: torch.dtype
     visible: torch.Tensor  # [B|1, 1|H, Tq, Tk] bool
@@ -179,7 +179,7 @@ class _LayerCall:
         # Scale folded into the queries: one pass over [B, H, T, D] instead of one per score chunk.
         q = (query if grad else query.detach()).to(work).reshape(B, G, R, Tq, D) * scaling  # [B, G, R, Tq, D]
         k = (key if grad else key.detach()).to(work).transpose(-1, -2)  # [B, G, D, Tk]
-        v = (value if grad else value.detach()).to(work) if from_chunks else None  # [B, G, Tk, D]
+        v = (value if grad else value.detach()).to(work) if from_chunks else None  # [B, G, Tk, Dv]
         return cls(
             q, k, v, value.dtype, work, visible, ~visible, bias, causal, attention_mask is None, offset,
             kwargs.get("softcap"), kwargs.get("s_aux"), kwargs.get("position_bias"), query_valid, token_valid,
@@ -270,7 +270,8 @@ class AttentionCapture:
             if call.v is not None:
                 # Rounded to the value dtype first, as eager attention does (a no-op for float32 models).
                 weights = probs.to(call.value_dtype).to(call.work).reshape(B, G, R * c, end)
-                outputs.append((weights @ call.v[:, :, :end]).view(B, H, c, D))  # [B, H, c, D]
+                # Dv, the value width, may differ from the query/key width D (MLA: qk_nope + qk_rope vs v_head_dim).
+                outputs.append((weights @ call.v[:, :, :end]).view(B, H, c, call.v.shape[-1]))  # [B, H, c, Dv]
                 probs, scores = probs.detach(), scores.detach()
             if Tq == Tk:
                 chunk = AttentionChunk(

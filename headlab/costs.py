@@ -30,6 +30,18 @@ def kv_cache_bytes(
     return 2 * sum(g * d for g, d in layers_kv) * tokens * batch * bytes_per_element
 
 
+def mla_budget(kv_heads: int, head_dim: int, rope_dim: int) -> tuple[int, int]:
+    """(kv_lora_rank, rope_dim) of the MLA cache holding as many numbers per token and layer as GQA with `kv_heads`
+    KV heads: kv_lora_rank + rope_dim = 2 x G x D (MLA.md: 320 + 64 for SmolLM2's GQA-3, 64 + 64 at MQA)."""
+    return 2 * kv_heads * head_dim - rope_dim, rope_dim
+
+
+def kv_cache_numbers(loaded: LoadedModel) -> int:
+    """Numbers one token adds to the KV cache, summed over attention layers (adapter.kv_cache_numbers): 2 x G x D
+    per layer for per-head caches, kv_lora_rank + qk_rope_head_dim for MLA's latent cache."""
+    return sum(loaded.adapter.kv_cache_numbers(layer) for layer in loaded.layers)
+
+
 def parameter_counts(loaded: LoadedModel) -> dict:
     """Total parameters (tied weights counted once) and those of the attention projections."""
     seen, total = set(), 0
@@ -46,12 +58,16 @@ def parameter_counts(loaded: LoadedModel) -> dict:
 
 
 def attention_flops_per_token(loaded: LoadedModel, context: int) -> int:
-    """Attention FLOPs per token at a given context: 2 x (projection MACs) + 2 x 2 x H x D x context (QK^T and AV)."""
+    """Attention FLOPs per token at a given context: 2 x (projection MACs) + 2 x H x (Dqk + Dv) x context (QK^T and
+    AV; Dqk = Dv = D except in MLA). MLA's projections include the shared latent ones (kv_a, q_a) and kv_b counted
+    per token, as transformers computes it (no weight absorption)."""
     flops = 0
     for layer in loaded.layers:
-        weights = loaded.adapter.read(layer)
-        macs = sum(weights.tensors()[name].numel() for name in ("q", "k", "v", "o"))
-        flops += 2 * macs + 4 * layer.num_heads * layer.head_dim * context
+        tensors = loaded.adapter.read(layer).tensors()
+        macs = sum(
+            tensors[name].numel() for name in ("q", "k", "v", "o", "kv_a", "q_a") if tensors.get(name) is not None
+        )
+        flops += 2 * macs + 2 * layer.num_heads * (loaded.adapter.qk_head_dim(layer) + layer.head_dim) * context
     return flops
 
 
@@ -64,9 +80,8 @@ def model_info(loaded: LoadedModel, context: int = 8192, batch: int = 1, cache_d
     element = DTYPE_BYTES[cache_dtype]
     heads = sorted({layer.num_heads for layer in layers})
     kv_heads = sorted({layer.num_kv_heads for layer in layers})
-    current = [(layer.num_kv_heads, layer.head_dim) for layer in layers]
     ladder = []
-    if len(heads) == 1:  # the ladder needs one head count for all layers
+    if len(heads) == 1 and not loaded.adapter.latent_kv:  # the ladder needs one head count for all layers
         num_heads = heads[0]
         for g in sorted({g for g in range(1, num_heads + 1) if num_heads % g == 0}, reverse=True):
             name = "MHA" if g == num_heads else "MQA" if g == 1 else f"GQA-{g}"
@@ -80,7 +95,9 @@ def model_info(loaded: LoadedModel, context: int = 8192, batch: int = 1, cache_d
                     "current": [g] * len(layers) == [layer.num_kv_heads for layer in layers],
                 }
             )
-    per_token = kv_cache_bytes(current, 1, 1, element)
+    if loaded.adapter.latent_kv:
+        ladder = _latent_rows(loaded, element, context * batch)
+    per_token = kv_cache_numbers(loaded) * element
     return {
         "model": loaded.spec,
         "model_type": loaded.model.config.model_type,
@@ -97,7 +114,54 @@ def model_info(loaded: LoadedModel, context: int = 8192, batch: int = 1, cache_d
         "kv_bytes_per_token": per_token,
         "kv_bytes": per_token * context * batch,
         "ladder": ladder,
+        "mla_rungs": [] if loaded.adapter.latent_kv else _mla_rungs(loaded, element, context * batch),
+        **_latent_fields(loaded),
     }
+
+
+def _latent_fields(loaded: LoadedModel) -> dict:
+    """An MLA model's latent size (kv_lora_rank, rope_dim) where every layer has the same; {} otherwise."""
+    if not loaded.adapter.latent_kv:
+        return {}
+    dims = sorted({loaded.adapter.latent_dims(layer) for layer in loaded.layers})
+    return {"kv_lora_rank": dims[0][0], "rope_dim": dims[0][1]} if len(dims) == 1 else {"latent_dims": dims}
+
+
+def _latent_rows(loaded: LoadedModel, element: int, tokens: int) -> list[dict]:
+    """An MLA model's ladder: its latent cache (what transformers 5, vLLM and llama.cpp hold), and beside it the
+    per-head keys and values the latent expands to (H x (qk_nope + qk_rope + v_head_dim) per layer), which an engine
+    without an MLA path would cache."""
+    latent = kv_cache_numbers(loaded) * element
+    expanded = sum(layer.num_heads * (layer.module.qk_head_dim + layer.head_dim) for layer in loaded.layers) * element
+    return [
+        {"variant": "MLA", "kv_heads": None, **_latent_fields(loaded), "kv_bytes_per_token": latent,
+         "kv_bytes": latent * tokens, "current": True},
+        {"variant": "expanded", "kv_heads": loaded.layers[0].num_heads, "kv_bytes_per_token": expanded,
+         "kv_bytes": expanded * tokens, "current": False},
+    ]  # fmt: skip
+
+
+def _mla_rungs(loaded: LoadedModel, element: int, tokens: int) -> list[dict]:
+    """The MLA rung of a per-head (MHA/GQA) model: the latent + rope split at the bytes of its own cache and at the
+    MQA cache's, with the rope part as wide as the heads' rotary part (mla_budget). Empty for layers that differ or
+    have no rotary embeddings (the DeepSeek format's shared key carries RoPE)."""
+    layers = loaded.layers
+    if len({(layer.num_kv_heads, layer.head_dim) for layer in layers}) != 1:
+        return []
+    G, D = layers[0].num_kv_heads, layers[0].head_dim
+    rope = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
+    if rope == 0:
+        return []
+    rows = []
+    for g in sorted({G, 1}, reverse=True):
+        rank, rope_dim = mla_budget(g, D, rope)
+        per_token = (rank + rope_dim) * len(layers) * element
+        name = "MQA" if g == 1 else "MHA" if g == layers[0].num_heads else f"GQA-{g}"
+        rows.append(
+            {"variant": f"MLA@{name}", "kv_lora_rank": rank, "rope_dim": rope_dim, "kv_bytes_per_token": per_token,
+             "kv_bytes": per_token * tokens}
+        )  # fmt: skip
+    return rows
 
 
 def costs(loaded: LoadedModel, context: int = 1024) -> dict:
@@ -107,7 +171,7 @@ def costs(loaded: LoadedModel, context: int = 1024) -> dict:
     return {
         **parameter_counts(loaded),
         "attention_flops_per_token": attention_flops_per_token(loaded, context),
-        "kv_bytes_per_token": kv_cache_bytes([(layer.num_kv_heads, layer.head_dim) for layer in layers], 1, 1, element),
+        "kv_bytes_per_token": kv_cache_numbers(loaded) * element,
         "query_heads": sum(layer.num_heads for layer in layers),
         "kv_heads": sum(layer.num_kv_heads for layer in layers),
         "flops_context": context,
@@ -115,6 +179,7 @@ def costs(loaded: LoadedModel, context: int = 1024) -> dict:
 
 
 def kv_bytes_per_token(loaded: LoadedModel) -> int:
-    """Arithmetic (as `headlab info`): 2 x sum over softmax layers of G x D x bytes per element (model dtype)."""
+    """Arithmetic (as `headlab info`): 2 x sum over softmax layers of G x D x bytes per element (model dtype); for
+    MLA, (kv_lora_rank + qk_rope_head_dim) per layer (kv_cache_numbers)."""
     element = DTYPE_BYTES[str(loaded.dtype).removeprefix("torch.")]
-    return kv_cache_bytes([(layer.num_kv_heads, layer.head_dim) for layer in loaded.layers], 1, 1, element)
+    return kv_cache_numbers(loaded) * element

@@ -1,5 +1,5 @@
 """GGUF export for llama.cpp: any llama-family checkpoint headlab loads or writes (original, uniformly or per-layer
-pruned, KV-reduced), with its tokenizer and chat template, in f32/f16/bf16 or a type the gguf package quantizes.
+pruned, KV-reduced) and dense MLA (deepseek_v3) checkpoints, with its tokenizer and chat template, in f32/f16/bf16 or a type the gguf package quantizes.
 
 Which llama.cpp architecture runs which layout (read from llama.cpp's loader, src/llama-model.cpp and src/models/):
 - every architecture reads `head_count` / `head_count_kv` as a scalar or a per-layer array (`get_key_or_arr`), but
@@ -11,6 +11,11 @@ Which llama.cpp architecture runs which layout (read from llama.cpp's loader, sr
 - `llama` and `deci` rotate adjacent pairs (2i, 2i+1) ("normal" RoPE); transformers rotates i with i + d/2
   (rotate_half), so q and k rows (and biases) are permuted within each head for them (llama.cpp's
   convert_hf_to_gguf does the same); `qwen2`/`qwen3` use the rotate_half ("neox") convention and are written as is.
+- `deepseek2` runs multi-head latent attention: deepseek_v3 checkpoints with a dense MLP in every block (what
+  convert-mla writes) go there as convert_hf_to_gguf's DeepseekV2Model writes them: MQA over the latent (key length
+  kv_lora_rank + rope, value length kv_lora_rank), kv_b_proj split into attn_k_b (transposed) and attn_v_b, the
+  rotary rows unpermuted (rope_interleave already gives consecutive pairs). Its graph always applies the latent
+  RMSNorm with rms_norm_eps, and its loader asserts qk_nope_head_dim >= 1 (docs/runtimes.md).
 """
 
 from __future__ import annotations
@@ -60,6 +65,13 @@ _BLOCK_NAMES = {
     "mlp.up_proj.bias": "ffn_up.bias",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.down_proj.bias": "ffn_down.bias",
+    # multi-head latent attention (deepseek_v3 -> deepseek2); kv_b is split into attn_k_b / attn_v_b when written
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
 }
 _BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _CORE = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"}
@@ -93,13 +105,25 @@ TARGETS = {
         frozenset(_CORE | _FFN | _BIASES | {"attn_q_norm.weight", "attn_k_norm.weight"}),
     ),
 }
+# llama.cpp's deepseek2 (src/models/deepseek2.cpp): MLA attention, dense SwiGLU for the leading dense blocks. Weights
+# as transformers holds them with rope_interleave (consecutive-pair RoPE, llama.cpp's "normal" type): no permutation.
+_MLA_LOADS = frozenset(
+    {"attn_norm.weight", "attn_q.weight", "attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"}
+    | {"attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_kv_b.weight", "attn_output.weight"}
+    | _FFN
+)
+TARGETS["deepseek2"] = Target("deepseek2", False, False, False, False, _MLA_LOADS)
 # transformers model_type -> llama.cpp architectures to try, in order of preference.
 FAMILIES = {
     "llama": ("llama", "deci"),
     "mistral": ("llama", "deci"),
     "qwen2": ("qwen2", "deci"),
     "qwen3": ("qwen3",),
+    "deepseek_v3": ("deepseek2",),
 }
+# deepseek2's loader takes a 26-, 27- or 48-layer model (with a 128,256-token vocabulary for 48) for a "lite" one and
+# then never reads q_lora_rank (llama_model_deepseek2::load_arch_hparams): a query LoRA there would not load.
+_LITE_LAYERS = {26: None, 27: None, 48: 128256}
 ROPE_TYPES = ("default", "linear", "llama3")  # frequency-only RoPE variants llama.cpp reproduces exactly
 
 # Byte-level BPE pre-tokenizers llama.cpp implements (src/llama-vocab.cpp), identified by tokenizer.json's regex.
@@ -170,10 +194,12 @@ def plan_export(loaded: LoadedModel) -> ExportPlan:
     model_type = config.model_type
     if model_type not in FAMILIES:
         raise HeadlabError(
-            f"export-gguf covers the llama family ({', '.join(FAMILIES)}); {model_type!r} is not one of them"
+            f"export-gguf covers the llama family and MLA ({', '.join(FAMILIES)}); {model_type!r} is not one of them"
         )
     if loaded.adapter.norm_spans_heads:
         raise HeadlabError(f"{model_type}: a q/k norm spanning heads has no llama.cpp counterpart")
+    if loaded.adapter.latent_kv:
+        return _plan_mla(loaded, config)
     layers = loaded.layers
     head_dims = {layer.head_dim for layer in layers}
     if len(head_dims) != 1:
@@ -209,6 +235,74 @@ def plan_export(loaded: LoadedModel) -> ExportPlan:
                 )
             return ExportPlan(target, model_type, heads, kv_heads, head_dim, rope_freqs, notes)
     raise HeadlabError(f"llama.cpp cannot run this {model_type} layout: " + "; ".join(reasons))
+
+
+def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
+    """deepseek_v3 -> llama.cpp's deepseek2, or a one-line refusal naming what its loader or graph cannot express."""
+    layers, model_type = loaded.layers, config.model_type
+    L = len(layers)
+    problems = []
+    if (config.first_k_dense_replace or 0) < L:
+        problems.append(f"MoE layers (first_k_dense_replace {config.first_k_dense_replace} < {L} layers): headlab "
+                        "exports dense-MLP MLA models only")  # fmt: skip
+    if any(getattr(layer.module.kv_a_layernorm, "weight", None) is None for layer in layers):
+        problems.append("an identity latent norm: llama.cpp's deepseek2 graph always applies the RMSNorm to the latent "
+                        "(fold it into the weights first)")  # fmt: skip
+    if float(config.rms_norm_eps) != 1e-6:
+        problems.append(f"rms_norm_eps {config.rms_norm_eps}: llama.cpp applies it to the latent norm too, which "
+                        "transformers computes with eps 1e-6")  # fmt: skip
+    if config.qk_nope_head_dim < 1:
+        problems.append("qk_nope_head_dim 0: llama.cpp's deepseek2 loader asserts at least one non-rotary key dim")
+    if not config.rope_interleave:
+        problems.append("rope_interleave false (llama.cpp's deepseek2 rotates consecutive pairs)")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":
+        problems.append(f"RoPE type {rope_type!r} (only the default is exported for MLA)")
+    if config.q_lora_rank and L in _LITE_LAYERS and _LITE_LAYERS[L] in (None, config.vocab_size):
+        problems.append(f"a query LoRA in {L} layers: llama.cpp takes this depth for a 'lite' model without one")
+    heads = [layer.num_heads for layer in layers]
+    if len(set(heads)) != 1:
+        problems.append("per-layer head counts (the deepseek2 graph builds every layer with layer 0's)")
+    if problems:
+        raise HeadlabError(f"llama.cpp cannot run this {model_type} model: " + "; ".join(problems))
+    # After the checks above: _gguf_names refuses unknown tensors (MoE experts) with a less telling message.
+    names = {gguf.split(".", 2)[-1] for gguf, block, _ in _gguf_names(loaded.model).values() if block is not None}
+    if names - _MLA_LOADS:
+        raise HeadlabError(f"llama.cpp's deepseek2 does not read {', '.join(sorted(names - _MLA_LOADS))}")
+    notes = ["MLA cache in llama.cpp: kv_lora_rank + qk_rope_head_dim numbers per token and layer (the latent)"]
+    return ExportPlan(TARGETS["deepseek2"], model_type, heads, [1] * L, layers[0].head_dim, None, notes)
+
+
+def _mla_hparams(writer, config) -> None:
+    """deepseek2's keys (convert_hf_to_gguf's DeepseekV2Model): MLA seen as MQA over the latent (key length
+    kv_lora_rank + rope, value length kv_lora_rank), the per-head sizes as *_mla keys, every block dense."""
+    rank, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+    writer.add_kv_lora_rank(rank)
+    writer.add_q_lora_rank(int(config.q_lora_rank or 0))  # 0: one q_proj; the non-lite loader requires the key
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(int(config.qk_nope_head_dim) + rope)
+    writer.add_value_length_mla(int(config.v_head_dim))
+    writer.add_rope_dimension_count(rope)
+    writer.add_leading_dense_block_count(int(config.num_hidden_layers))
+    writer.add_expert_feed_forward_length(int(config.intermediate_size))  # read unconditionally, unused when dense
+    writer.add_expert_shared_count(0)
+
+
+def _split_kv_b(items: list, config) -> list:
+    """attn_kv_b [H*(nope+Dv), R] -> attn_k_b [H, R, nope] (transposed: llama.cpp absorbs it into the query) and
+    attn_v_b [H, Dv, R], as convert_hf_to_gguf writes them for MLA."""
+    nope, Dv = int(config.qk_nope_head_dim), int(config.v_head_dim)
+    out = []
+    for name, block, tensor in items:
+        if not name.endswith("attn_kv_b.weight"):
+            out.append((name, block, tensor))
+            continue
+        kv_b = tensor.detach().reshape(-1, nope + Dv, tensor.shape[-1])  # [H, nope + Dv, R]
+        k_b, v_b = kv_b.split([nope, Dv], dim=1)
+        out.append((name.replace("attn_kv_b", "attn_k_b"), block, k_b.transpose(1, 2).contiguous()))
+        out.append((name.replace("attn_kv_b", "attn_v_b"), block, v_b.contiguous()))
+    return out
 
 
 def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -373,10 +467,13 @@ def _hparams(writer, plan: ExportPlan, config, loaded: LoadedModel, file_type: i
     else:  # per-layer arrays (llama.cpp get_key_or_arr); only per-layer architectures read them layer by layer
         writer.add_head_count(plan.heads)
         writer.add_head_count_kv(plan.kv_heads)
-    # llama.cpp derives the head size as n_embd / n_head unless told: pruned layouts must say it.
-    writer.add_key_length(plan.head_dim)
-    writer.add_value_length(plan.head_dim)
-    writer.add_rope_dimension_count(plan.head_dim)
+    if plan.target.arch == "deepseek2":
+        _mla_hparams(writer, config)
+    else:
+        # llama.cpp derives the head size as n_embd / n_head unless told: pruned layouts must say it.
+        writer.add_key_length(plan.head_dim)
+        writer.add_value_length(plan.head_dim)
+        writer.add_rope_dimension_count(plan.head_dim)
     writer.add_rope_freq_base(float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
@@ -458,6 +555,8 @@ def export_gguf(
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
     items = [(gguf_name, block, tensor) for gguf_name, block, tensor in _gguf_names(loaded.model).values()]
+    if plan.target.arch == "deepseek2":
+        items = _split_kv_b(items, config)
     if plan.rope_freqs is not None:
         items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
     types = {name: _tensor_type(outtype, name, tuple(t.shape)) for name, _, t in items}

@@ -38,6 +38,11 @@ def gqa_layers(loaded: LoadedModel) -> list[AttentionLayer]:
     """The softmax-attention layers to convert (hybrids: linear-attention blocks are skipped), with one uniform
     (H, G, D) layout, since a config holds one num_key_value_heads."""
     adapter = loaded.adapter
+    if adapter.latent_kv:
+        raise HeadlabError(
+            f"{loaded.model.config.model_type} caches one latent shared by all heads (multi-head latent attention): "
+            "there are no KV heads to pool or expand; KV-head conversion and merging do not apply"
+        )
     if not adapter.supports_gqa:
         capable = sorted(t for t, a in ADAPTERS.items() if a.supports_gqa)
         raise HeadlabError(

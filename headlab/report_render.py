@@ -177,7 +177,15 @@ def _gqa_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
     commands = meta["commands"]
     gqa_table = _table(run / "gqa_sweep" / "sweep.csv")
     if gqa_table is None:
-        return [Section("KV heads", ["This architecture cannot hold fewer KV heads (supports_gqa=False)."])]
+        return [
+            Section(
+                "KV heads",
+                [
+                    "This architecture cannot hold fewer KV heads (supports_gqa=False; an MLA model caches one latent "
+                    "for all heads instead)."
+                ],
+            )
+        ]
     columns = ["variant", "kv_heads", "action", "perplexity", "kv_bytes_per_token", "relative_kv_bytes", "same_as"]
     section = Section(
         "KV heads: GQA conversion",

@@ -102,12 +102,12 @@ def cache_bytes(cache) -> int:
 
 def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: torch.Generator):
     """A DynamicCache holding `context` random keys and values per layer in the model's per-layer shapes
-    [B, G_l, T, D]: decoding cost depends on the cache's size, not on its values."""
+    (adapter.cache_shapes: [B, G_l, T, D]; MLA's latent and rotary key): decoding cost depends on the cache's size, not on its values."""
     cache = DynamicCache(config=loaded.model.config)
     for layer in loaded.layers:
-        shape = (batch, layer.num_kv_heads, context, layer.head_dim)
-        keys = torch.randn(shape, generator=generator, dtype=torch.float32).to(loaded.device, loaded.dtype)
-        values = torch.randn(shape, generator=generator, dtype=torch.float32).to(loaded.device, loaded.dtype)
+        key_shape, value_shape = loaded.adapter.cache_shapes(layer, batch, context)  # MLA: the latent, the rotary key
+        keys = torch.randn(key_shape, generator=generator, dtype=torch.float32).to(loaded.device, loaded.dtype)
+        values = torch.randn(value_shape, generator=generator, dtype=torch.float32).to(loaded.device, loaded.dtype)
         cache.update(keys, values, getattr(layer.module, "layer_idx", layer.block))
     return cache
 
@@ -231,7 +231,8 @@ def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bo
             }
         )
     if "llama.cpp" in spec.runtimes and not unavailable():
-        kv_per_token = sum(2 * layer.num_kv_heads * layer.head_dim * 2 for layer in loaded.layers)  # f16 cells
+        # f16 cells; MLA: the latent and rotary key only (measured: llama.cpp keeps no separate V for deepseek2)
+        kv_per_token = sum(loaded.adapter.kv_cache_numbers(layer) * 2 for layer in loaded.layers)
         vocab = loaded.model.config.get_text_config().vocab_size
         with _gguf_copy(loaded, spec) as path:
             for context in tqdm(spec.contexts, desc=f"speed {label} llama.cpp", disable=not progress, unit="point"):

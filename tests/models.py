@@ -138,10 +138,48 @@ MHA_TYPES = [n for n in ALL_TYPES if n not in GQA_TYPES]
 LAYOUTS = {n: ([1] if n in HYBRID_TYPES else [0, 1], 4, 2 if n in GQA_TYPES else 4, 16) for n in ALL_TYPES}
 _AUTO = {"causal": AutoModelForCausalLM, "masked": AutoModelForMaskedLM, "vlm": AutoModelForImageTextToText}
 
+# Multi-head latent attention (deepseek_v3) in the form headlab's MLA conversion writes: a dense MLP in every layer
+# (first_k_dense_replace = layers), no query LoRA, num_key_value_heads = heads. Kept out of SPECS (and ALL_TYPES):
+# KV-head conversion and merging do not apply to MLA, so tests/test_mla_model.py covers these specs itself.
+# H = 4, kv_lora_rank R = 12, qk_nope 16 + qk_rope 8 = 24 query/key dims per head, v_head_dim 16.
+_DEEPSEEK = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=12,
+    q_lora_rank=None,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    first_k_dense_replace=2,
+    n_routed_experts=4,
+    num_mtp_layers=0,
+    rope_interleave=True,
+    vocab_size=128,
+    max_position_embeddings=64,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MLA_SPECS: dict[str, tuple[str, str, dict]] = {
+    "deepseek_v3": ("deepseek_v3", "causal", _DEEPSEEK),
+    "deepseek_v3_qlora": ("deepseek_v3", "causal", dict(_DEEPSEEK, q_lora_rank=24)),  # q_a -> RMSNorm -> q_b
+    "deepseek_v3_vdim": ("deepseek_v3", "causal", dict(_DEEPSEEK, qk_nope_head_dim=8, v_head_dim=12)),  # nope != v
+    # The latent RMSNorm replaced by an identity, as recovery trains converted models (tiny_model swaps it in).
+    "deepseek_v3_nonorm": ("deepseek_v3", "causal", _DEEPSEEK),
+}
+MLA_TYPES = list(MLA_SPECS)
+_IDENTITY_LATENT_NORM = {"deepseek_v3_nonorm"}
+
+
+def _spec(name: str) -> tuple[str, str, dict]:
+    return SPECS[name] if name in SPECS else MLA_SPECS[name]
+
 
 def tiny_config(name: str, **overrides):
     """The spec's config; overrides go to the text config of multimodal wrappers."""
-    model_type, kind, kwargs = SPECS[name]
+    model_type, kind, kwargs = _spec(name)
     if kind == "vlm":
         kwargs = dict(kwargs, text_config={**kwargs["text_config"], **overrides})
         return AutoConfig.for_model(model_type, **kwargs)
@@ -155,13 +193,16 @@ def tiny_model(name: str, *, base: bool = False, attn_implementation: str = "eag
     the wrong head; they get noise of std 0.05 here.
     """
     config = tiny_config(name, **overrides)
-    auto = AutoModel if base else _AUTO[SPECS[name][1]]
+    auto = AutoModel if base else _AUTO[_spec(name)[1]]
     torch.manual_seed(seed)
     model = auto.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:
                 param.add_(0.05 * torch.randn_like(param))
+    if name in _IDENTITY_LATENT_NORM:
+        for layer in model.model.layers:
+            layer.self_attn.kv_a_layernorm = torch.nn.Identity()
     return model.eval()
 
 

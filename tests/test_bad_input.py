@@ -101,6 +101,11 @@ CASES = [
     # convert-gqa
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "3", "--out", "c"], "3"),
     (["convert-gqa", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "2", "--out", "c"], "gpt2"),
+    # MLA (deepseek_v3): one latent for all heads, no KV heads to pool, expand or merge
+    (["convert-gqa", "--model", "{mla}", *M, *DATA, "--kv-heads", "2", "--method", "svd", "--out", "c"], "latent"),
+    (["convert-gqa", "--model", "{mla}", "--streaming", "--kv-heads", "2", "--out", "c"], "latent"),
+    (["expand-kv", "--model", "{mla}", "--streaming", "--kv-heads", "8", "--out", "e"], "latent"),
+    (["gqa-sweep", "--model", "{mla}", *M, *DATA], "latent"),
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--out", "{existing}"], "--overwrite"),
     (["convert-gqa", *NO_MODEL, *DATA, "--kv-heads", "2", "--out", "c"], "{missing}"),
     (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--method", "svd", "--out", "c"], "mean"),
@@ -204,6 +209,7 @@ CASES = [
     # export-gguf
     (["export-gguf", "--model", "{gpt2}", *M, "--no-verify", "--out", "g.gguf"], "llama family"),
     (["export-gguf", "--model", "{llama}", *M, "--no-verify", "--out", "g.gguf"], "byte-level BPE"),
+    (["export-gguf", "--model", "{mlamoe}", *M, "--no-verify", "--out", "g.gguf"], "MoE layers"),
     (["export-gguf", "--model", "{llama}", *M, "--no-verify", "--out", "{existing}"], "--overwrite"),
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "q9_z", "--out", "g.gguf"], "q9_z"),
     (["export-gguf", *NO_MODEL, "--no-verify", "--out", "g.gguf"], "{missing}"),
@@ -335,6 +341,11 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "llama": save_tiny("llama", root / "llama"),  # 4 query heads, 2 KV heads, 64 positions
         "mha": save_tiny("llama_mha", root / "mha"),
         "gpt2": save_tiny("gpt2", root / "gpt2"),
+        "mla": save_tiny("deepseek_v3", root / "mla"),  # multi-head latent attention, dense MLPs
+        # MLA with a MoE MLP in block 1 (llama.cpp export takes dense-MLP MLA only)
+        "mlamoe": save_tiny(
+            "deepseek_v3", root / "mlamoe", first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1
+        ),
         "missing": root / "no-such-thing",
         "text": root / "sample.txt",
         "existing": root / "existing",

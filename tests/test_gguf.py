@@ -300,3 +300,90 @@ def test_embedded_model_in_llamacpp_matches_transformers(tmp_path, variant):
     print(variant, result)  # the worst token logit difference, for the record
     assert result["relative_difference"] < 0.01, result
     assert result["max_abs_logit_diff"] < 1e-2 * result["max_abs_logit"], result
+
+
+# ---- multi-head latent attention: deepseek_v3 -> llama.cpp's deepseek2 ----------------------------------------------
+
+
+def sharpened(loaded, factor=6.0):
+    """Every matrix scaled up: logits of order 1 and peaked attention, so a wrong RoPE layout or scale shows (a
+    deliberately unpermuted rotate_half reading of these weights differs by ~3 in the logits)."""
+    with torch.no_grad():
+        for param in loaded.model.parameters():
+            if param.dim() == 2:
+                param.mul_(factor)
+    return loaded
+
+
+def test_mla_writes_deepseek2_with_split_kv_b(tmp_path):
+    loaded = tiny("deepseek_v3_vdim")  # H 4, kv_lora_rank 12, qk_nope 8 + qk_rope 8, v_head_dim 12, no query LoRA
+    record = export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    fields, tensors = read(tmp_path / "m.gguf")
+    assert record["architecture"] == fields["general.architecture"] == "deepseek2"
+    a = "deepseek2.attention."
+    assert (fields[a + "head_count"], fields[a + "head_count_kv"]) == (4, 1)  # MQA over the latent
+    assert (fields[a + "kv_lora_rank"], fields[a + "q_lora_rank"]) == (12, 0)
+    assert (fields[a + "key_length"], fields[a + "value_length"]) == (12 + 8, 12)
+    assert (fields[a + "key_length_mla"], fields[a + "value_length_mla"]) == (16, 12)
+    assert fields["deepseek2.rope.dimension_count"] == 8 and fields["deepseek2.leading_dense_block_count"] == 2
+    attn = loaded.model.model.layers[1].self_attn
+    kv_b = attn.kv_b_proj.weight.detach().view(4, 8 + 12, 12)  # [H, nope + Dv, R]
+    np.testing.assert_array_equal(tensor_of(tensors["blk.1.attn_k_b.weight"]), kv_b[:, :8].transpose(1, 2).numpy())
+    np.testing.assert_array_equal(tensor_of(tensors["blk.1.attn_v_b.weight"]), kv_b[:, 8:].numpy())
+    np.testing.assert_array_equal(tensor_of(tensors["blk.1.attn_q.weight"]), attn.q_proj.weight.detach().numpy())
+    np.testing.assert_array_equal(
+        tensor_of(tensors["blk.1.attn_kv_a_mqa.weight"]), attn.kv_a_proj_with_mqa.weight.detach().numpy()
+    )
+    assert "blk.1.attn_kv_b.weight" not in tensors and "blk.1.attn_kv_a_norm.weight" in tensors
+
+
+def test_mla_refusals(tmp_path):
+    cases = [
+        (lambda: tiny("deepseek_v3_nonorm"), "identity latent norm"),
+        (lambda: tiny("deepseek_v3", rms_norm_eps=1e-5), "rms_norm_eps"),
+        (lambda: tiny("deepseek_v3", rope_interleave=False), "rope_interleave"),
+        (lambda: tiny("deepseek_v3", attention_bias=True), "kv_a_proj_with_mqa.bias has no GGUF counterpart"),
+        (lambda: tiny("deepseek_v3", qk_nope_head_dim=0), "qk_nope_head_dim 0"),  # MQA -> MLA's exact form
+        (
+            lambda: tiny("deepseek_v3", first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1),
+            "MoE layers",
+        ),
+    ]
+    for make, message in cases:
+        with pytest.raises(HeadlabError, match=message):
+            export_gguf(make(), tmp_path / "m.gguf", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v3_qlora", "deepseek_v3_vdim", "pruned"])
+def test_llamacpp_runs_mla_like_transformers(tmp_path, variant):
+    """Perplexity within 1% in f32 (measured: ~1e-7 apart) and the worst logit difference at float32 noise."""
+    if variant == "pruned":  # a uniformly pruned MLA model: 2 of 4 heads in each layer
+        loaded = sharpened(pruned(tiny("deepseek_v3"), [{0, 2}, {1, 3}]))
+    else:
+        loaded = sharpened(tiny(variant))
+    path = tmp_path / "m.gguf"
+    export_gguf(loaded, path, outtype="f32", progress=False)
+    result = compare_logprobs(loaded, path, _windows(loaded))
+    assert result["max_abs_logit"] > 1.0, result  # the check has logits worth comparing
+    assert result["relative_difference"] < 1e-3, result
+    assert result["max_abs_logit_diff"] < 1e-4 * max(1.0, result["max_abs_logit"]), result
+
+
+@pytest.mark.slow
+@needs_llamacpp
+@pytest.mark.parametrize("rank, rope", [(320, 64), (64, 64)], ids=["gqa3-budget", "mqa-budget"])
+def test_llamacpp_runs_smollm2_shaped_mla(tmp_path, rank, rope):
+    """The MLA shapes of SmolLM2-135M's budgets (hidden 576, 9 heads, qk_nope 64, v 64; latent + rope 320 + 64 and
+    64 + 64; 4 random layers): measured ~6e-7 apart in perplexity, worst logit difference ~3e-5 of ~7 (f32)."""
+    model = tiny_model(
+        "deepseek_v3", hidden_size=576, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=9,
+        num_key_value_heads=9, kv_lora_rank=rank, qk_rope_head_dim=rope, qk_nope_head_dim=64, v_head_dim=64,
+        first_k_dense_replace=4, vocab_size=VOCAB, max_position_embeddings=256,
+    )  # fmt: skip
+    loaded = sharpened(from_model(model, bpe_tokenizer()), 3.0)
+    export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    result = compare_logprobs(loaded, tmp_path / "m.gguf", _windows(loaded, n=2, length=96))
+    assert result["max_abs_logit"] > 1.0 and result["relative_difference"] < 1e-4, result
+    assert result["max_abs_logit_diff"] < 1e-4 * max(1.0, result["max_abs_logit"]), result

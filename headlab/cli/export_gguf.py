@@ -34,8 +34,9 @@ from headlab.report_text import human_bytes
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(load, text, out, overwrite, outtype, verify, as_json):
-    """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3; per-layer head counts go to llama.cpp's `deci`
-    architecture (the one whose graph builds each layer with its own head counts)."""
+    """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3, and deepseek_v3 with dense MLPs (MLA, llama.cpp's
+    `deepseek2`); per-layer head counts go to llama.cpp's `deci` architecture (the one whose graph builds each layer
+    with its own head counts)."""
     if out.exists() and not overwrite:
         raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
     outtype = check_type(outtype)

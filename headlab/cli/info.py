@@ -23,7 +23,7 @@ from headlab.report_text import human_bytes
 )
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(load, context, batch, cache_dtype, as_json):
-    """Model type, heads, parameters and KV-cache bytes (with the MHA / GQA / MQA ladder)."""
+    """Model type, heads, parameters and KV-cache bytes (with the MHA / GQA / MQA ladder and the MLA rung)."""
     info = model_info(load(), context=context, batch=batch, cache_dtype=cache_dtype)
     if as_json:
         click.echo(json.dumps(info, indent=2))
@@ -33,6 +33,11 @@ def command(load, context, batch, cache_dtype, as_json):
         ("model type", info["model_type"]),
         ("blocks / attention layers", f"{info['blocks']} / {info['attention_layers']}"),
         ("query heads / KV heads / head_dim", f"{info['query_heads']} / {info['kv_heads']} / {info['head_dim']}"),
+        *(
+            [("MLA latent + rope dims", f"{info['kv_lora_rank']} + {info['rope_dim']}")]
+            if "kv_lora_rank" in info
+            else []
+        ),
         ("parameters", f"{info['parameters']:,}"),
         ("attention parameters", f"{info['attention_parameters']:,}"),
         (f"KV cache per token ({info['cache_dtype']})", human_bytes(info["kv_bytes_per_token"])),
@@ -45,7 +50,20 @@ def command(load, context, batch, cache_dtype, as_json):
         click.echo(f"\nKV-cache ladder ({context:,} tokens x {batch}, {info['cache_dtype']}):")
         for step in info["ladder"]:
             mark = "  <- this model" if step["current"] else ""
+            what = f"{step['kv_heads']:>3} KV heads" if step["kv_heads"] is not None else _latent(step)
             click.echo(
-                f"  {step['variant']:<8} {step['kv_heads']:>3} KV heads  "
+                f"  {step['variant']:<8} {what}  "
                 f"{human_bytes(step['kv_bytes_per_token']):>10}/token  {human_bytes(step['kv_bytes']):>10}{mark}"
             )
+    if info["mla_rungs"]:
+        click.echo("\nMLA rung (one latent + a shared rotary key per token and layer, at the same bytes):")
+        for step in info["mla_rungs"]:
+            click.echo(
+                f"  {step['variant']:<9} {_latent(step)}  "
+                f"{human_bytes(step['kv_bytes_per_token']):>10}/token  {human_bytes(step['kv_bytes']):>10}"
+            )
+
+
+def _latent(step: dict) -> str:
+    """An MLA cache's split, e.g. "320+64 latent" (kv_lora_rank + rope dims), as wide as "  3 KV heads"."""
+    return f"{step['kv_lora_rank']}+{step['rope_dim']} latent".rjust(12)
