@@ -8,7 +8,9 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    (query-weighted PCA of the Hermitian key Gram) becomes the one shared rotary key; query head h reads it with
    q_rope = conj(a_g) q_{h,f}, z_g ~ a_g w. Kept frequencies are every n-th (n = rd / rope_dim): exactly default RoPE
    at dim rope_dim with the same theta. The residual z_g - a_g w and every frequency not kept lose RoPE: THE
-   approximation. q_nope_h = q_h (D dims), k_nope_g = the residual key (D dims).
+   approximation, softened by counting those key parts with their mean rotation under each head's calibration
+   attention (rope_phases: the least-squares position-free stand-in). q_nope_h = conj(c_h) q_h (D dims), k_nope_g =
+   the residual key (D dims).
 2. Latent: [k_nope; v] (2GD rows, a linear map A of the layer input x) is reduced-rank regressed onto kv_lora_rank
    latent dims under a metric B = blockdiag(beta * sum_h E[q_h q_h^T], sum_h W_o[h]^T W_o[h]) (query-aware keys,
    output-aware values; beta balances the two, equal relative energy), calibrated on the input Gram Sigma = E[x x^T]:
@@ -32,6 +34,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from headlab.arch import Adapter, adapter_for
+from headlab.capture import capture_attention
 from headlab.checkpoint import check_checkpoint_out, logits_of, probe_inputs, save_with_record
 from headlab.costs import kv_bytes_per_token
 from headlab.data import TextSpec, takes_text
@@ -208,6 +211,43 @@ def input_grams(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
     return [grams[layer.index] for layer in layers]
 
 
+@torch.no_grad()
+def rope_phases(loaded: LoadedModel, batches, progress: bool = True) -> list[torch.Tensor]:
+    """Per attention layer, c[h, f] = sum_{t, s} A_h(t, s) e^{-i (t - s) theta_f} / sum A_h: the rotation a key at
+    frequency f gets, relative to its query, averaged over head h's attention on the calibration windows ([H, F]
+    complex128). A key part that loses RoPE is best replaced, in mean square over that distribution, by itself times
+    c (E|a e^{i phi} - b|^2 is least at b = a E[e^{i phi}]); the conversion folds conj(c) into the nope queries."""
+    layers = gqa_layers(loaded)
+    config = loaded.model.config.get_text_config()
+    rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
+    theta = float(config.rope_parameters["rope_theta"])
+    inv_freq = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)  # [F], default RoPE
+    H = layers[0].num_heads
+    hist: dict[int, torch.Tensor] = {}
+
+    def on_chunk(chunk) -> None:
+        probs = chunk.probs.double() * chunk.query_valid[:, None, :, None]  # [B, H, c, Tk]
+        c, Tk = probs.shape[2:]
+        distance = chunk.rows[:, None].cpu() - torch.arange(Tk)[None, :]  # [c, Tk], t - s
+        index = distance.clamp_min(0).reshape(-1).expand(H, -1)
+        counts = torch.zeros(H, loaded.max_positions or 65536, dtype=torch.float64)
+        counts.scatter_add_(1, index, probs.sum(0).reshape(H, c * Tk).cpu())
+        i = chunk.layer.index
+        hist[i] = hist[i] + counts if i in hist else counts
+
+    model, device = loaded.model, loaded.device
+    with capture_attention(model, layers, on_chunk):
+        for input_ids, attention_mask, *_ in tqdm(batches, desc="MLA RoPE phases", disable=not progress):
+            model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    phases = []
+    for layer in layers:
+        counts = hist[layer.index]  # [H, T] attention mass at each distance
+        angles = torch.arange(counts.shape[1], dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, F]
+        mean = torch.complex(counts @ angles.cos(), -(counts @ angles.sin()))
+        phases.append(mean / counts.sum(1, keepdim=True).clamp_min(1e-300))
+    return phases
+
+
 # ---- the algebra of one layer --------------------------------------------------------------------------------------
 
 
@@ -263,14 +303,21 @@ def _rorope(k_aug: torch.Tensor, Sk: torch.Tensor, query_energy: torch.Tensor, p
     return torch.stack(rope_rows), torch.stack(factors), nope
 
 
-def _query_map(factors: torch.Tensor, plan: MlaPlan) -> torch.Tensor:
+def _query_map(factors: torch.Tensor, plan: MlaPlan, phases: torch.Tensor | None = None) -> torch.Tensor:
     """[H, D + r, D]: q_nope = s q_h, q_rope pair j = s conj(a_{g(h)}) (q_{h,f} + i q_{h,f+F}) with
-    s = sqrt((D + r) / D), which turns deepseek's softmax scale (D + r)^-0.5 back into the source's D^-0.5."""
+    s = sqrt((D + r) / D), which turns deepseek's softmax scale (D + r)^-0.5 back into the source's D^-0.5.
+    phases [H, F] (rope_phases): the nope query of rotary pair f becomes s conj(c_{h,f}) q_{h,f}, the key parts that
+    lose RoPE then count with their mean rotation."""
     H, G, D, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim
     F = plan.rotary_dim // 2
     s = math.sqrt((D + r) / D)
     maps = torch.zeros(H, D + r, D, dtype=torch.float64)
     maps[:, :D, :D] = s * torch.eye(D, dtype=torch.float64)
+    if phases is not None:
+        cr, ci = phases.real, phases.imag  # conj(c) (x + i y) = (cr x + ci y) + i (cr y - ci x)
+        f = torch.arange(F)
+        maps[:, f, f], maps[:, f, f + F] = s * cr, s * ci
+        maps[:, f + F, f], maps[:, f + F, f + F] = -s * ci, s * cr
     for j, f in enumerate(plan.kept_frequencies):
         for h in range(H):
             a = factors[j, h // (H // G)]
@@ -281,7 +328,9 @@ def _query_map(factors: torch.Tensor, plan: MlaPlan) -> torch.Tensor:
     return maps
 
 
-def convert_layer(w, sigma: torch.Tensor, plan: MlaPlan, balance: float | None = None) -> LayerMla:
+def convert_layer(
+    w, sigma: torch.Tensor, plan: MlaPlan, balance: float | None = None, phases: torch.Tensor | None = None
+) -> LayerMla:
     """One layer's MLA weights from its HeadWeights `w` and input Gram `sigma` [C+1, C+1] (see the module doc)."""
     H, G, D, R = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.kv_lora_rank
     C = w.q.shape[2]
@@ -298,7 +347,7 @@ def convert_layer(w, sigma: torch.Tensor, plan: MlaPlan, balance: float | None =
     diag = Sq.diagonal(dim1=1, dim2=2)  # [H, D]
     energy = (diag[:, :F] + diag[:, F : 2 * F]).reshape(G, H // G, F).sum(1)  # [G, F]
     rope_rows, factors, nope = _rorope(k_aug, Sk, energy, plan)
-    query_map = _query_map(factors, plan)
+    query_map = _query_map(factors, plan, phases)
 
     # Metric: keys by their queries' Gram (with the new scale the logits are unchanged), values by the output map.
     o = w.o.double()  # [C, H, D]
@@ -313,7 +362,8 @@ def convert_layer(w, sigma: torch.Tensor, plan: MlaPlan, balance: float | None =
             float((value_metric[g] * SA[off + g * D : off + (g + 1) * D, off + g * D : off + (g + 1) * D]).sum())
             for g in range(G)
         )
-        balance = e_v / e_k if e_k > 0 and e_v > 0 else 1.0
+        # A side with (numerically) nothing to keep, as the residual keys of an MQA source, leaves the metric as is.
+        balance = e_v / e_k if min(e_k, e_v) > 1e-12 * max(e_k, e_v) else 1.0
     blocks = [_ridged(b) for b in (*(balance * key_metric), *value_metric)]  # B = blockdiag(blocks), per block
     root = torch.block_diag(*(_sym_power(b, 0.5) for b in blocks))
     inv_root = torch.block_diag(*(_sym_power(b, -0.5) for b in blocks))
@@ -421,8 +471,11 @@ def _write_attention(attn: nn.Module, w, layer: LayerMla, plan: MlaPlan) -> None
 
 
 @torch.no_grad()
-def build_mla(loaded: LoadedModel, plan: MlaPlan, grams: list[torch.Tensor], progress: bool = False) -> LoadedModel:
-    """The converted model in memory (latent norms off), as a LoadedModel beside the untouched source."""
+def build_mla(
+    loaded: LoadedModel, plan: MlaPlan, grams: list[torch.Tensor], phases=None, progress: bool = False
+) -> LoadedModel:
+    """The converted model in memory (latent norms off), as a LoadedModel beside the untouched source. phases: per
+    layer rope_phases (None: the key parts that lose RoPE count as they are)."""
     # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
     from transformers import DeepseekV3ForCausalLM
 
@@ -431,11 +484,11 @@ def build_mla(loaded: LoadedModel, plan: MlaPlan, grams: list[torch.Tensor], pro
     model = DeepseekV3ForCausalLM(config).to(loaded.dtype).eval()
     model.load_state_dict(_shared_weights(loaded, model), strict=False)
     records = []
-    for layer, sigma in tqdm(
-        list(zip(gqa_layers(loaded), grams)), desc="MLA layers", disable=not progress, unit="layer"
-    ):
+    layers = gqa_layers(loaded)
+    for layer in tqdm(layers, desc="MLA layers", disable=not progress, unit="layer"):
         w = loaded.adapter.read(layer)
-        converted = convert_layer(w, sigma, plan)
+        phase = None if phases is None else phases[layer.index]
+        converted = convert_layer(w, grams[layer.index], plan, phases=phase)
         _write_attention(model.model.layers[layer.block].self_attn, w, converted, plan)
         records.append(converted.record)
     model.tie_weights()
@@ -576,34 +629,42 @@ def _logits_first(model, batches, device, tokens: int = 256) -> torch.Tensor:
 
 
 def convert_to_mla(
-    loaded: LoadedModel, plan: MlaPlan, batches, *, progress: bool = True, grams: list[torch.Tensor] | None = None
+    loaded: LoadedModel,
+    plan: MlaPlan,
+    batches,
+    *,
+    progress: bool = True,
+    grams: list[torch.Tensor] | None = None,
+    mean_rotation: bool = True,
 ) -> tuple[LoadedModel, dict]:
     """Convert `loaded` (left untouched) to an MLA model in memory, calibrated on `batches` (calibration windows).
     A plan whose rope_dim is "measured" tries auto_rope_dims(plan) and keeps the lowest calibration NLL. Returns the
     converted LoadedModel (latent norms off) and the record: the plan, each step exact or approximate with its
-    measured max |logit diff| and calibration NLL."""
+    measured max |logit diff| and calibration NLL. mean_rotation: key parts that lose RoPE count with their mean
+    rotation under each head's calibration attention (rope_phases); False keeps them as they are."""
     grams = input_grams(loaded, batches, progress) if grams is None else grams
+    phases = rope_phases(loaded, batches, progress) if mean_rotation else None
     device = loaded.device
     record = {"calibration_tokens": int(round(float(grams[0][-1, -1])))}
     nll_source = calibration_nll(loaded.model, batches, device)
     if plan.rope_choice == "measured":
         tried = []
         for candidate in auto_rope_dims(plan):
-            model = build_mla(loaded, candidate, grams).model
+            model = build_mla(loaded, candidate, grams, phases).model
             tried.append({"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
                           "calibration_nll": calibration_nll(model, batches, device)})  # fmt: skip
             del model
         best = min(tried, key=lambda t: t["calibration_nll"])
         plan = _replace(plan, rope_dim=best["rope_dim"], kv_lora_rank=best["kv_lora_rank"])
         record["rope_dim_search"] = tried
-    mla = build_mla(loaded, plan, grams, progress)
+    mla = build_mla(loaded, plan, grams, phases, progress)
     nll = calibration_nll(mla.model, batches, device)
     steps = {
         "rorope_rotation": {"exact": True, "how": "unitary mixing of KV heads per frequency commutes with RoPE"},
         "query_scale": {"exact": True, "how": f"sqrt((D + r) / D) folded into the query rows, r = {plan.rope_dim}"},
     }
     if plan.kv_lora_rank < plan.full_rank:
-        full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams)
+        full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams, phases)
         nll_full = calibration_nll(full.model, batches, device)
         rope_diff = _max_logit_diff(loaded.model, full.model, batches, device)
         latent_diff = _max_logit_diff(full.model, mla.model, batches, device)
@@ -612,7 +673,7 @@ def convert_to_mla(
         nll_full, rope_diff, latent_diff = nll, _max_logit_diff(loaded.model, mla.model, batches, device), 0.0
     truncated = plan.num_kv_heads > 1 or plan.rope_dim < plan.rotary_dim
     steps["rope_truncation"] = {"exact": not truncated, "max_abs_logit_diff": rope_diff,
-                                "calibration_nll": [nll_source, nll_full]}  # fmt: skip
+                                "calibration_nll": [nll_source, nll_full], "mean_rotation": mean_rotation}  # fmt: skip
     steps["latent_rank"] = {"exact": plan.kv_lora_rank >= plan.full_rank, "max_abs_logit_diff": latent_diff,
                             "calibration_nll": [nll_full, nll]}  # fmt: skip
     steps["decoder_norm_eps"] = {"exact": False, "max_abs_logit_diff": _decoder_eps_diff(loaded, mla, batches)}

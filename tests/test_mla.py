@@ -95,6 +95,31 @@ def test_rorope_decomposition_is_exact_with_rope_kept_everywhere():
             assert float(rope + plain - original) == pytest.approx(float(plain - resid_rotated), abs=1e-9)
 
 
+def test_rope_phases_match_a_slow_loop_over_eager_attention(text):
+    loaded = loaded_tiny("llama")
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    phases = mla.rope_phases(loaded, batches, progress=False)
+    inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    total = torch.zeros(2, 4, 8, dtype=torch.complex128)
+    mass = torch.zeros(2, 4, 1, dtype=torch.float64)
+    for input_ids, attention_mask, *_ in batches:
+        with torch.no_grad():
+            out = loaded.model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        for layer, probs in enumerate(out.attentions):  # [B, H, T, T]
+            for b in range(probs.shape[0]):
+                for t in range(probs.shape[2]):
+                    if not attention_mask[b, t]:
+                        continue
+                    for s_ in range(t + 1):
+                        p = probs[b, :, t, s_].double()  # [H]
+                        angle = -(t - s_) * inv_freq  # [F]
+                        total[layer] += p[:, None] * torch.complex(angle.cos(), angle.sin())[None, :]
+                        mass[layer] += p[:, None]
+    for layer in range(2):
+        assert torch.allclose(phases[layer], total[layer] / mass[layer], atol=1e-6)
+    assert float(phases[0].abs().max()) <= 1 + 1e-9  # an average of unit rotations
+
+
 # ---- exactness ---------------------------------------------------------------------------------------------------
 
 

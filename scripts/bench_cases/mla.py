@@ -32,13 +32,14 @@ def run(args) -> dict:
     batches = text.but(split="calibration", max_tokens=CALIB_TOKENS, batch_size=4).batches(source.tokenizer)
     start = time.perf_counter()
     grams = mla.input_grams(source, batches, progress=False)
+    phases = mla.rope_phases(source, batches, progress=False)
     result["calibration_seconds"] = time.perf_counter() - start
     points = []
     targets = [("gqa", mla.plan_mla(source, "gqa"))]
     targets += [("mqa", mla.plan_mla(source, kv_lora_rank=r, rope_dim=d)) for r, d in MQA_SPLITS]
     for budget, plan in targets:
         start = time.perf_counter()
-        converted = mla.build_mla(source, plan, grams)
+        converted = mla.build_mla(source, plan, grams, phases)
         seconds = time.perf_counter() - start
         points.append({"budget": budget, "kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim,
                        "numbers": plan.cache_numbers, "build_seconds": seconds,
@@ -62,8 +63,8 @@ def markdown(r: dict) -> str:
     lines = [
         f"Embedded SmolLM2-135M ({r['dtype'].removeprefix('torch.')}, {r['threads']} threads, on a machine shared with "
         f"other jobs: wall times are indicative), eval split, first {r['eval_tokens']:,} tokens at seq-len "
-        f"{r['seq_len']}; calibration split, {r['calib_tokens']:,} tokens (one input-Gram pass, "
-        f"{r['calibration_seconds']:.0f} s, shared by every MLA point).",
+        f"{r['seq_len']}; calibration split, {r['calib_tokens']:,} tokens (one input-Gram pass and one "
+        f"attention pass for the RoPE phases, {r['calibration_seconds']:.0f} s, shared by every MLA point).",
         "",
         "| model | KV numbers / token / layer | perplexity | calibration NLL | build (s) |",
         "|---|---|---|---|---|",
