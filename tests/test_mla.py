@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
 from models import tiny_inputs, tiny_model
-from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from headlab import mla
@@ -258,6 +259,23 @@ def test_convert_checkpoint_records_every_step(text, tmp_path):
     assert record["measured_kv_bytes_per_token_before"] == 2 * 2 * 2 * 16 * 4
     assert record["perplexity_after"]["perplexity"] > 0
     assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_cli_converts_and_prints_each_step(tmp_path, capsys):
+    source = save_tiny("qwen2", tmp_path / "src", num_key_value_heads=1)
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
+    args = ["convert-mla", "--model", source, "--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32"]
+    code, out, err = run_cli([*args, "--budget", "gqa", "--calibration-tokens", "256", "--out", tmp_path / "o"], capsys)
+    assert code == 0, err
+    for line in (
+        r"latent 16 \+ rope 16",
+        r"step rope_truncation\s+exact,",
+        r"step latent_norm_fold\s+eps",
+        "reload check",
+    ):
+        assert re.search(line, out), line
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
+    assert reloaded.config.model_type == "deepseek_v3"
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------
