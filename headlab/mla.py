@@ -110,7 +110,8 @@ def check_source(loaded: LoadedModel) -> None:
         raise HeadlabError(f"{name} has MLP biases; deepseek_v3's dense MLP has none")
     sliding = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
     window = getattr(config, "sliding_window", None)
-    if sliding or (getattr(config, "layer_types", None) is None and window and window < loaded.max_positions):
+    limit = loaded.max_positions or math.inf  # a window at least as long as every position never slides
+    if sliding or (getattr(config, "layer_types", None) is None and window and window < limit):
         raise HeadlabError(f"{name} uses sliding-window attention ({window}), which deepseek_v3 cannot express")
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default":
@@ -154,6 +155,11 @@ def plan_mla(
             f"--kv-lora-rank {kv_lora_rank} is above the full rank {plan.full_rank} of [K_nope; V] "
             f"(2 x {G} KV heads x {D} - {rope_dim} rope dims): a larger latent would only cost cache"
         )
+    # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
+    from transformers import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):  # names and shapes only: the MLP and embeddings must map before any work
+        _shared_weights(loaded, DeepseekV3ForCausalLM(mla_config(loaded, plan)))
     return plan
 
 

@@ -293,6 +293,7 @@ def test_cli_converts_and_prints_each_step(tmp_path, capsys):
         ("mistral", {}, dict(budget="gqa"), "sliding-window"),
         ("qwen3", {}, dict(budget="gqa"), "normalises"),
         ("gpt2", {}, dict(budget="gqa"), "gpt2"),
+        ("phi3", {}, dict(budget="gqa"), "do not map"),  # fused gate_up MLP
         ("llama", {"mlp_bias": True}, dict(budget="gqa"), "MLP biases"),
         (
             "llama",
