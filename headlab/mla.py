@@ -594,14 +594,34 @@ def calibration_nll(model: nn.Module, batches, device) -> float:
     return total / max(count, 1)
 
 
+def _output_projections(loaded: LoadedModel) -> list[nn.Module]:
+    """Each attention layer's output projection: a converted model's o_proj, else the source's via its adapter."""
+    latent = [m for m in loaded.model.modules() if hasattr(m, "kv_b_proj")]  # deepseek_v3 attention modules
+    if latent:
+        return [m.o_proj for m in latent]
+    return [loaded.adapter.out_proj(layer) for layer in gqa_layers(loaded)]
+
+
 @torch.no_grad()
-def _max_logit_diff(a: nn.Module, b: nn.Module, batches, device, tokens: int = 256) -> float:
-    """max |logits_a - logits_b| on the first calibration window's first `tokens` tokens."""
+def _compare(a: LoadedModel, b: LoadedModel, batches, tokens: int = 256) -> dict:
+    """On the first calibration window's first `tokens` tokens: max |logits_a - logits_b| and, per layer, the
+    relative attention-output error ||o_b - o_a|| / ||o_a|| in the running models (errors compound over layers)."""
     input_ids, attention_mask, *_ = next(iter(batches))
-    ids, mask = input_ids[:1, :tokens].to(device), attention_mask[:1, :tokens].to(device)
-    la = a(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-    lb = b(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
-    return float((la - lb).abs().max())
+    ids, mask = input_ids[:1, :tokens].to(a.device), attention_mask[:1, :tokens].to(a.device)
+    outputs = ([], [])
+    logits = []
+    for side, loaded in enumerate((a, b)):
+        handles = [m.register_forward_hook(lambda _m, _i, out, s=side: outputs[s].append(out.float()))
+                   for m in _output_projections(loaded)]  # fmt: skip
+        try:
+            logits.append(loaded.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float())
+        finally:
+            for handle in handles:
+                handle.remove()
+    errors = [float((ob - oa).norm() / oa.norm().clamp_min(1e-30)) for oa, ob in zip(*outputs)]
+    return {"max_abs_logit_diff": float((logits[0] - logits[1]).abs().max()),
+            "attention_output_rel_error_mean": sum(errors) / len(errors),
+            "attention_output_rel_error_max": max(errors)}  # fmt: skip
 
 
 def mla_kv_bytes_per_token(plan: MlaPlan, layers: int, dtype: torch.dtype) -> int:
@@ -672,15 +692,16 @@ def convert_to_mla(
     if plan.kv_lora_rank < plan.full_rank:
         full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams, phases)
         nll_full = calibration_nll(full.model, batches, device)
-        rope_diff = _max_logit_diff(loaded.model, full.model, batches, device)
-        latent_diff = _max_logit_diff(full.model, mla.model, batches, device)
+        rope_diff, latent_diff = _compare(loaded, full, batches), _compare(full, mla, batches)
         del full
     else:
-        nll_full, rope_diff, latent_diff = nll, _max_logit_diff(loaded.model, mla.model, batches, device), 0.0
+        nll_full, rope_diff = nll, _compare(loaded, mla, batches)
+        latent_diff = {"max_abs_logit_diff": 0.0, "attention_output_rel_error_mean": 0.0,
+                       "attention_output_rel_error_max": 0.0}  # fmt: skip
     truncated = plan.num_kv_heads > 1 or plan.rope_dim < plan.rotary_dim
-    steps["rope_truncation"] = {"exact": not truncated, "max_abs_logit_diff": rope_diff,
-                                "calibration_nll": [nll_source, nll_full], "mean_rotation": mean_rotation}  # fmt: skip
-    steps["latent_rank"] = {"exact": plan.kv_lora_rank >= plan.full_rank, "max_abs_logit_diff": latent_diff,
+    steps["rope_truncation"] = {"exact": not truncated, **rope_diff, "calibration_nll": [nll_source, nll_full],
+                                "mean_rotation": mean_rotation}  # fmt: skip
+    steps["latent_rank"] = {"exact": plan.kv_lora_rank >= plan.full_rank, **latent_diff,
                             "calibration_nll": [nll_full, nll]}  # fmt: skip
     steps["decoder_norm_eps"] = {"exact": False, "max_abs_logit_diff": _decoder_eps_diff(loaded, mla, batches)}
     record.update({"plan": plan.to_dict(), "steps": steps, "calibration_nll_before": nll_source,

@@ -256,6 +256,8 @@ def test_convert_checkpoint_records_every_step(text, tmp_path):
     assert set(record["steps"]) == {"rorope_rotation", "query_scale", "rope_truncation", "latent_rank",
                                     "decoder_norm_eps"}  # fmt: skip
     assert record["measured_kv_bytes_per_token_after"] == 2 * 32 * 4  # 2 layers x (latent + rope) x fp32
+    latent = record["steps"]["latent_rank"]  # below full rank: a real, measured error
+    assert latent["max_abs_logit_diff"] > 0 and 0 < latent["attention_output_rel_error_mean"] < 1
     assert record["measured_kv_bytes_per_token_before"] == 2 * 2 * 2 * 16 * 4
     assert record["perplexity_after"]["perplexity"] > 0
     assert (tmp_path / "o" / "model.safetensors").exists()

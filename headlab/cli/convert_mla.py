@@ -26,6 +26,8 @@ def _step_line(step: dict) -> str:
     how = "exact" if step.get("exact") else "approximate"
     if "max_abs_logit_diff" in step:
         how += f", max |logit diff| {step['max_abs_logit_diff']:.3g}"
+    if "attention_output_rel_error_mean" in step:
+        how += f", attention-output rel. error {step['attention_output_rel_error_mean']:.3g} (layer mean)"
     if "calibration_nll" in step:
         before, after = step["calibration_nll"]
         how += f", calibration NLL {before:.4f} -> {after:.4f}"
