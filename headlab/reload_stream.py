@@ -13,7 +13,8 @@ from pathlib import Path
 
 from torch import nn
 
-from headlab.arch import adapter_for
+from headlab.arch import Adapter, adapter_for
+from headlab.errors import HeadlabError
 from headlab.layout import HEAD_LAYOUT_KEY, load_pruned
 
 # Below this many parameter bytes a second full copy is cheap and the plain reload is kept (it is also faster).
@@ -33,7 +34,11 @@ def should_stream(model: nn.Module) -> bool:
 
 def streamed_device_map(like: nn.Module) -> dict[str, str]:
     """A device map for a copy of `like`: every transformer block on "disk", everything else on "cpu"."""
-    blocks = adapter_for(like).blocks(like)
+    try:
+        adapter = adapter_for(like)
+    except HeadlabError:  # a model headlab writes but has no adapter for (a deepseek_v3 MLA conversion): its "layers"
+        adapter = Adapter(model_types=())
+    blocks = adapter.blocks(like)
     prefix = next(name for name, module in like.named_modules() if module is blocks)
     device_map = {}
     for name, _ in [*like.named_parameters(remove_duplicate=False), *like.named_buffers(remove_duplicate=False)]:

@@ -116,6 +116,40 @@ CASES = [
         "dtype",
     ),
     (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--max-shard-size", "0", "--out", "c"], "1"),
+    # convert-mla
+    (
+        ["convert-mla", "--model", "{llama}", *M, *DATA, "--kv-lora-rank", "60", "--rope-dim", "8", "--out", "c"],
+        "full rank",
+    ),
+    (
+        ["convert-mla", "--model", "{llama}", *M, *DATA, "--kv-lora-rank", "8", "--rope-dim", "6", "--out", "c"],
+        "divisor",
+    ),
+    (
+        ["convert-mla", "--model", "{llama}", *M, *DATA, "--kv-lora-rank", "0", "--rope-dim", "16", "--out", "c"],
+        "no room",
+    ),
+    (["convert-mla", "--model", "{llama}", *M, *DATA, "--out", "c"], "--budget"),
+    (
+        [
+            "convert-mla",
+            "--model",
+            "{llama}",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float16",
+            *DATA,
+            "--budget",
+            "mqa",
+            "--out",
+            "c",
+        ],
+        "float16",
+    ),
+    (["convert-mla", "--model", "{gpt2}", *M, *DATA, "--budget", "gqa", "--out", "c"], "gpt2"),
+    (["convert-mla", "--model", "{llama}", *M, *DATA, "--budget", "gqa", "--out", "{existing}"], "--overwrite"),
+    (["convert-mla", *NO_MODEL, *DATA, "--budget", "gqa", "--out", "c"], "{missing}"),
     # expand-kv
     (["expand-kv", "--model", "{mha}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "4"),
     (["expand-kv", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "gpt2"),

@@ -1,0 +1,113 @@
+"""`headlab convert-mla`: MHA/GQA -> multi-head latent attention, saved as a vanilla deepseek_v3 checkpoint (dense
+MLPs) verified by reloading it; training-free and calibrated (docs/mla.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from headlab.checkpoint import describe_check
+from headlab.cli.options import (
+    calibration_tokens_option,
+    data_options,
+    guard,
+    guard_checkpoint_space,
+    model_options,
+    out_option,
+)
+from headlab.errors import HeadlabError
+from headlab.mla import BUDGETS, convert_mla_checkpoint
+from headlab.report_text import human_bytes
+
+
+def _step_line(step: dict) -> str:
+    how = "exact" if step.get("exact") else "approximate"
+    if "max_abs_logit_diff" in step:
+        how += f", max |logit diff| {step['max_abs_logit_diff']:.3g}"
+    if "attention_output_rel_error_mean" in step:
+        how += f", attention-output rel. error {step['attention_output_rel_error_mean']:.3g} (layer mean)"
+    if "calibration_nll" in step:
+        before, after = step["calibration_nll"]
+        how += f", calibration NLL {before:.4f} -> {after:.4f}"
+    return how
+
+
+def print_summary(record: dict) -> None:
+    """The target layout, before/after perplexity and KV bytes, each step exact or approximate, the reload check."""
+    plan = record["plan"]
+    rows = [
+        ("MLA layout", f"latent {plan['kv_lora_rank']} + rope {plan['rope_dim']} per token per layer "
+                       f"(full rank {plan['full_rank']}; rope dim {plan['rope_choice']})"),
+    ]  # fmt: skip
+    for tried in record.get("rope_dim_search", []):
+        rows.append(
+            (f"  tried {tried['kv_lora_rank']}+{tried['rope_dim']}", f"calibration NLL {tried['calibration_nll']:.4f}")
+        )
+    before, after = record.get("perplexity_before"), record.get("perplexity_after")
+    if before and after:
+        rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))
+        rows.append(("scored tokens", f"{after['scored_tokens']:,}"))
+    rows.append(("KV cache per token", f"{human_bytes(record['measured_kv_bytes_per_token_before'])} -> "
+                 f"{human_bytes(record['measured_kv_bytes_per_token_after'])} (measured from a real cache)"))  # fmt: skip
+    for name, step in record["steps"].items():
+        rows.append((f"step {name}", _step_line(step)))
+    fold = record["latent_norm_fold"]
+    rows.append(("step latent_norm_fold", f"eps dominance, max |logit diff| {fold['max_abs_logit_diff']:.3g}"))
+    rows.append(("reload check", describe_check(record["verification"])))
+    rows.append(("written", record["out"]))
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+
+
+@click.command("convert-mla")
+@model_options
+@click.option(
+    "--budget",
+    type=click.Choice(BUDGETS),
+    default=None,
+    help="KV numbers per token per layer as a rung: gqa = the source's own 2 x KV heads x head_dim, mqa = 2 x head_dim",
+)
+@click.option("--kv-lora-rank", type=int, default=None, help="latent size R (instead of --budget)")
+@click.option(
+    "--rope-dim",
+    type=int,
+    default=None,
+    help="rotary dims r of the shared key: an even divisor of the rotary dims [default: all of them when the latent "
+    "is then full rank, else the best of rd, rd/2, rd/4 on the calibration split]",
+)
+@calibration_tokens_option(2048, "calibration tokens (the calibration split) for the conversion")
+@click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
+@data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=1)
+@out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-mla]")
+@click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
+def command(load, budget, kv_lora_rank, rope_dim, calibration_tokens, no_eval, text, out, overwrite, as_json):
+    """Convert GQA/MHA attention to multi-head latent attention (a deepseek_v3 checkpoint) at a KV budget."""
+    out = Path(out) if out is not None else Path("headlab-mla")
+    guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
+    if budget is None and kv_lora_rank is None:
+        raise HeadlabError("give a KV budget: --budget gqa|mqa, or --kv-lora-rank R --rope-dim r")
+    if load.dtype == "float16":
+        raise HeadlabError(
+            "--dtype float16 cannot hold the latent-norm fold (its tiny latents underflow); use float32 or bfloat16"
+        )
+    loaded = load()
+    guard_checkpoint_space(out, loaded)
+    record = convert_mla_checkpoint(
+        loaded,
+        out,
+        budget=budget,
+        kv_lora_rank=kv_lora_rank,
+        rope_dim=rope_dim,
+        text=text,
+        calibration_tokens=calibration_tokens,
+        evaluate=not no_eval,
+        overwrite=overwrite,
+        progress=not as_json,
+    )
+    if as_json:
+        click.echo(json.dumps(record, indent=2, default=str))
+    else:
+        print_summary(record)

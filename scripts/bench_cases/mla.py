@@ -1,0 +1,87 @@
+"""MHA/GQA -> MLA on the embedded model, training-free (`convert-mla`): perplexity at the GQA-3 budget (384 numbers
+per token per layer) and at the MQA budget (128) for each latent + rope split, beside the svd-merged and mean-pooled
+MQA (`convert-gqa --kv-heads 1`) measured in the same run; calibration from the calibration split only."""
+
+from __future__ import annotations
+
+TITLE = "Multi-head latent attention, training-free (`convert-mla`)"
+EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS = 2048, 512, 2048
+MQA_SPLITS = ((64, 64), (96, 32), (112, 16))  # (latent, rope) at 128 numbers per token per layer
+
+
+def run(args) -> dict:
+    import time
+
+    import torch
+
+    from headlab import gqa, mla
+    from headlab.data import TextSpec, load_corpus
+    from headlab.evaluate import perplexity
+    from headlab.loading import load_model
+
+    corpus = load_corpus(None)
+    text = TextSpec(data=corpus, split="eval", seq_len=SEQ_LEN, batch_size=1, max_tokens=EVAL_TOKENS)
+
+    def ppl(loaded):
+        return perplexity(loaded, text=text, progress=False).perplexity
+
+    source = load_model(None, device=args.device)
+    result = {"eval_tokens": EVAL_TOKENS, "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS,
+              "threads": torch.get_num_threads(), "dtype": str(source.dtype), "shared_machine": True}  # fmt: skip
+    result["original"] = ppl(source)
+    batches = text.but(split="calibration", max_tokens=CALIB_TOKENS, batch_size=4).batches(source.tokenizer)
+    start = time.perf_counter()
+    grams = mla.input_grams(source, batches, progress=False)
+    phases = mla.rope_phases(source, batches, progress=False)
+    result["calibration_seconds"] = time.perf_counter() - start
+    points = []
+    targets = [("gqa", mla.plan_mla(source, "gqa"))]
+    targets += [("mqa", mla.plan_mla(source, kv_lora_rank=r, rope_dim=d)) for r, d in MQA_SPLITS]
+    for budget, plan in targets:
+        start = time.perf_counter()
+        converted = mla.build_mla(source, plan, grams, phases)
+        seconds = time.perf_counter() - start
+        points.append({"budget": budget, "kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim,
+                       "numbers": plan.cache_numbers, "build_seconds": seconds,
+                       "calibration_nll": mla.calibration_nll(converted.model, batches, source.device),
+                       "perplexity": ppl(converted)})  # fmt: skip
+        del converted
+    mqa = [p for p in points if p["budget"] == "mqa"]
+    result["mqa_rule_pick"] = min(mqa, key=lambda p: p["calibration_nll"])["rope_dim"]  # what --budget mqa picks
+    result["mla"] = points
+    for method in ("svd", "mean"):
+        merged = load_model(None, device=args.device)
+        start = time.perf_counter()
+        gqa.convert(merged, 1, method=method, batches=batches if method == "svd" else None)
+        result[f"gqa_{method}_seconds"] = time.perf_counter() - start
+        result[f"gqa_{method}"] = ppl(merged)
+        del merged
+    return result
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"Embedded SmolLM2-135M ({r['dtype'].removeprefix('torch.')}, {r['threads']} threads, on a machine shared with "
+        f"other jobs: wall times are indicative), eval split, first {r['eval_tokens']:,} tokens at seq-len "
+        f"{r['seq_len']}; calibration split, {r['calib_tokens']:,} tokens (one input-Gram pass and one "
+        f"attention pass for the RoPE phases, {r['calibration_seconds']:.0f} s, shared by every MLA point).",
+        "",
+        "| model | KV numbers / token / layer | perplexity | calibration NLL | build (s) |",
+        "|---|---|---|---|---|",
+        f"| original GQA, 3 KV heads | 384 | {r['original']:.2f} | | |",
+    ]
+    for p in r["mla"]:
+        pick = " (rule's pick)" if p["budget"] == "mqa" and p["rope_dim"] == r["mqa_rule_pick"] else ""
+        lines.append(
+            f"| MLA {p['kv_lora_rank']} + {p['rope_dim']}, {p['budget'].upper()} budget{pick} | {p['numbers']} | "
+            f"{p['perplexity']:.2f} | {p['calibration_nll']:.4f} | {p['build_seconds']:.0f} |"
+        )
+    lines += [
+        f"| MQA, svd merge (`convert-gqa --kv-heads 1 --method svd`) | 128 | {r['gqa_svd']:.2f} | | "
+        f"{r['gqa_svd_seconds']:.0f} |",
+        f"| MQA, mean pool (`convert-gqa --kv-heads 1`) | 128 | {r['gqa_mean']:.2f} | | {r['gqa_mean_seconds']:.0f} |",
+        "",
+        "`--budget mqa` picks the split with the lowest calibration NLL (never the eval split); its pick is marked. "
+        "Reproduce: `python scripts/benchmark.py --case mla`.",
+    ]
+    return "\n".join(lines)

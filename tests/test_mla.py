@@ -1,0 +1,311 @@
+"""MHA/GQA -> MLA (headlab.mla): RoRoPE checked against a slow per-position rotation, exactness where the format
+allows it (MQA sources, keys with no dropped RoPE components, full-rank latents), the latent-norm fold, and the
+vanilla deepseek_v3 checkpoint round trip."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from models import tiny_inputs, tiny_model
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
+from transformers import AutoModelForCausalLM
+
+from headlab import mla
+from headlab.data import TextSpec
+from headlab.errors import HeadlabError
+from headlab.loading import from_model
+
+
+@pytest.fixture
+def text(tmp_path):
+    path = tmp_path / "sample.txt"
+    path.write_text(SAMPLE_TEXT * 4)
+    return TextSpec(data=str(path), split="calibration", seq_len=32, batch_size=4, max_tokens=512)
+
+
+def loaded_tiny(name="llama", **overrides):
+    return from_model(tiny_model(name, **overrides), tiny_tokenizer())
+
+
+def converted(loaded, text, **plan):
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    return mla.convert_to_mla(loaded, mla.plan_mla(loaded, **plan), batches, progress=False)
+
+
+def logits(model, seq=32):
+    with torch.no_grad():
+        return model(**tiny_inputs("llama", seq=seq)).logits
+
+
+def rel_diff(a, b) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+# ---- RoRoPE against a slow, obvious rotation ---------------------------------------------------------------------
+
+
+def _rotate(vec: torch.Tensor, angle: torch.Tensor, F: int) -> torch.Tensor:
+    """rotate_half RoPE by hand, one pair (f, f + F) at a time."""
+    out = vec.clone()
+    for f in range(F):
+        c, s = math.cos(angle[f]), math.sin(angle[f])
+        out[f], out[f + F] = vec[f] * c - vec[f + F] * s, vec[f + F] * c + vec[f] * s
+    return out
+
+
+def test_rorope_decomposition_is_exact_with_rope_kept_everywhere():
+    # G=3 key heads, D=8 (4 frequencies), C=5 inputs; H=6 query heads, two per KV head.
+    torch.manual_seed(0)
+    G, D, C, H = 3, 8, 5, 6
+    F = D // 2
+    plan = mla.MlaPlan(H, G, D, D, kv_lora_rank=2 * G * D - D, rope_dim=D)
+    k_aug = torch.randn(G, D, C + 1, dtype=torch.float64)
+    q = torch.randn(H, D, C + 1, dtype=torch.float64)
+    X = torch.randn(50, C + 1, dtype=torch.float64)
+    Sk = k_aug.reshape(G * D, C + 1) @ (X.T @ X) @ k_aug.reshape(G * D, C + 1).T
+    energy = torch.rand(G, F, dtype=torch.float64) + 0.5
+    rope_rows, factors, nope = mla._rorope(k_aug, Sk, energy, plan)
+    qmap = mla._query_map(factors, plan)
+    scale = math.sqrt((D + D) / D)
+    inv_freq = 1.0 / (10000 ** (torch.arange(F, dtype=torch.float64) / F))
+    xq, xk = X[0], X[1]
+    for pq, pk in ((7, 3), (30, 0)):
+        for h in range(H):
+            g = h // (H // G)
+            original = _rotate(q[h] @ xq, pq * inv_freq, F) @ _rotate(k_aug[g] @ xk, pk * inv_freq, F)
+            # MLA side, by hand: the shared rotary key and the query's rope part in consecutive pairs
+            q_mla = (qmap[h] @ (q[h] @ xq)) / scale  # [D nope; D rope]
+            k_rope = rope_rows @ xk
+            rope = sum(
+                (
+                    torch.complex(q_mla[D + 2 * j], q_mla[D + 2 * j + 1]).conj()
+                    * torch.complex(k_rope[2 * j], k_rope[2 * j + 1])
+                    * complex(math.cos((pk - pq) * inv_freq[j]), math.sin((pk - pq) * inv_freq[j]))
+                ).real
+                for j in range(F)
+            )
+            # The residual keys: with RoPE kept on them too the sum is exact ...
+            resid_rotated = _rotate(q[h] @ xq, pq * inv_freq, F) @ _rotate(nope[g] @ xk, pk * inv_freq, F)
+            assert float(rope + resid_rotated) == pytest.approx(float(original), rel=1e-9, abs=1e-9)
+            # ... and the MLA's nope part (no RoPE on them) differs by exactly the dropped rotation
+            plain = q_mla[:D] @ (nope[g] @ xk)
+            assert float(rope + plain - original) == pytest.approx(float(plain - resid_rotated), abs=1e-9)
+
+
+def test_rope_phases_match_a_slow_loop_over_eager_attention(text):
+    loaded = loaded_tiny("llama")
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    phases = mla.rope_phases(loaded, batches, progress=False)
+    inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    total = torch.zeros(2, 4, 8, dtype=torch.complex128)
+    mass = torch.zeros(2, 4, 1, dtype=torch.float64)
+    for input_ids, attention_mask, *_ in batches:
+        with torch.no_grad():
+            out = loaded.model(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        for layer, probs in enumerate(out.attentions):  # [B, H, T, T]
+            for b in range(probs.shape[0]):
+                for t in range(probs.shape[2]):
+                    if not attention_mask[b, t]:
+                        continue
+                    for s_ in range(t + 1):
+                        p = probs[b, :, t, s_].double()  # [H]
+                        angle = -(t - s_) * inv_freq  # [F]
+                        total[layer] += p[:, None] * torch.complex(angle.cos(), angle.sin())[None, :]
+                        mass[layer] += p[:, None]
+    for layer in range(2):
+        assert torch.allclose(phases[layer], total[layer] / mass[layer], atol=1e-6)
+    assert float(phases[0].abs().max()) <= 1 + 1e-9  # an average of unit rotations
+
+
+# ---- exactness ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "mistral"])
+def test_mqa_to_mla_is_exact_apart_from_the_norm(name, text):
+    # One KV head: k_rope = K, latent = V; qwen2 adds q/k/v biases (the query bias rides the q_lora path).
+    extra = {"sliding_window": None} if name == "mistral" else {}
+    loaded = loaded_tiny(name, num_key_value_heads=1, **extra)
+    model, record = converted(loaded, text, budget="gqa")
+    assert (record["plan"]["kv_lora_rank"], record["plan"]["rope_dim"]) == (16, 16)
+    assert (model.model.config.q_lora_rank is not None) == (name == "qwen2")
+    expected = logits(loaded.model)
+    assert rel_diff(logits(model.model), expected) < 1e-5
+    assert record["steps"]["rope_truncation"]["exact"] and record["steps"]["latent_rank"]["exact"]
+    folds = mla.fold_latent_norm(model.model)
+    assert len(folds) == (4 if name == "qwen2" else 2)  # kv_a (and q_a) norms of 2 layers
+    assert rel_diff(logits(model.model), expected) < 1e-5  # the eps-dominance fold keeps it exact in fp32
+
+
+def _rank_one_keys(loaded, kept: list[int]):
+    """Make each layer's 2 KV heads complex multiples of one another at the kept frequencies and zero elsewhere:
+    then no RoPE component is dropped, so the conversion at full rank must be exact."""
+    torch.manual_seed(1)
+    for layer in loaded.layers:
+        w = loaded.adapter.read(layer)
+        F = w.head_dim // 2
+        k = torch.zeros_like(w.k)
+        for f in kept:
+            c = torch.randn(2, dtype=torch.float64)
+            x, y = w.k[0, f], w.k[0, f + F]
+            k[0, f], k[0, f + F] = x, y
+            k[1, f], k[1, f + F] = c[0] * x - c[1] * y, c[1] * x + c[0] * y
+        w.k = k
+        loaded.adapter.write(layer, w)
+
+
+@pytest.mark.parametrize("rope_dim", [16, 8, 4])
+def test_full_rank_error_is_only_the_dropped_rope_components(rope_dim, text):
+    loaded = loaded_tiny("llama")  # H=4, G=2, D=16
+    full = 2 * 2 * 16 - rope_dim
+    # Random keys: the dropped components are real and so is the error.
+    model, record = converted(loaded, text, kv_lora_rank=full, rope_dim=rope_dim)
+    assert record["steps"]["latent_rank"]["exact"] and not record["steps"]["rope_truncation"]["exact"]
+    assert rel_diff(logits(model.model), logits(loaded.model)) > 1e-4
+    # Keys with nothing to drop: exact.
+    _rank_one_keys(loaded, kept=list(range(0, 8, 16 // rope_dim)))
+    model, record = converted(loaded, text, kv_lora_rank=full, rope_dim=rope_dim)
+    assert rel_diff(logits(model.model), logits(loaded.model)) < 1e-5
+
+
+def test_full_rank_latent_reconstructs_keys_and_values_exactly():
+    # At positions that coincide (no rotation), q_mla . [k_nope; k_rope] / s must be q . k for every head, and the
+    # decoded values the source's; with an all but unexcited calibration Gram, so exactness needs no data.
+    loaded = loaded_tiny("qwen2")  # biases on q, k, v
+    plan = mla.plan_mla(loaded, budget="gqa")
+    w = loaded.adapter.read(loaded.layers[0])
+    layer = mla.convert_layer(w, torch.eye(65, dtype=torch.float64) * 1e-3, plan)
+    recon = layer.decode @ layer.latent_rows  # [H, 2D, C+1]
+
+    def aug(weight, bias):
+        return torch.cat([weight.double(), bias.double()[..., None]], -1)
+
+    q_aug, k_aug, v_aug = aug(w.q, w.q_bias), aug(w.k, w.k_bias), aug(w.v, w.v_bias)
+    x = torch.cat([torch.randn(64, dtype=torch.float64), torch.ones(1, dtype=torch.float64)])
+    s = math.sqrt((16 + plan.rope_dim) / 16)  # the query scale: D^-0.5 = s (D + r)^-0.5
+    for h in range(4):
+        g = h // 2
+        assert torch.allclose(recon[h, 16:] @ x, v_aug[g] @ x, atol=1e-8)
+        q_mla = layer.query_map[h] @ (q_aug[h] @ x)
+        k_mla = torch.cat([recon[h, :16] @ x, layer.rope_rows @ x])
+        assert float(q_mla @ k_mla / s) == pytest.approx(float((q_aug[h] @ x) @ (k_aug[g] @ x)), rel=1e-9)
+
+
+def test_lower_rank_costs_more_calibration_loss(text):
+    loaded = loaded_tiny("llama")
+    nll = [converted(loaded, text, kv_lora_rank=r, rope_dim=8)[1]["calibration_nll_after"] for r in (56, 16, 2)]
+    assert nll[0] < nll[2] and nll[1] < nll[2]
+
+
+def test_measured_rope_dim_search_uses_calibration(text):
+    loaded = loaded_tiny("llama")
+    _, record = converted(loaded, text, budget="mqa")  # 32 numbers, full rank would need 64 - r
+    tried = record["rope_dim_search"]
+    assert [t["rope_dim"] for t in tried] == [16, 8, 4]
+    assert all(t["rope_dim"] + t["kv_lora_rank"] == 32 for t in tried)
+    best = min(tried, key=lambda t: t["calibration_nll"])
+    assert record["plan"]["rope_dim"] == best["rope_dim"] and record["plan"]["rope_choice"] == "measured"
+
+
+# ---- the fold, the format, saving ----------------------------------------------------------------------------------
+
+
+def test_fold_error_is_small_in_fp32_and_bf16(text):
+    loaded = loaded_tiny("llama")
+    model, _ = converted(loaded, text, kv_lora_rank=24, rope_dim=8)
+    before = logits(model.model)
+    folds = mla.fold_latent_norm(model.model)
+    assert all(f["bound_mean_square"] * f["alpha"] ** 2 <= 2 * mla.FOLD_TOLERANCE * 1e-6 for f in folds)
+    assert rel_diff(logits(model.model), before) < 1e-5
+    assert mla.fold_latent_norm(model.model) == []  # already folded: nothing more to do
+    # A plain (unfolded) RMSNorm on the latent would change the model a lot: the fold is doing the work.
+    bf16 = converted(loaded, text, kv_lora_rank=24, rope_dim=8)[0].model.to(torch.bfloat16)
+    reference = logits(bf16).float()
+    mla.fold_latent_norm(bf16)
+    assert rel_diff(logits(bf16).float(), reference) < 0.05
+    with pytest.raises(HeadlabError, match="float16"):
+        mla.fold_latent_norm(converted(loaded, text, kv_lora_rank=24, rope_dim=8)[0].model.to(torch.float16))
+
+
+def test_save_reloads_as_vanilla_deepseek_v3_with_identical_logits(text, tmp_path):
+    loaded = loaded_tiny("qwen2")
+    model, record = converted(loaded, text, budget="mqa")
+    out = tmp_path / "mla"
+    saved = mla.save_mla(model, out, record)
+    assert saved["verification"]["loader"] == "transformers.AutoModelForCausalLM.from_pretrained"
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert config["first_k_dense_replace"] == 2 and config["num_key_value_heads"] == 4 and config["rope_interleave"]
+    assert config["num_mtp_layers"] == 0 if "num_mtp_layers" in config else config["num_nextn_predict_layers"] == 0
+    assert "auto_map" not in config  # no remote code
+    attn = model.model.config._attn_implementation
+    reloaded = AutoModelForCausalLM.from_pretrained(out, attn_implementation=attn).eval()
+    assert type(reloaded.model.layers[1].mlp).__name__ == "DeepseekV3MLP"
+    assert torch.equal(logits(reloaded), logits(model.model))
+    assert json.loads((out / "headlab.json").read_text())["latent_norm_fold"]["norms_folded"] == 4
+
+
+def test_convert_checkpoint_records_every_step(text, tmp_path):
+    loaded = loaded_tiny("llama")
+    record = mla.convert_mla_checkpoint(
+        loaded, tmp_path / "o", budget="mqa", text=text.but(split="eval"), calibration_tokens=256, progress=False
+    )
+    assert set(record["steps"]) == {"rorope_rotation", "query_scale", "rope_truncation", "latent_rank",
+                                    "decoder_norm_eps"}  # fmt: skip
+    assert record["measured_kv_bytes_per_token_after"] == 2 * 32 * 4  # 2 layers x (latent + rope) x fp32
+    latent = record["steps"]["latent_rank"]  # below full rank: a real, measured error
+    assert latent["max_abs_logit_diff"] > 0 and 0 < latent["attention_output_rel_error_mean"] < 1
+    assert record["measured_kv_bytes_per_token_before"] == 2 * 2 * 2 * 16 * 4
+    assert record["perplexity_after"]["perplexity"] > 0
+    assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_cli_converts_and_prints_each_step(tmp_path, capsys):
+    source = save_tiny("qwen2", tmp_path / "src", num_key_value_heads=1)
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
+    args = ["convert-mla", "--model", source, "--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32"]
+    code, out, err = run_cli([*args, "--budget", "gqa", "--calibration-tokens", "256", "--out", tmp_path / "o"], capsys)
+    assert code == 0, err
+    for line in (
+        r"latent 16 \+ rope 16",
+        r"step rope_truncation\s+exact,",
+        r"step latent_norm_fold\s+eps",
+        "reload check",
+    ):
+        assert re.search(line, out), line
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
+    assert reloaded.config.model_type == "deepseek_v3"
+
+
+# ---- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "plan", "message"),
+    [
+        ("llama", {}, dict(kv_lora_rank=60, rope_dim=8), "above the full rank"),
+        ("llama", {}, dict(kv_lora_rank=8, rope_dim=6), "even divisor"),
+        ("llama", {}, dict(kv_lora_rank=0, rope_dim=8), "no room"),
+        ("llama", {}, {}, "--budget"),
+        ("llama", {}, dict(budget="gqa", kv_lora_rank=8), "not both"),
+        ("llama", {}, dict(budget="half"), "half"),
+        ("mistral", {}, dict(budget="gqa"), "sliding-window"),
+        ("qwen3", {}, dict(budget="gqa"), "normalises"),
+        ("gpt2", {}, dict(budget="gqa"), "gpt2"),
+        ("phi3", {}, dict(budget="gqa"), "do not map"),  # fused gate_up MLP
+        ("llama", {"mlp_bias": True}, dict(budget="gqa"), "MLP biases"),
+        (
+            "llama",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            {"budget": "gqa"},
+            "linear",
+        ),
+    ],  # fmt: skip
+)
+def test_plan_refuses_what_the_format_cannot_express(name, overrides, plan, message):
+    model = tiny_model(name, **overrides)
+    with pytest.raises(HeadlabError, match=message):
+        mla.plan_mla(from_model(model), **plan)
