@@ -446,10 +446,16 @@ def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) ->
     """`headlab gqa-sweep`: the sweep table (CSV + Parquet), meta.json, the similarity pairs and the plot."""
     check_out(out, overwrite)
     frame, meta = gqa_sweep(loaded, **kwargs)
+    write_sweep(out, frame, meta, loaded.spec, overwrite=overwrite)
+    return frame, meta
+
+
+def write_sweep(out, frame: pd.DataFrame, meta: dict, spec: str, *, overwrite: bool = False) -> None:
+    """A sweep's table (CSV + Parquet), meta.json and gqa_sweep.png under `out`, published atomically."""
     # seaborn/matplotlib take about a second to import: only the sweep draws, so conversion skips that start-up time.
     from headlab.plots import figure_bytes, plot_gqa_sweep
 
-    fig = plot_gqa_sweep(frame, f"{loaded.spec}: {meta['query_heads']} query heads, KV heads swept")
+    fig = plot_gqa_sweep(frame, f"{spec}: {meta['query_heads']} query heads, KV heads swept")
     write_run(
         out,
         {"sweep": frame},
@@ -457,7 +463,6 @@ def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) ->
         overwrite=overwrite,
         extra_files={"gqa_sweep.png": figure_bytes(fig)},
     )
-    return frame, meta
 
 
 __getattr__ = moved_names(

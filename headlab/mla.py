@@ -44,6 +44,7 @@ from headlab.gqa import measured_kv_bytes_per_token
 from headlab.hooks import hooks
 from headlab.kv_heads import gqa_layers
 from headlab.loading import LoadedModel, check_resident
+from headlab.recover import RECOVERY_DIR, write_recovery
 
 BUDGETS = ("gqa", "mqa")
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, hard-coded for kv_a_layernorm and q_a_layernorm
@@ -557,9 +558,10 @@ def fold_latent_norm(model: nn.Module, eps: float = LATENT_NORM_EPS) -> list[dic
 
 
 @torch.no_grad()
-def save_mla(mla: LoadedModel, out, record: dict, *, overwrite: bool = False) -> dict:
+def save_mla(mla: LoadedModel, out, record: dict, *, overwrite: bool = False, recovered: dict | None = None) -> dict:
     """Fold the latent norms (measuring the logits' change on a probe) and save with the record, verified by a
-    vanilla AutoModelForCausalLM reload. Returns what the record gains: fold, verification."""
+    vanilla AutoModelForCausalLM reload, with recovery/ (headlab.recover.write_recovery) when `recovered` is a
+    recovery record. Returns what the record gains: fold, verification."""
     inputs = probe_inputs(mla.model)
     before = logits_of(mla.model, inputs)
     folds = fold_latent_norm(mla.model)
@@ -573,7 +575,13 @@ def save_mla(mla: LoadedModel, out, record: dict, *, overwrite: bool = False) ->
         "exact": False,
     }
     record = {**record, "latent_norm_fold": fold}
-    return {"latent_norm_fold": fold, "verification": save_with_record(mla, out, record, overwrite=overwrite)}
+
+    def write_record(staging) -> None:
+        write_recovery(staging / RECOVERY_DIR, recovered, f"recovery of {mla.spec}")
+
+    extras = write_record if recovered is not None else None
+    verification = save_with_record(mla, out, record, extras, overwrite=overwrite)
+    return {"latent_norm_fold": fold, "verification": verification}
 
 
 # ---- measuring --------------------------------------------------------------------------------------------------
@@ -749,10 +757,12 @@ def convert_mla_checkpoint(
         record["perplexity_after"] = perplexity(mla, text=text, progress=progress).to_dict()
         record["eval"] = {"data": text.corpus_name, "part": text.split, "seq_len": text.seq_len,
                           "max_tokens": text.max_tokens}  # fmt: skip
+    recovered = None
     if recovery is not None:
-        record["recovery"] = recovery(mla)
+        recovered = recovery(mla)  # trains the norm-free model; the norms are folded in by save_mla
+        record["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
         if evaluate:
             record["perplexity_recovered"] = perplexity(mla, text=text, progress=progress).to_dict()
-    record.update(save_mla(mla, out, record, overwrite=overwrite))
+    record.update(save_mla(mla, out, record, overwrite=overwrite, recovered=recovered))
     record["out"] = str(out)
     return record

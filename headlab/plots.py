@@ -323,7 +323,8 @@ def plot_sweep_tasks(table: pd.DataFrame, title: str | None = None):
 
 def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
     """Perplexity against measured KV-cache KiB per token, one marker per KV-head count x grouping x pool (rows that
-    repeat an earlier variant are left out: they would sit on it). Log y when perplexities span more than 10x."""
+    repeat an earlier variant are left out: they would sit on it), MLA rows (headlab.ladder) labelled by their
+    latent + rope split. Log y when perplexities span more than 10x."""
     data = frame[frame["same_as"].isna()].copy() if "same_as" in frame else frame.copy()
     data["KiB per token"] = data["kv_bytes_per_token"] / 1024
     data["grouping"] = data["grouping"].fillna(data["action"])
@@ -338,9 +339,11 @@ def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")  # no "+1.27e2" offset over the title
         ax.set_ylabel("perplexity (eval split)")
     for (kib, ppl), group in data.groupby(["KiB per token", "perplexity"]):
-        ax.annotate(
-            f"G={int(group['kv_heads'].iloc[0])}", (kib, ppl), textcoords="offset points", xytext=(6, 4), fontsize=9
-        )
+        first = group.iloc[0]
+        label = (
+            first.get("variant") if first.get("action") == "mla" else f"G={int(first['kv_heads'])}"
+        )  # MLA: latent + rope
+        ax.annotate(label, (kib, ppl), textcoords="offset points", xytext=(6, 4), fontsize=9)
     ax.set_xlim(0, data["KiB per token"].max() * 1.15)
     ax.set_xlabel("KV-cache KiB per token (measured)")
     ax.set_title(title or "KV heads: perplexity against KV-cache size")

@@ -59,12 +59,16 @@ class LocalSpec:
 
 
 def check_pair(student: LoadedModel, teacher: LoadedModel) -> None:
-    """The student must be derived from the teacher: one vocabulary, the same blocks, hidden size and layer count."""
+    """The student must be derived from the teacher: one vocabulary, the same blocks, hidden size and layer count (and
+    the same model type, unless the student's attention was converted to latent attention)."""
     if student.tokenizer is not None and teacher.tokenizer is not None:
         if student.tokenizer.get_vocab() != teacher.tokenizer.get_vocab():
             raise HeadlabError("the student and the teacher use different tokenizers; recovery needs one vocabulary")
     s, t = student.model.config.get_text_config(), teacher.model.config.get_text_config()
-    if s.model_type != t.model_type:
+    # convert-mla rebuilds a model's attention as latent attention in another model type (deepseek_v3) around the
+    # same embeddings, MLPs and norms: such a student is derived from its teacher when the blocks below match.
+    converted = student.adapter.latent_kv and not teacher.adapter.latent_kv
+    if s.model_type != t.model_type and not converted:
         raise HeadlabError(f"the student is not derived from the teacher: a {s.model_type} and a {t.model_type} model")
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "n_embd", "n_layer"):
         a, b = getattr(s, name, None), getattr(t, name, None)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from headlab import gqa, kv_heads, plots
+from headlab import gqa, kv_heads, ladder, plots
 from headlab.capture import capture_attention
 from headlab.costs import model_info
 from headlab.data import calibration_batches, load_corpus
@@ -60,6 +60,8 @@ class Settings:
     pools: tuple[str, ...] = ("mean",)
     # mean pooling (Ainslie et al.) beside the calibrated merge (headlab.merge), so the report shows both
     methods: tuple[str, ...] = ("mean", "svd")
+    # MLA rungs of the KV ladder (headlab.ladder): the training-free conversion at these budgets, where it applies
+    mla_budgets: tuple[str, ...] = ("gqa", "mqa")
     gallery_heads: int = 3
     recovery_minutes: float = 1.0  # recovery of the svd-merged model (local + uptraining); 0: no recovery step
     # headlab speed: decode with a KV cache; points above speed_prefill_limit tokens get a synthetic cache
@@ -82,6 +84,7 @@ PRESETS = {
         orders=("importance", "random"),
         seeds=(0,),
         groupings=("contiguous",),
+        mla_budgets=("gqa",),  # one build at full rank (the mqa budget builds and compares three rope splits)
         recovery_minutes=0.5,
         speed_contexts=(128, 512),
         speed_batches=(1, 4),
@@ -230,7 +233,8 @@ def pruning_trades(sweep: pd.DataFrame, at: float = 0.3) -> list[str]:
 
 def gqa_trades(frame: pd.DataFrame) -> list[str]:
     """Sentences on the KV-cache trade, from a gqa-sweep table: each pooled KV-head count's best variant against
-    the unchanged model (bytes from a real cache), and what the MHA expansion would cost."""
+    the unchanged model (bytes from a real cache), each MLA rung against the pooling at its bytes, and what the MHA
+    expansion would cost."""
     keep = frame[frame["action"] == "keep"]
     if keep.empty:
         return []
@@ -245,6 +249,18 @@ def gqa_trades(frame: pd.DataFrame) -> list[str]:
             f"uptraining) saves {saved:.1%} of the KV cache ({human_bytes(base['kv_bytes_per_token'])} -> "
             f"{human_bytes(best['kv_bytes_per_token'])} per token) for {_pct(best['perplexity'], base['perplexity'])} "
             f"perplexity ({base['perplexity']:.2f} -> {best['perplexity']:.2f})."
+        )
+    for row in frame[frame["action"] == "mla"].itertuples():
+        same = pooled[pooled["kv_bytes_per_token"] == row.kv_bytes_per_token].sort_values("perplexity")
+        versus = (
+            f", against {same.iloc[0]['perplexity']:.2f} for the best KV-head pooling at those bytes"
+            if len(same)
+            else ""
+        )
+        lines.append(
+            f"{row.variant} (multi-head latent attention at the {row.pool}, no uptraining) holds "
+            f"{human_bytes(row.kv_bytes_per_token)} per token for {_pct(row.perplexity, base['perplexity'])} "
+            f"perplexity ({base['perplexity']:.2f} -> {row.perplexity:.2f}{versus})."
         )
     expand = frame[frame["action"] == "expand"]
     for row in expand.itertuples():
@@ -302,6 +318,7 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             "gqa-sweep",
             **common,
             **dict(grouping=s.groupings, pool=s.pools, method=s.methods),
+            **(dict(mla=s.mla_budgets) if s.mla_budgets else {}),
             **dict(max_tokens=s.eval_tokens, calibration_tokens=s.calibration_tokens, **size),
             out="runs/gqa_sweep",
         ),
@@ -451,8 +468,9 @@ def _sweep_step(run: ReportRun) -> None:
 
 def _gqa_step(run: ReportRun) -> None:
     s, loaded, data, text_column = run.s, run.loaded, run.common["data"], run.common["text_column"]
-    run.gqa_frame, gqa_meta = gqa.gqa_sweep(
+    run.gqa_frame, gqa_meta = ladder.ladder(
         loaded,
+        mla=s.mla_budgets,
         groupings=s.groupings,
         pools=s.pools,
         methods=s.methods,
@@ -567,6 +585,8 @@ def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, 
         s.groupings if any(G % g == 0 for g in range(2, G)) else tuple(g for g in s.groupings if g != "similarity")
     )
     s = replace(s, groupings=groupings or ("contiguous",))
+    if not can_gqa or ladder.mla_refusal(loaded) is not None:
+        s = replace(s, mla_budgets=())  # no MLA rung for an attention deepseek_v3 cannot express
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
     if tasks:  # the sweep ran lm-eval tasks too

@@ -21,6 +21,7 @@ LAYERS = {
     "headlab.__main__": "cli",
     # workflows: compose capabilities, evaluate, save
     "headlab.gqa": "workflows",
+    "headlab.ladder": "workflows",
     "headlab.mla": "workflows",
     "headlab.prune": "workflows",
     "headlab.recover": "workflows",

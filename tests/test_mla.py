@@ -309,3 +309,69 @@ def test_plan_refuses_what_the_format_cannot_express(name, overrides, plan, mess
     model = tiny_model(name, **overrides)
     with pytest.raises(HeadlabError, match=message):
         mla.plan_mla(from_model(model), **plan)
+
+
+# ---- recovery and the ladder ------------------------------------------------------------------------------------
+
+
+def test_recovery_trains_the_norm_free_model_and_the_saved_checkpoint_holds_it(text, tmp_path):
+    """convert-mla's recovery hook: local reconstruction of the norm-free MLA model towards the untouched source (a
+    teacher of another model type), then the fold at save; the reloaded checkpoint computes the recovered model."""
+    from headlab.recover import RecoverySpec, recover
+
+    loaded = loaded_tiny("llama")
+    spec = RecoverySpec(stages=["local"], minutes=None, local_tokens=256, local_seq_len=32)
+    spec.local.steps = 3
+    seen = {}
+
+    def recovery(student):
+        seen["before"] = logits(student.model)
+        record = recover(student, loaded, spec, data=text.data, progress=False)
+        seen["logits"] = logits(student.model)
+        return record
+
+    record = mla.convert_mla_checkpoint(
+        loaded, tmp_path / "o", kv_lora_rank=8, rope_dim=8, text=text.but(split="eval"), calibration_tokens=256,
+        progress=False, recovery=recovery,
+    )  # fmt: skip
+    local = record["recovery"]["local"]
+    assert local["error_after"] < local["error_before"]  # each layer's held-out reconstruction error went down
+    assert local["layers_changed"] > 0 and not torch.equal(seen["logits"], seen["before"])
+    assert (tmp_path / "o" / "recovery" / "local.csv").is_file()
+    assert "tables" not in json.loads((tmp_path / "o" / "headlab.json").read_text())["recovery"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o").eval()
+    assert rel_diff(logits(reloaded), seen["logits"]) < 1e-4  # the fold's small change only
+
+
+def test_cli_recover_flag_reaches_the_conversion(tmp_path, capsys):
+    source = save_tiny("llama", tmp_path / "src")
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
+    args = ["convert-mla", "--model", source, "--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32"]
+    args += ["--kv-lora-rank", "8", "--rope-dim", "8", "--calibration-tokens", "256", "--out", tmp_path / "o"]
+    code, out, err = run_cli([*args, "--recover", "uptrain", "--recover-steps", "2"], capsys)
+    assert code == 0, err
+    assert re.search(r"after recovery \(uptrain\)\s+\d", out)
+    assert (tmp_path / "o" / "recovery" / "curve.csv").is_file()
+
+
+def test_ladder_adds_mla_rows_measured_from_a_real_cache(text, tmp_path):
+    """gqa-sweep --mla: one row per budget beside the KV-head rows; the MLA rows' measured cache is (latent + rope)
+    numbers per layer, the same bytes as the rung they are named after."""
+    from headlab import ladder
+
+    loaded = loaded_tiny("llama")
+    frame, meta = ladder.ladder(
+        loaded, mla=("gqa", "mqa"), text=text.but(split="eval", max_tokens=256), calibration_tokens=256,
+        groupings=("contiguous",), pools=("mean",), progress=False,
+    )  # fmt: skip
+    rungs = frame.set_index("variant")
+    mla_rows = frame[frame["action"] == "mla"]
+    assert len(mla_rows) == 2 and meta["mla"]["budgets"] == ["gqa", "mqa"]
+    gqa_bytes = rungs.loc[rungs["kv_heads"] == 2, "kv_bytes_per_token"].iloc[0]  # the source's own cache
+    mqa_bytes = rungs.loc[rungs["kv_heads"] == 1, "kv_bytes_per_token"].iloc[0]
+    assert list(mla_rows["kv_bytes_per_token"]) == [gqa_bytes, mqa_bytes]
+    assert all(mla_rows["kv_lora_rank"] + mla_rows["rope_dim"] == [64, 32])  # 2 x G x D and 2 x D, G = 2, D = 16
+    assert (mla_rows["perplexity"] > 0).all() and (mla_rows["relative_kv_bytes"] <= 1).all()
+    ladder.run_ladder(loaded, tmp_path / "run", mla=("mqa",), text=text.but(split="eval", max_tokens=256),
+                      calibration_tokens=256, groupings=("contiguous",), pools=("mean",), progress=False)  # fmt: skip
+    assert (tmp_path / "run" / "gqa_sweep.png").is_file() and (tmp_path / "run" / "sweep.csv").is_file()

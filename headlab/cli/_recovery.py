@@ -63,12 +63,16 @@ def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | N
     return spec
 
 
-def recovery_for(spec, loaded, text: TextSpec, progress: bool):
+def recovery_for(spec, loaded, text: TextSpec, progress: bool, *, edits_in_place: bool = True):
     """A function(student) -> record for convert/prune to call on their edited model; the teacher is a copy of
-    `loaded` taken now, before the edit. Recovery reads the calibration split of `text`'s corpus."""
+    `loaded` taken now, before the edit, or `loaded` itself for a command that builds a new model and leaves `loaded`
+    untouched (edits_in_place False: convert-mla), which saves a second copy. Recovery reads the calibration split
+    of `text`'s corpus."""
     if spec is None:
         return None
-    teacher = teacher_copy(loaded)
+    teacher = teacher_copy(loaded) if edits_in_place else loaded
+    if not edits_in_place:
+        teacher.model.requires_grad_(False)  # a teacher only gives targets (teacher_copy freezes its copy alike)
 
     def run(student):
         return recover(student, teacher, spec, data=text.data, text_column=text.text_column, progress=progress)

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from headlab.checkpoint import describe_check
+from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     calibration_tokens_option,
     data_options,
@@ -48,6 +49,9 @@ def print_summary(record: dict) -> None:
     before, after = record.get("perplexity_before"), record.get("perplexity_after")
     if before and after:
         rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))
+        if record.get("perplexity_recovered"):
+            stages = "+".join(record["recovery"]["stages"])
+            rows.append((f"after recovery ({stages})", f"{record['perplexity_recovered']['perplexity']:.4f}"))
         rows.append(("scored tokens", f"{after['scored_tokens']:,}"))
     rows.append(("KV cache per token", f"{human_bytes(record['measured_kv_bytes_per_token_before'])} -> "
                  f"{human_bytes(record['measured_kv_bytes_per_token_after'])} (measured from a real cache)"))  # fmt: skip
@@ -82,9 +86,16 @@ def print_summary(record: dict) -> None:
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=1)
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-mla]")
+@recovery_options
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
-def command(load, budget, kv_lora_rank, rope_dim, calibration_tokens, no_eval, text, out, overwrite, as_json):
-    """Convert GQA/MHA attention to multi-head latent attention (a deepseek_v3 checkpoint) at a KV budget."""
+def command(
+    load, budget, kv_lora_rank, rope_dim, calibration_tokens, no_eval, text, out, overwrite, recovery_options, as_json
+):
+    """Convert GQA/MHA attention to multi-head latent attention (a deepseek_v3 checkpoint) at a KV budget.
+
+    With --recover, the converted model is trained towards the original without its latent norms (plain linear
+    latent attention) and the norms are folded in at save (docs/mla.md)."""
+    recovery = recovery_spec(recovery_options)
     out = Path(out) if out is not None else Path("headlab-mla")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     if budget is None and kv_lora_rank is None:
@@ -106,6 +117,8 @@ def command(load, budget, kv_lora_rank, rope_dim, calibration_tokens, no_eval, t
         evaluate=not no_eval,
         overwrite=overwrite,
         progress=not as_json,
+        # the conversion builds a new model and leaves `loaded` untouched: it is the teacher itself, not a copy
+        recovery=recovery_for(recovery, loaded, text, not as_json, edits_in_place=False),
     )
     if as_json:
         click.echo(json.dumps(record, indent=2, default=str))

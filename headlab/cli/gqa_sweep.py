@@ -10,6 +10,8 @@ import click
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
 from headlab.gqa import METHODS, run_sweep
 from headlab.kv_heads import GROUPINGS, POOLS
+from headlab.ladder import run_ladder
+from headlab.mla import BUDGETS
 from headlab.report_text import human_bytes, parse_list
 
 
@@ -31,6 +33,13 @@ from headlab.report_text import human_bytes, parse_list
 )
 @calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge", earlier_name=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
+@click.option(
+    "--mla",
+    default=None,
+    metavar="BUDGETS",
+    help=f"comma list of {', '.join(BUDGETS)}: add the training-free MLA conversion (convert-mla) at each rung's "
+    "KV budget to the table and the plot: the ladder MHA -> GQA -> MQA -> MLA",
+)
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")
 def command(
@@ -41,17 +50,21 @@ def command(
     method,
     calibration_tokens,
     seed,
+    mla,
     text,
     out,
     overwrite,
 ):
-    """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool, with a plot."""
+    """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool (and MLA budget), with a plot."""
     out = out or Path("gqa-sweep")
     guard(out, overwrite, {"model": load.spec}, data=text.data)
-    frame, _ = run_sweep(
+    budgets = tuple(parse_list(mla, str, "mla", BUDGETS)) if mla else ()
+    run = run_ladder if budgets else run_sweep
+    frame, _ = run(
         load(),
         out,
         overwrite=overwrite,
+        **({"mla": budgets} if budgets else {}),
         kv_heads=None if kv_heads is None else parse_list(kv_heads, int, "kv-heads"),
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
         pools=tuple(parse_list(pool, str, "pool", POOLS)),

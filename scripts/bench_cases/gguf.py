@@ -1,5 +1,6 @@
-"""llama.cpp against transformers on the same checkpoints: the embedded model, a uniform prune, a per-layer prune
-and a 3 -> 1 KV conversion, each exported to GGUF (f32) and scored on the eval split by both runtimes."""
+"""llama.cpp against transformers on the same checkpoints: the embedded model, a uniform prune, a per-layer prune,
+a 3 -> 1 KV conversion and an MLA conversion at the MQA budget, each exported to GGUF (f32) and scored on the eval
+split by both runtimes. HEADLAB_BENCH_GGUF_MODELS=<comma list of row numbers, from 0> runs some rows only."""
 
 from __future__ import annotations
 
@@ -7,9 +8,20 @@ TITLE = "GGUF export: llama.cpp perplexity against transformers on the same chec
 MAX_TOKENS, SEQ_LEN = 512, 256
 
 
+def _to_mla(loaded):
+    """convert-mla --budget mqa as the command saves it: the latent norms folded back in (llama.cpp applies them)."""
+    from headlab.data import calibration_batches
+    from headlab.mla import convert_to_mla, fold_latent_norm, plan_mla
+
+    batches = calibration_batches(loaded.tokenizer, None, seq_len=512, batch_size=4, max_tokens=2048)
+    mla, _ = convert_to_mla(loaded, plan_mla(loaded, "mqa"), batches, progress=False)
+    fold_latent_norm(mla.model)
+    return mla
+
+
 def variants(loaded):
-    """(label, edit) pairs; each edit changes `loaded` in place. Heads are chosen by index: agreement between
-    runtimes does not depend on which heads go."""
+    """(label, edit) pairs; an edit changes `loaded` in place or returns the new model it built. Heads are chosen by
+    index: agreement between runtimes does not depend on which heads go."""
     from headlab.gqa import convert
     from headlab.prune import apply_physical, physical_layout, prepare_config
 
@@ -29,6 +41,7 @@ def variants(loaded):
             prune(lambda layers: [{0, 1, 2} if layer.index % 2 == 0 else set() for layer in layers]),
         ),
         ("3 -> 1 KV heads (mean pooling)", lambda model: convert(model, 1)),
+        ("MLA 64+64 (convert-mla --budget mqa)", _to_mla),
     ]
 
 
@@ -43,10 +56,15 @@ def run(args) -> dict:
     missing = unavailable()
     if missing:
         return {"skipped": missing, "rows": []}
+    import os
+
+    chosen = os.environ.get("HEADLAB_BENCH_GGUF_MODELS")
     rows = []
-    for label, edit in variants(None):
+    for index, (label, edit) in enumerate(variants(None)):
+        if chosen and str(index) not in chosen.split(","):
+            continue
         loaded = load_model(None, device="cpu")
-        edit(loaded)
+        loaded = edit(loaded) or loaded
         loaded = from_model(loaded.model, loaded.tokenizer)
         windows = eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
         with tempfile.TemporaryDirectory() as tmp:
