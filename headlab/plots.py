@@ -343,7 +343,8 @@ def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
         label = (
             first.get("variant") if first.get("action") == "mla" else f"G={int(first['kv_heads'])}"
         )  # MLA: latent + rope
-        ax.annotate(label, (kib, ppl), textcoords="offset points", xytext=(6, 4), fontsize=9)
+        below = first.get("action") == "mla"  # an MLA rung shares its bytes with a KV-head rung: label it below
+        ax.annotate(label, (kib, ppl), textcoords="offset points", xytext=(6, -12 if below else 4), fontsize=9)
     ax.set_xlim(0, data["KiB per token"].max() * 1.15)
     ax.set_xlabel("KV-cache KiB per token (measured)")
     ax.set_title(title or "KV heads: perplexity against KV-cache size")

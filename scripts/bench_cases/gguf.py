@@ -51,7 +51,7 @@ def run(args) -> dict:
 
     from headlab.gguf_export import export_gguf
     from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
-    from headlab.loading import from_model, load_model
+    from headlab.loading import LoadedModel, from_model, load_model
 
     missing = unavailable()
     if missing:
@@ -64,7 +64,8 @@ def run(args) -> dict:
         if chosen and str(index) not in chosen.split(","):
             continue
         loaded = load_model(None, device="cpu")
-        loaded = edit(loaded) or loaded
+        built = edit(loaded)  # a new model (MLA), or a record of an in-place edit
+        loaded = built if isinstance(built, LoadedModel) else loaded
         loaded = from_model(loaded.model, loaded.tokenizer)
         windows = eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
         with tempfile.TemporaryDirectory() as tmp:
