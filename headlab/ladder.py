@@ -17,7 +17,7 @@ from headlab.evaluate import perplexity
 from headlab.fsio import check_out
 from headlab.gqa import gqa_sweep, measured_kv_bytes_per_token, write_sweep
 from headlab.loading import LoadedModel
-from headlab.mla import BUDGETS, convert_to_mla, input_grams, plan_mla
+from headlab.mla import BUDGETS, convert_to_mla, input_grams, plan_mla, rope_phases
 
 
 def check_mla_budgets(loaded: LoadedModel, budgets) -> list:
@@ -40,13 +40,14 @@ def mla_refusal(loaded: LoadedModel) -> str | None:
 
 def mla_rows(loaded: LoadedModel, plans, text: TextSpec, calibration_tokens: int, progress: bool) -> pd.DataFrame:
     """One sweep row per MLA plan: converted from `loaded` (left untouched) on the calibration split, scored on
-    `text` like the KV-head rows. The input Grams are gathered once for every plan."""
+    `text` like the KV-head rows. The input Grams and RoPE phases are gathered once for every plan."""
     calibration = text.but(split="calibration", max_tokens=calibration_tokens, batch_size=4)
     batches = calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
     grams = input_grams(loaded, batches, progress) if plans else None
+    phases = rope_phases(loaded, batches, progress) if plans else None
     rows = []
     for plan in plans:
-        mla, record = convert_to_mla(loaded, plan, batches, progress=progress, grams=grams)
+        mla, record = convert_to_mla(loaded, plan, batches, progress=progress, grams=grams, phases=phases)
         done = record["plan"]
         result = perplexity(mla, text=text, progress=False)
         label = f"MLA {done['kv_lora_rank']}+{done['rope_dim']}"

@@ -123,21 +123,14 @@ def plain_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def sequence_nll(model: nn.Module, input_ids, attention_mask, labels, *, chunked: bool = True) -> torch.Tensor:
     """L(x) = sum_t -log p(label_t | x) per sequence, [B]. With chunked=True and autograd on, the vocabulary is
     projected in chunks of scored positions (see chunked_nll) wherever the model hands its head's output back
-    unchanged. Without autograd the loss uses whole logits, like evaluation: a no-grad score (ablation) then equals
+    unchanged. Without autograd the loss uses whole logits: a no-grad score (ablation) then equals
     the same model's under a device map and does not depend on how positions fall into chunks."""
     wanted = chunked and torch.is_grad_enabled() and model not in _TRANSFORMED_LOGITS
     slot = _head_slot(model) if wanted else None
     if slot is None:
         return plain_nll(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
-    parent, attribute, head = slot
-    with _hidden_states_instead_of_logits(parent, attribute) as stand_in:
-        out = model(input_ids=input_ids, attention_mask=attention_mask)
-    if out.logits is not stand_in.returned:
-        # The forward transformed the head's output (soft-capping, a scale, a cast): that transform would have been
-        # applied to hidden states. Remember the model and score this batch again with whole logits.
-        _TRANSFORMED_LOGITS.add(model)
-        return plain_nll(model(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
-    return chunked_nll(out.logits, head, labels)
+    states, head = _states_without_head(model, input_ids, attention_mask, slot)
+    return plain_nll(states, labels) if head is None else chunked_nll(states, head, labels)
 
 
 @torch.no_grad()
@@ -148,11 +141,18 @@ def final_states(model: nn.Module, input_ids, attention_mask) -> tuple[torch.Ten
     slot = _head_slot(model) if model not in _TRANSFORMED_LOGITS else None
     if slot is None:
         return model(input_ids=input_ids, attention_mask=attention_mask).logits, None
+    return _states_without_head(model, input_ids, attention_mask, slot)
+
+
+def _states_without_head(model: nn.Module, input_ids, attention_mask, slot) -> tuple[torch.Tensor, nn.Module | None]:
+    """(final hidden states, head) from one forward with the head at `slot` swapped for a stand-in; (whole logits,
+    None) when the forward transformed the head's output (soft-capping, a scale, a cast): that transform would have
+    been applied to hidden states, so the model is remembered and run again with its head."""
     parent, attribute, head = slot
     with _hidden_states_instead_of_logits(parent, attribute) as stand_in:
         out = model(input_ids=input_ids, attention_mask=attention_mask)
     if out.logits is not stand_in.returned:
-        _TRANSFORMED_LOGITS.add(model)  # see sequence_nll
+        _TRANSFORMED_LOGITS.add(model)
         return model(input_ids=input_ids, attention_mask=attention_mask).logits, None
     return out.logits, head
 

@@ -670,14 +670,18 @@ def convert_to_mla(
     progress: bool = True,
     grams: list[torch.Tensor] | None = None,
     mean_rotation: bool = True,
+    phases: list[torch.Tensor] | None = None,
 ) -> tuple[LoadedModel, dict]:
     """Convert `loaded` (left untouched) to an MLA model in memory, calibrated on `batches` (calibration windows).
     A plan whose rope_dim is "measured" tries auto_rope_dims(plan) and keeps the lowest calibration NLL. Returns the
     converted LoadedModel (latent norms off) and the record: the plan, each step exact or approximate with its
     measured max |logit diff| and calibration NLL. mean_rotation: key parts that lose RoPE count with their mean
-    rotation under each head's calibration attention (rope_phases); False keeps them as they are."""
+    rotation under each head's calibration attention (rope_phases; `phases` passes ones already gathered on `batches`);
+    False keeps them as they are."""
     grams = input_grams(loaded, batches, progress) if grams is None else grams
-    phases = rope_phases(loaded, batches, progress) if mean_rotation else None
+    if phases is None and mean_rotation:
+        phases = rope_phases(loaded, batches, progress)
+    phases = phases if mean_rotation else None
     device = loaded.device
     record = {"calibration_tokens": int(round(float(grams[0][-1, -1])))}
     nll_source = calibration_nll(loaded.model, batches, device)
