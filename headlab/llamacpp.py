@@ -61,6 +61,86 @@ def open_model(path: Path, n_ctx: int, *, logits_all: bool = False, f32_cache: b
         raise HeadlabError(f"llama.cpp cannot load {path}: {error}") from None
 
 
+class Sequences:
+    """A llama.cpp context holding `count` independent sequences of up to `per_sequence` tokens each, through
+    llama-cpp-python's low-level batch API (the `Llama` class runs one sequence).
+
+    kv_unified is off, so every sequence has its own KV stream and its attention reads only its own cells, as in
+    transformers' batched cache; a decode step is one llama_decode of `count` tokens, one per sequence. Flash
+    attention stays disabled, as in `open_model` (llama-cpp-python's default)."""
+
+    def __init__(self, path: Path, per_sequence: int, count: int, n_batch: int = 512):
+        require()
+        import llama_cpp  # optional: the llamacpp extra (require() said so above if missing)
+        from llama_cpp import _internals  # the model/context/batch wrappers `Llama` itself is built on
+
+        self._api = llama_cpp
+        try:
+            self._model = _internals.LlamaModel(
+                path_model=str(path), params=llama_cpp.llama_model_default_params(), verbose=False
+            )
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx = per_sequence * count
+            params.n_batch = params.n_ubatch = max(min(n_batch, per_sequence), count)
+            params.n_seq_max = count
+            params.kv_unified = False
+            params.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            params.n_threads = params.n_threads_batch = threads()
+            self._context = _internals.LlamaContext(model=self._model, params=params, verbose=False)
+        except (ValueError, RuntimeError) as error:
+            self.close()
+            raise HeadlabError(f"llama.cpp cannot load {path}: {error}") from None
+        self.count, self.n_batch = count, int(params.n_batch)
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+
+    @property
+    def cells(self) -> int:
+        """KV cells allocated over all sequences (llama.cpp pads each stream to a multiple of 256)."""
+        return int(self._api.llama_n_ctx(self._context.ctx))
+
+    def _decode(self, entries: list[tuple[int, int, int]]) -> None:
+        """One llama_decode of (token, position, sequence) entries; logits only for each sequence's last entry."""
+        batch = self._batch
+        batch.n_tokens = len(entries)
+        last = {seq: i for i, (_, _, seq) in enumerate(entries)}
+        for i, (token, position, seq) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, position, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = last[seq] == i
+        status = self._api.llama_decode(self._context.ctx, batch)
+        if status != 0:
+            raise HeadlabError(f"llama.cpp could not decode a batch of {len(entries)} tokens (status {status})")
+
+    def prefill(self, seq: int, ids: list[int]) -> None:
+        """Feed a sequence's tokens at positions 0.. in chunks of n_batch."""
+        for start in range(0, len(ids), self.n_batch):
+            chunk = ids[start : start + self.n_batch]
+            self._decode([(token, start + i, seq) for i, token in enumerate(chunk)])
+
+    def copy(self, source: int, target: int) -> None:
+        """Give `target` a copy of `source`'s cache (a whole-stream buffer copy, carried out at the next decode)."""
+        self._api.llama_memory_seq_cp(self._api.llama_get_memory(self._context.ctx), source, target, -1, -1)
+
+    def step(self, tokens: list[int], position: int) -> None:
+        """One decode step: tokens[s] appended to sequence s at `position`."""
+        self._decode([(token, position, seq) for seq, token in enumerate(tokens)])
+
+    def logits(self, seq: int) -> np.ndarray:
+        """The logits [V] the last step computed for sequence `seq` (a copy: the next decode overwrites them)."""
+        vocab = self._api.llama_vocab_n_tokens(self._api.llama_model_get_vocab(self._model.model))
+        row = self._api.llama_get_logits_ith(self._context.ctx, seq)
+        return np.ctypeslib.as_array(row, shape=(vocab,)).copy()
+
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            self._api.llama_batch_free(self._batch)
+            self._batch = None
+        for part in ("_context", "_model"):
+            if getattr(self, part, None) is not None:
+                getattr(self, part).close()
+                setattr(self, part, None)
+
+
 def _log_softmax(logits: np.ndarray) -> np.ndarray:
     logits = logits.astype(np.float64)
     shifted = logits - logits.max(axis=-1, keepdims=True)

@@ -1,5 +1,5 @@
 """Measured prefill and decode speed with a KV cache, peak memory and the KV-cache bytes actually held, per context
-length and batch size, in transformers and (batch 1) in llama.cpp: where head pruning and KV reduction pay off.
+length and batch size, in transformers and in llama.cpp: where head pruning and KV reduction pay off.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from transformers import DynamicCache
 from headlab.errors import HeadlabError
 from headlab.fsio import check_out
 from headlab.gguf_export import export_gguf
-from headlab.llamacpp import open_model, unavailable
+from headlab.llamacpp import Sequences, unavailable
 from headlab.loading import DEFAULT_MODEL, LoadedModel, load_model, local_checkpoint
 from headlab.plots import figure_bytes, plot_speed
 from headlab.tables import write_run
@@ -154,34 +154,42 @@ def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: Spee
     }
 
 
-def llamacpp_point(gguf_path: Path, kv_per_token: int, context: int, spec: SpeedSpec, vocab: int) -> dict:
-    """llama.cpp through llama-cpp-python's Llama (one sequence): timed prefill of context - decode_tokens tokens,
-    then `decode_tokens` single-token evals. Its KV cache is allocated for the whole n_ctx up front (f16 cells)."""
-    context = context - spec.decode_tokens
+def llamacpp_point(gguf_path: Path, kv_per_token: int, context: int, batch: int, spec: SpeedSpec, vocab: int) -> dict:
+    """llama.cpp with `batch` sequences (headlab.llamacpp.Sequences: one KV stream each): every sequence is filled
+    with context - decode_tokens - 1 tokens by a timed prefill (above prefill_limit tokens, only the first sequence
+    is prefilled and copied into the others: cache_fill "copied", the same cells and so the same decode cost), then
+    one untimed step (it carries out the copies), then `decode_tokens` timed steps of one token per sequence, so the
+    caches end holding `context` tokens. llama.cpp allocates the cells for the whole context up front (f16)."""
+    filled = context - spec.decode_tokens - 1
     generator = torch.Generator().manual_seed(spec.seed)
-    ids = torch.randint(vocab, (context,), generator=generator).tolist()
-    n_ctx = context + spec.decode_tokens + 1
+    ids = torch.randint(vocab, (batch, filled), generator=generator).tolist()
+    copied = batch > 1 and bool(spec.prefill_limit) and batch * filled > spec.prefill_limit
+    prefilled = 1 if copied else batch
     with PeakRSS(torch.device("cpu")) as peak:
-        llm = open_model(gguf_path, n_ctx=n_ctx)
+        runner = Sequences(gguf_path, per_sequence=context, count=batch)
         try:
             start = time.perf_counter()
-            llm.eval(ids)
+            for seq in range(prefilled):
+                runner.prefill(seq, ids[seq])
             prefill_s = time.perf_counter() - start
-            token = ids[-1]  # which token is decoded does not change the cost of a step
+            for seq in range(prefilled, batch):
+                runner.copy(0, seq)
+            tokens = [row[-1] for row in ids]  # which tokens are decoded does not change the cost of a step
+            runner.step(tokens, filled)
             start = time.perf_counter()
-            for _ in range(spec.decode_tokens):
-                llm.eval([token])
+            for step in range(spec.decode_tokens):
+                runner.step(tokens, filled + 1 + step)
             decode_s = time.perf_counter() - start
-            allocated = llm.n_ctx()
+            cells = runner.cells
         finally:
-            llm.close() if hasattr(llm, "close") else None
+            runner.close()
     return {
-        "cache_fill": "prefill",
-        "prefill_tokens_per_s": context / prefill_s,
-        "decode_tokens_per_s": spec.decode_tokens / decode_s,
+        "cache_fill": "copied" if copied else "prefill",
+        "prefill_tokens_per_s": prefilled * filled / prefill_s,
+        "decode_tokens_per_s": batch * spec.decode_tokens / decode_s,
         "decode_ms_per_step": 1000 * decode_s / spec.decode_tokens,
-        "kv_cache_bytes": kv_per_token * allocated,
-        "kv_cache_note": f"allocated for n_ctx {allocated} (f16 cells)",
+        "kv_cache_bytes": kv_per_token * cells,
+        "kv_cache_note": f"allocated: {cells} cells over {batch} sequence(s) (f16)",
         "peak_memory_bytes": peak.peak,
     }
 
@@ -235,8 +243,8 @@ def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bo
         kv_per_token = sum(loaded.adapter.kv_cache_numbers(layer) * 2 for layer in loaded.layers)
         vocab = loaded.model.config.get_text_config().vocab_size
         with _gguf_copy(loaded, spec) as path:
-            for context in tqdm(spec.contexts, desc=f"speed {label} llama.cpp", disable=not progress, unit="point"):
-                point = llamacpp_point(path, kv_per_token, context, spec, vocab)
+            for context, batch in tqdm(points, desc=f"speed {label} llama.cpp", disable=not progress, unit="point"):
+                point = llamacpp_point(path, kv_per_token, context, batch, spec, vocab)
                 rows.append(
                     {
                         **base,
@@ -244,7 +252,7 @@ def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bo
                         "dtype": spec.gguf_type,
                         "device": "cpu",
                         "context": context,
-                        "batch": 1,
+                        "batch": batch,
                         **point,
                     }
                 )

@@ -1,10 +1,16 @@
 """`headlab speed` on a tiny model: every point measured, the KV bytes held equal the cache's arithmetic, a KV
-conversion holds proportionally fewer bytes, and llama.cpp (when installed) adds batch-1 rows."""
+conversion holds proportionally fewer bytes, and llama.cpp (when installed) adds a row per point; its batched
+sequences decode what one sequence alone decodes, and a copied cache is the prefilled one."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
-from test_gguf import LLAMACPP, kv_converted, tiny
+import pytest
+import torch
+from test_gguf import LLAMACPP, kv_converted, needs_llamacpp, tiny
+
+from headlab.gguf_export import export_gguf
 
 from headlab.speed import SpeedSpec, measure_model, relative_to_first
 
@@ -23,4 +29,58 @@ def test_speed_table_measures_every_point_and_the_kv_bytes_held():
     assert (hf.loc[hf["model"] == "mqa", "kv_ratio"] == 0.5).all()
     if LLAMACPP is None:
         cpp = table[table["runtime"] == "llama.cpp"]
-        assert len(cpp) == 2 * 2 and (cpp["batch"] == 1).all() and (cpp["decode_tokens_per_s"] > 0).all()
+        assert len(cpp) == 2 * 2 * 2 and (cpp["decode_tokens_per_s"] > 0).all()
+        assert set(cpp["batch"]) == {1, 2}
+        # 2 x (32 - 2 - 1) tokens exceed the prefill limit of 32: one sequence prefilled, its cache copied
+        assert set(cpp["cache_fill"]) == {"prefill", "copied"}
+        # f16 cells allocated for the context (padded to 256 per sequence): K and V, 2 layers, G x 16 dims, 2 bytes
+        expected = 2 * 2 * cpp["kv_heads"] // 2 * 16 * 2 * 256 * cpp["batch"]
+        assert (cpp["kv_cache_bytes"] == expected).all()
+        assert (cpp.loc[cpp["model"] == "mqa", "kv_ratio"] == 0.5).all()
+
+
+@needs_llamacpp
+def test_llamacpp_sequences_decode_as_one_sequence_does(tmp_path):
+    """Three sequences in one context: the second (other tokens) decodes what a context of its own decodes, and the
+    third, a copy of the first's cache, decodes exactly what the first does."""
+    from headlab.llamacpp import Sequences
+
+    loaded = tiny()
+    path = tmp_path / "m.gguf"
+    export_gguf(loaded, path, outtype="f32", progress=False)
+    generator = torch.Generator().manual_seed(0)
+    first, second = torch.randint(300, (2, 12), generator=generator).tolist()
+    token = 7
+    runner = Sequences(path, per_sequence=32, count=3)
+    try:
+        runner.prefill(0, first)
+        runner.prefill(1, second)
+        runner.copy(0, 2)
+        runner.step([token, token, token], 12)
+        batched = [runner.logits(s) for s in range(3)]
+    finally:
+        runner.close()
+    alone = Sequences(path, per_sequence=32, count=1)
+    try:
+        alone.prefill(0, second)
+        alone.step([token], 12)
+        single = alone.logits(0)
+    finally:
+        alone.close()
+    np.testing.assert_array_equal(batched[2], batched[0])
+    np.testing.assert_allclose(batched[1], single, rtol=0, atol=1e-4 * max(1.0, float(np.abs(single).max())))
+    assert np.abs(batched[1] - batched[0]).max() > 1e-3  # other tokens, other logits: the streams are separate
+    with torch.no_grad():
+        reference = loaded.model(input_ids=torch.tensor([second + [token]])).logits[0, -1].numpy()
+    np.testing.assert_allclose(single, reference, rtol=0, atol=1e-3 * max(1.0, float(np.abs(reference).max())))
+
+
+@needs_llamacpp
+def test_llamacpp_sequences_refuse_an_unloadable_file(tmp_path):
+    from headlab.errors import HeadlabError
+    from headlab.llamacpp import Sequences
+
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF not really")
+    with pytest.raises(HeadlabError, match="cannot load"):
+        Sequences(path, per_sequence=32, count=2)

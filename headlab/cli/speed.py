@@ -42,7 +42,7 @@ def _ints(ctx, param, value):
     multiple=True,
     default=RUNTIMES,
     show_default=True,
-    help="runtimes to measure (llama.cpp when llama-cpp-python is installed; batch 1 there)",
+    help="runtimes to measure (llama.cpp when llama-cpp-python is installed)",
 )
 @click.option(
     "--out",

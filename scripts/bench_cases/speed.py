@@ -1,6 +1,6 @@
 """Decode and prefill speed with a KV cache (`headlab speed`): the embedded model against a 3 -> 1 KV conversion and
 a uniform prune of a third of the query heads, at contexts 512 / 2,048 / 8,192 and batch 1 / 8, in transformers
-and (batch 1) llama.cpp."""
+and llama.cpp."""
 
 from __future__ import annotations
 
@@ -49,7 +49,9 @@ def markdown(r: dict) -> str:
         f"Embedded SmolLM2-135M (float32) and two edits of it; {s['decode_tokens']} timed greedy decode steps per point "
         f"after the cache holds `context` tokens. Points above {s['prefill_limit']:,} tokens (context x batch) get a "
         "cache of random keys/values instead of a timed prefill (`cache_fill` synthetic; decode is still measured on "
-        "the full cache). llama.cpp: batch 1, f32 weights, f16 KV cache allocated for the whole context. "
+        "the full cache). llama.cpp: f32 weights, f16 KV cache allocated for the whole context, one KV stream per "
+        "sequence; above the same limit only the first sequence is prefilled and its cache copied into the others "
+        "(`cache_fill` copied: real cells, the same decode cost). "
         "The CPU machine was shared with other jobs: read ratios within a row group, not absolute speeds.",
         "",
         "| model | runtime | context | batch | prefill tok/s | decode tok/s | decode vs original | KV cache held | "
