@@ -11,7 +11,6 @@ import torch
 from test_gguf import LLAMACPP, kv_converted, needs_llamacpp, tiny
 
 from headlab.gguf_export import export_gguf
-
 from headlab.speed import SpeedSpec, measure_model, relative_to_first
 
 
