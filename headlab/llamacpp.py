@@ -73,7 +73,9 @@ class Sequences:
         require()
         import llama_cpp  # optional: the llamacpp extra (require() said so above if missing)
         from llama_cpp import _internals  # the model/context/batch wrappers `Llama` itself is built on
+        from llama_cpp._logger import set_verbose
 
+        set_verbose(False)  # errors only, as Llama(verbose=False) sets it: llama.cpp logs every context it builds
         self._api = llama_cpp
         try:
             self._model = _internals.LlamaModel(
