@@ -4,6 +4,8 @@ and llama.cpp."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 TITLE = "Speed: prefill and decode tokens/s, KV-cache bytes and peak memory (`headlab speed`)"
 CONTEXTS, BATCHES, DECODE_TOKENS, PREFILL_LIMIT = (512, 2048, 8192), (1, 8), 4, 2048
 
@@ -35,11 +37,26 @@ def run(args) -> dict:
         frames.append(measure_model(from_model(loaded.model, loaded.tokenizer), label, spec, progress=False))
         del loaded
     table = relative_to_first(pd.concat(frames, ignore_index=True))
+    write_figure(table)
     rows = [
         {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
         for row in table.to_dict("records")
     ]
     return {"spec": spec.to_dict(), "rows": rows}
+
+
+FIGURE = Path(__file__).resolve().parents[2] / "docs" / "images" / "speed_decode.png"
+
+
+def write_figure(table) -> None:
+    """The decode plot `headlab speed --out` writes, for docs/runtimes.md (docs/images/speed_decode.png)."""
+    import matplotlib.pyplot as plt
+
+    from headlab.plots import figure_bytes, plot_speed
+
+    figure = plot_speed(table, "decode speed with a KV cache (embedded model, 2-core CPU)")
+    FIGURE.write_bytes(figure_bytes(figure))
+    plt.close(figure)
 
 
 def markdown(r: dict) -> str:
