@@ -80,14 +80,18 @@ class _ChunkedNLL(torch.autograd.Function):
         want_grad = ctx.needs_input_grad[0]
         grad = torch.zeros(B * T, C, dtype=hidden.dtype, device=hidden.device) if want_grad else None  # [B*T, C]
         rows = max(1, CHUNK_BYTES // (4 * V))
+        buffer = torch.empty(min(rows, len(scored)), V, dtype=accumulate, device=hidden.device)  # [r, V], reused
         for start in range(0, len(scored), rows):
             index = scored[start : start + rows]  # [r]
             targets = flat_labels[index][:, None]  # [r, 1]
-            logits = F.linear(flat[index], weight, bias).to(accumulate)  # [r, V]
-            lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [r, 1]
-            nll.index_add_(0, index // T, (lse - logits.gather(1, targets))[:, 0])
+            logits = _project(flat[index], weight, bias, buffer[: len(index)])  # [r, V]
+            picked = logits.gather(1, targets)  # [r, 1], before the buffer is turned into probabilities
+            # log-sum-exp and softmax in place, one exp pass: lse = m + log sum exp(z - m)
+            peak = logits.amax(dim=-1, keepdim=True)
+            total = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)  # [r, 1]
+            nll.index_add_(0, index // T, (peak + total.log() - picked)[:, 0])
             if want_grad:
-                probs = logits.sub_(lse).exp_()  # softmax in place: [r, V]
+                probs = logits.div_(total)  # softmax: [r, V]
                 probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))  # softmax - onehot
                 grad[index] = (probs.to(weight.dtype) @ weight).to(grad.dtype)  # [r, C]
         if want_grad:
@@ -101,6 +105,16 @@ class _ChunkedNLL(torch.autograd.Function):
         B, T, C = ctx.shape
         scale = grad_nll.to(grad.dtype).view(B, 1, 1)  # each row's gradient scales with its own sequence's loss
         return grad.view(B, T, C) * scale, None, None, None
+
+
+def _project(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """W h + c for rows [r, C] written into `out` [r, V] (a buffer reused across chunks: a fresh [r, V] tensor per
+    chunk costs its page faults every time); cast through a temporary where the head's dtype is not out's."""
+    if weight.dtype != out.dtype:
+        return out.copy_(F.linear(rows, weight, bias))
+    if bias is None:
+        return torch.mm(rows, weight.t(), out=out)
+    return torch.addmm(bias, rows, weight.t(), out=out)
 
 
 def chunked_nll(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:

@@ -87,8 +87,11 @@ def test_scores_do_not_depend_on_batch_size(name, method):
     ids, mask = _padded(name)
     one = head_importance(loaded, _split(ids, mask, 1), method=method, progress=False)
     three = head_importance(loaded, _split(ids, mask, 3), method=method, progress=False)
+    # Ablation scores are differences of two float32 mean losses of order 1, so a rounding step of either (1.2e-7
+    # at 1.0; the CPU's GEMM kernels differ by batch shape) shows in full: one ulp of the loss is the tolerance.
+    atol = 2.5e-7 if method == "ablation" else 1e-7
     for a, b in zip(one.raw, three.raw):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol)
     assert one.meta["scored_tokens"] == three.meta["scored_tokens"]
 
 
