@@ -86,10 +86,8 @@ class _ChunkedNLL(torch.autograd.Function):
             targets = flat_labels[index][:, None]  # [r, 1]
             logits = _project(flat[index], weight, bias, buffer[: len(index)])  # [r, V]
             picked = logits.gather(1, targets)  # [r, 1], before the buffer is turned into probabilities
-            # log-sum-exp and softmax in place, one exp pass: lse = m + log sum exp(z - m)
-            peak = logits.amax(dim=-1, keepdim=True)
-            total = logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)  # [r, 1]
-            nll.index_add_(0, index // T, (peak + total.log() - picked)[:, 0])
+            peak, total = _exp_in_place(logits)
+            nll.index_add_(0, index // T, (peak + total.log() - picked)[:, 0])  # lse - z_y, as torch.logsumexp
             if want_grad:
                 probs = logits.div_(total)  # softmax: [r, V]
                 probs.scatter_add_(1, targets, torch.full_like(targets, -1, dtype=probs.dtype))  # softmax - onehot
@@ -115,6 +113,14 @@ def _project(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if bias is None:
         return torch.mm(rows, weight.t(), out=out)
     return torch.addmm(bias, rows, weight.t(), out=out)
+
+
+def _exp_in_place(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m, total) [r, 1] with m = max_v z_v and total = sum_v exp(z_v - m), so log-sum-exp = m + log total, turning
+    `logits` into exp(z - m) in place: one exp pass and no temporary of the logits' size (torch.logsumexp and
+    log_softmax allocate one)."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    return peak, logits.sub_(peak).exp_().sum(dim=-1, keepdim=True)
 
 
 def chunked_nll(hidden: torch.Tensor, head: nn.Linear, labels: torch.Tensor) -> torch.Tensor:
@@ -181,6 +187,8 @@ def picked_log_probs(states: torch.Tensor, head: nn.Module | None, targets: torc
         return torch.log_softmax(states.to(accumulate), dim=-1).gather(1, targets)[:, 0]
     rows = max(1, CHUNK_BYTES // (4 * head.out_features))
     picked = []
+    # log_softmax here, not the in-place exp of _ChunkedNLL: its rounding is lm-evaluation-harness's, which
+    # tests/test_lm_eval.py matches to 1e-6 in word perplexity (exp of a sum of thousands of log-probabilities).
     for start in range(0, len(states), rows):
         logits = head(states[start : start + rows]).to(accumulate)  # [r, V]
         picked.append(torch.log_softmax(logits, dim=-1).gather(1, targets[start : start + rows])[:, 0])
