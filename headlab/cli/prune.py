@@ -21,7 +21,7 @@ from headlab.cli.options import (
 )
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
-from headlab.prune import MODES, prune
+from headlab.prune import DEFAULT_CALIBRATION_TOKENS, MODES, prune
 from headlab.report_text import human_bytes
 from headlab.scores import SCORE_SOURCES
 from headlab.selection import BUDGETS, SELECTS, UNITS
@@ -78,7 +78,9 @@ SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table com
     help="calibration tokens each --budget search measurement runs on",
 )
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --method random")
-@calibration_tokens_option(2048, "calibration tokens for on-the-fly importance")
+@calibration_tokens_option(
+    DEFAULT_CALIBRATION_TOKENS, "calibration tokens for the scores, the OBS statistics and the --compensate refit"
+)
 @compensate_option(
     COMPENSATIONS,
     "refit the kept heads' output projection on calibration text (--compensate = ridge: least squares with a "

@@ -3,13 +3,18 @@ and 135 heads (global ranking), without and with the ridge compensation, for eve
 random (3 seeds) as the floor; and each per-head score's Spearman correlation with exact ablation.
 
 Calibration split only for every choice (scores, Grams, Fisher); the eval split only for the reported perplexity.
-Partial results are kept in ~/.cache/headlab/bench-selection-partial.json, so an interrupted run resumes.
+Calibration: `headlab prune`'s default (headlab.prune.DEFAULT_CALIBRATION_TOKENS) for every method, and the
+earlier default of 2,048 tokens for obs and grad beside it. Every compensated row is also evaluated on text from
+outside the embedded corpus: the package descriptions of the installed distributions (importlib.metadata, sorted by
+name, those over 2,000 characters), whose eval split is read the same way.
+Partial results are kept in ~/.cache/headlab/bench-selection-partial-<tokens>.json, so an interrupted run resumes.
 Environment: HEADLAB_SELECTION_METHODS (comma list, default all), HEADLAB_SELECTION_ABLATION=0 skips the
-ablation reference (270 forward-pass sets on 512 tokens).
+ablation reference (270 forward-pass sets on 512 tokens), HEADLAB_SELECTION_COMPARE=0 skips the 2,048-token rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -18,7 +23,8 @@ from pathlib import Path
 import torch
 
 TITLE = "Head selection: Fisher, structured OBS and per-layer budgets against gradient importance"
-CALIBRATION_TOKENS, CALIBRATION_SEQ, BATCH = 2048, 256, 4  # scores, Fisher, Grams
+CALIBRATION_SEQ, BATCH = 256, 4  # scores, Fisher, Grams
+EARLIER_TOKENS, COMPARED = 2048, ("obs", "grad")  # the calibration default before, and the methods rerun at it
 EVAL_TOKENS, EVAL_SEQ = 2048, 512
 SPEARMAN_TOKENS, SPEARMAN_SEQ = 512, 128  # the importance case's ablation setting
 SETTINGS = {"90 uniform": ("uniform", 90), "135 global": ("global", 135)}
@@ -34,7 +40,29 @@ METHODS = (
     "entropy",
     "second-order",
 )
-PARTIAL = Path.home() / ".cache" / "headlab" / "bench-selection-partial.json"
+PARTIAL = Path.home() / ".cache" / "headlab" / "bench-selection-partial-{tokens}.json"
+OUTSIDE = Path.home() / ".cache" / "headlab" / "bench-selection-outside.txt"
+
+
+def calibration_tokens() -> int:
+    from headlab.prune import DEFAULT_CALIBRATION_TOKENS
+
+    return DEFAULT_CALIBRATION_TOKENS
+
+
+def outside_text() -> Path:
+    """Text from outside the embedded corpus: long package descriptions of the installed distributions."""
+    from importlib.metadata import distributions
+
+    if not OUTSIDE.is_file():
+        described = {}
+        for dist in distributions():
+            body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
+            if isinstance(body, str) and len(body) > 2000:
+                described[dist.metadata["Name"].lower()] = body.strip()
+        OUTSIDE.parent.mkdir(parents=True, exist_ok=True)
+        OUTSIDE.write_text("\n\n".join(described[name] for name in sorted(described)))
+    return OUTSIDE
 
 
 def spearman(a, b) -> float:
@@ -105,19 +133,16 @@ def _select(loaded, method, prepared, grams, data_kw):
     return out, time.perf_counter() - start
 
 
-def _ppl(loaded, pruned, grams, compensate):
+def _ppl(loaded, pruned, grams, compensate, data=None):
+    """Eval-split perplexity of the embedded corpus (data None) or of the text file `data`, pruned as masks."""
     from headlab.compensate import compensated
     from headlab.evaluate import perplexity
     from headlab.prune import pruned_in_place
 
-    if compensate:
-        with compensated(loaded, pruned, grams, "ridge"), pruned_in_place(loaded, pruned, "mask"):
-            return perplexity(
-                loaded, None, split="eval", seq_len=EVAL_SEQ, max_tokens=EVAL_TOKENS, progress=False
-            ).perplexity
-    with pruned_in_place(loaded, pruned, "mask"):
+    refit = compensated(loaded, pruned, grams, "ridge") if compensate else contextlib.nullcontext()
+    with refit, pruned_in_place(loaded, pruned, "mask"):
         return perplexity(
-            loaded, None, split="eval", seq_len=EVAL_SEQ, max_tokens=EVAL_TOKENS, progress=False
+            loaded, data, split="eval", seq_len=EVAL_SEQ, max_tokens=EVAL_TOKENS, progress=False
         ).perplexity
 
 
@@ -173,29 +198,32 @@ def _spearman_part(loaded, store, methods):
 
 
 def run(args) -> dict:
-    """Measure what the store lacks; with HEADLAB_SELECTION_PARTIAL_ONLY=1 only report what it holds (no model)."""
+    """Measure what the stores lack; with HEADLAB_SELECTION_PARTIAL_ONLY=1 only report what they hold (no model)."""
     methods = [m for m in os.environ.get("HEADLAB_SELECTION_METHODS", ",".join(METHODS)).split(",") if m]
-    store = Store(PARTIAL)
+    tokens = calibration_tokens()
+    sizes = [(tokens, methods)]
+    if os.environ.get("HEADLAB_SELECTION_COMPARE", "1") != "0" and tokens != EARLIER_TOKENS:
+        sizes.append((EARLIER_TOKENS, [m for m in COMPARED if m in methods]))
     partial_only = os.environ.get("HEADLAB_SELECTION_PARTIAL_ONLY") == "1"
-    work = None if partial_only else _Work(args.device, store)
-    original = store.get("original") if partial_only else work.original()
-    rows = []
-    # compensated rows of every method first (the goals), then the plain ones
-    for compensate, method in [(c, m) for c in (True, False) for m in methods]:
-        record = store.get(f"select:{method}") if partial_only else work.select(method)
-        for setting in SETTINGS if record is not None else ():
-            key = f"ppl:{method}:{setting}:{compensate}"
-            pruned = [set(p) for p in record["pruned"][setting]]
-            value = store.get(key) if partial_only else work.ppl(key, pruned, compensate)
-            if value is None:
-                continue
-            rows.append(
-                {"method": method, "setting": setting, "compensation": compensate, "perplexity": value,
-                 "pruned": sum(len(p) for p in pruned), "seconds": record["seconds"]}
-            )  # fmt: skip
-            print(rows[-1], flush=True)
+    loaded = None
+    if not partial_only:
+        from headlab.loading import load_model
+
+        loaded = load_model(None, device=args.device)
+    store = Store(Path(str(PARTIAL).format(tokens=tokens)))
+    rows, main_work = [], None
+    for size, chosen in sizes:
+        size_store = store if size == tokens else Store(Path(str(PARTIAL).format(tokens=size)))
+        work = None if partial_only else _Work(loaded, size_store, size)
+        rows += _rows(size_store, work, chosen, size, partial_only)
+        if size == tokens:
+            main_work = work
+    original = {
+        key: store.get(key) if partial_only else main_work.original(key, data)
+        for key, data in (("original", None), ("original_outside", None if partial_only else str(outside_text())))
+    }
     spearman_rows, ablation_seconds = {}, None
-    scores = store.get("spearman_scores") if partial_only else _spearman_part(work.loaded, store, methods)[0]
+    scores = store.get("spearman_scores") if partial_only else _spearman_part(loaded, store, methods)[0]
     ablation = store.get("ablation") or {}
     heads = [key for key in ablation if ":" in key]
     if scores and len(heads) == len(scores["grad"]):
@@ -206,82 +234,125 @@ def run(args) -> dict:
                 "ablation": spearman(mine, values),
                 "abs_ablation": spearman(mine, [abs(v) for v in values]),
             }
+    expected = sum(2 * len(SETTINGS) * len(chosen) for _, chosen in sizes)
     return {
-        "calibration": {"tokens": CALIBRATION_TOKENS, "seq_len": CALIBRATION_SEQ, "batch_size": BATCH},
+        "calibration": {
+            "tokens": tokens,
+            "seq_len": CALIBRATION_SEQ,
+            "batch_size": BATCH,
+            "compared_tokens": [size for size, _ in sizes[1:]],
+        },  # fmt: skip
         "eval": {"tokens": EVAL_TOKENS, "seq_len": EVAL_SEQ},
         "spearman_setting": {"tokens": SPEARMAN_TOKENS, "seq_len": SPEARMAN_SEQ},
-        "original": original,
+        "original": original["original"],
+        "original_outside": original["original_outside"],
         "rows": rows,
         "spearman": spearman_rows,
         "ablation_seconds": ablation_seconds,
         "ablation_heads_done": len(heads),
         "load_average": os.getloadavg(),
-        # a report from the store alone is partial only if something was never measured
-        "partial": partial_only and not (len(rows) == 2 * len(SETTINGS) * len(methods) and spearman_rows),
+        # a report from the stores alone is partial only if something was never measured
+        "partial": partial_only and not (len(rows) == expected and spearman_rows),
     }
 
 
-class _Work:
-    """The measurements, each stored as soon as it is made (the embedded model loaded once)."""
+def _rows(store, work, methods, tokens, partial_only) -> list[dict]:
+    """Compensated rows of every method first (the goals), then the plain ones; compensated ones also outside."""
+    rows = []
+    for compensate, method in [(c, m) for c in (True, False) for m in methods]:
+        record = store.get(f"select:{method}") if partial_only else work.select(method)
+        for setting in SETTINGS if record is not None else ():
+            key = f"ppl:{method}:{setting}:{compensate}"
+            pruned = [set(p) for p in record["pruned"][setting]]
+            value = store.get(key) if partial_only else work.ppl(key, pruned, compensate)
+            if value is None:
+                continue
+            outside = None
+            if compensate:
+                key = f"outside:{method}:{setting}"
+                outside = store.get(key) if partial_only else work.ppl(key, pruned, True, str(outside_text()))
+            rows.append(
+                {"method": method, "setting": setting, "compensation": compensate, "perplexity": value,
+                 "perplexity_outside": outside, "calibration_tokens": tokens,
+                 "pruned": sum(len(p) for p in pruned), "seconds": record["seconds"]}
+            )  # fmt: skip
+            print(rows[-1], flush=True)
+    return rows
 
-    def __init__(self, device, store):
+
+class _Work:
+    """The measurements at one calibration size, each stored as soon as it is made (the model loaded once)."""
+
+    def __init__(self, loaded, store, tokens: int):
         from headlab.compensate import output_statistics
         from headlab.data import calibration_batches
         from headlab.importance import scoring_batches
-        from headlab.loading import load_model
 
-        self.store = store
-        self.loaded = load_model(None, device=device)
+        self.store, self.loaded, self.tokens = store, loaded, tokens
         windows = list(
-            calibration_batches(
-                self.loaded.tokenizer, None, seq_len=CALIBRATION_SEQ, batch_size=BATCH, max_tokens=CALIBRATION_TOKENS
-            )
+            calibration_batches(loaded.tokenizer, None, seq_len=CALIBRATION_SEQ, batch_size=BATCH, max_tokens=tokens)
         )
-        self.prepared = scoring_batches(self.loaded, windows)
-        self.grams = output_statistics(self.loaded, windows, progress=False)
+        self.prepared = scoring_batches(loaded, windows)
+        self.grams = output_statistics(loaded, windows, progress=False)
 
-    def original(self):
+    def original(self, key, data=None):
         unpruned = [set() for _ in self.loaded.layers]
-        return self.store.get("original") or self.store.put("original", _ppl(self.loaded, unpruned, self.grams, False))
+        value = self.store.get(key)
+        return value if value is not None else self.store.put(key, _ppl(self.loaded, unpruned, None, False, data))
 
     def select(self, method):
         record = self.store.get(f"select:{method}")
         if record is None:
-            data_kw = dict(seq_len=CALIBRATION_SEQ, batch_size=BATCH, max_tokens=CALIBRATION_TOKENS)
+            data_kw = dict(seq_len=CALIBRATION_SEQ, batch_size=BATCH, max_tokens=self.tokens)
             chosen, seconds = _select(self.loaded, method, self.prepared, self.grams, data_kw)
             pruned = {k: [sorted(p) for p in v] for k, v in chosen.items()}
             record = self.store.put(f"select:{method}", {"seconds": seconds, "pruned": pruned})
         return record
 
-    def ppl(self, key, pruned, compensate):
+    def ppl(self, key, pruned, compensate, data=None):
         value = self.store.get(key)
-        return value if value is not None else self.store.put(key, _ppl(self.loaded, pruned, self.grams, compensate))
+        if value is None:
+            value = self.store.put(key, _ppl(self.loaded, pruned, self.grams, compensate, data))
+        return value
 
 
 def markdown(result: dict) -> str:
     import pandas as pd
 
     rows = pd.DataFrame(result["rows"])
+    if len(rows) and "calibration_tokens" not in rows:
+        rows["calibration_tokens"], rows["perplexity_outside"] = result["calibration"]["tokens"], None
+    outside = result.get("original_outside")
     lines = [
         f"Embedded SmolLM2-135M (float32), eval split first {result['eval']['tokens']:,} tokens at seq-len "
-        f"{result['eval']['seq_len']}; every choice (scores, Fisher, Grams, ridge alpha) on {result['calibration']['tokens']:,} "
-        f"calibration tokens in windows of {result['calibration']['seq_len']}. Original: "
-        f"**{result['original']:.2f}**. Compensation: `--compensate` ridge refit of o_proj (alpha per layer on held-out "
+        f"{result['eval']['seq_len']}; every choice (scores, Fisher, Grams, ridge alpha) on the calibration tokens "
+        f"given per row (`prune`'s default: {result['calibration']['tokens']:,}), in windows of "
+        f"{result['calibration']['seq_len']}. Original: **{result['original']:.2f}**"
+        + (
+            f"; outside the corpus (eval split of the installed packages' descriptions): **{outside:.2f}**"
+            if outside
+            else ""
+        )
+        + ". Compensation: `--compensate` ridge refit of o_proj (alpha per layer on held-out "
         "calibration windows). obs and fisher-block are joint per-layer selections (`--select`); the others rank "
         "per-head scores (`--method`). random-N: seed N.",
         "",
-        "| method | 90 uniform | 90 uniform + comp. | 135 global | 135 global + comp. | selection s |",
-        "|---|---|---|---|---|---|",
+        "| method | calibration tokens | 90 uniform | 90 uniform + comp. | 90 + comp., outside | 135 global | "
+        "135 global + comp. | 135 + comp., outside | selection s |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for method, part in rows.groupby("method", sort=False) if len(rows) else ():
+    groups = rows.groupby(["calibration_tokens", "method"], sort=False) if len(rows) else ()
+    for (tokens, method), part in groups:
         cell = {(r.setting, bool(r.compensation)): r.perplexity for r in part.itertuples()}
+        cell.update({(r.setting, "outside"): r.perplexity_outside for r in part.itertuples() if r.compensation})
 
         def f(key, cell=cell):
-            return f"{cell[key]:.2f}" if key in cell else "-"
+            return f"{cell[key]:.2f}" if cell.get(key) is not None and cell[key] == cell[key] else "-"
 
         lines.append(
-            f"| {method} | {f(('90 uniform', False))} | {f(('90 uniform', True))} | {f(('135 global', False))} | "
-            f"{f(('135 global', True))} | {part['seconds'].iloc[0]:.0f} |"
+            f"| {method} | {tokens:,} | {f(('90 uniform', False))} | {f(('90 uniform', True))} | "
+            f"{f(('90 uniform', 'outside'))} | {f(('135 global', False))} | {f(('135 global', True))} | "
+            f"{f(('135 global', 'outside'))} | {part['seconds'].iloc[0]:.0f} |"
         )
     if result["spearman"]:
         lines += [
