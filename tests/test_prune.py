@@ -425,3 +425,18 @@ def test_embedded_model_physical_checkpoints(tmp_path):
         # mis-mapped head shifts logits by O(1).
         diff = float((logits(reloaded.model) - reference).abs().max())
         assert diff <= 1e-3 * max(1.0, float(reference.abs().max())), (tag, diff)
+
+
+def test_the_cli_and_the_python_api_share_the_calibration_default():
+    """One default for prune's calibration budget (headlab.prune.DEFAULT_CALIBRATION_TOKENS), in both faces."""
+    import inspect
+
+    import click
+
+    from headlab.cli import cli
+    from headlab.prune import DEFAULT_CALIBRATION_TOKENS, prune
+
+    assert inspect.signature(prune).parameters["calibration_tokens"].default == DEFAULT_CALIBRATION_TOKENS
+    command = cli.get_command(click.Context(cli), "prune")
+    option = next(p for p in command.params if p.name == "calibration_tokens")
+    assert option.default == DEFAULT_CALIBRATION_TOKENS
