@@ -367,7 +367,12 @@ def markdown(result: dict) -> str:
         for method, r in result["spearman"].items():
             lines.append(f"| {method} | {r['ablation']:.3f} | {r['abs_ablation']:.3f} |")
     else:
-        lines += ["", "Spearman with exact ablation: not measured in this run (ablation incomplete or skipped)."]
+        lines += [
+            "",
+            "Spearman with exact ablation: not measured in this run (HEADLAB_SELECTION_ABLATION=0, or the ablation "
+            "incomplete). It reads its own 512 calibration tokens, so the calibration budget does not change it; "
+            "docs/selection.md quotes the last run that measured it.",
+        ]
     if result.get("partial"):
         lines += [
             "",
