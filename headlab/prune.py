@@ -348,7 +348,9 @@ def prune(
     gates = gates_from_pruned(loaded.layers, choice.pruned)  # on the original heads, before physical surgery
     eval_text = text.but(split="eval", max_tokens=eval_tokens)
     evaluation = eval_text if evaluate else None
-    measured = _prune_and_measure(loaded, choice.pruned, mode, compensate, request, evaluation, recovery)
+    measured = _prune_and_measure(
+        loaded, choice.pruned, mode, compensate, replace(request, grams=choice.grams), evaluation, recovery
+    )
     selection = dict(heads=heads, scores=scores, method=method, iterative=iterative, select=select, budget=budget,
                      calibration_tokens=calibration_tokens, joint=choice.joint_meta, seed=seed)  # fmt: skip
     meta = _prune_record(loaded, mode, measured, _selection_record(selection, spec), choice.pruned, eval_text)
@@ -371,6 +373,7 @@ class _Choice:
     pruned: list[set[int]]
     table: pd.DataFrame
     joint_meta: dict | None = None
+    grams: list | None = None  # the calibration Grams the selection computed (--compensate refits from the same)
 
 
 def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, method, select, budget, joint,
@@ -389,10 +392,10 @@ def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, meth
     elif joint:
         chosen = _choose_joint(loaded, spec, select, budget, method, request, table_scores, compensate, search_tokens)
         table = _with_steps(pruned_table(loaded.layers, chosen.pruned, chosen.scores), chosen.table)
-        return _Choice(chosen.pruned, table, chosen.meta)
+        return _Choice(chosen.pruned, table, chosen.meta, request.grams)
     else:
         pruned, current = _choose(loaded, spec, method, request, table_scores, iterative)
-    return _Choice(pruned, pruned_table(loaded.layers, pruned, current))
+    return _Choice(pruned, pruned_table(loaded.layers, pruned, current), grams=request.grams)
 
 
 def _prune_and_measure(loaded, pruned, mode, compensate, request, evaluation, recovery) -> dict:

@@ -345,6 +345,34 @@ def test_prune_with_joint_selection_saves_a_consistent_record(select, budget, co
     assert result.verification["max_abs_diff"] <= 1e-3
 
 
+def test_obs_selection_and_its_refit_share_one_gram_pass(tmp_path, monkeypatch):
+    """--select obs --compensate computes the calibration Grams once: the refit reads the ones the selection read,
+    and the pruned model equals the one a refit from freshly computed Grams gives."""
+    from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+
+    from headlab.restore import restoring
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    calls = []
+    for module in (S, P):  # both import it by name: the selection's Grams and the refit's
+        monkeypatch.setattr(module, "output_statistics", lambda *a, **k: calls.append(1) or output_statistics(*a, **k))
+    loaded = from_model(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
+    kw = dict(compensate="ridge", data=str(corpus), seq_len=32, calibration_tokens=256, eval_tokens=128,
+              mode="mask", progress=False)  # fmt: skip
+    with restoring(loaded):
+        shared = P.prune(loaded, select="obs", budget="uniform", count=6, **kw)
+        weights = [loaded.adapter.read(layer).o.clone() for layer in loaded.layers]
+    assert len(calls) == 1
+    # the same heads, refit from Grams computed anew, give the same weights
+    with restoring(loaded):
+        P.prune(loaded, heads=";".join(f"{r.layer}:{r.head}" for r in shared.table[shared.table["pruned"]].itertuples()),
+                **kw)  # fmt: skip
+        for layer, w in zip(loaded.layers, weights):
+            assert torch.equal(loaded.adapter.read(layer).o, w)
+    assert len(calls) == 2
+
+
 def test_prune_method_sources_by_name(tmp_path):
     """Every score source prunes by name; random is seeded (same seed, same heads)."""
     from tiny_text import SAMPLE_TEXT, tiny_tokenizer
