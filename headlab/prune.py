@@ -346,6 +346,7 @@ def prune(
     choice = _select_heads(loaded, spec, request, heads=heads, method=method, select=select, budget=budget, joint=joint,
                            iterative=iterative, compensate=compensate, search_tokens=search_tokens)  # fmt: skip
     gates = gates_from_pruned(loaded.layers, choice.pruned)  # on the original heads, before physical surgery
+    total_heads = sum(layer.num_heads for layer in loaded.layers)  # likewise: physical mode slices the layers
     eval_text = text.but(split="eval", max_tokens=eval_tokens)
     evaluation = eval_text if evaluate else None
     measured = _prune_and_measure(
@@ -354,6 +355,7 @@ def prune(
     selection = dict(heads=heads, scores=scores, method=method, iterative=iterative, select=select, budget=budget,
                      calibration_tokens=calibration_tokens, joint=choice.joint_meta, seed=seed)  # fmt: skip
     meta = _prune_record(loaded, mode, measured, _selection_record(selection, spec), choice.pruned, eval_text)
+    meta["total_heads"] = total_heads
     verification = None
     if out is not None:
         verification = save_pruned(
@@ -423,7 +425,7 @@ def _prune_record(loaded, mode, measured: dict, selection: dict, pruned, eval_te
         "loader": measured["loader"],
         "selection": selection,
         "pruned_heads": sum(len(p) for p in pruned),
-        "total_heads": sum(layer.num_heads for layer in loaded.layers),
+        "total_heads": None,  # set by prune from the layers before surgery (key order as earlier records)
         "approximate": mode == "physical" and loaded.adapter.norm_spans_heads,
         "padding_heads": sum(len(lay.padding) for lay in layout or []),
         "costs_before": measured["before"],

@@ -440,3 +440,17 @@ def test_the_cli_and_the_python_api_share_the_calibration_default():
     command = cli.get_command(click.Context(cli), "prune")
     option = next(p for p in command.params if p.name == "calibration_tokens")
     assert option.default == DEFAULT_CALIBRATION_TOKENS
+
+
+@pytest.mark.parametrize("mode", ["mask", "physical"])
+def test_the_record_counts_the_heads_the_model_had_before_pruning(mode, tmp_path):
+    from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    loaded = from_model(tiny_model("llama"), tiny_tokenizer())
+    before = sum(layer.num_heads for layer in loaded.layers)
+    # uniform: the physical prune rewrites the config, and the layers are described anew with fewer heads
+    result = P.prune(loaded, count=4, uniform=True, data=str(corpus), seq_len=32, calibration_tokens=128,
+                     eval_tokens=64, mode=mode, progress=False)  # fmt: skip
+    assert result.meta["total_heads"] == before and result.meta["pruned_heads"] == 4
