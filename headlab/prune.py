@@ -336,26 +336,18 @@ def prune(
     # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
     reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
     text = text.resolved() if reads_text else text
-    request = ScoreRequest(
-        text.but(split="calibration", max_tokens=calibration_tokens),
-        progress,
-        seed,
-        table=scores,
-        low_memory=low_memory,
-    )
+    request = ScoreRequest(text.but(split="calibration", max_tokens=calibration_tokens), progress, seed,
+                           table=scores, low_memory=low_memory)  # fmt: skip
     choice = _select_heads(loaded, spec, request, heads=heads, method=method, select=select, budget=budget, joint=joint,
                            iterative=iterative, compensate=compensate, search_tokens=search_tokens)  # fmt: skip
     gates = gates_from_pruned(loaded.layers, choice.pruned)  # on the original heads, before physical surgery
-    total_heads = sum(layer.num_heads for layer in loaded.layers)  # likewise: physical mode slices the layers
     eval_text = text.but(split="eval", max_tokens=eval_tokens)
     evaluation = eval_text if evaluate else None
-    measured = _prune_and_measure(
-        loaded, choice.pruned, mode, compensate, replace(request, grams=choice.grams), evaluation, recovery
-    )
+    request = replace(request, grams=choice.grams)  # the refit reads the Grams the selection computed, if any
+    measured = _prune_and_measure(loaded, choice.pruned, mode, compensate, request, evaluation, recovery)
     selection = dict(heads=heads, scores=scores, method=method, iterative=iterative, select=select, budget=budget,
                      calibration_tokens=calibration_tokens, joint=choice.joint_meta, seed=seed)  # fmt: skip
     meta = _prune_record(loaded, mode, measured, _selection_record(selection, spec), choice.pruned, eval_text)
-    meta["total_heads"] = total_heads
     verification = None
     if out is not None:
         verification = save_pruned(
@@ -403,6 +395,7 @@ def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, meth
 def _prune_and_measure(loaded, pruned, mode, compensate, request, evaluation, recovery) -> dict:
     """compensate -> apply -> recover, with costs and perplexity (on `evaluation`, a TextSpec or None) around it."""
     measured = {"before": costs(loaded), "ppl_before": _ppl(loaded, evaluation, request.progress)}
+    measured["total_heads"] = sum(layer.num_heads for layer in loaded.layers)  # before physical surgery
     measured["compensation"] = None if compensate is None else _compensate(loaded, pruned, compensate, request)
     measured["equivalent"] = _physical_equivalent(loaded, pruned) if mode == "mask" else (None, None)
     layout = apply(loaded, pruned, mode)
@@ -425,7 +418,7 @@ def _prune_record(loaded, mode, measured: dict, selection: dict, pruned, eval_te
         "loader": measured["loader"],
         "selection": selection,
         "pruned_heads": sum(len(p) for p in pruned),
-        "total_heads": None,  # set by prune from the layers before surgery (key order as earlier records)
+        "total_heads": measured["total_heads"],
         "approximate": mode == "physical" and loaded.adapter.norm_spans_heads,
         "padding_heads": sum(len(lay.padding) for lay in layout or []),
         "costs_before": measured["before"],
