@@ -16,7 +16,7 @@ from headlab.arch import AttentionLayer
 from headlab.capture import FUNCTION_NAME, AttentionChunk, capture_attention
 from headlab.cli import cli
 from headlab.loading import from_model
-from headlab.stats import STATISTICS, StatisticsCollector, head_statistics, wide_statistics
+from headlab.stats import STATISTICS, StatisticsCollector, _is_first_argmax, head_statistics, wide_statistics
 
 # ---- hand-made attention tensors ------------------------------------------------------------------------------
 
@@ -89,6 +89,23 @@ def test_encoder_next_token_and_padding_by_hand():
     assert means["positional_prev"] == pytest.approx(1 / 3)  # rows 1..3 see i-1; only row 3 picks it
     assert means["mean_distance"] == pytest.approx(1.0)
     assert means["cls_share"] == pytest.approx(0.0)
+
+
+def test_argmax_test_matches_torch_argmax_with_ties():
+    """positional_prev/next test 'key k is the argmax, ties to the lowest index' from two max reads and an argmax of
+    the candidate rows only; it must agree with torch.argmax on every row, ties included."""
+    generator = torch.Generator().manual_seed(0)
+    p = torch.randint(0, 4, (2, 3, 9, 7), generator=generator).double()  # many exact ties per row
+    p[0, 0, 0] = 1.0  # a row of equal weights
+    keys = torch.randint(-1, 8, (2, 9), generator=generator)  # -1 and 7: no such key
+    index = keys.clamp(0, 6)
+    value = p.gather(-1, index[:, None, :, None].expand(2, 3, 9, 1))[..., 0]
+    present = (keys >= 0) & (keys < 7)
+    got = _is_first_argmax(p, keys, value, p.amax(-1), present)
+    expected = ((p.argmax(-1) == keys[:, None, :]) & present[:, None, :]).double()
+    naive = ((value == p.amax(-1)) & present[:, None, :]).double()  # ignores ties
+    assert bool((naive != expected).any()), "the case must hold rows where a tie decides"
+    assert got.sum() > 0 and bool((got == expected).all())
 
 
 # ---- through the model -----------------------------------------------------------------------------------------
@@ -216,18 +233,21 @@ def _reference(attentions, values, attention_mask, sep_keys, target) -> dict:
 PRECISIONS = [(torch.float32, 1e-5), (torch.float64, 1e-7)]
 
 
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("dtype, tolerance", PRECISIONS, ids=["float32", "float64"])
 @pytest.mark.parametrize("name", ALL_TYPES)
-def test_parity_with_eager_attention_maps(name, dtype, tolerance):
-    """Every statistic matches the slow implementation on eager output_attentions maps (padded batch)."""
+def test_parity_with_eager_attention_maps(name, dtype, tolerance, padded):
+    """Every statistic matches the slow implementation on eager output_attentions maps. Padded batches get a mask
+    tensor; unpadded causal ones none, and the capture's causal path (an additive diagonal block) runs instead."""
     if dtype == torch.float64 and name == "qwen3_next":
         pytest.skip("qwen3_next's MoE grouped matmul has no float64 kernel")
     # gemma3: window 4 < 12 tokens, so its sliding layer really masks; mistral's window likewise.
     model = tiny_model(name, attn_implementation="eager").to(dtype)
     loaded = from_model(model)
     inputs = tiny_inputs(name, batch=3, seq=12)
-    inputs["attention_mask"][1, 9:] = 0  # right padding
-    inputs["attention_mask"][2, 5:] = 0
+    if padded:
+        inputs["attention_mask"][1, 9:] = 0  # right padding
+        inputs["attention_mask"][2, 5:] = 0
     sep_keys = torch.zeros_like(inputs["input_ids"], dtype=torch.bool)
     sep_keys[:, 3] = True
     sep_keys[0, 11] = True

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from headlab.capture import DEFAULT_CHUNK
 from headlab.cli.options import data_options, guard, model_options, out_option
 
 DEFAULT_OUT = Path("runs/stats")
@@ -26,7 +27,11 @@ DEFAULT_OUT = Path("runs/stats")
 )
 @click.option("--induction-count", type=click.IntRange(min=1), default=8, show_default=True, help="random sequences")
 @click.option(
-    "--chunk-size", type=click.IntRange(min=1), default=256, show_default=True, help="query rows per attention chunk"
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CHUNK,
+    show_default=True,
+    help="query rows per attention chunk",
 )
 @out_option(required=False, help_text=f"output directory, written atomically [default: {DEFAULT_OUT}]")
 def command(
