@@ -3,7 +3,10 @@
 
 Each case is a module in scripts/bench_cases/ with `TITLE`, `run(args) -> dict` and `markdown(result) -> str`.
 Results are kept per case in benchmarks/results/<case>.json, so running one case (`--case eval`) refreshes its
-section and keeps the others. Timings are medians over --repeats runs; ratios compare runs made in this process.
+section and keeps the others. A case whose figures depend on the machine (`PER_MACHINE = True`: the stats and
+importance speed ratios) keeps one file per machine kind, benchmarks/results/<case>@<kind>.json (the CPU model, or
+the GPU's name with --device cuda), and its section shows every kind measured. Timings are medians over --repeats
+runs; ratios compare runs made in this process.
 
     python scripts/benchmark.py                 # every case
     python scripts/benchmark.py --case eval     # one case
@@ -16,6 +19,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -104,6 +108,21 @@ class PeakMemory:
         return self.peak - self.base
 
 
+def _commit() -> str | None:
+    """The checkout's commit, with "+changes" when the working tree differs from it (None outside git)."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True)  # fmt: skip
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
 def machine() -> dict:
     import torch
     import transformers
@@ -119,6 +138,7 @@ def machine() -> dict:
     except OSError:
         pass
     return {
+        "commit": _commit(),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -128,6 +148,87 @@ def machine() -> dict:
         "transformers": transformers.__version__,
         "headlab": headlab.__version__,
     }
+
+
+def machine_kind(info: dict, device: str = "cpu") -> str:
+    """A file-name slug for the kind of machine a result was measured on: the GPU's name for a CUDA run, else the CPU
+    model ("Intel(R) Xeon(R) Processor" -> "intel-xeon-processor")."""
+    name = info["cuda"] if device.startswith("cuda") and info.get("cuda") else info["cpu"]
+    name = re.sub(r"\((r|tm)\)", " ", name.lower())
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown"
+
+
+def result_path(name: str, module, kind: str) -> Path:
+    return RESULTS / (f"{name}@{kind}.json" if getattr(module, "PER_MACHINE", False) else f"{name}.json")
+
+
+def previous_result(name: str, kind: str) -> dict | None:
+    """The last saved result of case `name`: this machine kind's if there is one, else any kind's (newest first)."""
+    own = RESULTS / f"{name}@{kind}.json"
+    paths = [own] if own.is_file() else sorted(RESULTS.glob(f"{name}@*.json"), key=lambda p: p.stat().st_mtime)[::-1]
+    paths += [RESULTS / f"{name}.json"]
+    for path in paths:
+        if path.is_file():
+            return json.loads(path.read_text())
+    return None
+
+
+def _measured_line(result: dict) -> str:
+    info = result["machine"]
+    commit = f", commit {info['commit']}" if info.get("commit") else ""
+    return (
+        f"Measured {result['date']} on {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch "
+        f"threads{', ' + info['cuda'] if info['cuda'] else ''}), torch {info['torch']}, "
+        f"transformers {info['transformers']}, headlab {info['headlab']}{commit}."
+    )
+
+
+def _render_case(name: str, module) -> list[str]:
+    if not getattr(module, "PER_MACHINE", False):
+        result_path = RESULTS / f"{name}.json"
+        if not result_path.is_file():
+            return []
+        result = json.loads(result_path.read_text())
+        return [
+            f"## {module.TITLE}",
+            "",
+            f"Reproduce: `{result['command']}`  ",
+            _measured_line(result),
+            "",
+            module.markdown(result["result"]).rstrip(),
+            "",
+        ]
+    results = [json.loads(path.read_text()) for path in sorted(RESULTS.glob(f"{name}@*.json"))]
+    if not results:
+        return []
+    lines = [f"## {module.TITLE}", ""]
+    if hasattr(module, "summary"):
+        header, _ = module.summary(results[0]["result"])
+        lines += [
+            "Every machine kind measured (one section each below):",
+            "",
+            "| machine | date | " + " | ".join(header) + " |",
+            "|---|---|" + "---|" * len(header),
+        ]
+        for result in results:
+            info = result["machine"]
+            where = info["cuda"] if info.get("cuda") and "--device cuda" in result["command"] else info["cpu"]
+            cells = module.summary(result["result"])[1]
+            lines.append(f"| {where} | {result['date']} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for result in results:
+        info = result["machine"]
+        where = info["cuda"] if info.get("cuda") and "--device cuda" in result["command"] else info["cpu"]
+        lines += [
+            f"### {where}",
+            "",
+            f"Reproduce: `{result['command']}`  ",
+            _measured_line(result),
+            "",
+            module.markdown(result["result"]).rstrip(),
+            "",
+        ]
+    return lines
 
 
 def load_case(path: Path):
@@ -151,23 +252,7 @@ def render() -> str:
         "",
     ]
     for name, path in cases().items():
-        result_path = RESULTS / f"{name}.json"
-        if not result_path.is_file():
-            continue
-        result = json.loads(result_path.read_text())
-        module = load_case(path)
-        info = result["machine"]
-        lines += [
-            f"## {module.TITLE}",
-            "",
-            f"Reproduce: `{result['command']}`  ",
-            f"Measured {result['date']} on {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch "
-            f"threads{', ' + info['cuda'] if info['cuda'] else ''}), torch {info['torch']}, "
-            f"transformers {info['transformers']}, headlab {info['headlab']}.",
-            "",
-            module.markdown(result["result"]).rstrip(),
-            "",
-        ]
+        lines += _render_case(name, load_case(path))
     return "\n".join(lines)
 
 
@@ -187,8 +272,9 @@ def main() -> None:
             command = f"python scripts/benchmark.py --case {name}" + (
                 f" --device {args.device}" if args.device != "cpu" else ""
             )
-            payload = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine(), "result": result}
-            (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+            info = machine()
+            payload = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": info, "result": result}
+            result_path(name, module, machine_kind(info, args.device)).write_text(json.dumps(payload, indent=2) + "\n")
             print(module.markdown(result))
     (ROOT / "BENCHMARKS.md").write_text(render())
 

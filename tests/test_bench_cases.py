@@ -49,3 +49,46 @@ def test_selection_table_has_a_row_per_method_and_calibration_size_with_the_outs
     earlier = {**result, "rows": [{k: v for k, v in r.items() if k not in ("perplexity_outside", "calibration_tokens")}
                                   for r in rows[:4]], "original_outside": None}  # fmt: skip
     assert "| obs | 16,384 | 20.00 | 12.00 | - | 30.00 | 14.00 | - | 5 |" in case.markdown(earlier)
+
+
+def _benchmark():
+    spec = importlib.util.spec_from_file_location("benchmark_script", CASES.parent / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_machine_kinds_name_the_cpu_or_the_gpu():
+    benchmark = _benchmark()
+    assert benchmark.machine_kind({"cpu": "Intel(R) Xeon(R) Processor", "cuda": None}) == "intel-xeon-processor"
+    assert benchmark.machine_kind({"cpu": "AMD EPYC", "cuda": None}) == "amd-epyc"
+    gpu = {"cpu": "AMD EPYC", "cuda": "NVIDIA H200"}
+    assert benchmark.machine_kind(gpu, "cuda") == "nvidia-h200"
+    assert benchmark.machine_kind(gpu, "cpu") == "amd-epyc"  # a CPU run on a GPU machine is a CPU result
+
+
+def test_a_per_machine_case_keeps_and_shows_every_machine_kind(tmp_path, monkeypatch):
+    """Running a per-machine case on a second kind of machine adds a section; the first kind's result stays."""
+    import json
+    from types import SimpleNamespace
+
+    benchmark = _benchmark()
+    monkeypatch.setattr(benchmark, "RESULTS", tmp_path)
+    case = SimpleNamespace(
+        TITLE="Speed",
+        PER_MACHINE=True,
+        markdown=lambda r: f"ratio {r['ratio']}",
+        summary=lambda r: (["ratio"], [f"{r['ratio']:.2f}x"]),
+    )
+    for cpu, ratio in (("AMD EPYC", 1.18), ("Intel(R) Xeon(R) Processor", 1.21)):
+        info = {"cpu": cpu, "cores": 2, "torch_threads": 2, "cuda": None, "torch": "2", "transformers": "5",
+                "headlab": "0.1", "commit": "abc1234"}  # fmt: skip
+        path = benchmark.result_path("speed", case, benchmark.machine_kind(info))
+        payload = {"command": "python scripts/benchmark.py --case speed", "date": "2026-12-02", "machine": info}
+        path.write_text(json.dumps({**payload, "result": {"ratio": ratio}}))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["speed@amd-epyc.json", "speed@intel-xeon-processor.json"]
+    text = "\n".join(benchmark._render_case("speed", case))
+    assert "| AMD EPYC | 2026-12-02 | 1.18x |" in text and "| Intel(R) Xeon(R) Processor | 2026-12-02 | 1.21x |" in text
+    assert "### AMD EPYC" in text and "ratio 1.21" in text and "commit abc1234" in text
+    assert benchmark.previous_result("speed", "intel-xeon-processor")["result"]["ratio"] == 1.21
+    assert benchmark.previous_result("speed", "nvidia-h200") is not None  # another kind's, for machine-free parts

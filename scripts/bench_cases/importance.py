@@ -3,7 +3,6 @@ peak memory, and how well grad and taylor rank heads like exact ablation (Spearm
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -14,6 +13,20 @@ TITLE = "Head importance: cost of the `grad` pass, and grad / taylor against exa
 SEQ_LEN, BATCH, TIMED_TOKENS = 256, 4, 1024  # the timing: grad pass vs plain forward
 # Ablation runs one forward-pass set per head (270 here): 4 windows of 128 tokens take about 5 minutes on 2 idle cores.
 ABLATION_SEQ_LEN, ABLATION_TOKENS = 128, 512
+PER_MACHINE = True  # the time ratio depends on the CPU kind: one result per machine kind
+
+
+def summary(r: dict) -> tuple[list[str], list[str]]:
+    """The cross-machine table's columns: the grad pass over a plain forward, median and min-of-runs."""
+    header = ["grad / plain forward (median)", "(min-of-runs)", "chunked vs whole logits"]
+    cells = [
+        f"{r['ratio']:.2f}x",
+        f"{r['ratio_min']:.2f}x" if "ratio_min" in r else "-",
+        f"{r['grad_vs_whole_logits_max_relative_difference']:.1e}"
+        if "grad_vs_whole_logits_max_relative_difference" in r
+        else "-",
+    ]
+    return header, cells
 
 
 def spearman(a, b) -> float:
@@ -29,7 +42,7 @@ def run(args) -> dict:
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from benchmark import RESULTS, PeakMemory, median_time
+    from benchmark import PeakMemory, machine, machine_kind, median_time, previous_result
 
     from headlab import importance
     from headlab.data import calibration_batches
@@ -114,9 +127,8 @@ def run(args) -> dict:
     }
     if os.environ.get("HEADLAB_BENCH_TIMING_ONLY"):
         # The ablation agreement takes minutes per run; keep the last run's figures, labelled with their date.
-        previous = RESULTS / "importance.json"
-        if previous.is_file():
-            saved = json.loads(previous.read_text())
+        saved = previous_result("importance", machine_kind(machine(), args.device))
+        if saved is not None:
             agreement = ("ablation_", "spearman_", "method_seconds", "heads", "agreement_")
             kept = {k: v for k, v in saved["result"].items() if k.startswith(agreement)}
             kept.setdefault("agreement_date", saved["date"])

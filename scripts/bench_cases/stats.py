@@ -9,6 +9,19 @@ import torch
 
 TITLE = "Head statistics: `headlab stats` against a plain forward and against eager output_attentions"
 BATCH, SEQ_LEN, LONG = 4, 512, 4096
+PER_MACHINE = True  # the ratio depends on the CPU kind (cache sizes, GEMM speed): one result per machine kind
+
+
+def summary(r: dict) -> tuple[list[str], list[str]]:
+    """The cross-machine table's columns: the overhead over a plain forward, median and min-of-runs."""
+    header = ["stats / plain forward (median)", "(min-of-runs)", "vs eager reference", "memory ratio"]
+    cells = [
+        f"{r['overhead']:.2f}x",
+        f"{r['overhead_min']:.2f}x" if "overhead_min" in r else "-",
+        f"{r['max_difference_vs_eager']:.1e}",
+        f"{r['memory_ratio']:.2f}x",
+    ]
+    return header, cells
 
 
 def eager_statistics(model, layers, input_ids, attention_mask):
