@@ -28,9 +28,9 @@ DEFAULT_CHUNK = 256  # query rows per chunk: B*H*256*T float32 scores at most li
 # type not measured yet keeps sdpa.
 OUTPUTS = ("auto", "chunks", "sdpa")
 # Device types where the chunked output measured faster than sdpa beside the chunks (BENCHMARKS.md "Head
-# statistics", `python scripts/benchmark.py --case stats`): on an idle 2-core AMD EPYC, 4 x 512 tokens, the chunked
-# output cost 1.15x a plain forward against 1.26x for a second sdpa call (medians; minima 1.17x and 1.26x). No GPU
-# has been measured, so CUDA keeps sdpa until a run there says otherwise.
+# statistics", `python scripts/benchmark.py --case stats`), 4 x 512 tokens, medians: 1.18x a plain forward against
+# 1.30x for a second sdpa call on a 2-core AMD EPYC, 1.21x against 1.31x on a 2-core Intel Xeon. No GPU has been
+# measured, so CUDA keeps sdpa until a run there says otherwise.
 MEASURED_FASTER_FROM_CHUNKS: dict[str, bool] = {"cpu": True}
 
 # id(attention module) -> (capture, layer); the attention interface is global, so dispatch is by module identity.
