@@ -183,21 +183,28 @@ def _measured_line(result: dict) -> str:
     )
 
 
+def _measured_where(result: dict) -> str:
+    """What a result ran on: the GPU for a --device cuda run, else the CPU model."""
+    info = result["machine"]
+    return info["cuda"] if info.get("cuda") and "--device cuda" in result["command"] else info["cpu"]
+
+
+def _result_block(heading: str, module, result: dict) -> list[str]:
+    return [
+        heading,
+        "",
+        f"Reproduce: `{result['command']}`  ",
+        _measured_line(result),
+        "",
+        module.markdown(result["result"]).rstrip(),
+        "",
+    ]
+
+
 def _render_case(name: str, module) -> list[str]:
     if not getattr(module, "PER_MACHINE", False):
-        result_path = RESULTS / f"{name}.json"
-        if not result_path.is_file():
-            return []
-        result = json.loads(result_path.read_text())
-        return [
-            f"## {module.TITLE}",
-            "",
-            f"Reproduce: `{result['command']}`  ",
-            _measured_line(result),
-            "",
-            module.markdown(result["result"]).rstrip(),
-            "",
-        ]
+        path = RESULTS / f"{name}.json"
+        return _result_block(f"## {module.TITLE}", module, json.loads(path.read_text())) if path.is_file() else []
     results = [json.loads(path.read_text()) for path in sorted(RESULTS.glob(f"{name}@*.json"))]
     if not results:
         return []
@@ -211,23 +218,11 @@ def _render_case(name: str, module) -> list[str]:
             "|---|---|" + "---|" * len(header),
         ]
         for result in results:
-            info = result["machine"]
-            where = info["cuda"] if info.get("cuda") and "--device cuda" in result["command"] else info["cpu"]
             cells = module.summary(result["result"])[1]
-            lines.append(f"| {where} | {result['date']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_measured_where(result)} | {result['date']} | " + " | ".join(cells) + " |")
         lines.append("")
     for result in results:
-        info = result["machine"]
-        where = info["cuda"] if info.get("cuda") and "--device cuda" in result["command"] else info["cpu"]
-        lines += [
-            f"### {where}",
-            "",
-            f"Reproduce: `{result['command']}`  ",
-            _measured_line(result),
-            "",
-            module.markdown(result["result"]).rstrip(),
-            "",
-        ]
+        lines += _result_block(f"### {_measured_where(result)}", module, result)
     return lines
 
 
