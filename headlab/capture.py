@@ -186,11 +186,11 @@ class _LayerCall:
         )  # fmt: skip
 
     def weights(
-        self, start: int, stop: int, end: int, causal_block: torch.Tensor | None = None
+        self, start: int, stop: int, end: int, causal_block: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(scores, probabilities) [B, H, c, end] of query rows [start, stop) over keys [0, end): softmax of the
         scaled logits, soft-capped, plus mask and position biases, hidden keys at finfo.min, with the sink logit.
-        causal_block: [>= c, >= c] 0 on and below the diagonal, finfo.min above (used when the mask is causal)."""
+        causal_block: [>= c, >= c] 0 on and below the diagonal, finfo.min above, for a causal mask; else None."""
         B, G, R, _, D = self.q.shape
         H, c = G * R, stop - start
         # Query heads of one KV group side by side: [B, G, R*c, D] @ [B, G, D, Tk'] with no copy of K per head.
@@ -201,7 +201,7 @@ class _LayerCall:
             scores = scores + self.bias[..., start:stop, :end]
         if self.position_bias is not None:
             scores = scores + self.position_bias[..., start:stop, :end].to(self.work)
-        if self.causal and causal_block is not None:
+        if causal_block is not None:
             # A causal chunk hides the strict upper triangle of its diagonal block. Adding a cached 0 / finfo.min
             # block is one vectorised pass; masked_fill_ with the broadcast bool mask measured 5x slower on CPU
             # (Intel Xeon, 4 x 9 x 128 x 128). finfo.min + s rounds to finfo.min for any |s| < 1e31.

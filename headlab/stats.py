@@ -91,10 +91,8 @@ class StatisticsCollector:
         self.is_encoder, self.induction_only = is_encoder, induction_only
         self.sums: dict[int, dict[str, torch.Tensor]] = {i: {} for i in self.layers}  # name -> [H] float64
         self.counts: dict[int, dict[str, float]] = {i: {} for i in self.layers}  # name -> counted rows
-        # layer -> names of one chunk's statistics -> (sums [S, H], counts [S]) float64, until _settle
-        self._pending: dict[int, dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor]]] = {
-            i: {} for i in self.layers
-        }
+        # layer -> names of one chunk's statistics -> [S, H + 1] float64 (sums per head, then rows), until _settle
+        self._pending: dict[int, dict[tuple[str, ...], torch.Tensor]] = {i: {} for i in self.layers}
         self.sep_keys: torch.Tensor | None = None  # [B, T] bool, SEP positions of the current batch
         self.target: torch.Tensor | None = None  # [B, T] long, induction key per query (-1: none)
 
@@ -110,26 +108,17 @@ class StatisticsCollector:
         dtype = items[0][1].dtype
         values = torch.stack([value.to(dtype) for _, value, _ in items])  # [S, B, H, c]
         weights = torch.stack([weight.to(dtype) for _, _, weight in items])  # [S, B, c]
-        totals = (values * weights[:, :, None]).sum((1, 3)).double()  # [S, H]
-        counts = weights.sum((1, 2)).double()  # [S]
-        names = tuple(name for name, _, _ in items)
-        pending = self._pending[layer]
-        if names in pending:
-            # A layer's sums stay on the device of its first chunk (device maps put layers on different devices).
-            old_totals, old_counts = pending[names]
-            pending[names] = (old_totals + totals.to(old_totals.device), old_counts + counts.to(old_counts.device))
-        else:
-            pending[names] = (totals, counts)
+        totals = (values * weights[:, :, None]).sum((1, 3))  # [S, H]
+        packed = torch.cat([totals, weights.sum((1, 2))[:, None]], dim=1).double()  # [S, H + 1]: sums, row count
+        _accumulate(self._pending[layer], tuple(name for name, _, _ in items), packed)
 
     def _settle(self) -> None:
         """Move the per-chunk-layout accumulators into `sums` / `counts` by statistic name."""
         for index, groups in self._pending.items():
-            for names, (totals, counts) in groups.items():
-                counts = counts.cpu()
+            for names, packed in groups.items():
+                counts = packed[:, -1].cpu()
                 for row, name in enumerate(names):
-                    total = totals[row]
-                    sums = self.sums[index]
-                    sums[name] = sums[name] + total.to(sums[name].device) if name in sums else total
+                    _accumulate(self.sums[index], name, packed[row, :-1])
                     self.counts[index][name] = self.counts[index].get(name, 0.0) + float(counts[row])
             groups.clear()
 
@@ -143,10 +132,10 @@ class StatisticsCollector:
         items = []
 
         def at(keys: torch.Tensor):
-            """(A[b, h, i, keys[b, i]] [B, H, c], key visible [B, c]) for one key index per row."""
+            """(A[b, h, i, keys[b, i]] [B, H, c], key visible [B, c] bool) for one key index per row."""
             index = keys.clamp(0, Tk - 1)  # [B, c]
             present = (keys >= 0) & (keys < Tk) & visible.gather(-1, index[..., None])[..., 0]
-            return p.gather(-1, index[:, None, :, None].expand(B, H, c, 1))[..., 0], present.to(p.dtype)
+            return p.gather(-1, index[:, None, :, None].expand(B, H, c, 1))[..., 0], present
 
         if self.target is not None:
             share, present = at(self.target[:, chunk.start : chunk.start + c].to(p.device))
@@ -178,10 +167,10 @@ class StatisticsCollector:
         expand = rows.expand(B, c)  # [B, c]
         prev, has_prev = at(expand - 1)
         items.append(("prev_share", prev, w * has_prev))
-        prev_is_argmax = _is_first_argmax(p, expand - 1, prev, confidence, has_prev > 0)
+        prev_is_argmax = _is_first_argmax(p, expand - 1, prev, confidence, has_prev)
         items.append(("positional_prev", prev_is_argmax, w * has_prev))
         following, has_next = at(expand + 1)
-        next_is_argmax = _is_first_argmax(p, expand + 1, following, confidence, has_next > 0)
+        next_is_argmax = _is_first_argmax(p, expand + 1, following, confidence, has_next)
         items.append(("positional_next", next_is_argmax, w * has_next))
         own, has_self = at(expand)
         items.append(("self_share", own, w * has_self))
@@ -257,18 +246,22 @@ class StatisticsCollector:
         return out
 
 
+def _accumulate(store: dict, key, value: torch.Tensor) -> None:
+    """store[key] += value; a sum stays on the device of its first value (device maps put layers on different
+    devices)."""
+    store[key] = store[key] + value.to(store[key].device) if key in store else value
+
+
 def _is_first_argmax(
-    p: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, top: torch.Tensor, present: torch.Tensor | None = None
+    p: torch.Tensor, keys: torch.Tensor, value: torch.Tensor, top: torch.Tensor, present: torch.Tensor
 ) -> torch.Tensor:
     """[B, H, c] float: 1 where key keys[b, i] is argmax_j p[b, h, i, j], ties to the lowest index (torch.argmax).
 
-    value = p at that key, top = max_j p (both [B, H, c]). A key whose weight is not the row's maximum is not the
+    value = p at that key, top = max_j p (both [B, H, c]), present [B, c] bool: the key exists and is visible. A key whose weight is not the row's maximum is not the
     argmax; only the rows where it is one (candidates) need the argmax itself, to settle ties. max with indices over
     the whole chunk measured 3-7x slower than amax on CPU, so it runs on the candidate rows alone.
     """
-    candidate = value == top
-    if present is not None:
-        candidate &= present[:, None, :]
+    candidate = (value == top) & present[:, None, :]
     result = candidate.to(p.dtype)
     if bool(candidate.any()):
         rows = p[candidate]  # [n, Tk]
