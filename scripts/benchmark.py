@@ -150,11 +150,15 @@ def machine() -> dict:
     }
 
 
+def _device_name(info: dict, device: str) -> str:
+    """What a run measured: the GPU's name for a CUDA run, else the CPU model."""
+    return info["cuda"] if device.startswith("cuda") and info.get("cuda") else info["cpu"]
+
+
 def machine_kind(info: dict, device: str = "cpu") -> str:
-    """A file-name slug for the kind of machine a result was measured on: the GPU's name for a CUDA run, else the CPU
-    model ("Intel(R) Xeon(R) Processor" -> "intel-xeon-processor")."""
-    name = info["cuda"] if device.startswith("cuda") and info.get("cuda") else info["cpu"]
-    name = re.sub(r"\((r|tm)\)", " ", name.lower())
+    """A file-name slug for the kind of machine a result was measured on (_device_name: "Intel(R) Xeon(R)
+    Processor" -> "intel-xeon-processor")."""
+    name = re.sub(r"\((r|tm)\)", " ", _device_name(info, device).lower())
     return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "unknown"
 
 
@@ -166,11 +170,7 @@ def previous_result(name: str, kind: str) -> dict | None:
     """The last saved result of case `name`: this machine kind's if there is one, else any kind's (newest first)."""
     own = RESULTS / f"{name}@{kind}.json"
     paths = [own] if own.is_file() else sorted(RESULTS.glob(f"{name}@*.json"), key=lambda p: p.stat().st_mtime)[::-1]
-    paths += [RESULTS / f"{name}.json"]
-    for path in paths:
-        if path.is_file():
-            return json.loads(path.read_text())
-    return None
+    return json.loads(paths[0].read_text()) if paths else None
 
 
 def _measured_line(result: dict) -> str:
@@ -184,9 +184,8 @@ def _measured_line(result: dict) -> str:
 
 
 def _measured_where(result: dict) -> str:
-    """What a result ran on: the GPU for a --device cuda run, else the CPU model."""
-    info = result["machine"]
-    return info["cuda"] if info.get("cuda") and "--device cuda" in result["command"] else info["cpu"]
+    """_device_name of a saved result (its command says --device cuda for a CUDA run)."""
+    return _device_name(result["machine"], "cuda" if "--device cuda" in result["command"] else "cpu")
 
 
 def _result_block(heading: str, module, result: dict) -> list[str]:
