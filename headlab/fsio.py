@@ -322,3 +322,98 @@ def json_text(payload) -> str:
 def write_json(path: Path, payload: dict) -> None:
     """Write `payload` as JSON (see json_text) into a file that is itself inside an atomic directory or new."""
     Path(path).write_text(json_text(payload))
+
+
+# ---- resumable multi-step outputs ------------------------------------------------------------------------------
+
+PARTIAL_SUFFIX = ".partial"
+_JOURNAL = "journal.json"
+
+
+class StepJournal:
+    """The completed steps of a multi-step run, kept in its staging directory (`TARGET.partial/journal.json`) with the
+    key (inputs and options) they were computed for. A rerun with the same key finds them and skips them."""
+
+    def __init__(self, staging: Path, key: dict):
+        self.staging, self.key = staging, key
+        self.completed: list[str] = []
+        self.records: dict[str, dict] = {}  # what each completed step recorded (finish's `record`)
+        self.resumed: list[str] = []  # the steps found complete when the run began
+
+    def done(self, step: str) -> bool:
+        return step in self.completed
+
+    def finish(self, step: str, record: dict | None = None) -> None:
+        """Record `step` as complete, with a small JSON `record` of it (atomically: a kill leaves the journal as it
+        was or with the step added)."""
+        self.completed.append(step)
+        self.records[step] = record or {}
+        payload = {"key": self.key, "completed": self.completed, "records": self.records}
+        atomic_write_text(self.staging / _JOURNAL, json_text(payload))
+
+    def _load(self) -> bool:
+        """Read a previous run's journal; True when it was made for the same key."""
+        try:
+            saved = json.loads((self.staging / _JOURNAL).read_text())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(saved, dict) or saved.get("key") != json.loads(json_text(self.key)):
+            return False
+        self.completed = [str(step) for step in saved.get("completed", [])]
+        self.records = {step: saved.get("records", {}).get(step, {}) for step in self.completed}
+        self.resumed = list(self.completed)
+        return True
+
+
+def partial_path(target: Path) -> Path:
+    """Where a resumable run of `target` keeps its completed steps until it is published: `TARGET.partial`."""
+    target = Path(target)
+    return target.with_name(target.name + PARTIAL_SUFFIX)
+
+
+@contextlib.contextmanager
+def resumable_directory(target: Path, key: dict, overwrite: bool = False, replaceable=None):
+    """Like atomic_directory, for a run made of steps: yields a StepJournal whose `staging` directory
+    (`TARGET.partial`, beside `target`) keeps each completed step when a later one fails or the run is interrupted,
+    so a rerun with the same key (inputs and options, compared as JSON) resumes after the last completed step. A
+    staging directory made for another key is started afresh. The finished run is published like atomic_directory's
+    (never replacing what it did not expect) and the journal is not part of it."""
+    import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
+
+    target = Path(target)
+    if _relation(real(target), real(Path.cwd())) in ("is", "contains"):  # renaming it would fail with EBUSY
+        raise HeadlabError(f"{target} is the working directory or holds it; name a new directory")
+    if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
+        raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
+    staging = partial_path(target)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(target.parent / f".{staging.name}{_LOCK_SUFFIX}", "a")
+    except OSError as error:
+        raise HeadlabError(f"cannot create {target}: {_write_failure(error) or error.strerror}") from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise HeadlabError(f"another headlab run is writing {target} (it holds {staging}); wait for it") from None
+        journal = StepJournal(staging, key)
+        if os.path.lexists(staging) and not (staging.is_dir() and not staging.is_symlink() and journal._load()):
+            _remove(staging)  # a previous run's steps for other inputs or options, or not a staging directory at all
+        try:
+            staging.mkdir(exist_ok=True)
+        except OSError as error:
+            raise HeadlabError(f"cannot create {staging}: {_write_failure(error) or error.strerror}") from None
+        try:
+            yield journal
+            (staging / _JOURNAL).unlink(missing_ok=True)
+            apply_umask(staging)
+            publish(staging, target, overwrite, replaceable)
+        finally:  # the staging directory stays after a failure: it is what a rerun resumes from
+            Path(lock.name).unlink(missing_ok=True)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

@@ -44,7 +44,7 @@ class LocalSpec:
     steps: int = 12  # AdamW passes over the fit windows, per layer (0: the closed-form refit only)
     lr: float = 1e-4  # AdamW learning rate of those passes
     targets: str = "original"  # "original": original layer on original inputs; "same": on the edited inputs
-    minutes: float | None = None  # wall-clock budget for all layers (split evenly over the layers left)
+    minutes: float | None = None  # optional wall-clock cap for all layers (split evenly over the layers left)
     refit_output: bool = True  # stage 2, the closed-form output-projection refit
 
     def check(self) -> None:
@@ -272,20 +272,22 @@ def _parameters(loaded, layer) -> list[torch.nn.Parameter]:
     return params
 
 
-def _steps(fit: _LayerFit, spec: LocalSpec, deadline: float, held: float) -> tuple[int, float]:
+def _steps(fit: _LayerFit, spec: LocalSpec, deadline: float, held: float) -> tuple[int, float, bool]:
     """Stage 1: AdamW passes over the fit tokens (one step = one pass, gradients summed over the batches); the state
-    with the lowest held-out error, the start included, is kept. Returns (passes run, held-out error)."""
+    with the lowest held-out error, the start included, is kept. Returns (passes run, held-out error, whether the
+    minutes cap ended the passes early)."""
     params = _parameters(fit.loaded, fit.layer)
     flags = [p.requires_grad for p in params]
     best = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=0.0)
     norm = max(fit.norms[0], 1e-300)
-    done = 0
+    done, capped = 0, False
     try:
         for p in params:
             p.requires_grad_(True)
         for _ in range(spec.steps):
             if time.perf_counter() > deadline:
+                capped = True
                 break
             optimizer.zero_grad(set_to_none=True)
             with fit.masked():
@@ -307,7 +309,7 @@ def _steps(fit: _LayerFit, spec: LocalSpec, deadline: float, held: float) -> tup
             for p, b, flag in zip(params, best, flags):
                 p.copy_(b)
                 p.requires_grad_(flag)
-    return done, held
+    return done, held, capped
 
 
 @torch.no_grad()
@@ -387,13 +389,13 @@ def fit_layer(fit: _LayerFit, spec: LocalSpec, deadline: float) -> dict:
     start = time.perf_counter()
     fit_before, held_before = fit.errors()
     row = {"layer": fit.layer.index, "dead_heads": len(fit.dead), "error_before": held_before}
-    row.update(fit_error_before=fit_before, steps=0, alpha=None, changed=False)
+    row.update(fit_error_before=fit_before, steps=0, stopped_on_time=False, alpha=None, changed=False)
     if not held_before + fit_before > 0:  # the layer already reproduces its target exactly: nothing moves
         return {**row, "error_after": held_before, "fit_error_after": fit_before, "seconds": 0.0}
     original = fit.loaded.adapter.read(fit.layer)
     held = held_before
     if spec.steps:
-        row["steps"], held = _steps(fit, spec, deadline, held)
+        row["steps"], held, row["stopped_on_time"] = _steps(fit, spec, deadline, held)
     if spec.refit_output:
         row["alpha"] = _refit_output(fit)
     fit_after, held_after = fit.errors()
@@ -465,6 +467,8 @@ def summary(table: pd.DataFrame, spec: LocalSpec, batches_meta: dict | None = No
     return {
         "spec": asdict(spec),
         "layers_changed": int(table["changed"].sum()) if len(table) else 0,
+        # layers whose passes the minutes cap cut short (each still kept its best state)
+        "layers_stopped_on_time": int(table["stopped_on_time"].sum()) if len(table) else 0,
         "error_before": float(table["error_before"].mean()) if len(table) else 0.0,
         "error_after": float(table["error_after"].mean()) if len(table) else 0.0,
         "seconds": float(table["seconds"].sum()) if len(table) else 0.0,

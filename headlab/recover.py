@@ -1,13 +1,17 @@
 """Recovery pipeline (`convert-gqa/prune --recover local,uptrain`, `headlab uptrain`): local reconstruction
-(headlab.reconstruct) then uptraining (headlab.uptrain) of an edited model towards its original, within a time budget.
+(headlab.reconstruct) then uptraining (headlab.uptrain) of an edited model towards its original.
 
-Budget: with both stages, local reconstruction gets at most a third of --recover-minutes and uptraining the rest
-(what local left unused included). Both stages only keep changes that help on held-out calibration text.
+Budget: tokens and steps (local: `local_tokens` calibration tokens, LocalSpec.steps passes per layer; uptraining:
+UptrainConfig.steps), so the same command gives the same model on a fast, slow or busy machine. `minutes` is only an
+optional cap: with both stages local reconstruction gets at most a third of it and uptraining the rest; a stage that
+reaches it stops cleanly with its best state, and the record says so. Both stages only keep changes that help on
+held-out calibration text.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -24,7 +28,7 @@ from headlab.uptrain import UptrainConfig, uptrain
 
 STAGES = ("local", "uptrain")
 RECOVERY_DIR = "recovery"  # inside a saved checkpoint: local.csv, curve.csv (+ .parquet), curve.png, meta.json
-LOCAL_SHARE = 1 / 3  # of the minutes, at most, for local reconstruction when uptraining follows
+LOCAL_SHARE = 1 / 3  # of the minutes cap, at most, for local reconstruction when uptraining follows
 
 
 def parse_stages(text: str | None) -> list[str]:
@@ -40,10 +44,10 @@ def parse_stages(text: str | None) -> list[str]:
 
 @dataclass
 class RecoverySpec:
-    """What to run and for how long; `local` and `uptrain` hold each stage's own settings."""
+    """What to run and how much of it (tokens and steps); `local` and `uptrain` hold each stage's own settings."""
 
     stages: list[str] = field(default_factory=lambda: list(STAGES))
-    minutes: float | None = 10.0  # wall-clock budget for all stages together (None: steps bound each stage)
+    minutes: float | None = None  # optional wall-clock cap on all stages together (None: the budgets alone)
     local: LocalSpec = field(default_factory=LocalSpec)
     uptrain: UptrainConfig = field(default_factory=UptrainConfig)
     local_tokens: int = 4096  # calibration tokens of local reconstruction (the calibration part's start)
@@ -58,7 +62,7 @@ class RecoverySpec:
         if self.local_tokens < 1:
             raise HeadlabError(f"local reconstruction needs calibration tokens, got {self.local_tokens}")
         self.local.check()
-        replace(self.uptrain, minutes=self.minutes or self.uptrain.minutes).check()
+        self.uptrain.check()
 
 
 def teacher_copy(loaded: LoadedModel) -> LoadedModel:
@@ -94,7 +98,7 @@ def recover(
         spec.uptrain = replace(up, seq_len=min(up.seq_len, most), eval_seq_len=min(up.eval_seq_len, most))
     start = time.perf_counter()
     budget = None if spec.minutes is None else spec.minutes * 60
-    record, tables = {"stages": spec.stages, "minutes": spec.minutes}, {}
+    record, tables = {"stages": spec.stages, "minutes_cap": spec.minutes}, {}
     if "local" in spec.stages:
         share = budget if "uptrain" not in spec.stages or budget is None else budget * LOCAL_SHARE
         local = spec.local if share is None else replace(spec.local, minutes=share / 60)
@@ -111,17 +115,33 @@ def recover(
         record["local"] = summary(tables["local"], local, batches.meta)
     if "uptrain" in spec.stages:
         config = spec.uptrain
-        if budget is not None:
-            left = budget - (time.perf_counter() - start)
-            if left <= 0:
-                raise HeadlabError("local reconstruction used the whole --recover-minutes; give more minutes")
-            config = replace(config, minutes=left / 60)
-        result = uptrain(student, teacher, data=corpus, config=config, progress=progress)
-        tables["curve"] = result.curve
-        record["uptrain"] = result.meta
+        left = None if budget is None else budget - (time.perf_counter() - start)
+        if left is not None and left <= 0:  # a cap never fails the command: the stage is skipped and recorded
+            record["uptrain"] = {"skipped": "local reconstruction reached the minutes cap", "steps_run": 0}
+            record["uptrain"].update(tokens_seen=0, stopped_on_time=True)
+        else:
+            config = config if left is None else replace(config, minutes=min(left / 60, config.minutes or math.inf))
+            result = uptrain(student, teacher, data=corpus, config=config, progress=progress)
+            tables["curve"] = result.curve
+            record["uptrain"] = result.meta
+    record["stopped_on_time"] = _stopped_on_time(record)
+    record["tokens_seen"] = _tokens_seen(record)
     record["seconds"] = time.perf_counter() - start
     record["tables"] = tables
     return record
+
+
+def _stopped_on_time(record: dict) -> bool:
+    """Whether the minutes cap, rather than the token and step budgets, ended any stage."""
+    local = record.get("local", {}).get("layers_stopped_on_time", 0) > 0
+    return bool(local or record.get("uptrain", {}).get("stopped_on_time", False))
+
+
+def _tokens_seen(record: dict) -> int:
+    """Tokens the stages read: local reconstruction's calibration tokens (every pass reads them again) plus the
+    uptraining tokens."""
+    local = record.get("local", {}).get("calibration") or {}
+    return int(local.get("tokens", 0)) + int(record.get("uptrain", {}).get("tokens_seen", 0))
 
 
 def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
@@ -156,7 +176,7 @@ def before_after(record: dict) -> pd.DataFrame:
         local = record["local"]
         measure = "held-out relative layer error (mean over layers)"
         rows.append(_row("local", measure, local["error_before"], local["error_after"], local["seconds"]))
-    if "uptrain" in record:
+    if "uptrain" in record and "skipped" not in record["uptrain"]:
         up = record["uptrain"]
         before, after = up["heldout_perplexity_before"], up["heldout_perplexity_after"]
         rows.append(_row("uptrain", "held-out calibration perplexity", before, after, up["seconds"]))

@@ -8,22 +8,24 @@ Each step writes its own run directory (the same tables its CLI command writes) 
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import shutil
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
 import torch
 
-from headlab import gqa, kv_heads, ladder, plots
+from headlab import __version__, gqa, kv_heads, ladder, plots
 from headlab.capture import capture_attention
 from headlab.costs import model_info
 from headlab.data import calibration_batches, load_corpus
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
-from headlab.fsio import atomic_directory, write_json
+from headlab.fsio import StepJournal, resumable_directory, write_json
 from headlab.importance import head_importance
 from headlab.loading import DEFAULT_MODEL, LoadedModel
 from headlab.recover import RecoverySpec, recover, teacher_copy, write_recovery
@@ -63,7 +65,10 @@ class Settings:
     # MLA rungs of the KV ladder (headlab.ladder): the training-free conversion at these budgets, where it applies
     mla_budgets: tuple[str, ...] = ("gqa", "mqa")
     gallery_heads: int = 3
-    recovery_minutes: float = 1.0  # recovery of the svd-merged model (local + uptraining); 0: no recovery step
+    # recovery of the svd-merged model: local reconstruction on calibration_tokens, then uptraining steps of
+    # batch_size x recovery_seq_len tokens (a budget, so every machine gets the same model); 0 steps: no recovery step
+    recovery_steps: int = 16
+    recovery_seq_len: int = 128
     # headlab speed: decode with a KV cache; points above speed_prefill_limit tokens get a synthetic cache
     speed_contexts: tuple[int, ...] = (512, 2048, 8192)
     speed_batches: tuple[int, ...] = (1, 8)
@@ -85,7 +90,7 @@ PRESETS = {
         seeds=(0,),
         groupings=("contiguous",),
         mla_budgets=("gqa",),  # one build at full rank (the mqa budget builds and compares three rope splits)
-        recovery_minutes=0.5,
+        recovery_steps=8,
         speed_contexts=(128, 512),
         speed_batches=(1, 4),
         speed_decode_tokens=2,
@@ -328,7 +333,7 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             **convert,
             method="svd",
             **budget,
-            **dict(recover="local,uptrain", recover_minutes=s.recovery_minutes),
+            **dict(recover="local,uptrain", recover_steps=s.recovery_steps),
             out="recovered",
         ),
         "speed": _command(
@@ -412,7 +417,7 @@ class ReportRun:
     target: int | None  # KV heads the grouping step pools to (None: no grouping step)
     tasks: dict = field(default_factory=dict)  # lm-eval tasks for the sweep: {"tasks": [...], "include_path": DIR}
     info: dict = field(default_factory=dict)
-    importance: object = None
+    importance_table: pd.DataFrame | None = None
     sweep_table: pd.DataFrame | None = None
     gqa_frame: pd.DataFrame | None = None
     figures: list[str] = field(default_factory=list)
@@ -439,11 +444,10 @@ def _importance_step(run: ReportRun) -> None:
     importance = head_importance(run.loaded, max_tokens=run.s.importance_tokens, **run.common)
     tables = {"importance": importance.table, "kv_groups": importance.kv_groups}
     write_run(run.tmp / "importance", tables, importance.meta)
-    run.importance = importance
 
 
 def _gallery_step(run: ReportRun) -> None:
-    maps = attention_maps(run.loaded, run.importance.table, run.sentence, run.s.gallery_heads)
+    maps = attention_maps(run.loaded, run.importance_table, run.sentence, run.s.gallery_heads)
     write_run(run.tmp / "attention", {"attention_maps": maps}, {**run.loaded.describe(), "sentence": run.sentence})
 
 
@@ -453,7 +457,7 @@ def _sweep_step(run: ReportRun) -> None:
         run.loaded,
         # The importance order starts from the scores just computed with the same settings (same numbers as
         # `headlab sweep` recomputing them, without the second gradient pass).
-        scores={"importance": read_scores(run.importance.table, run.loaded.layers)},
+        scores={"importance": read_scores(run.importance_table, run.loaded.layers)},
         fractions=s.fractions,
         orders=s.orders,
         seeds=s.seeds,
@@ -504,11 +508,11 @@ def _gqa_step(run: ReportRun) -> None:
 
 
 def _recovery_step(run: ReportRun) -> None:
-    """The svd merge to the grouping target, recovered (local reconstruction, then uptraining) within
-    Settings.recovery_minutes; eval perplexity of the original, the merge and the recovered merge. The report's
-    model is never changed: the merge is made on a copy."""
+    """The svd merge to the grouping target, recovered (local reconstruction, then Settings.recovery_steps of
+    uptraining: token budgets, so any machine gets the same model); eval perplexity of the original, the merge and
+    the recovered merge. The report's model is never changed: the merge is made on a copy."""
     s, loaded = run.s, run.loaded
-    if run.target is None or s.recovery_minutes <= 0:
+    if run.target is None or s.recovery_steps <= 0:
         return
     corpus = load_corpus(run.common["data"], run.common["text_column"])
     student = teacher_copy(loaded)  # here the copy is the student; `loaded` is the original (teacher)
@@ -520,8 +524,9 @@ def _recovery_step(run: ReportRun) -> None:
     rows = [{"model": "original", "perplexity": perplexity(loaded, corpus, **eval_args).perplexity, "seconds": 0.0}]
     merged = f"{run.target} KV heads, svd merge"
     rows.append({"model": merged, "perplexity": perplexity(student, corpus, **eval_args).perplexity, "seconds": 0.0})
-    config = UptrainConfig(steps=40, seq_len=min(128, s.seq_len), heldout_tokens=512, eval_tokens=0)
-    spec = RecoverySpec(minutes=s.recovery_minutes, uptrain=config, local_tokens=s.calibration_tokens)
+    config = UptrainConfig(steps=s.recovery_steps, seq_len=min(s.recovery_seq_len, s.seq_len), heldout_tokens=512)
+    config = replace(config, eval_tokens=0)
+    spec = RecoverySpec(uptrain=config, local_tokens=s.calibration_tokens)
     spec.local_seq_len = s.seq_len
     record = recover(student, loaded, spec, data=corpus, progress=run.common["progress"])
     after = perplexity(student, corpus, **eval_args).perplexity
@@ -591,20 +596,77 @@ def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, 
     commands = step_commands(model_flag, data, text_column, s, out, target)
     if tasks:  # the sweep ran lm-eval tasks too
         commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
-    recovering = target is not None and s.recovery_minutes > 0
+    recovering = target is not None and s.recovery_steps > 0
     skipped = {"gqa": not can_gqa, "recovery": not recovering}
     steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
     return ReportPlan(s, can_gqa, target, recovering, steps, commands, model_flag)
 
 
-def _run_steps(run: ReportRun, steps: list, progress: bool) -> dict[str, float]:
-    """Run each step in order, announcing it; the seconds each took, by step name."""
+# What each step writes under the report directory: removed before the step runs again after a failure.
+STEP_OUTPUTS = {
+    "info": ("info.json",),
+    "stats": ("stats",),
+    "importance": ("importance",),
+    "gallery": ("attention",),
+    "sweep": ("sweep",),
+    "gqa": ("gqa_sweep", "gqa_groups"),
+    "recovery": ("recovery",),
+    "speed": ("speed",),
+    "figures": ("figures",),
+}
+
+
+def _read_back(run: ReportRun, step: str) -> None:
+    """What later steps need from `step`, read from its files: the same after the step ran now as after it ran in an
+    earlier, interrupted run of the same command."""
+    tmp = run.tmp
+    if step == "info":
+        run.info = json.loads((tmp / "info.json").read_text())
+    elif step == "importance":
+        run.importance_table = pd.read_parquet(tmp / "importance" / "importance.parquet")
+    elif step == "sweep":
+        run.sweep_table = pd.read_parquet(tmp / "sweep" / "sweep.parquet")
+    elif step == "gqa":
+        run.gqa_frame = pd.read_parquet(tmp / "gqa_sweep" / "sweep.parquet")
+    elif step == "figures":
+        run.figures = sorted(path.stem for path in (tmp / "figures").iterdir())
+
+
+def _run_steps(run: ReportRun, steps: list, progress: bool, journal: StepJournal) -> dict[str, float]:
+    """Run each step in order, announcing it, and record it in `journal` once done; a step an earlier run of the
+    same command completed (journal.resumed) is read back instead of run. A failing step names itself and what was
+    kept. Returns the seconds each step took, by step name (a kept step: the seconds it took then)."""
     seconds = {}
-    for name, function in steps:
-        _say(progress, f"[{len(seconds) + 1}/{len(steps)}] {name}")
+    for number, (name, function) in enumerate(steps, 1):
+        label = f"[{number}/{len(steps)}] {name}"
+        if journal.done(name):
+            _say(progress, f"{label}: kept from the previous run of this command")
+            seconds[name] = journal.records[name].get("seconds", 0.0)
+            _read_back(run, name)
+            continue
+        _say(progress, label)
+        for entry in STEP_OUTPUTS.get(name, ()):  # a half-written output of this step from an interrupted run
+            path = run.tmp / entry
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                path.unlink()
         begin = time.perf_counter()
-        function(run)
+        try:
+            function(run)
+            _read_back(run, name)
+        except BaseException as error:
+            kept = (
+                f"steps 1-{number - 1} are kept in {journal.staging}: rerun the same command to resume at step {number}"
+                if number > 1
+                else "rerun the same command to try again"
+            )
+            if isinstance(error, HeadlabError):
+                raise HeadlabError(f"step {number}/{len(steps)} ({name}) failed: {error}; {kept}") from error
+            _say(True, f"headlab: step {number}/{len(steps)} ({name}) stopped; {kept}")
+            raise
         seconds[name] = round(time.perf_counter() - begin, 2)
+        journal.finish(name, {"seconds": seconds[name]})
     return seconds
 
 
@@ -677,10 +739,17 @@ def run_report(
     common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
     # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
     replaceable = is_demo_run if command == DEMO_MARKER else None
-    with atomic_directory(out, overwrite=overwrite, replaceable=replaceable) as tmp:
-        task_options = {"tasks": tasks, "include_path": include_path} if tasks else {}
+    task_options = {"tasks": tasks, "include_path": include_path} if tasks else {}
+    # The steps' results depend on these alone: a rerun with the same key resumes after the last completed step.
+    key = dict(command=command, model=loaded.describe(), data=data, text_column=text_column, settings=asdict(s))
+    key.update(sentence=sentence, fmt=fmt, tasks=task_options, headlab=__version__)
+    with resumable_directory(out, key, overwrite=overwrite, replaceable=replaceable) as journal:
+        tmp = journal.staging
+        if journal.resumed:
+            _say(progress, f"resuming from {tmp}: {', '.join(journal.resumed)} already done")
         run = ReportRun(loaded, s, tmp, common, sentence, plan.target, task_options)
-        report.seconds = _run_steps(run, plan.steps + [("figures", lambda run: _figures_step(run, fmt))], progress)
+        steps = plan.steps + [("figures", lambda run: _figures_step(run, fmt))]
+        report.seconds = _run_steps(run, steps, progress, journal)
         report.figures = run.figures
         report.summary = pruning_trades(run.sweep_table) + (gqa_trades(run.gqa_frame) if plan.can_gqa else [])
         total = round(time.perf_counter() - started, 2)

@@ -50,11 +50,13 @@ def _recovery_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
     table = _table(run / "recovery" / "before_after.csv")
     if table is None:
         return []
-    minutes = meta["settings"].get("recovery_minutes", 0)
+    settings = meta["settings"]
+    tokens = settings["batch_size"] * min(settings["recovery_seq_len"], settings["seq_len"])
     text = (
-        f"The svd merge to {meta.get('recovery_kv_heads')} KV heads, recovered towards the original for {minutes:g} "
-        "min (local reconstruction, then uptraining; every choice made on calibration text, docs/recovery.md); "
-        "eval-split perplexity."
+        f"The svd merge to {meta.get('recovery_kv_heads')} KV heads, recovered towards the original: local "
+        f"reconstruction on {settings['calibration_tokens']:,} calibration tokens, then {settings['recovery_steps']} "
+        f"uptraining steps of {tokens:,} tokens (budgets in tokens: the same model on any machine; every choice made "
+        "on calibration text, docs/recovery.md); eval-split perplexity."
     )
     figures = [figure["recovery_curve"]] if "recovery_curve" in figure else []
     return [Section("Recovery", [text], [("before and after", _round(table))], figures, meta["commands"]["recovery"])]

@@ -9,6 +9,8 @@ output projection), norms (plus every norm) or all. The default lr was chosen by
 (docs/recovery.md); lr 1e-4 without warmup made a merged model worse before it got better.
 Held-out: the calibration part's last tokens, never trained on; the state with the lowest held-out perplexity (the
 start included) is the one returned. The eval split only reports the curve.
+Budget: `steps` (tokens = steps x accumulation x batch_size x seq_len), so one command trains the same model on any
+machine; `minutes` is only a cap, which ends the run cleanly with the best state so far and says so in the record.
 """
 
 from __future__ import annotations
@@ -67,14 +69,17 @@ TRAINED = ("attention", "norms", "all")
 OBJECTIVES = ("kl", "ce", "mixed")
 # Chosen by measurement on held-out calibration text (never the eval split); the evidence is in docs/recovery.md.
 DEFAULT_LR = 3e-5
+# The default budget: 64 steps of 4 x 256 tokens (65,536 tokens), about what the former 10-minute default trained on a
+# 2-core CPU. A step budget trains the same model on any machine.
+DEFAULT_STEPS = 64
 
 
 @dataclass
 class UptrainConfig:
     """The uptraining recipe: AdamW, linear warmup then cosine decay to zero, gradient clipping, accumulation."""
 
-    steps: int | None = 40  # optimiser steps; None: as many as `minutes` allows (estimated from the first steps)
-    minutes: float | None = None  # wall-clock budget; training stops at it even if steps remain
+    steps: int = DEFAULT_STEPS  # the budget: optimiser steps of accumulation x batch_size x seq_len tokens (same model anywhere)
+    minutes: float | None = None  # optional wall-clock cap: training stops there cleanly, keeping the best state
     lr: float = DEFAULT_LR
     warmup: float = 0.1  # fraction of the steps with a linear warmup
     clip: float = 1.0  # max global gradient norm (0: no clipping)
@@ -95,12 +100,10 @@ class UptrainConfig:
 
     def check(self) -> None:
         """Bad settings fail before any work, each as one line."""
-        if self.steps is not None and not (0 <= self.steps <= 10_000_000):
+        if self.steps is None or not (0 <= self.steps <= 10_000_000):
             raise HeadlabError(f"--steps must be in 0..10000000, got {self.steps}")
         if self.minutes is not None and not (0 < self.minutes <= 10_000):
             raise HeadlabError(f"--minutes must be in (0, 10000], got {self.minutes}")
-        if self.steps is None and self.minutes is None:
-            raise HeadlabError("give --steps or --minutes (or both)")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise HeadlabError(f"--lr must be a positive number, got {self.lr}")
         if not (0 <= self.warmup < 1):
@@ -125,7 +128,7 @@ class UptrainConfig:
             raise HeadlabError(f"--ce-weight must be in [0, 1], got {self.ce_weight}")
 
 
-def check_uptrain(steps: int | None, lr: float, eval_every: int | None = None, **more) -> UptrainConfig:
+def check_uptrain(steps: int, lr: float, eval_every: int | None = None, **more) -> UptrainConfig:
     """The config for these settings, checked (the CLI calls it before loading anything)."""
     config = UptrainConfig(steps=steps, lr=lr, eval_every=eval_every, **more)
     config.check()
@@ -273,15 +276,6 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
     return {**sums, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens, "epoch": epoch}
 
 
-def _planned_steps(config: UptrainConfig, done: int, elapsed: float, per_step: float, check_seconds: float) -> int:
-    """Total steps that fit the minutes budget (with about 8 held-out checks), or config.steps when given."""
-    if config.minutes is None:
-        return config.steps
-    left = config.minutes * 60 - elapsed - 8 * check_seconds
-    fit = done + max(0, int(left / max(per_step, 1e-9)))
-    return max(done, min(fit, config.steps) if config.steps is not None else fit)
-
-
 def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
     """(training stream, held-out batches, record): training windows stream from the calibration part up to its
     held-out tail; the eval part is never touched here."""
@@ -392,9 +386,8 @@ def uptrain(
     run = _Run(student, teacher, config, corpus, stream, heldout, data_record, bf16, params, optimizer, eval_args)
     start = time.perf_counter()
     best = _Best.of(params, run.heldout_perplexity())
-    check_seconds = time.perf_counter() - start
     rows = [_first_row(best.perplexity, run.evaluate())]
-    loop = _train(run, best, rows, start, check_seconds, progress)
+    loop = _train(run, best, rows, start, progress)
     curve = pd.DataFrame(rows)
     final = curve["perplexity"].iloc[-1] if best.step == loop["steps_run"] else run.evaluate()
     return UptrainResult(curve, _record(run, best, rows, loop, float(final), start))
@@ -432,35 +425,30 @@ def _first_row(heldout: float, perplexity_now: float) -> dict:
     }
 
 
-def _train(run: _Run, best: _Best, rows: list[dict], start: float, check_seconds: float, progress: bool) -> dict:
-    """The loop: optimiser steps until config.steps or the minutes budget, held-out checks offering each state to
+def _train(run: _Run, best: _Best, rows: list[dict], start: float, progress: bool) -> dict:
+    """The loop: optimiser steps until config.steps or the minutes cap, held-out checks offering each state to
     `best`, eval-split points for the curve (appended to `rows`). Afterwards, also after an error, the model is in
     eval mode with the best state and its own requires_grad flags. Returns the loop's counts."""
     config, model = run.config, run.student.model
-    total = config.steps if config.steps is not None else 3  # re-planned after two steps under a minutes budget
+    total = config.steps  # the budget; the schedule never depends on the machine's speed
     deadline = start + (config.minutes * 60 if config.minutes is not None else math.inf)
     trained = {id(p) for p in run.params}
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     restore = contextlib.ExitStack()
     checkpointing = restore.enter_context(activation_checkpointing(model, config.gradient_checkpointing))
     kept_dead = restore.enter_context(dead_heads_kept(run.student))  # pruned heads stay pruned
-    tokens_seen, step, train_seconds = 0, 0, 0.0
+    tokens_seen, step = 0, 0
     bar = tqdm(total=total, desc="uptrain", disable=not progress, unit="step")
     try:
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
         while step < total and time.perf_counter() < deadline:
             step += 1
-            began = time.perf_counter()
             lr = learning_rate(step, total, config)
             row = _train_step(
                 run.student, run.teacher, run.stream, run.optimizer, run.params, step, lr, config, run.bf16
             )
-            train_seconds += time.perf_counter() - began
             tokens_seen += row["tokens"]
-            if step == 2 and config.minutes is not None:
-                total = _planned_steps(config, step, time.perf_counter() - start, train_seconds / 2, check_seconds)
-                bar.total = total
             row.update(step=step, tokens=tokens_seen, heldout_perplexity=math.nan, perplexity=math.nan)
             _checkpoints(run, best, row, total, last=step >= total or time.perf_counter() >= deadline)
             row["seconds"] = time.perf_counter() - start
@@ -478,6 +466,8 @@ def _train(run: _Run, best: _Best, rows: list[dict], start: float, check_seconds
     return {
         "steps_run": step,
         "steps_planned": total,
+        # the cap, not the budget, ended the run: the schedule was cut short (the best state is still what is kept)
+        "stopped_on_time": step < total,
         "tokens_seen": tokens_seen,
         "gradient_checkpointing": checkpointing,
         "dead_heads_kept": kept_dead,
@@ -512,6 +502,8 @@ def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, 
         "trained_parameters": sum(p.numel() for p in run.params),
         "steps_run": loop["steps_run"],
         "steps_planned": loop["steps_planned"],
+        "stopped_on_time": loop["stopped_on_time"],
+        "stopped_by": "the --minutes cap" if loop["stopped_on_time"] else "the step budget",
         "tokens_seen": loop["tokens_seen"],
         "epochs_started": int(max(r.get("epoch", 0) for r in rows)) + 1,
         "kept_step": best.step,

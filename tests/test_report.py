@@ -231,3 +231,133 @@ def test_fit_settings_respects_the_models_positions():
     assert fitted.speed_contexts == (32,)  # none of 512, 2048, 8192 fits 64 positions: half of them
     assert report.fit_settings(report.PRESETS["full"], 4096).speed_contexts == (512, 2048)
     assert report.fit_settings(report.PRESETS["full"], None) == report.PRESETS["full"]
+
+
+# ---- the same report on any machine: budgets in tokens, resume after a failure -------------------------------------
+
+# Columns that hold timings: they differ from run to run; every other value must not.
+TIMINGS = {"tokens_per_s", "seconds", "prefill_tokens_per_s", "decode_tokens_per_s", "prefill_seconds"}
+
+
+def _same_tables(a, b, steps=("stats", "importance", "sweep", "gqa_sweep", "gqa_groups", "recovery")):
+    """Every table of each step's run directory in `a` equals `b`'s, timings aside."""
+    for step in steps:
+        names = sorted(p.name for p in (a / step).glob("*.csv"))
+        assert names and names == sorted(p.name for p in (b / step).glob("*.csv")), step
+        for name in names:
+            left, right = pd.read_csv(a / step / name), pd.read_csv(b / step / name)
+            timing = [c for c in left.columns if c in TIMINGS or c.endswith("_seconds")]
+            pd.testing.assert_frame_equal(left.drop(columns=timing), right.drop(columns=timing), obj=f"{step}/{name}")
+
+
+class _SlowClock:
+    """A `time` module whose clocks run `factor` times faster than the real ones: a machine that many times slower
+    as every budget and cap reading the clock sees it (time.sleep and the rest stay real)."""
+
+    def __init__(self, factor: float):
+        import time
+
+        self.factor, self.real, self.origin = factor, time, time.perf_counter()
+
+    def perf_counter(self) -> float:
+        return self.origin + (self.real.perf_counter() - self.origin) * self.factor
+
+    def time(self) -> float:
+        return self.real.time() + (self.real.perf_counter() - self.origin) * (self.factor - 1)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _slow_machine(monkeypatch, factor: float) -> None:
+    """Every headlab module that reads the clock sees a machine `factor` times slower."""
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("headlab") and getattr(module, "time", None) is __import__("time"):
+            monkeypatch.setattr(module, "time", _SlowClock(factor))
+
+
+def test_report_on_a_much_slower_machine_finishes_with_the_same_numbers(tiny_run, tmp_path, monkeypatch, capsys):
+    """A machine 1,000 times slower (as the clocks see it) runs every step and writes the whole report, with the
+    same tables as the fixture's run on this machine: no budget is in minutes."""
+    _slow_machine(monkeypatch, 1000.0)
+    out = tmp_path / "slow"
+    args = ["report", "--model", tiny_run["checkpoint"], "--data", tiny_run["corpus"], "--quick", "--out", out]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert (out / "report.html").is_file() and (out / "report.md").is_file()
+    assert json.loads((out / "meta.json").read_text())["figures"] == json.loads(
+        (tiny_run["out"] / "meta.json").read_text()
+    )["figures"]
+    _same_tables(out, tiny_run["out"])
+    recovery = json.loads((out / "recovery" / "meta.json").read_text())
+    assert not recovery["stopped_on_time"] and recovery["uptrain"]["stopped_by"] == "the step budget"
+
+
+def test_a_failed_step_keeps_the_steps_before_it_and_a_rerun_resumes(tiny_run, tmp_path, monkeypatch, capsys):
+    """Step k fails: the error names it, steps 1..k-1 stay in OUT.partial and nothing is published; the same command
+    again runs only steps k.. and writes the report, with the same tables as an uninterrupted run."""
+    calls = []
+    original = list(report.REPORT_STEPS)
+
+    def counted(name, function, fail=False):
+        def step(run):
+            calls.append(name)
+            if fail:
+                raise HeadlabError("the disk is on fire")
+            function(run)
+
+        return step
+
+    failing = [(n, counted(n, f, fail=n == "recovery")) for n, f in original]
+    monkeypatch.setattr(report, "REPORT_STEPS", failing)
+    out = tmp_path / "resumed"
+    args = ["report", "--model", tiny_run["checkpoint"], "--data", tiny_run["corpus"], "--quick", "--out", out]
+    code, _, err = run_cli(args, capsys)
+    names = [n for n, _ in original]
+    k = names.index("recovery") + 1
+    error = err.strip().splitlines()[-1]  # the one-line error, after the progress lines
+    assert code == 2 and error.startswith("headlab: error: ")
+    assert f"step {k}/{len(names) + 1} (recovery) failed: the disk is on fire" in error
+    assert f"steps 1-{k - 1} are kept in {out}.partial" in error and "rerun the same command" in error
+    assert not out.exists() and calls == names[:k]
+    partial = tmp_path / "resumed.partial"
+    assert (partial / "sweep" / "sweep.csv").is_file() and not (partial / "recovery").exists()
+
+    calls.clear()
+    monkeypatch.setattr(report, "REPORT_STEPS", [(n, counted(n, f)) for n, f in original])
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert calls == names[k - 1 :]  # only the failed step and those after it ran again
+    assert "kept from the previous run" in err and not partial.exists()
+    assert not (out / "journal.json").exists()
+    _same_tables(out, tiny_run["out"])
+    meta = json.loads((out / "meta.json").read_text())
+    assert set(meta["seconds"]) == set(names) | {"figures"}
+    assert meta["summary"] == json.loads((tiny_run["out"] / "meta.json").read_text())["summary"]
+
+
+def test_a_rerun_with_other_options_starts_afresh(tiny_run, tmp_path, monkeypatch, capsys):
+    """The kept steps are reused only for the same inputs and options: another corpus discards them."""
+    calls = []
+    original = list(report.REPORT_STEPS)
+
+    def failing(run):
+        raise HeadlabError("stop here")
+
+    def counting(name, function):
+        return lambda run: (calls.append(name), function(run))
+
+    monkeypatch.setattr(report, "REPORT_STEPS", [(n, failing if n == "sweep" else f) for n, f in original])
+    out = tmp_path / "r"
+    args = ["report", "--model", tiny_run["checkpoint"], "--quick", "--out", out]
+    code, _, err = run_cli([*args, "--data", tiny_run["corpus"]], capsys)
+    assert code == 2 and "(sweep) failed" in err
+    other = tmp_path / "other.txt"
+    other.write_text(SAMPLE_TEXT[::-1] * 4)
+    monkeypatch.setattr(report, "REPORT_STEPS", [(n, counting(n, f)) for n, f in original])
+    code, _, err = run_cli([*args, "--data", other], capsys)
+    assert code == 0, err
+    assert calls == [n for n, _ in original]  # every step ran again
+    assert json.loads((out / "meta.json").read_text())["data"] == str(other)

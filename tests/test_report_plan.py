@@ -45,8 +45,8 @@ def test_a_model_that_cannot_share_kv_heads_skips_grouping_and_recovery():
     assert [step for step, _ in result.steps] == [s for s in EVERY_STEP if s not in ("gqa", "recovery")]
 
 
-def test_no_recovery_minutes_means_no_recovery_step_but_grouping_stays():
-    result = plan("llama", replace(report.PRESETS["quick"], recovery_minutes=0))
+def test_no_recovery_steps_means_no_recovery_step_but_grouping_stays():
+    result = plan("llama", replace(report.PRESETS["quick"], recovery_steps=0))
     assert result.can_gqa and result.target == 1 and not result.recovering
     assert "recovery" not in [step for step, _ in result.steps] and "gqa" in [step for step, _ in result.steps]
 

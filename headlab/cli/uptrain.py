@@ -13,14 +13,27 @@ from headlab.cli.options import guard, guard_checkpoint_space
 from headlab.errors import HeadlabError
 from headlab.loading import DEFAULT_MODEL, DTYPES, load_model
 from headlab.recover import RecoverySpec, before_after, parse_stages, recover, save_recovered
-from headlab.uptrain import DEFAULT_LR, OBJECTIVES, TRAINED, UptrainConfig
+from headlab.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED, UptrainConfig
 
 
 def training_options(function):
     """The uptraining recipe's options (headlab.uptrain.UptrainConfig fields)."""
     options = [
-        click.option("--steps", type=int, default=None, help="optimiser steps [default: 40, or as --minutes allow]"),
-        click.option("--minutes", type=float, default=None, help="wall-clock budget (all stages)"),
+        click.option(
+            "--steps",
+            type=int,
+            default=DEFAULT_STEPS,
+            show_default=True,
+            help="the budget: optimiser steps of --accumulation x --batch-size x --seq-len tokens (same model on any "
+            "machine)",
+        ),
+        click.option(
+            "--minutes",
+            type=float,
+            default=None,
+            help="optional wall-clock cap (all stages): a stage that reaches it stops cleanly with its best state "
+            "[default: no cap]",
+        ),
         click.option("--lr", type=float, default=DEFAULT_LR, show_default=True, help="peak AdamW learning rate"),
         click.option("--warmup", type=float, default=0.1, show_default=True, help="fraction of steps warming up"),
         click.option("--clip", type=float, default=1.0, show_default=True, help="gradient-norm clip (0: none)"),
@@ -71,8 +84,6 @@ def command(
 
     minutes = recipe.pop("minutes")
     recipe["gradient_checkpointing"] = not recipe.pop("no_gradient_checkpointing")
-    if recipe["steps"] is None and minutes is None:
-        recipe["steps"] = 40
     config = UptrainConfig(**recipe, minutes=minutes)
     config.check()  # every setting before any model is loaded
     spec = RecoverySpec(stages=parse_stages(stages), minutes=minutes, uptrain=config)
