@@ -144,6 +144,14 @@ def _tokens_seen(record: dict) -> int:
     return int(local.get("tokens", 0)) + int(record.get("uptrain", {}).get("tokens_seen", 0))
 
 
+def describe_stop(record: dict) -> str:
+    """'local+uptrain, 73,728 tokens' for the CLI's after-recovery line, plus where the minutes cap ended a stage."""
+    text = f"{'+'.join(record['stages'])}, {record.get('tokens_seen', 0):,} tokens"
+    if record.get("stopped_on_time"):
+        text += f"; stopped at the {record['minutes_cap']:g}-minute cap with the best state so far"
+    return text
+
+
 def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
     """The recovery record's tables (CSV + Parquet), curve.png and meta.json under `directory`; returns the record
     without its tables (for JSON metadata)."""

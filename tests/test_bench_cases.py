@@ -92,3 +92,42 @@ def test_a_per_machine_case_keeps_and_shows_every_machine_kind(tmp_path, monkeyp
     assert "### AMD EPYC" in text and "ratio 1.21" in text and "commit abc1234" in text
     assert benchmark.previous_result("speed", "intel-xeon-processor")["result"]["ratio"] == 1.21
     assert benchmark.previous_result("speed", "nvidia-h200") is not None  # another kind's, for machine-free parts
+
+
+def _demo_run(wall, steps):
+    return {"wall_seconds": wall, "report_seconds": wall - 5, "steps": steps}
+
+
+def test_demo_table_shows_idle_and_loaded_runs_and_whether_their_tables_agree():
+    case = _case("demo")
+    steps = {"info": 0.01, "stats": 4.0, "recovery": 60.0, "figures": 10.0}
+    result = {
+        "first_run": _demo_run(200.0, steps),
+        "idle": [_demo_run(170.0, steps), _demo_run(180.0, steps), _demo_run(190.0, steps)],
+        "loaded": _demo_run(360.0, {k: 2 * v for k, v in steps.items()}),
+        "busy_processes": 2,
+        "load_average_after_loaded_run": [3.9, 2.5, 1.2],
+        "differences": [],
+        "compared": ["stats", "sweep"],
+    }
+    text = case.markdown(result)
+    assert "| run | wall time | info | stats | recovery | figures |" in text
+    assert "| idle 2 | 180 s | 0 s | 4 s | 60 s | 10 s |" in text
+    assert "| under load | 360 s | 0 s | 8 s | 120 s | 20 s |" in text
+    assert "Idle median 180 s (3.0 min); under load 360 s (2.0x the idle time)" in text
+    assert "every table is identical apart from timings" in text and "200 s in all" in text
+    text = case.markdown({**result, "differences": ["sweep/sweep.csv"]})
+    assert "these tables differ: sweep/sweep.csv" in text
+
+
+def test_recovery_table_renders_step_budgets_and_the_earlier_minutes_budgets():
+    case = _case("recovery")
+    row = {"perplexity": 20.0, "seconds": 100.0, "tokens": 65536, "peak_extra_bytes": 2**20, "local_tokens": 1024,
+           "heldout": [40.0, 25.0], "steps": 128, "kept_step": 120, "lr": 3e-5}  # fmt: skip
+    rows = {"none": {**row, "tokens": 0}, "local": row, "uptrain": row, "local+uptrain": row}
+    base = {"eval_tokens": 2048, "seq_len": 512, "threads": 2, "original": 10.66, "models": {"svd": rows},
+            "local": {"local_tokens": 1024}, "uptrain": {"batch_size": 4, "seq_len": 128, "heldout_tokens": 1024}}  # fmt: skip
+    text = case.markdown({**base, "uptrain_steps": 128})
+    assert "--recover local,uptrain --recover-steps 128`" in text and "HEADLAB_BENCH_UPTRAIN_STEPS=128" in text
+    earlier = case.markdown({**base, "local_minutes": 2.0, "uptrain_minutes": 8.0})
+    assert "--recover local,uptrain --recover-minutes 10.0`" in earlier and "before budgets were in steps" in earlier

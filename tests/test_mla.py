@@ -350,7 +350,7 @@ def test_cli_recover_flag_reaches_the_conversion(tmp_path, capsys):
     args += ["--kv-lora-rank", "8", "--rope-dim", "8", "--calibration-tokens", "256", "--out", tmp_path / "o"]
     code, out, err = run_cli([*args, "--recover", "uptrain", "--recover-steps", "2"], capsys)
     assert code == 0, err
-    assert re.search(r"after recovery \(uptrain\)\s+\d", out)
+    assert re.search(r"after recovery \(uptrain, [\d,]+ tokens\)\s+\d", out)
     assert (tmp_path / "o" / "recovery" / "curve.csv").is_file()
 
 

@@ -5,6 +5,7 @@ stream covers all windows, pruned heads stay pruned, and the recovery pipeline s
 from __future__ import annotations
 
 import copy
+import json
 import math
 
 import pandas as pd
@@ -19,7 +20,7 @@ from headlab.data import Corpus, split_text
 from headlab.errors import HeadlabError
 from headlab.loading import from_model
 from headlab.reconstruct import dead_heads
-from headlab.recover import RecoverySpec, parse_stages, recover, save_recovered
+from headlab.recover import RecoverySpec, describe_stop, parse_stages, recover, save_recovered
 from headlab.uptrain import (
     UptrainConfig,
     attention_parameters,
@@ -146,7 +147,7 @@ def test_bad_settings_fail_before_work():
         (dict(lr=-1e-4), "--lr"),
         (dict(steps=-1), "--steps"),
         (dict(minutes=0), "--minutes"),
-        (dict(steps=None, minutes=None), "--minutes"),
+        (dict(steps=None), "--steps"),
         (dict(objective="mse"), "mse"),
         (dict(trained="mlp"), "mlp"),
         (dict(warmup=1.5), "--warmup"),
@@ -201,15 +202,15 @@ def test_cli_uptrain_and_convert_gqa_recover(tmp_path, capsys):
     code, _, err = run_cli([*args, "--out", tmp_path / "up"], capsys)
     assert code == 2 and "exists" in err
     convert = ["convert-gqa", "--model", tmp_path / "teacher", "--device", "cpu", "--kv-heads", "1", "--data", corpus]
-    convert += ["--seq-len", "32", "--max-tokens", "128", "--recover", "local,uptrain", "--recover-minutes", "0.2"]
+    convert += ["--seq-len", "32", "--max-tokens", "128", "--recover", "local,uptrain", "--recover-steps", "3"]
     code, out, err = run_cli([*convert, "--out", tmp_path / "gqa"], capsys)
     assert code == 0, err
-    assert "after recovery (local+uptrain)" in out and (tmp_path / "gqa" / "recovery" / "local.csv").exists()
+    assert "after recovery (local+uptrain, " in out and (tmp_path / "gqa" / "recovery" / "local.csv").exists()
     prune = ["prune", "--model", tmp_path / "teacher", "--device", "cpu", "--data", corpus, "--seq-len", "32"]
-    prune += ["--heads", "0:0;1:2", "--max-tokens", "128", "--recover", "local", "--recover-minutes", "0.2"]
+    prune += ["--heads", "0:0;1:2", "--max-tokens", "128", "--recover", "local"]
     code, out, err = run_cli([*prune, "--out", tmp_path / "pruned"], capsys)
     assert code == 0, err
-    assert "after recovery (local)" in out
+    assert "after recovery (local, " in out
     reloaded = from_model(__import__("transformers").AutoModelForCausalLM.from_pretrained(tmp_path / "pruned"))
     assert [dead_heads(reloaded, layer) for layer in reloaded.layers] == [[0], [2]]
 
@@ -228,7 +229,7 @@ def test_sigterm_during_recovery_leaves_no_partial_output(tmp_path):
     args = ["uptrain", "--student", tmp_path / "student", "--teacher", tmp_path / "teacher", "--device", "cpu"]
     args += ["--data", tmp_path / "text.txt", "--seq-len", "32", "--eval-seq-len", "32", "--heldout-tokens", "64"]
     process = subprocess.Popen(
-        [sys.executable, "-m", "headlab", *map(str, args), "--minutes", "5", "--out", str(out)],
+        [sys.executable, "-m", "headlab", *map(str, args), "--steps", "100000", "--out", str(out)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
@@ -246,9 +247,9 @@ def test_sigterm_during_recovery_leaves_no_partial_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_minute_of_recovery_lowers_the_svd_merged_perplexity():
-    """The embedded model merged 3 -> 1 (svd): one minute of local reconstruction then uptraining lowers eval-split
-    perplexity (every choice is made on calibration text)."""
+def test_the_demos_recovery_budget_lowers_the_svd_merged_perplexity():
+    """The embedded model merged 3 -> 1 (svd): local reconstruction on 1,024 tokens then 16 uptraining steps (the
+    demo's budget) lower eval-split perplexity (every choice is made on calibration text)."""
     from headlab.data import calibration_batches, load_corpus
     from headlab.evaluate import perplexity
     from headlab.loading import load_model
@@ -261,9 +262,108 @@ def test_a_minute_of_recovery_lowers_the_svd_merged_perplexity():
     gqa.convert(student, 1, method="svd", batches=batches)
     eval_args = dict(part="eval", seq_len=256, batch_size=4, max_tokens=512, progress=False)
     before = perplexity(student, corpus, **eval_args).perplexity
-    config = UptrainConfig(steps=None, seq_len=128, heldout_tokens=512, eval_tokens=0, gradient_checkpointing=False)
-    spec = RecoverySpec(minutes=1.0, uptrain=config, local_tokens=1024)
+    config = UptrainConfig(steps=16, seq_len=128, heldout_tokens=512, eval_tokens=0, gradient_checkpointing=False)
+    spec = RecoverySpec(uptrain=config, local_tokens=1024)
     record = recover(student, teacher, spec, corpus=corpus, progress=False)
     after = perplexity(student, corpus, **eval_args).perplexity
     assert record["local"]["error_after"] < record["local"]["error_before"]
     assert after < before
+
+
+# ---- budgets in tokens and steps; minutes only a cap ---------------------------------------------------------------
+
+
+class _ScaledClock:
+    """A `time` module whose perf_counter runs `factor` times faster: a machine that much slower, as the budgets and
+    caps that read the clock see it."""
+
+    def __init__(self, factor: float):
+        import time
+
+        self.factor, self.real, self.origin = factor, time, time.perf_counter()
+
+    def perf_counter(self) -> float:
+        return self.origin + (self.real.perf_counter() - self.origin) * self.factor
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def _recovered_weights(monkeypatch, factor: float, minutes=None):
+    """The tiny 2 -> 1 merge recovered (local + 4 uptraining steps) on a machine `factor` times slower."""
+    from headlab import reconstruct
+    from headlab import recover as recover_module
+    from headlab import uptrain as uptrain_module
+
+    for module in (reconstruct, recover_module, uptrain_module):
+        monkeypatch.setattr(module, "time", _ScaledClock(factor))
+    teacher = from_model(tiny_model("llama"), tiny_tokenizer())
+    student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())
+    gqa.convert(student, 1)
+    config = UptrainConfig(steps=4, **{k: v for k, v in SMALL.items() if k != "progress"})
+    spec = RecoverySpec(minutes=minutes, uptrain=config, local_tokens=256, local_seq_len=32)
+    record = recover(student, teacher, spec, corpus=CORPUS, progress=False)
+    monkeypatch.undo()
+    return {k: v.clone() for k, v in student.model.state_dict().items()}, record
+
+
+def test_token_budgets_give_identical_weights_on_a_fast_and_a_slow_machine(monkeypatch):
+    fast, record_fast = _recovered_weights(monkeypatch, 1.0)
+    slow, record_slow = _recovered_weights(monkeypatch, 10_000.0)  # each real second reads as almost three hours
+    assert fast.keys() == slow.keys() and all(torch.equal(fast[k], slow[k]) for k in fast)
+    for record in (record_fast, record_slow):
+        assert not record["stopped_on_time"] and record["uptrain"]["steps_run"] == 4
+        assert record["tokens_seen"] == record["local"]["calibration"]["tokens"] + record["uptrain"]["tokens_seen"]
+    assert record_fast["tokens_seen"] == record_slow["tokens_seen"] > 0
+
+
+def test_a_minutes_cap_too_small_ends_recovery_cleanly_with_a_note(monkeypatch):
+    """On a slow machine a cap of one minute is spent at once: no error, every stage stopped with its best state
+    (never worse on held-out text than the start), and the record says so."""
+    _, record = _recovered_weights(monkeypatch, 1e6, minutes=1.0)
+    assert record["stopped_on_time"] and record["minutes_cap"] == 1.0
+    assert record["local"]["layers_stopped_on_time"] >= 1
+    assert record["local"]["error_after"] <= record["local"]["error_before"]
+    up = record["uptrain"]
+    assert up["stopped_on_time"] and up["steps_run"] == 0 and up["tokens_seen"] == 0
+    assert "stopped at the 1-minute cap with the best state so far" in describe_stop(record)
+
+
+def test_uptraining_cap_stops_at_the_best_state_so_far(monkeypatch):
+    from headlab import uptrain as uptrain_module
+
+    teacher = from_model(tiny_model("llama"), tiny_tokenizer())
+    student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())
+    gqa.convert(student, 1)
+    clock = _ScaledClock(1.0)
+    steps = []
+    real_step = uptrain_module._train_step
+
+    def step_then_slow_down(*args):  # after two steps the machine becomes a million times slower
+        steps.append(1)
+        if len(steps) == 2:
+            clock.factor, clock.origin = 1e6, clock.real.perf_counter()
+        return real_step(*args)
+
+    monkeypatch.setattr(uptrain_module, "time", clock)
+    monkeypatch.setattr(uptrain_module, "_train_step", step_then_slow_down)
+    settings = {k: v for k, v in SMALL.items() if k != "progress"}
+    result = uptrain(student, teacher, corpus=CORPUS, progress=False, steps=50, minutes=0.5, **settings)
+    meta = result.meta
+    assert meta["stopped_on_time"] and meta["stopped_by"] == "the --minutes cap"
+    assert meta["steps_run"] == 2 and meta["steps_planned"] == 50
+    assert meta["heldout_perplexity_after"] <= meta["heldout_perplexity_before"]
+    assert meta["heldout_perplexity_after"] == result.curve["heldout_perplexity"].min()
+
+
+def test_cli_cap_too_small_exits_0_and_saves_with_a_note(tmp_path, capsys):
+    save_tiny("llama", tmp_path / "teacher")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 6)
+    convert = ["convert-gqa", "--model", tmp_path / "teacher", "--device", "cpu", "--kv-heads", "1", "--data", corpus]
+    convert += ["--seq-len", "32", "--max-tokens", "128", "--recover", "local,uptrain", "--recover-minutes", "1e-7"]
+    code, out, err = run_cli([*convert, "--out", tmp_path / "gqa"], capsys)
+    assert code == 0, err
+    assert "stopped at the 1e-07-minute cap with the best state so far" in out
+    meta = json.loads((tmp_path / "gqa" / "recovery" / "meta.json").read_text())
+    assert meta["stopped_on_time"] and meta["uptrain"]["skipped"]

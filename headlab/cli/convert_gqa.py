@@ -24,6 +24,7 @@ from headlab.fsio import check_free_space
 from headlab.gqa import METHODS, convert_checkpoint
 from headlab.kv_heads import GROUPINGS, POOLS
 from headlab.loading import local_checkpoint
+from headlab.recover import describe_stop
 from headlab.report_text import human_bytes, parse_bytes
 from headlab.streaming import convert_streaming
 
@@ -35,8 +36,8 @@ def print_summary(record: dict) -> None:
     if before and after:
         rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))
         if record.get("perplexity_recovered"):
-            stages = "+".join(record["recovery"]["stages"])
-            rows.append((f"after recovery ({stages})", f"{record['perplexity_recovered']['perplexity']:.4f}"))
+            stop = describe_stop(record["recovery"])
+            rows.append((f"after recovery ({stop})", f"{record['perplexity_recovered']['perplexity']:.4f}"))
         rows.append(("scored tokens", f"{after['scored_tokens']:,}"))
     if "measured_kv_bytes_per_token_before" in record:
         before, after, how = (

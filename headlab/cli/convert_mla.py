@@ -20,6 +20,7 @@ from headlab.cli.options import (
 )
 from headlab.errors import HeadlabError
 from headlab.mla import BUDGETS, convert_mla_checkpoint
+from headlab.recover import describe_stop
 from headlab.report_text import human_bytes
 
 
@@ -50,8 +51,8 @@ def print_summary(record: dict) -> None:
     if before and after:
         rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))
         if record.get("perplexity_recovered"):
-            stages = "+".join(record["recovery"]["stages"])
-            rows.append((f"after recovery ({stages})", f"{record['perplexity_recovered']['perplexity']:.4f}"))
+            stop = describe_stop(record["recovery"])
+            rows.append((f"after recovery ({stop})", f"{record['perplexity_recovered']['perplexity']:.4f}"))
         rows.append(("scored tokens", f"{after['scored_tokens']:,}"))
     rows.append(("KV cache per token", f"{human_bytes(record['measured_kv_bytes_per_token_before'])} -> "
                  f"{human_bytes(record['measured_kv_bytes_per_token_after'])} (measured from a real cache)"))  # fmt: skip

@@ -22,6 +22,7 @@ from headlab.cli.options import (
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
 from headlab.prune import DEFAULT_CALIBRATION_TOKENS, MODES, prune
+from headlab.recover import describe_stop
 from headlab.report_text import human_bytes
 from headlab.scores import SCORE_SOURCES
 from headlab.selection import BUDGETS, SELECTS, UNITS
@@ -167,8 +168,8 @@ def _show(result, mode: str) -> None:
         ("perplexity", f"{result.ppl_before:.4f} -> {result.ppl_after:.4f}"),
     ]
     if result.meta.get("recovery"):
-        stages = "+".join(result.meta["recovery"]["stages"])
-        rows.append((f"after recovery ({stages})", f"{result.meta['perplexity_recovered']:.4f}"))
+        stop = describe_stop(result.meta["recovery"])
+        rows.append((f"after recovery ({stop})", f"{result.meta['perplexity_recovered']:.4f}"))
     compensation = result.meta.get("compensation")
     if compensation:
         rows.append(

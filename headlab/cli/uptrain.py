@@ -12,7 +12,7 @@ from headlab.checkpoint import describe_check
 from headlab.cli.options import guard, guard_checkpoint_space
 from headlab.errors import HeadlabError
 from headlab.loading import DEFAULT_MODEL, DTYPES, load_model
-from headlab.recover import RecoverySpec, before_after, parse_stages, recover, save_recovered
+from headlab.recover import RecoverySpec, before_after, describe_stop, parse_stages, recover, save_recovered
 from headlab.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED, UptrainConfig
 
 
@@ -113,6 +113,7 @@ def command(
             )
     for row in before_after(record).itertuples():
         click.echo(f"{row.stage:<8} {row.measure}: {row.before:.4f} -> {row.after:.4f} ({row.seconds:.0f} s)")
+    click.echo(f"recovery: {describe_stop(record)}")
     if verification:
         click.echo(f"reload check: {describe_check(verification)}")
     click.echo(f"written: {out} (curve: {out}/recovery/curve.csv, curve.png)")

@@ -1,6 +1,7 @@
 """Recovery (`--recover local,uptrain`) on the embedded model: three edited models (3 -> 1 KV heads by the svd merge
 and by mean pooling; 90 heads pruned uniformly with --compensate) x {none, local, uptrain, local then uptrain}:
-eval perplexity against wall time, tokens seen and peak memory, each stage bounded in minutes."""
+eval perplexity against wall time, tokens seen and peak memory, each stage bounded in tokens and steps (the same
+models on any machine; results from before step budgets recorded minutes instead, and are rendered as such)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import os
 
 TITLE = "Recovery: local reconstruction and uptraining (`--recover local,uptrain`, `headlab uptrain`)"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS = 2048, 512, 2048
-# Each stage's wall-clock budget (recorded); on a shared machine the CPU share within it is recorded as load averages.
-LOCAL_MINUTES = float(os.environ.get("HEADLAB_BENCH_LOCAL_MINUTES", 2))
-UPTRAIN_MINUTES = float(os.environ.get("HEADLAB_BENCH_UPTRAIN_MINUTES", 2))
+# The uptraining budget in steps of 4 x 128 tokens (128: about what 8 minutes bought on 2 shared cores before budgets
+# were in steps); on a shared machine the load is recorded as load averages.
+UPTRAIN_STEPS = int(os.environ.get("HEADLAB_BENCH_UPTRAIN_STEPS", 128))
 # mean before pruned: a run stopped by a deadline still has both KV merges; mla (convert-mla --budget mqa) last.
 MODELS = ("svd", "mean", "pruned", "mla")
 # HEADLAB_BENCH_RECOVERY_MODELS=svd,mean reruns some models (e.g. on a quieter machine) and keeps the others' rows from
 # the previous results file, marked as carried over with their own load averages.
 RERUN = tuple(m for m in os.environ.get("HEADLAB_BENCH_RECOVERY_MODELS", ",".join(MODELS)).split(",") if m)
 LOCAL = dict(local_tokens=1024, local_seq_len=256, local_batch_size=4)
-UPTRAIN = dict(steps=None, seq_len=128, batch_size=4, heldout_tokens=1024, eval_tokens=0, gradient_checkpointing=False)
+UPTRAIN = dict(steps=UPTRAIN_STEPS, seq_len=128, batch_size=4, heldout_tokens=1024, eval_tokens=0, gradient_checkpointing=False)
 COMMANDS = {
     "svd": "headlab convert-gqa --kv-heads 1 --method svd --calibration-tokens 2048",
     "mean": "headlab convert-gqa --kv-heads 1",
@@ -25,6 +26,13 @@ COMMANDS = {
     "mla": "headlab convert-mla --budget mqa --calibration-tokens 2048",
 }
 RECOVER = {
+    "none": "",
+    "local": " --recover local",
+    "uptrain": " --recover uptrain --recover-steps {steps}",
+    "local+uptrain": " --recover local,uptrain --recover-steps {steps}",
+}
+# Results recorded before budgets were in steps: each stage was bounded in minutes.
+RECOVER_MINUTES = {
     "none": "",
     "local": " --recover local --recover-minutes {local}",
     "uptrain": " --recover uptrain --recover-minutes {up}",
@@ -64,7 +72,7 @@ def _edited(name, teacher, corpus, device):
     return student
 
 
-def _stage(student, teacher, corpus, stages, minutes, device):
+def _stage(student, teacher, corpus, stages, device):
     """One recovery run through headlab.recover, with its wall time and peak memory."""
     import time
 
@@ -73,7 +81,7 @@ def _stage(student, teacher, corpus, stages, minutes, device):
     from headlab.recover import RecoverySpec, recover
     from headlab.uptrain import UptrainConfig
 
-    spec = RecoverySpec(stages=stages, minutes=minutes, uptrain=UptrainConfig(**UPTRAIN), **LOCAL)
+    spec = RecoverySpec(stages=stages, uptrain=UptrainConfig(**UPTRAIN), **LOCAL)
     start = time.perf_counter()
     with PeakMemory(device) as memory:
         record = recover(student, teacher, spec, corpus=corpus, progress=False)
@@ -113,7 +121,7 @@ def run(args) -> dict:
 
     teacher = load_model(None, device=args.device)
     result = {"eval_tokens": EVAL_TOKENS, "seq_len": SEQ_LEN, "threads": torch.get_num_threads(), "models": {}}
-    result.update(local_minutes=LOCAL_MINUTES, uptrain_minutes=UPTRAIN_MINUTES, local=LOCAL, uptrain=UPTRAIN)
+    result.update(uptrain_steps=UPTRAIN_STEPS, local=LOCAL, uptrain=UPTRAIN)
     result["load_average_start"] = list(os.getloadavg())  # the machine is shared: how busy it was, per model below
     result["original"] = ppl(teacher)
     result["unfinished"] = list(RERUN)
@@ -128,14 +136,14 @@ def run(args) -> dict:
         edited = _edited(name, teacher, corpus, device)
         rows = {"none": {"perplexity": ppl(edited), "seconds": 0.0, "tokens": 0, "peak_extra_bytes": 0}}
         local = from_model(copy.deepcopy(edited.model), edited.tokenizer, spec=name)
-        rows["local"] = _stage(local, teacher, corpus, ["local"], LOCAL_MINUTES, device)
+        rows["local"] = _stage(local, teacher, corpus, ["local"], device)
         rows["local"]["perplexity"] = ppl(local)
         up = from_model(copy.deepcopy(edited.model), edited.tokenizer, spec=name)
-        rows["uptrain"] = _stage(up, teacher, corpus, ["uptrain"], UPTRAIN_MINUTES, device)
+        rows["uptrain"] = _stage(up, teacher, corpus, ["uptrain"], device)
         rows["uptrain"]["perplexity"] = ppl(up)
         del up, edited
         # local then uptrain: the local row's model uptrained (the pipeline's order; local is not run twice)
-        both = _stage(local, teacher, corpus, ["uptrain"], UPTRAIN_MINUTES, device)
+        both = _stage(local, teacher, corpus, ["uptrain"], device)
         both["perplexity"] = ppl(local)
         both["seconds"] += rows["local"]["seconds"]
         both["peak_extra_bytes"] = max(both["peak_extra_bytes"], rows["local"]["peak_extra_bytes"])
@@ -200,13 +208,33 @@ def _sharing(r: dict) -> str:
     )
 
 
+def _budget(r: dict) -> str:
+    """How the run bounded its stages: steps (today), or minutes (results recorded before step budgets)."""
+    if "uptrain_steps" in r:
+        return (
+            f"each stage bounded in tokens and steps: local reconstruction's calibration tokens, then "
+            f"{r['uptrain_steps']} uptraining steps (`HEADLAB_BENCH_UPTRAIN_STEPS={r['uptrain_steps']}`)"
+        )
+    return (
+        f"recorded before budgets were in steps: each stage bounded at {r['local_minutes']:g} min (local) and "
+        f"{r['uptrain_minutes']:g} min (uptraining) of wall time; the steps each row ran are listed below, and "
+        "`--recover-steps` with that count is today's way to ask for them"
+    )
+
+
+def _command(r: dict, name: str, kind: str) -> str:
+    if "uptrain_steps" in r:
+        return COMMANDS[name] + RECOVER[kind].format(steps=r["uptrain_steps"])
+    minutes = {"local": r["local_minutes"], "up": r["uptrain_minutes"]}
+    minutes["both"] = minutes["local"] + minutes["up"]
+    return COMMANDS[name] + RECOVER_MINUTES[kind].format(**minutes)
+
+
 def markdown(r: dict) -> str:
     lines = [
         f"Embedded SmolLM2-135M (float32, {r['threads']} torch threads, CPU shared with other jobs), eval split, first "
         f"{r['eval_tokens']:,} tokens at seq-len {r['seq_len']}; original: {r['original']:.2f}. Recovery on the "
-        f"calibration split only; each stage bounded at {r['local_minutes']:g} min (local) and "
-        f"{r['uptrain_minutes']:g} min (uptraining) of wall time (set by `HEADLAB_BENCH_LOCAL_MINUTES="
-        f"{r['local_minutes']:g} HEADLAB_BENCH_UPTRAIN_MINUTES={r['uptrain_minutes']:g}` before the command). "
+        f"calibration split only; {_budget(r)}. "
         f"{_sharing(r)} Local: "
         f"{r['local']['local_tokens']:,} calibration tokens. Uptraining: default recipe (KL, attention only, warmup + "
         f"cosine, clip 1.0), {r['uptrain']['batch_size']} x {r['uptrain']['seq_len']} tokens per step, best state by "
@@ -232,9 +260,7 @@ def markdown(r: dict) -> str:
     for name, rows in r["models"].items():
         _, floor, aim = GOALS[name]
         for kind, row in rows.items():
-            minutes = {"local": r["local_minutes"], "up": r["uptrain_minutes"]}
-            minutes["both"] = minutes["local"] + minutes["up"]
-            command = COMMANDS[name] + RECOVER[kind].format(**minutes)
+            command = _command(r, name, kind)
             tokens = row.get("tokens", 0) + row.get("local_tokens", 0)
             lines.append(
                 f"| {LABELS[name]} | {kind} | {row['perplexity']:,.2f} | {row['seconds']:.0f} s | {tokens:,} | "
