@@ -404,7 +404,15 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
         except OSError as error:
             raise HeadlabError(f"cannot create {staging}: {_write_failure(error) or error.strerror}") from None
         try:
-            yield journal
+            try:
+                yield journal
+            except HeadlabError as error:  # say what was kept, unless the caller already did
+                if not journal.completed or str(staging) in str(error):
+                    raise
+                raise HeadlabError(
+                    f"{error}; the completed steps ({', '.join(journal.completed)}) are kept in {staging}: rerun the "
+                    "same command to resume"
+                ) from error
             (staging / _JOURNAL).unlink(missing_ok=True)
             apply_umask(staging)
             publish(staging, target, overwrite, replaceable)

@@ -17,13 +17,14 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from headlab import __version__
 from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_with_record
 from headlab.costs import kv_bytes_per_token
 from headlab.data import TextSpec, takes_text
 from headlab.errors import HeadlabError, moved_names, renamed_keywords
 from headlab.evaluate import perplexity
-from headlab.fsio import check_out
+from headlab.fsio import check_out, resumable_directory
 from headlab.kv_heads import (
     GROUPINGS,
     METHODS,
@@ -43,7 +44,7 @@ from headlab.loading import LoadedModel, check_resident
 from headlab.merge import merge_kv_heads
 from headlab.recover import save_recovered
 from headlab.restore import restoring
-from headlab.tables import versions, write_run
+from headlab.tables import write_run, write_run_files
 
 
 @dataclass
@@ -351,6 +352,7 @@ def gqa_sweep(
     calibration_tokens: int = 2048,
     seed: int = 0,
     progress: bool = True,
+    journal=None,
 ) -> tuple[pd.DataFrame, dict]:
     """Perplexity and KV bytes per token for each target KV-head count x grouping x pool (expanded and unchanged
     models get one row each). Default targets: every reachable count, from H (MHA) down to 1 (MQA).
@@ -360,6 +362,8 @@ def gqa_sweep(
     of `pools`; "svd" adds one calibrated merge (headlab.merge) per grouping (pool column "svd").
     text: the eval text (a TextSpec, or the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
     batch_size); calibration reads its calibration split, `calibration_tokens` tokens (calib_tokens: earlier name).
+    journal (headlab.fsio.StepJournal): each variant's row is recorded there, and one an interrupted run of the same
+    sweep recorded is read back instead of converted and measured again.
     """
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
@@ -383,10 +387,15 @@ def gqa_sweep(
         if key in seen:
             rows.append(dict(seen[key], grouping=grouping, pool=pool, variant=label, same_as=seen[key]["variant"]))
             continue
-        with restoring(loaded):  # back to the original model for the next variant, also after an error
-            conversion = apply(loaded, plan, batches=batches)
-            row = {"variant": label, "kv_heads": g, "action": conversion.action, "grouping": grouping, "pool": pool}
-            row.update(_variant_numbers(loaded, text, conversion))
+        if journal is not None and journal.done(label):
+            row = journal.records[label]["row"]
+        else:
+            with restoring(loaded):  # back to the original model for the next variant, also after an error
+                conversion = apply(loaded, plan, batches=batches)
+                row = {"variant": label, "kv_heads": g, "action": conversion.action, "grouping": grouping, "pool": pool}
+                row.update(_variant_numbers(loaded, text, conversion))
+            if journal is not None:
+                journal.finish(label, {"row": row})
         rows.append(row)
         seen[key] = row
     frame = pd.DataFrame(rows)
@@ -443,26 +452,36 @@ def _sweep_jobs(kv_heads, actions, groupings, pools, methods) -> list[tuple[int,
 
 
 def run_sweep(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) -> tuple[pd.DataFrame, dict]:
-    """`headlab gqa-sweep`: the sweep table (CSV + Parquet), meta.json, the similarity pairs and the plot."""
+    """`headlab gqa-sweep`: the sweep table (CSV + Parquet), meta.json, the similarity pairs and the plot. Each
+    variant is a step kept in OUT.partial, so a failed or interrupted run resumes when run again (resumable_sweep)."""
+    return resumable_sweep(loaded, out, overwrite, kwargs, lambda journal: gqa_sweep(loaded, journal=journal, **kwargs))
+
+
+def resumable_sweep(loaded: LoadedModel, out, overwrite: bool, options: dict, compute) -> tuple[pd.DataFrame, dict]:
+    """`compute(journal) -> (frame, meta)` inside a resumable OUT (headlab.fsio.resumable_directory), keyed by the
+    model and `options`; the sweep's files are written into it and published when it completes."""
     check_out(out, overwrite)
-    frame, meta = gqa_sweep(loaded, **kwargs)
-    write_sweep(out, frame, meta, loaded.spec, overwrite=overwrite)
+    key = {"command": "headlab gqa-sweep", "model": loaded.describe(), "headlab": __version__}
+    key["options"] = {name: repr(value) for name, value in sorted(options.items())}
+    with resumable_directory(out, key, overwrite=overwrite) as journal:
+        frame, meta = compute(journal)
+        write_run_files(journal.staging, *sweep_files(frame, meta, loaded.spec))
     return frame, meta
 
 
-def write_sweep(out, frame: pd.DataFrame, meta: dict, spec: str, *, overwrite: bool = False) -> None:
-    """A sweep's table (CSV + Parquet), meta.json and gqa_sweep.png under `out`, published atomically."""
+def sweep_files(frame: pd.DataFrame, meta: dict, spec: str) -> tuple[dict, dict, dict]:
+    """(tables, meta, figures) of a sweep's run directory: sweep.csv/.parquet, meta.json and gqa_sweep.png."""
     # seaborn/matplotlib take about a second to import: only the sweep draws, so conversion skips that start-up time.
     from headlab.plots import figure_bytes, plot_gqa_sweep
 
     fig = plot_gqa_sweep(frame, f"{spec}: {meta['query_heads']} query heads, KV heads swept")
-    write_run(
-        out,
-        {"sweep": frame},
-        {**meta, "versions": versions()},
-        overwrite=overwrite,
-        extra_files={"gqa_sweep.png": figure_bytes(fig)},
-    )
+    return {"sweep": frame}, meta, {"gqa_sweep.png": figure_bytes(fig)}
+
+
+def write_sweep(out, frame: pd.DataFrame, meta: dict, spec: str, *, overwrite: bool = False) -> None:
+    """A sweep's table (CSV + Parquet), meta.json and gqa_sweep.png under `out`, published atomically."""
+    tables, meta, figures = sweep_files(frame, meta, spec)
+    write_run(out, tables, meta, overwrite=overwrite, extra_files=figures)
 
 
 __getattr__ = moved_names(

@@ -14,8 +14,7 @@ from headlab.costs import kv_bytes_per_token
 from headlab.data import TextSpec, takes_text
 from headlab.errors import HeadlabError
 from headlab.evaluate import perplexity
-from headlab.fsio import check_out
-from headlab.gqa import gqa_sweep, measured_kv_bytes_per_token, write_sweep
+from headlab.gqa import gqa_sweep, measured_kv_bytes_per_token, resumable_sweep
 from headlab.loading import LoadedModel
 from headlab.mla import BUDGETS, convert_to_mla, input_grams, plan_mla, rope_phases
 
@@ -84,8 +83,14 @@ def ladder(
     text = text.resolved()
     progress = sweep.get("progress", True)
     frame, meta = gqa_sweep(loaded, text=text, calibration_tokens=calibration_tokens, **sweep)
-    if plans:
+    journal = sweep.get("journal")
+    if plans and journal is not None and journal.done("mla"):  # an interrupted run of the same ladder measured them
+        rows = pd.DataFrame(journal.records["mla"]["rows"])
+    elif plans:
         rows = mla_rows(loaded, plans, text, calibration_tokens, progress)
+        if journal is not None:
+            journal.finish("mla", {"rows": rows.to_dict("records")})
+    if plans:
         rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
         frame = pd.concat([frame, rows], ignore_index=True)
         meta["mla"] = {"budgets": list(mla), "conversion": "headlab.mla.convert_to_mla (training-free)"}
@@ -93,8 +98,6 @@ def ladder(
 
 
 def run_ladder(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) -> tuple[pd.DataFrame, dict]:
-    """`headlab gqa-sweep --mla ...`: the ladder's table (CSV + Parquet), meta.json and plot, written atomically."""
-    check_out(out, overwrite)
-    frame, meta = ladder(loaded, **kwargs)
-    write_sweep(out, frame, meta, loaded.spec, overwrite=overwrite)
-    return frame, meta
+    """`headlab gqa-sweep --mla ...`: the ladder's table (CSV + Parquet), meta.json and plot; each variant and the MLA
+    rows are steps kept in OUT.partial, so a failed or interrupted run resumes when run again."""
+    return resumable_sweep(loaded, out, overwrite, kwargs, lambda journal: ladder(loaded, journal=journal, **kwargs))

@@ -91,6 +91,7 @@ def sweep(
     tasks: list[str] | None = None,
     include_path: str | Path | None = None,
     task_limit: int | None = None,
+    journal=None,
 ) -> SweepResult:
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
@@ -104,6 +105,8 @@ def sweep(
     the same settings (e.g. the report's importance step), instead of computing them again.
     tasks: lm-eval tasks (headlab.lm_eval_bridge) run on every pruned model too, as "task/metric" columns; at most
     task_limit documents each; include_path holds local task YAMLs.
+    journal (headlab.fsio.StepJournal): each (order, seed) is recorded there when done, and one already recorded by
+    an interrupted run of the same sweep is read back instead of run again (`headlab sweep` resumes this way).
     """
 
     # More than 12 parameters: the Python face of every `headlab sweep` option (API compatibility).
@@ -131,7 +134,8 @@ def sweep(
             else _order_steps(loaded, run[0], run[1] or 0, fractions, spec, method, request, (scores or {}).get(run[0]))
             for run in runs
         }  # generators: each order is scored when its turn comes
-        rows = list(_sweep_rows(steps, measure, [None] + ([compensate] if compensate else []), total_heads, bar))
+        compensations = [None] + ([compensate] if compensate else [])
+        rows = list(_sweep_rows(steps, measure, compensations, total_heads, bar, journal))
     name = text.corpus_name
     meta = {
         **loaded.describe(),
@@ -153,16 +157,28 @@ def sweep(
     return SweepResult(pd.DataFrame(rows), meta)
 
 
-def _sweep_rows(steps: dict, measure, compensations: list, total_heads: int, bar):
-    """One row per (order, seed, fraction, compensation): the pruned model's measurements (`measure`)."""
+def _sweep_rows(steps: dict, measure, compensations: list, total_heads: int, bar, journal=None):
+    """One row per (order, seed, fraction, compensation): the pruned model's measurements (`measure`). With a
+    `journal` (headlab.fsio.StepJournal) each (order, seed) is a step: its rows are recorded when it completes, and a
+    step an interrupted run of the same sweep completed is read back instead of scored and measured again."""
     for (order, seed), fractions in steps.items():
+        step = order if seed is None else f"{order}/seed {seed}"
+        if journal is not None and journal.done(step):
+            kept = journal.records[step]["rows"]
+            bar.update(len({row["fraction"] for row in kept}))
+            yield from kept
+            continue
+        rows = []
         for fraction, pruned in fractions:
             n = sum(len(p) for p in pruned)
             for compensation in compensations:
                 row = {"order": order, "seed": seed, "fraction": fraction, "pruned_heads": n}
                 row.update(fraction_pruned=n / total_heads, compensation=compensation or "none")
-                yield {**row, **measure(pruned, compensation)}
+                rows.append({**row, **measure(pruned, compensation)})
             bar.update()
+        if journal is not None:
+            journal.finish(step, {"rows": rows})
+        yield from rows
 
 
 def _check_sweep_options(loaded, fractions, orders, seeds, unit, mode, text, tasks, include_path):
@@ -293,8 +309,9 @@ def _task_values(loaded, tasks, include_path, limit, batch_size, manager) -> dic
     return task_columns(result)
 
 
-def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
-    """sweep.csv + sweep.parquet + meta.json + sweep.png (+ sweep_tasks.png with task metrics), atomically."""
+def sweep_files(result: SweepResult) -> tuple[dict, dict, dict]:
+    """(tables, meta, figures) of a sweep's run directory: sweep.csv/.parquet, meta.json, sweep.png (+ sweep_tasks.png
+    with task metrics)."""
     # seaborn/matplotlib load in about a second: imported only when the sweep draws its figure (saves start-up time elsewhere).
     from headlab.plots import figure_bytes, plot_sweep, plot_sweep_tasks
 
@@ -304,4 +321,10 @@ def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
         files["sweep_tasks.png"] = figure_bytes(
             plot_sweep_tasks(result.table, f"{model}: lm-eval tasks as heads are pruned")
         )
-    return write_run(Path(out), {"sweep": result.table}, result.meta, overwrite=overwrite, extra_files=files)
+    return {"sweep": result.table}, result.meta, files
+
+
+def write_sweep(result: SweepResult, out, *, overwrite: bool = False) -> Path:
+    """The sweep's run directory (sweep_files), atomically."""
+    tables, meta, files = sweep_files(result)
+    return write_run(Path(out), tables, meta, overwrite=overwrite, extra_files=files)

@@ -52,15 +52,21 @@ def write_run(
     if not distributed.is_main():
         return out
     with atomic_directory(out, overwrite=overwrite) as tmp:
-        for name, frame in tables.items():
-            frame.to_csv(tmp / f"{name}.csv", index=False)
-            frame.to_parquet(tmp / f"{name}.parquet", index=False)
-        (tmp / "meta.json").write_text(json_text({**meta, "versions": versions()}))
-        for name, content in (extra_files or {}).items():
-            mode = "wb" if isinstance(content, bytes) else "w"
-            with open(tmp / name, mode) as handle:
-                handle.write(content)
+        write_run_files(tmp, tables, meta, extra_files)
     return out
+
+
+def write_run_files(directory: Path, tables: dict[str, pd.DataFrame], meta: dict, extra_files=None) -> None:
+    """The files of a run directory (tables as CSV and Parquet, meta.json, extra files) written into `directory`,
+    which is itself a staging directory (atomic_directory, resumable_directory)."""
+    for name, frame in tables.items():
+        frame.to_csv(directory / f"{name}.csv", index=False)
+        frame.to_parquet(directory / f"{name}.parquet", index=False)
+    (directory / "meta.json").write_text(json_text({**meta, "versions": versions()}))
+    for name, content in (extra_files or {}).items():
+        mode = "wb" if isinstance(content, bytes) else "w"
+        with open(directory / name, mode) as handle:
+            handle.write(content)
 
 
 def read_run(path: Path) -> tuple[dict[str, pd.DataFrame], dict]:

@@ -409,6 +409,43 @@ def test_cli_sweep_writes_table_and_plot(tiny_checkpoint, tmp_path, capsys):
     assert json.loads((tmp_path / "sweep" / "meta.json").read_text())["kv_heads"] == 2
 
 
+def test_cli_sweep_resumes_after_a_failed_variant(tiny_checkpoint, tmp_path, capsys, monkeypatch):
+    """A variant that fails keeps the variants before it in OUT.partial; the same command again converts and measures
+    only the rest (the MLA rung too) and writes the table of an uninterrupted run (timings aside)."""
+    import pandas as pd
+    from tiny_text import SAMPLE_TEXT
+
+    from headlab import gqa as gqa_module
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    args = ["gqa-sweep", "--model", tiny_checkpoint, "--data", corpus, "--seq-len", "32", "--max-tokens", "128"]
+    args += ["--calibration-tokens", "128", "--pool", "mean,first", "--mla", "gqa"]
+    measured, fail = [], False
+    real = gqa_module._variant_numbers
+
+    def numbers(loaded, text, conversion):
+        measured.append(conversion.action)
+        if fail and len(measured) == 3:
+            raise HeadlabError("out of luck")
+        return real(loaded, text, conversion)
+
+    monkeypatch.setattr(gqa_module, "_variant_numbers", numbers)
+    code, _, err = run_cli([*args, "--out", tmp_path / "whole"], capsys)
+    assert code == 0, err
+    variants, fail, measured[:] = len(measured), True, []
+    out = tmp_path / "resumed"
+    code, _, err = run_cli([*args, "--out", out], capsys)
+    assert code == 2 and "out of luck" in err and f"are kept in {out}.partial" in err and not out.exists()
+    fail, measured[:] = False, []
+    code, _, err = run_cli([*args, "--out", out], capsys)
+    assert code == 0, err
+    assert variants > 3 and len(measured) == variants - 2  # the two variants measured before the failure are kept
+    whole, resumed = pd.read_csv(tmp_path / "whole" / "sweep.csv"), pd.read_csv(out / "sweep.csv")
+    pd.testing.assert_frame_equal(whole, resumed)
+    assert not (tmp_path / "resumed.partial").exists()
+
+
 # ---- the embedded model ----------------------------------------------------------------------------------------
 
 

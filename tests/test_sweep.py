@@ -91,3 +91,38 @@ def test_cli_sweep(tmp_path, corpus, capsys):
     assert "random" in out and (tmp_path / "o" / "sweep.png").is_file()
     code, _, err = run_cli([*args[:-2], "--fractions", "0,1.5", "--out", tmp_path / "p"], capsys)
     assert code == 2 and "[0, 1)" in err and not (tmp_path / "p").exists()
+
+
+def test_cli_sweep_resumes_after_a_failed_order(tmp_path, corpus, capsys, monkeypatch):
+    """An order that fails keeps the orders before it in OUT.partial; the same command again measures only what is
+    missing and writes the same table as an uninterrupted sweep (timings aside)."""
+    from headlab import sweep as sweep_module
+
+    src = save_tiny("llama", tmp_path / "src")
+    args = ["sweep", "--model", src, "--device", "cpu", "--data", corpus, "--max-tokens", "64", "--seq-len", "32",
+            "--calibration-tokens", "64", "--fractions", "0,0.25,0.5", "--orders", "importance,random,entropy",
+            "--seeds", "0,1"]  # fmt: skip
+    code, _, err = run_cli([*args, "--out", tmp_path / "whole"], capsys)
+    assert code == 0, err
+    measured = []
+    real = sweep_module._Measure._measure
+
+    def measure(self, pruned, compensation):
+        measured.append(pruned)
+        if fail and len(measured) == 5:  # importance's 3 fractions done; random seed 0 fails at its second model
+            raise HeadlabError("the machine went away")
+        return real(self, pruned, compensation)
+
+    monkeypatch.setattr(sweep_module._Measure, "_measure", measure)
+    fail = True
+    out = tmp_path / "resumed"
+    code, _, err = run_cli([*args, "--out", out], capsys)
+    assert code == 2 and "the machine went away" in err.splitlines()[-1]
+    assert f"the completed steps (importance) are kept in {out}.partial" in err and not out.exists()
+    fail, measured[:] = False, []
+    code, _, err = run_cli([*args, "--out", out], capsys)
+    assert code == 0, err
+    assert "importance already done" in err and not (tmp_path / "resumed.partial").exists()
+    assert len(measured) < 12  # importance's models were not measured again
+    whole, resumed = pd.read_csv(tmp_path / "whole" / "sweep.csv"), pd.read_csv(out / "sweep.csv")
+    pd.testing.assert_frame_equal(whole.drop(columns="tokens_per_s"), resumed.drop(columns="tokens_per_s"))

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from headlab import __version__
 from headlab.cli.options import (
     calibration_tokens_option,
     compensate_option,
@@ -17,6 +18,7 @@ from headlab.cli.options import (
 )
 from headlab.compensate import COMPENSATIONS
 from headlab.errors import HeadlabError
+from headlab.fsio import resumable_directory
 from headlab.lm_eval_bridge import metric_columns, task_manager
 from headlab.prune import MODES
 from headlab.report_text import parse_list
@@ -29,8 +31,9 @@ from headlab.sweep import (
     ORDERS,
     check_sweep,
     sweep,
-    write_sweep,
+    sweep_files,
 )
+from headlab.tables import write_run_files
 
 
 @click.command("sweep")
@@ -113,24 +116,27 @@ def command(  # click passes every option as a parameter
     out = Path(out) if out is not None else Path("headlab-sweep")
     guard(out, overwrite, {"model": load.spec}, data=text.data)
     loaded = load()
-    result = sweep(
-        loaded,
-        fractions=fraction_list,
-        orders=order_list,
-        seeds=seed_list,
-        unit=unit,
-        per_layer=per_layer,
-        mode=mode,
-        text=text,
-        calibration_tokens=calibration_tokens,
-        eval_tokens=text.max_tokens,
-        method=method,
-        compensate=compensate,
-        tasks=task_list,
-        include_path=include_path,
-        task_limit=task_limit,
-    )
-    write_sweep(result, out, overwrite=overwrite)
+    # Each (order, seed) is a step kept in OUT.partial: a failed or interrupted sweep resumes after the last completed
+    # one when the same command runs again (the same model, text and options; headlab.fsio.resumable_directory).
+    options = dict(fractions=fraction_list, orders=order_list, seeds=seed_list, unit=unit, per_layer=per_layer)
+    options.update(mode=mode, calibration_tokens=calibration_tokens, method=method, compensate=compensate)
+    options.update(tasks=task_list, include_path=include_path, task_limit=task_limit, text=repr(text))
+    key = {"command": "headlab sweep", "model": loaded.describe(), "options": options, "headlab": __version__}
+    with resumable_directory(out, key, overwrite=overwrite) as journal:
+        if journal.resumed:
+            click.echo(f"resuming from {journal.staging}: {', '.join(journal.resumed)} already done", err=True)
+        result = sweep(loaded, text=text, eval_tokens=text.max_tokens, journal=journal, **_library(options))
+        write_run_files(journal.staging, *sweep_files(result))
+    _print(result, out)
+
+
+def _library(options: dict) -> dict:
+    """The command's options as sweep()'s keywords (the text is passed as its TextSpec)."""
+    return {k: v for k, v in options.items() if k != "text"}
+
+
+def _print(result, out: Path) -> None:
+    """The sweep's summary table (and task metrics) on standard output."""
     summary = (
         result.table.groupby(["order", "compensation", "fraction"], sort=False)
         .agg(pruned=("pruned_heads", "mean"), perplexity=("perplexity", "mean"), tokens_per_s=("tokens_per_s", "mean"))
