@@ -376,8 +376,9 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
     """Like atomic_directory, for a run made of steps: yields a StepJournal whose `staging` directory
     (`TARGET.partial`, beside `target`) keeps each completed step when a later one fails or the run is interrupted,
     so a rerun with the same key (inputs and options, compared as JSON) resumes after the last completed step. A
-    staging directory made for another key is started afresh. The finished run is published like atomic_directory's
-    (never replacing what it did not expect) and the journal is not part of it."""
+    staging directory made for another key is started afresh, and one where no step completed is removed on failure
+    (a refused run writes nothing). The finished run is published like atomic_directory's (never replacing what it
+    did not expect) and the journal is not part of it."""
     import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
 
     target = Path(target)
@@ -406,9 +407,11 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
         try:
             try:
                 yield journal
-            except HeadlabError as error:  # say what was kept, unless the caller already did
-                if not journal.completed or str(staging) in str(error):
-                    raise
+            except BaseException as error:
+                if not journal.completed:  # nothing worth keeping: the run leaves nothing behind
+                    shutil.rmtree(staging, ignore_errors=True)
+                if not isinstance(error, HeadlabError) or not journal.completed or str(staging) in str(error):
+                    raise  # (the caller already said what was kept)
                 raise HeadlabError(
                     f"{error}; the completed steps ({', '.join(journal.completed)}) are kept in {staging}: rerun the "
                     "same command to resume"

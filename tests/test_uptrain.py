@@ -367,3 +367,34 @@ def test_cli_cap_too_small_exits_0_and_saves_with_a_note(tmp_path, capsys):
     assert "stopped at the 1e-07-minute cap with the best state so far" in out
     meta = json.loads((tmp_path / "gqa" / "recovery" / "meta.json").read_text())
     assert meta["stopped_on_time"] and meta["uptrain"]["skipped"]
+
+
+def test_cli_recovery_saves_identical_weights_on_a_fast_and_a_slow_machine(tmp_path, capsys, monkeypatch):
+    """`convert-gqa --recover local,uptrain` and `prune --recover ...` twice, the second time on a machine 10,000 times
+    slower as the clocks see it: the same saved weights, byte for byte."""
+    from safetensors.torch import load_file
+
+    from headlab import reconstruct
+    from headlab import recover as recover_module
+    from headlab import uptrain as uptrain_module
+
+    save_tiny("llama", tmp_path / "teacher")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 6)
+    common = ["--model", tmp_path / "teacher", "--device", "cpu", "--data", corpus, "--seq-len", "32"]
+    commands = {
+        "gqa": ["convert-gqa", *common, "--kv-heads", "1", "--max-tokens", "128"],
+        "pruned": ["prune", *common, "--heads", "0:0;1:2", "--max-tokens", "128"],
+    }
+    recovery = ["--recover", "local,uptrain", "--recover-steps", "3"]
+    for name, args in commands.items():
+        code, _, err = run_cli([*args, *recovery, "--out", tmp_path / f"{name}-fast"], capsys)
+        assert code == 0, err
+        with monkeypatch.context() as slow:
+            for module in (reconstruct, recover_module, uptrain_module):
+                slow.setattr(module, "time", _ScaledClock(10_000.0))
+            code, _, err = run_cli([*args, *recovery, "--out", tmp_path / f"{name}-slow"], capsys)
+        assert code == 0, err
+        fast = load_file(tmp_path / f"{name}-fast" / "model.safetensors")
+        slow_weights = load_file(tmp_path / f"{name}-slow" / "model.safetensors")
+        assert fast.keys() == slow_weights.keys() and all(torch.equal(fast[k], slow_weights[k]) for k in fast)
