@@ -68,17 +68,36 @@ def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str
     for label, source in inputs.items():
         if source is None or not os.path.lexists(Path(source).expanduser()):
             continue
-        relation = _relation(target, real(source))
-        if relation is not None:
-            raise HeadlabError(
-                f"{option} {out} {relation} the {label} {source}, a source this command reads; choose another"
-            )
+        for where in _resolved_parts(Path(source).expanduser()):
+            relation = _relation(target, where)
+            if relation is not None:
+                via = "" if where == real(source) else f" (through the link to {where})"
+                raise HeadlabError(
+                    f"{option} {out} {relation} the {label} {source}{via}, a source this command reads; choose "
+                    "another"
+                )
     for label, source in inputs.items():
         if source is not None and os.path.exists(Path(source).expanduser()):
             check_readable(label, Path(source).expanduser())
     if os.path.lexists(Path(out).expanduser()) and not overwrite and not (replaceable and replaceable(Path(out))):
         raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
     check_writable(out, option)
+
+
+def _resolved_parts(source: Path, most: int = 100_000) -> list[Path]:
+    """Where an input really lives: the path resolved, and for a directory also every symlink inside it resolved,
+    since a model folder's files may be links into another folder (the Hugging Face cache links each snapshot file
+    into blobs/). At most `most` entries are walked (a corpus directory of many files)."""
+    parts = [real(source)]
+    if source.is_dir():
+        for count, (folder, dirs, files) in enumerate(os.walk(source)):
+            for name in dirs + files:
+                path = Path(folder) / name
+                if path.is_symlink():
+                    parts.append(real(path))
+            if count >= most:
+                break
+    return list(dict.fromkeys(parts))
 
 
 def check_readable(label: str, source: Path) -> None:
@@ -301,15 +320,29 @@ def atomic_directory(target: Path, overwrite: bool = False, replaceable=None):
 
 def atomic_write_text(path: Path, text: str) -> Path:
     """Write `text` to `path` through a temporary file beside it and a rename, so readers never see half a file."""
+    return atomic_write_bytes(path, text.encode())
+
+
+def atomic_write_bytes(path: Path, content: bytes) -> Path:
+    """Write `content` to `path` through a temporary file beside it and a rename, so readers never see half a file:
+    on a full disk the previous file stays whole (one-line error). The file gets the umask's permissions."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as error:
+        raise HeadlabError(f"cannot write {path}: {_write_failure(error) or error.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(content)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as error:
         Path(tmp).unlink(missing_ok=True)
+        reason = _write_failure(error)
+        if reason is not None:
+            state = "the previous file is untouched" if path.exists() else "nothing was written"
+            raise HeadlabError(f"writing {path} failed: {reason}; {state}") from None
         raise
     return path
 

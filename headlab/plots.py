@@ -19,6 +19,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from headlab.errors import HeadlabError
+from headlab.fsio import atomic_write_bytes
 from headlab.stats import STATISTICS
 
 FORMATS = ("png", "svg", "pdf")
@@ -62,15 +63,14 @@ def label_of(column: str) -> str:
 
 
 def save_figure(fig, path, fmt: str | None = None) -> Path:
-    """Write `fig` to `path` (format from `fmt` or the suffix: png, svg or pdf)."""
+    """Write `fig` to `path` (format from `fmt` or the suffix: png, svg or pdf), atomically."""
     path = Path(path)
     fmt = (fmt or path.suffix.lstrip(".") or "png").lower()
     if fmt not in FORMATS:
         raise HeadlabError(f"unknown figure format {fmt!r}; use one of {', '.join(FORMATS)}")
     path = path.with_suffix(f".{fmt}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format=fmt, dpi=DPI, bbox_inches="tight")
-    return path
+    # encoded first, then renamed into place: a full disk never leaves a truncated figure where a good one was
+    return atomic_write_bytes(path, figure_bytes(fig, fmt))
 
 
 def figure_bytes(fig, fmt: str = "png") -> bytes:

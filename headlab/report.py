@@ -390,13 +390,30 @@ REPORT_ENTRIES = {
 
 
 def is_demo_run(path: Path) -> bool:
-    """A directory written by `headlab demo` (its meta.json says so) holding nothing a user added at its top level."""
+    """A directory written by `headlab demo` (its meta.json says so) holding nothing a user added: every file in it,
+    at any depth, is one the demo listed in meta.json's "files" (and nothing is a link)."""
     path = Path(path)
     try:
-        marked = json.loads((path / "meta.json").read_text()).get("command") == DEMO_MARKER
-        return marked and {p.name for p in path.iterdir()} <= REPORT_ENTRIES
-    except (OSError, ValueError, AttributeError):
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("command") != DEMO_MARKER or path.is_symlink():
+            return False
+        if {p.name for p in path.iterdir()} - REPORT_ENTRIES:
+            return False
+        return set(_files(path)) <= set(meta.get("files", ()))
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
+
+
+def _files(root: Path) -> list[str]:
+    """Every entry under `root` as a relative POSIX path (folders end in '/'; a link counts as a file, never
+    followed), for the demo's list of what it wrote."""
+    entries = []
+    for folder, dirs, files in os.walk(root):
+        base = Path(folder).relative_to(root)
+        entries += [(base / d).as_posix() + "/" for d in dirs if not (Path(folder) / d).is_symlink()]
+        entries += [(base / f).as_posix() for f in files]
+        entries += [(base / d).as_posix() for d in dirs if (Path(folder) / d).is_symlink()]
+    return sorted(entries)
 
 
 def _say(progress: bool, text: str) -> None:
@@ -696,7 +713,9 @@ def _report_meta(loaded: LoadedModel, plan: ReportPlan, report: Report, options:
 
 
 def _write_documents(tmp: Path, meta: dict, info: dict, fmt: str) -> None:
-    """meta.json, report.md and the self-contained report.html, all read from the tables under `tmp`."""
+    """meta.json, report.md and the self-contained report.html, all read from the tables under `tmp`. meta.json lists
+    every file the report holds, so a later demo replaces the directory only while nothing else was added."""
+    meta = {**meta, "files": sorted({*_files(tmp), "meta.json", "report.md", "report.html"})}
     write_json(tmp / "meta.json", meta)
     sections = build_sections(tmp, meta, info, fmt)
     (tmp / "report.md").write_text(render_markdown(sections, meta))

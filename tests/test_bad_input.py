@@ -314,6 +314,14 @@ CASES = [
     (["report", "--model", "{nested}", *M, *TEXT, "--quick", "--out", "{nestparent}", "--overwrite"], "contains"),
     (["demo", "--model", "{llama}", *M, *TEXT, "--quick", "--out", "{text}", "--overwrite"], "is the corpus"),
     (["plot", "{infrun}", "--out", "{infrun}"], "contains the table"),
+    # ---- issue 29: a model whose files are links (the hub cache's layout), and commands that lacked the guard ----
+    (["stats", "--model", "{snapshot}", *M, *DATA, "--out", "{blobs}", "--overwrite"], "(through the link to"),
+    (["prune", "--model", "{snapshot}", *M, *DATA, "--heads", "0:0", "--out", "{blobs}", "--overwrite"], "contains"),
+    (["export-gguf", "--model", "{snapshot}", *M, "--out", "{snapshot}/x.gguf", "--no-verify"], "lies inside the model"),
+    (["export-gguf", "--model", "{llama}", *M, "--out", "{llama}/model.safetensors", "--overwrite"], "lies inside"),
+    (["export-gguf", "--model", "{llama}", *M, *DATA, "--out", "{text}", "--overwrite"], "is the corpus"),
+    (["speed", "{llama}", "--device", "cpu", "--out", "{llama}", "--overwrite"], "is the model"),
+    (["speed", "{snapshot}", "--device", "cpu", "--out", "{snapshot}/run"], "lies inside the model"),
     # ---- issue 19: outputs that cannot be written, checked before any work ----
     (["stats", "--model", "{llama}", *M, *DATA, "--out", "{badmask}/x"], "not a directory"),
     # ---- issue 19: validation of what is loaded ----
@@ -391,6 +399,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "othertok": save_tiny("llama", root / "othertok"),  # its tokenizer is replaced below
     }
     _other_vocabulary(paths["othertok"])
+    paths["snapshot"], paths["blobs"] = _hub_cache_layout(paths["llama"], root / "hub")
     paths["text"].write_text(SAMPLE_TEXT)
     paths["existing"].mkdir()
     (paths["existing"] / "keep.txt").write_text("an earlier result")
@@ -438,6 +447,24 @@ def _hostile(paths: dict, root: Path) -> None:
     paths["duplicates"] = hostile.duplicate_scores(root)
     paths.update(hostile.corpora(root, SAMPLE_TEXT))
     paths["infrun"] = hostile.infinite_run(root)
+
+
+def _hub_cache_layout(checkpoint: Path, cache: Path) -> tuple[Path, Path]:
+    """A copy of `checkpoint` laid out as the Hugging Face hub cache lays out a model: every file of
+    snapshots/<revision>/ a relative symlink to its content in blobs/<sha256>. Returns (snapshot, blobs)."""
+    import hashlib
+    import os
+
+    repo = cache / "models--tiny--llama"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for path in sorted(Path(checkpoint).iterdir()):
+        content = path.read_bytes()
+        blob = blobs / hashlib.sha256(content).hexdigest()
+        blob.write_bytes(content)
+        os.symlink(os.path.relpath(blob, snapshot), snapshot / path.name)
+    return snapshot, blobs
 
 
 def _other_vocabulary(directory: Path) -> None:

@@ -244,3 +244,42 @@ def test_cli_plot_formats_and_errors(tmp_path, capsys):
     assert code == 2 and "no such run directory" in err
     with pytest.raises(HeadlabError, match="format"):
         plots.save_figure(plots.plot_sweep(sweep_table()), tmp_path / "x.gif")
+
+
+def test_a_full_disk_never_truncates_a_figure(tmp_path, monkeypatch):
+    """save_figure writes beside the figure and renames: a full disk leaves the previous figure whole, one-line
+    error, no temporary file left."""
+    import errno
+
+    import matplotlib.pyplot as plt
+
+    from headlab import fsio
+    from headlab.errors import HeadlabError
+    from headlab.plots import save_figure
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    path = save_figure(fig, tmp_path / "line.png")
+    before = path.read_bytes()
+    assert before.startswith(b"\x89PNG") and oct(path.stat().st_mode & 0o777) != oct(0o600)
+
+    class FullDisk:
+        def __init__(self, fd, mode):
+            self.handle = open(fd, mode)  # noqa: SIM115 - closed in __exit__
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            self.handle.write(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fsio.os, "fdopen", FullDisk)
+    ax.plot([0, 1], [0, 1])
+    with pytest.raises(HeadlabError, match="no space left on the device; the previous file is untouched"):
+        save_figure(fig, path)
+    plt.close(fig)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["line.png"]

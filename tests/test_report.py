@@ -128,7 +128,7 @@ def test_demo_replaces_only_its_own_output(tiny_run, tmp_path, monkeypatch, caps
     code, _, err = run_cli(args, capsys)
     assert code == 2 and "--overwrite" in err and (user / "notes.txt").read_text() == "mine"
     # A previous demo's directory (its meta.json says so) is replaced without --overwrite.
-    (user / "meta.json").write_text(json.dumps({"command": report.DEMO_MARKER}))
+    (user / "meta.json").write_text(json.dumps({"command": report.DEMO_MARKER, "files": ["meta.json"]}))
     code, _, err = run_cli(args, capsys)  # a demo's directory, but a user added a file: kept
     assert code == 2 and "--overwrite" in err and (user / "notes.txt").read_text() == "mine"
     (user / "notes.txt").unlink()
@@ -140,6 +140,13 @@ def test_demo_replaces_only_its_own_output(tiny_run, tmp_path, monkeypatch, caps
     report.check_report_out(user, overwrite=False, demo=True)  # a demo may run again
     with pytest.raises(HeadlabError, match="--overwrite"):
         report.check_report_out(user, overwrite=False, demo=False)
+    # A file a user added anywhere inside the previous demo (here in a step's folder) makes it theirs: kept.
+    (user / "stats" / "my-notes.txt").write_text("mine too")
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--overwrite" in err and (user / "stats" / "my-notes.txt").read_text() == "mine too"
+    assert not report.is_demo_run(user)
+    (user / "stats" / "my-notes.txt").unlink()
+    assert report.is_demo_run(user)
 
 
 def test_attention_maps_equal_eager_attentions():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, model_options
+from headlab.cli.options import data_options, guard, model_options
 from headlab.errors import HeadlabError
 from headlab.gguf_export import DEFAULT_TYPE, check_type, export_gguf
 from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
@@ -37,8 +37,8 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
     """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3, and deepseek_v3 with dense MLPs (MLA, llama.cpp's
     `deepseek2`); per-layer head counts go to llama.cpp's `deci` architecture (the one whose graph builds each layer
     with its own head counts)."""
-    if out.exists() and not overwrite:
-        raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+    # the one output guard: never onto, around or inside the model or the corpus it reads (symlinks resolved)
+    guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     outtype = check_type(outtype)
     missing = unavailable()
     if verify and missing:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from headlab.cli.options import guard
 from headlab.report_text import human_bytes
 from headlab.speed import RUNTIMES, SpeedSpec, run_speed
 
@@ -57,6 +58,8 @@ def command(models, device, dtype, contexts, batches, decode_tokens, prefill_lim
     decode tokens/s with the KV cache at every context x batch, peak memory and KV-cache bytes held. The first
     model is the reference of decode_speedup and kv_ratio."""
     spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes))
+    if out is not None:  # never onto, around or inside a model it measures (symlinks resolved)
+        guard(out, overwrite, {f"model {name or '(embedded)'}": name for name in (list(models) or [None])})
     table, figure_path = run_speed(
         list(models) or [None], spec, device=device, dtype=dtype, out=out, overwrite=overwrite, progress=not as_json
     )
