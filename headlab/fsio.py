@@ -381,16 +381,22 @@ class StepJournal:
         was or with the step added)."""
         self.completed.append(step)
         self.records[step] = record or {}
+        self._save()
+
+    def _save(self) -> None:
         payload = {"key": self.key, "completed": self.completed, "records": self.records}
         atomic_write_text(self.staging / _JOURNAL, json_text(payload))
 
-    def _load(self) -> bool:
-        """Read a previous run's journal; True when it was made for the same key."""
+    def _load(self) -> bool | None:
+        """Read a previous run's journal: True when it was made for the same key, False for another key, None when
+        `staging` holds no headlab journal (then it is not a headlab staging directory)."""
         try:
             saved = json.loads((self.staging / _JOURNAL).read_text())
         except (OSError, ValueError):
-            return False
-        if not isinstance(saved, dict) or saved.get("key") != json.loads(json_text(self.key)):
+            return None
+        if not isinstance(saved, dict) or "key" not in saved:
+            return None
+        if saved.get("key") != json.loads(json_text(self.key)):
             return False
         self.completed = [str(step) for step in saved.get("completed", [])]
         self.records = {step: saved.get("records", {}).get(step, {}) for step in self.completed}
@@ -412,52 +418,68 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
     staging directory made for another key is started afresh, and one where no step completed is removed on failure
     (a refused run writes nothing). The finished run is published like atomic_directory's (never replacing what it
     did not expect) and the journal is not part of it."""
-    import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
-
     target = Path(target)
     if _relation(real(target), real(Path.cwd())) in ("is", "contains"):  # renaming it would fail with EBUSY
         raise HeadlabError(f"{target} is the working directory or holds it; name a new directory")
     if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
         raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
     staging = partial_path(target)
+    with _staging_lock(target, staging):
+        journal = _open_journal(staging, key)
+        try:
+            yield journal
+        except BaseException as error:
+            if not journal.completed:  # nothing worth keeping: the run leaves nothing behind
+                shutil.rmtree(staging, ignore_errors=True)
+            if not isinstance(error, HeadlabError) or not journal.completed or str(staging) in str(error):
+                raise  # (the caller already said what was kept)
+            raise HeadlabError(
+                f"{error}; the completed steps ({', '.join(journal.completed)}) are kept in {staging}: rerun the "
+                "same command to resume"
+            ) from error
+        (staging / _JOURNAL).unlink(missing_ok=True)
+        apply_umask(staging)
+        publish(staging, target, overwrite, replaceable)
+
+
+@contextlib.contextmanager
+def _staging_lock(target: Path, staging: Path):
+    """An exclusive lock beside `staging` for the whole run: a second run writing the same output is refused."""
+    import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
+
+    path = target.parent / f".{staging.name}{_LOCK_SUFFIX}"
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(target.parent / f".{staging.name}{_LOCK_SUFFIX}", "a")
+        handle = open(path, "a")  # noqa: SIM115 - closed by the with below
     except OSError as error:
         raise HeadlabError(f"cannot create {target}: {_write_failure(error) or error.strerror}") from None
-    with lock:
+    with handle:
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # the other run's lock file stays
             raise HeadlabError(f"another headlab run is writing {target} (it holds {staging}); wait for it") from None
-        journal = StepJournal(staging, key)
-        if os.path.lexists(staging) and not (staging.is_dir() and not staging.is_symlink() and journal._load()):
-            _remove(staging)  # a previous run's steps for other inputs or options, or not a staging directory at all
         try:
-            staging.mkdir(exist_ok=True)
-        except OSError as error:
-            raise HeadlabError(f"cannot create {staging}: {_write_failure(error) or error.strerror}") from None
-        try:
-            try:
-                yield journal
-            except BaseException as error:
-                if not journal.completed:  # nothing worth keeping: the run leaves nothing behind
-                    shutil.rmtree(staging, ignore_errors=True)
-                if not isinstance(error, HeadlabError) or not journal.completed or str(staging) in str(error):
-                    raise  # (the caller already said what was kept)
-                raise HeadlabError(
-                    f"{error}; the completed steps ({', '.join(journal.completed)}) are kept in {staging}: rerun the "
-                    "same command to resume"
-                ) from error
-            (staging / _JOURNAL).unlink(missing_ok=True)
-            apply_umask(staging)
-            publish(staging, target, overwrite, replaceable)
-        finally:  # the staging directory stays after a failure: it is what a rerun resumes from
-            Path(lock.name).unlink(missing_ok=True)
+            yield
+        finally:
+            path.unlink(missing_ok=True)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
+def _open_journal(staging: Path, key: dict) -> StepJournal:
+    """The journal of `staging`: an earlier run's for the same key (resumed), or a new one (an earlier run's
+    directory for another key is removed first). Refuses a `staging` that headlab did not make."""
+    journal = StepJournal(staging, key)
+    if os.path.lexists(staging):
+        found = journal._load() if staging.is_dir() and not staging.is_symlink() else None
+        if found is None:  # never remove what headlab did not make
+            raise HeadlabError(
+                f"{staging} exists and is not a headlab run's staging directory (no journal.json); move it away"
+            )
+        if found is False:
+            shutil.rmtree(staging)  # an earlier run's steps, for other inputs or options
+    try:
+        staging.mkdir(exist_ok=True)
+        if not journal.resumed:
+            journal._save()  # the mark of a headlab staging directory, from its first moment
+    except OSError as error:
+        raise HeadlabError(f"cannot create {staging}: {_write_failure(error) or error.strerror}") from None
+    return journal

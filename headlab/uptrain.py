@@ -78,7 +78,7 @@ DEFAULT_STEPS = 64
 class UptrainConfig:
     """The uptraining recipe: AdamW, linear warmup then cosine decay to zero, gradient clipping, accumulation."""
 
-    steps: int = DEFAULT_STEPS  # the budget: optimiser steps of accumulation x batch_size x seq_len tokens (same model anywhere)
+    steps: int = DEFAULT_STEPS  # the budget: steps of accumulation x batch_size x seq_len tokens (same model anywhere)
     minutes: float | None = None  # optional wall-clock cap: training stops there cleanly, keeping the best state
     lr: float = DEFAULT_LR
     warmup: float = 0.1  # fraction of the steps with a linear warmup

@@ -462,3 +462,59 @@ def test_write_failures_the_environment_causes_are_recognised():
     assert fsio._write_failure(OSError(errno.EDQUOT, "Disk quota exceeded")) == "disk quota exceeded"
     assert fsio._write_failure(SafetensorError("Error while deserializing header: HeaderTooLarge")) is None
     assert fsio._write_failure(ValueError("a bug")) is None
+
+
+# ---- resumable multi-step outputs (report, demo, sweep, gqa-sweep) ----------------------------------------------
+
+
+def test_resumable_directory_keeps_completed_steps_for_the_same_key_only(tmp_path):
+    from headlab.fsio import resumable_directory
+
+    target = tmp_path / "run"
+    key = {"model": "m", "options": [1, 2]}
+    with pytest.raises(HeadlabError, match=r"boom; the completed steps \(a\) are kept in .*run.partial"):
+        with resumable_directory(target, key) as journal:
+            (journal.staging / "a.txt").write_text("step a")
+            journal.finish("a", {"seconds": 1.5})
+            raise HeadlabError("boom")
+    assert not target.exists() and (tmp_path / "run.partial" / "a.txt").read_text() == "step a"
+    with resumable_directory(target, {"model": "m", "options": (1, 2)}) as journal:  # tuples compare as JSON lists
+        assert journal.resumed == ["a"] and journal.done("a") and journal.records["a"] == {"seconds": 1.5}
+        journal.finish("b")
+    assert sorted(p.name for p in target.iterdir()) == ["a.txt"]  # the journal is not published
+    assert not (tmp_path / "run.partial").exists()
+    # another key: the earlier steps are discarded, not reused
+    with pytest.raises(HeadlabError):
+        with resumable_directory(tmp_path / "other", key) as journal:
+            journal.finish("a")
+            raise HeadlabError("stop")
+    with resumable_directory(tmp_path / "other", {**key, "model": "n"}) as journal:
+        assert journal.resumed == [] and not journal.done("a")
+
+
+def test_resumable_directory_never_removes_what_it_did_not_make(tmp_path):
+    from headlab.fsio import resumable_directory
+
+    mine = tmp_path / "run.partial"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    with pytest.raises(HeadlabError, match="not a headlab run's staging directory"):
+        with resumable_directory(tmp_path / "run", {"k": 1}):
+            pass
+    assert (mine / "thesis.tex").read_text() == "years of work"
+    # a refused or failing run that completed no step leaves nothing behind
+    with pytest.raises(HeadlabError, match="bad option"):
+        with resumable_directory(tmp_path / "fresh", {"k": 1}):
+            raise HeadlabError("bad option")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.partial"]
+
+
+def test_resumable_directory_refuses_a_second_writer(tmp_path):
+    from headlab.fsio import resumable_directory
+
+    with resumable_directory(tmp_path / "run", {"k": 1}) as journal:
+        journal.finish("a")
+        with pytest.raises(HeadlabError, match="another headlab run is writing"):
+            with resumable_directory(tmp_path / "run", {"k": 1}):
+                pass
+    assert (tmp_path / "run").is_dir()
