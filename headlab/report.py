@@ -28,6 +28,7 @@ from headlab.evaluate import perplexity
 from headlab.fsio import StepJournal, resumable_directory, write_json
 from headlab.importance import head_importance
 from headlab.loading import DEFAULT_MODEL, LoadedModel
+from headlab.reconstruct import LocalSpec
 from headlab.recover import RecoverySpec, recover, teacher_copy, write_recovery
 from headlab.report_render import build_sections, render_html, render_markdown
 from headlab.report_text import human_bytes
@@ -65,10 +66,12 @@ class Settings:
     # MLA rungs of the KV ladder (headlab.ladder): the training-free conversion at these budgets, where it applies
     mla_budgets: tuple[str, ...] = ("gqa", "mqa")
     gallery_heads: int = 3
-    # recovery of the svd-merged model: local reconstruction on calibration_tokens, then uptraining steps of
-    # batch_size x recovery_seq_len tokens (a budget, so every machine gets the same model); 0 steps: no recovery step
-    recovery_steps: int = 16
+    # recovery of the svd-merged model: local reconstruction on calibration_tokens (recovery_local_passes per layer),
+    # then uptraining steps of batch_size x recovery_seq_len tokens (budgets, so every machine gets the same model);
+    # 0 steps: no recovery step
+    recovery_steps: int = 12
     recovery_seq_len: int = 128
+    recovery_local_passes: int = 6
     # headlab speed: decode with a KV cache; points above speed_prefill_limit tokens get a synthetic cache
     speed_contexts: tuple[int, ...] = (512, 2048, 8192)
     speed_batches: tuple[int, ...] = (1, 8)
@@ -90,7 +93,7 @@ PRESETS = {
         seeds=(0,),
         groupings=("contiguous",),
         mla_budgets=("gqa",),  # one build at full rank (the mqa budget builds and compares three rope splits)
-        recovery_steps=8,
+        recovery_steps=6,
         speed_contexts=(128, 512),
         speed_batches=(1, 4),
         speed_decode_tokens=2,
@@ -542,8 +545,12 @@ def _recovery_step(run: ReportRun) -> None:
     merged = f"{run.target} KV heads, svd merge"
     rows.append({"model": merged, "perplexity": perplexity(student, corpus, **eval_args).perplexity, "seconds": 0.0})
     config = UptrainConfig(steps=s.recovery_steps, seq_len=min(s.recovery_seq_len, s.seq_len), heldout_tokens=512)
-    config = replace(config, eval_tokens=0)
-    spec = RecoverySpec(uptrain=config, local_tokens=s.calibration_tokens)
+    # eval_tokens 0: the eval split is measured below, once; no activation checkpointing: 4 windows of 128 tokens
+    # of a report-sized model fit in memory, and recomputing them would cost a quarter of the step
+    # held-out checks every 4 steps (the default, about 8 a run, would check after every one of so few steps)
+    config = replace(config, eval_tokens=0, gradient_checkpointing=False, heldout_every=4)
+    local = LocalSpec(steps=s.recovery_local_passes)
+    spec = RecoverySpec(uptrain=config, local=local, local_tokens=s.calibration_tokens)
     spec.local_seq_len = s.seq_len
     record = recover(student, loaded, spec, data=corpus, progress=run.common["progress"])
     after = perplexity(student, corpus, **eval_args).perplexity

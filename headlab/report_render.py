@@ -54,7 +54,8 @@ def _recovery_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
     tokens = settings["batch_size"] * min(settings["recovery_seq_len"], settings["seq_len"])
     text = (
         f"The svd merge to {meta.get('recovery_kv_heads')} KV heads, recovered towards the original: local "
-        f"reconstruction on {settings['calibration_tokens']:,} calibration tokens, then {settings['recovery_steps']} "
+        f"reconstruction on {settings['calibration_tokens']:,} calibration tokens "
+        f"({settings['recovery_local_passes']} passes per layer), then {settings['recovery_steps']} "
         f"uptraining steps of {tokens:,} tokens (budgets in tokens: the same model on any machine; every choice made "
         "on calibration text, docs/recovery.md); eval-split perplexity."
     )

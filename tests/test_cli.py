@@ -98,3 +98,29 @@ def test_unsupported_architecture(tmp_path, capsys):
     )
     code, _, err = run_cli(["info", "--model", tmp_path / "bloom"], capsys)
     assert code == 2 and "unsupported architecture 'bloom'" in err and "llama" in err
+
+
+def test_root_help_lists_every_command_as_click_would_without_importing_them():
+    """`headlab --help` reads each command's docstring as source text; the list is the one click builds from the
+    imported commands, and no command module (so neither torch nor transformers) is imported for it."""
+    import subprocess
+    import sys
+
+    import click
+
+    from headlab.cli import cli
+
+    context = click.Context(cli, info_name="headlab")
+    names = cli.list_commands(context)
+    limit = click.HelpFormatter().width - 6 - max(len(name) for name in names)
+    expected = {name: cli.get_command(context, name).get_short_help_str(limit) for name in names}
+    listed = cli.get_help(context)
+    for name, short in expected.items():
+        assert f"  {name}" in listed and short in listed, (name, short)
+    code = (
+        "import sys\nfrom headlab.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers') or "
+        "m.startswith('headlab.cli.')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]"

@@ -248,7 +248,7 @@ def test_sigterm_during_recovery_leaves_no_partial_output(tmp_path):
 
 @pytest.mark.slow
 def test_the_demos_recovery_budget_lowers_the_svd_merged_perplexity():
-    """The embedded model merged 3 -> 1 (svd): local reconstruction on 1,024 tokens then 16 uptraining steps (the
+    """The embedded model merged 3 -> 1 (svd): local reconstruction on 1,024 tokens then 12 uptraining steps (the
     demo's budget) lower eval-split perplexity (every choice is made on calibration text)."""
     from headlab.data import calibration_batches, load_corpus
     from headlab.evaluate import perplexity
@@ -262,7 +262,7 @@ def test_the_demos_recovery_budget_lowers_the_svd_merged_perplexity():
     gqa.convert(student, 1, method="svd", batches=batches)
     eval_args = dict(part="eval", seq_len=256, batch_size=4, max_tokens=512, progress=False)
     before = perplexity(student, corpus, **eval_args).perplexity
-    config = UptrainConfig(steps=16, seq_len=128, heldout_tokens=512, eval_tokens=0, gradient_checkpointing=False)
+    config = UptrainConfig(steps=12, seq_len=128, heldout_tokens=512, eval_tokens=0, gradient_checkpointing=False)
     spec = RecoverySpec(uptrain=config, local_tokens=1024)
     record = recover(student, teacher, spec, corpus=corpus, progress=False)
     after = perplexity(student, corpus, **eval_args).perplexity

@@ -7,11 +7,14 @@ line and exit with code 2; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import os
 import pkgutil
 import signal
 import sys
+from pathlib import Path
 
 import click
 
@@ -37,6 +40,23 @@ class LazyGroup(click.Group):
         if module_name not in self._modules():
             return None
         return importlib.import_module(f"{__name__}.{module_name}").command
+
+    def format_commands(self, ctx, formatter):
+        """The command list of `headlab --help`, from each command function's docstring read as source text: importing
+        every command would import torch and transformers, seconds before the list appears."""
+        limit = formatter.width - 6 - max(len(name) for name in self.list_commands(ctx))
+        rows = [(name, click.utils.make_default_short_help(_docstring(name), limit)) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+def _docstring(name: str) -> str:
+    """The docstring of `command` in the command's module, read without importing it (what click shows as help)."""
+    source = Path(__file__).with_name(f"{name.replace('-', '_')}.py").read_text()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "command":
+            return inspect.cleandoc(ast.get_docstring(node) or "")
+    return ""
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
