@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -163,12 +164,12 @@ def perplexity(
     n_bytes = len(text.encode("utf-8"))
     nll = total_nll / total_count
     return Perplexity(
-        perplexity=math.exp(nll),
+        perplexity=exp_or_inf(nll),
         nll=nll,
         bits_per_token=nll / math.log(2),
-        word_perplexity=math.exp(total_nll / words),
+        word_perplexity=exp_or_inf(total_nll / words),
         bits_per_byte=total_nll / (n_bytes * math.log(2)),
-        byte_perplexity=math.exp(total_nll / n_bytes),
+        byte_perplexity=exp_or_inf(total_nll / n_bytes),
         scored_tokens=total_count,
         words=words,
         bytes=n_bytes,
@@ -181,6 +182,16 @@ def perplexity(
         prefix_token=prefix,
         windows=len(windows),
     )
+
+
+def exp_or_inf(x: float) -> float:
+    """exp(x), or inf where it leaves float64's range: word perplexity over text without whitespace (Chinese,
+    Japanese), whose lm-eval word count is one per whitespace-separated run, so a document of hundreds of tokens
+    counts as one word (docs/evaluation.md); lm-eval's own math.exp raises there."""
+    return math.exp(x) if x < LARGEST_EXPONENT else math.inf
+
+
+LARGEST_EXPONENT = math.log(sys.float_info.max)
 
 
 @torch.no_grad()
@@ -207,7 +218,7 @@ def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> 
     nll = total_nll / total_count
     words, n_bytes = len(re.split(r"\s+", text)), len(text.encode("utf-8"))
     return Perplexity(
-        math.exp(nll),
+        exp_or_inf(nll),
         nll,
         nll / math.log(2),
         float("nan"),

@@ -103,3 +103,39 @@ def test_parameter_counts_count_tied_weights_once():
     assert counts["parameters"] == sum(p.numel() for p in model.parameters())  # parameters() dedups tied weights
     # q [4*16, 64] + k, v [2*16, 64] + o [64, 4*16] per layer, 2 layers
     assert counts["attention_parameters"] == 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64)
+
+
+# Text without whitespace: lm-eval counts one word per whitespace-separated run, so word perplexity leaves float range.
+CHINESE = "注意力头读取键和值，其中一些很重要。剪枝会删除注意力头，而困惑度衡量这种变化的代价。" * 12
+JAPANESE = "注意ヘッドはキーと値を読み取り、その一部は重要です。枝刈りはヘッドを取り除きます。" * 12
+
+
+@pytest.mark.parametrize("text", [CHINESE, JAPANESE], ids=["chinese", "japanese"])
+def test_text_without_whitespace_keeps_lm_evals_word_count_and_reports_inf(text):
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    corpus = Corpus("cjk", [text])
+    result = perplexity(from_model(model, tokenizer), corpus, seq_len=32, batch_size=4, max_tokens=200, progress=False)
+    scored = split_text(corpus, "eval").text[: result.scored_tokens]  # one token per character here
+    assert result.words == len(re.split(r"\s+", scored)) == 1  # lm-eval's count
+    assert result.word_perplexity == math.inf  # exp(NLL of 200 tokens / 1 word) is beyond float64
+    total_ll = -result.nll * result.scored_tokens
+    assert math.isfinite(result.bits_per_byte) and math.isfinite(result.perplexity)
+    assert result.bits_per_byte == pytest.approx(-total_ll / (len(scored.encode()) * math.log(2)), rel=1e-9)
+
+
+@pytest.mark.parametrize("text", [CHINESE, JAPANESE], ids=["chinese", "japanese"])
+def test_commands_run_on_text_without_whitespace(text, tmp_path, capsys):
+    from tiny_text import run_cli, save_tiny
+
+    model = save_tiny("llama", tmp_path / "m")
+    corpus = tmp_path / "cjk.txt"
+    corpus.write_text(text * 4, encoding="utf-8")
+    common = ["--model", model, "--device", "cpu", "--data", corpus, "--seq-len", "32", "--max-tokens", "256"]
+    code, out, err = run_cli(["eval", *common], capsys)
+    assert code == 0, err
+    assert re.search(r"word perplexity\s+inf", out)
+    code, _, err = run_cli(["prune", *common, "--heads", "0:0", "--out", tmp_path / "p"], capsys)
+    assert code == 0, err
+    sweep = ["sweep", *common, "--calibration-tokens", "64", "--fractions", "0,0.5", "--orders", "random"]
+    code, _, err = run_cli([*sweep, "--seeds", "0", "--out", tmp_path / "s"], capsys)
+    assert code == 0, err
