@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from models import tiny_model
+from slow_clock import slow_machine
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
 from headlab import report
@@ -257,38 +258,10 @@ def _same_tables(a, b, steps=("stats", "importance", "sweep", "gqa_sweep", "gqa_
             pd.testing.assert_frame_equal(left.drop(columns=timing), right.drop(columns=timing), obj=f"{step}/{name}")
 
 
-class _SlowClock:
-    """A `time` module whose clocks run `factor` times faster than the real ones: a machine that many times slower
-    as every budget and cap reading the clock sees it (time.sleep and the rest stay real)."""
-
-    def __init__(self, factor: float):
-        import time
-
-        self.factor, self.real, self.origin = factor, time, time.perf_counter()
-
-    def perf_counter(self) -> float:
-        return self.origin + (self.real.perf_counter() - self.origin) * self.factor
-
-    def time(self) -> float:
-        return self.real.time() + (self.real.perf_counter() - self.origin) * (self.factor - 1)
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
-def _slow_machine(monkeypatch, factor: float) -> None:
-    """Every headlab module that reads the clock sees a machine `factor` times slower."""
-    import sys
-
-    for name, module in list(sys.modules.items()):
-        if name.startswith("headlab") and getattr(module, "time", None) is __import__("time"):
-            monkeypatch.setattr(module, "time", _SlowClock(factor))
-
-
 def test_report_on_a_much_slower_machine_finishes_with_the_same_numbers(tiny_run, tmp_path, monkeypatch, capsys):
     """A machine 1,000 times slower (as the clocks see it) runs every step and writes the whole report, with the
     same tables as the fixture's run on this machine: no budget is in minutes."""
-    _slow_machine(monkeypatch, 1000.0)
+    slow_machine(monkeypatch, 1000.0)
     out = tmp_path / "slow"
     args = ["report", "--model", tiny_run["checkpoint"], "--data", tiny_run["corpus"], "--quick", "--out", out]
     code, _, err = run_cli(args, capsys)

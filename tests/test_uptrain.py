@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 
 import pandas as pd
 import pytest
 import torch
 from models import tiny_model
+from slow_clock import ScaledClock, slow_machine
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab import gqa
@@ -273,30 +275,9 @@ def test_the_demos_recovery_budget_lowers_the_svd_merged_perplexity():
 # ---- budgets in tokens and steps; minutes only a cap ---------------------------------------------------------------
 
 
-class _ScaledClock:
-    """A `time` module whose perf_counter runs `factor` times faster: a machine that much slower, as the budgets and
-    caps that read the clock see it."""
-
-    def __init__(self, factor: float):
-        import time
-
-        self.factor, self.real, self.origin = factor, time, time.perf_counter()
-
-    def perf_counter(self) -> float:
-        return self.origin + (self.real.perf_counter() - self.origin) * self.factor
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
 def _recovered_weights(monkeypatch, factor: float, minutes=None):
     """The tiny 2 -> 1 merge recovered (local + 4 uptraining steps) on a machine `factor` times slower."""
-    from headlab import reconstruct
-    from headlab import recover as recover_module
-    from headlab import uptrain as uptrain_module
-
-    for module in (reconstruct, recover_module, uptrain_module):
-        monkeypatch.setattr(module, "time", _ScaledClock(factor))
+    slow_machine(monkeypatch, factor)
     teacher = from_model(tiny_model("llama"), tiny_tokenizer())
     student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())
     gqa.convert(student, 1)
@@ -335,14 +316,14 @@ def test_uptraining_cap_stops_at_the_best_state_so_far(monkeypatch):
     teacher = from_model(tiny_model("llama"), tiny_tokenizer())
     student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())
     gqa.convert(student, 1)
-    clock = _ScaledClock(1.0)
+    clock = ScaledClock(1.0)
     steps = []
     real_step = uptrain_module._train_step
 
     def step_then_slow_down(*args):  # after two steps the machine becomes a million times slower
         steps.append(1)
         if len(steps) == 2:
-            clock.factor, clock.origin = 1e6, clock.real.perf_counter()
+            clock.factor, clock.origin = 1e6, time.perf_counter()
         return real_step(*args)
 
     monkeypatch.setattr(uptrain_module, "time", clock)
@@ -374,10 +355,6 @@ def test_cli_recovery_saves_identical_weights_on_a_fast_and_a_slow_machine(tmp_p
     slower as the clocks see it: the same saved weights, byte for byte."""
     from safetensors.torch import load_file
 
-    from headlab import reconstruct
-    from headlab import recover as recover_module
-    from headlab import uptrain as uptrain_module
-
     save_tiny("llama", tmp_path / "teacher")
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 6)
@@ -391,8 +368,7 @@ def test_cli_recovery_saves_identical_weights_on_a_fast_and_a_slow_machine(tmp_p
         code, _, err = run_cli([*args, *recovery, "--out", tmp_path / f"{name}-fast"], capsys)
         assert code == 0, err
         with monkeypatch.context() as slow:
-            for module in (reconstruct, recover_module, uptrain_module):
-                slow.setattr(module, "time", _ScaledClock(10_000.0))
+            slow_machine(slow, 10_000.0)
             code, _, err = run_cli([*args, *recovery, "--out", tmp_path / f"{name}-slow"], capsys)
         assert code == 0, err
         fast = load_file(tmp_path / f"{name}-fast" / "model.safetensors")
