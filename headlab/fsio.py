@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from headlab import __version__
 from headlab.errors import HeadlabError
 
 
@@ -414,7 +415,8 @@ def partial_path(target: Path) -> Path:
 def resumable_directory(target: Path, key: dict, overwrite: bool = False, replaceable=None):
     """Like atomic_directory, for a run made of steps: yields a StepJournal whose `staging` directory
     (`TARGET.partial`, beside `target`) keeps each completed step when a later one fails or the run is interrupted,
-    so a rerun with the same key (inputs and options, compared as JSON) resumes after the last completed step. A
+    so a rerun with the same key (inputs and options, compared as JSON, and headlab's version) resumes after the last
+    completed step. A
     staging directory made for another key is started afresh, and one where no step completed is removed on failure
     (a refused run writes nothing). The finished run is published like atomic_directory's (never replacing what it
     did not expect) and the journal is not part of it."""
@@ -425,7 +427,7 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
         raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
     staging = partial_path(target)
     with _staging_lock(target, staging):
-        journal = _open_journal(staging, key)
+        journal = _open_journal(staging, {**key, "headlab": __version__})  # another version: start afresh
         try:
             yield journal
         except BaseException as error:

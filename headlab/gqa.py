@@ -17,7 +17,6 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from headlab import __version__
 from headlab.arch import AttentionLayer
 from headlab.checkpoint import check_checkpoint_out, probe_inputs, save_with_record
 from headlab.costs import kv_bytes_per_token
@@ -461,7 +460,7 @@ def resumable_sweep(loaded: LoadedModel, out, overwrite: bool, options: dict, co
     """`compute(journal) -> (frame, meta)` inside a resumable OUT (headlab.fsio.resumable_directory), keyed by the
     model and `options`; the sweep's files are written into it and published when it completes."""
     check_out(out, overwrite)
-    key = {"command": "headlab gqa-sweep", "model": loaded.describe(), "headlab": __version__}
+    key = {"command": "headlab gqa-sweep", "model": loaded.describe()}
     key["options"] = {name: repr(value) for name, value in sorted(options.items())}
     with resumable_directory(out, key, overwrite=overwrite) as journal:
         frame, meta = compute(journal)

@@ -84,13 +84,13 @@ def ladder(
     progress = sweep.get("progress", True)
     frame, meta = gqa_sweep(loaded, text=text, calibration_tokens=calibration_tokens, **sweep)
     journal = sweep.get("journal")
-    if plans and journal is not None and journal.done("mla"):  # an interrupted run of the same ladder measured them
-        rows = pd.DataFrame(journal.records["mla"]["rows"])
-    elif plans:
-        rows = mla_rows(loaded, plans, text, calibration_tokens, progress)
-        if journal is not None:
-            journal.finish("mla", {"rows": rows.to_dict("records")})
     if plans:
+        if journal is not None and journal.done("mla"):  # an interrupted run of the same ladder measured them
+            rows = pd.DataFrame(journal.records["mla"]["rows"])
+        else:
+            rows = mla_rows(loaded, plans, text, calibration_tokens, progress)
+            if journal is not None:
+                journal.finish("mla", {"rows": rows.to_dict("records")})
         rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
         frame = pd.concat([frame, rows], ignore_index=True)
         meta["mla"] = {"budgets": list(mla), "conversion": "headlab.mla.convert_to_mla (training-free)"}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from headlab import __version__, gqa, kv_heads, ladder, plots
+from headlab import gqa, kv_heads, ladder, plots
 from headlab.capture import capture_attention
 from headlab.costs import model_info
 from headlab.data import calibration_batches, load_corpus
@@ -411,11 +411,10 @@ def _files(root: Path) -> list[str]:
     """Every entry under `root` as a relative POSIX path (folders end in '/'; a link counts as a file, never
     followed), for the demo's list of what it wrote."""
     entries = []
-    for folder, dirs, files in os.walk(root):
+    for folder, dirs, files in os.walk(root):  # os.walk lists a linked folder in `dirs` and does not enter it
         base = Path(folder).relative_to(root)
-        entries += [(base / d).as_posix() + "/" for d in dirs if not (Path(folder) / d).is_symlink()]
+        entries += [(base / d).as_posix() + ("" if (Path(folder) / d).is_symlink() else "/") for d in dirs]
         entries += [(base / f).as_posix() for f in files]
-        entries += [(base / d).as_posix() for d in dirs if (Path(folder) / d).is_symlink()]
     return sorted(entries)
 
 
@@ -768,7 +767,7 @@ def run_report(
     task_options = {"tasks": tasks, "include_path": include_path} if tasks else {}
     # The steps' results depend on these alone: a rerun with the same key resumes after the last completed step.
     key = dict(command=command, model=loaded.describe(), data=data, text_column=text_column, settings=asdict(s))
-    key.update(sentence=sentence, fmt=fmt, tasks=task_options, headlab=__version__)
+    key.update(sentence=sentence, fmt=fmt, tasks=task_options)
     with resumable_directory(out, key, overwrite=overwrite, replaceable=replaceable) as journal:
         tmp = journal.staging
         if journal.resumed:

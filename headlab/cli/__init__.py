@@ -44,8 +44,9 @@ class LazyGroup(click.Group):
     def format_commands(self, ctx, formatter):
         """The command list of `headlab --help`, from each command function's docstring read as source text: importing
         every command would import torch and transformers, seconds before the list appears."""
-        limit = formatter.width - 6 - max(len(name) for name in self.list_commands(ctx))
-        rows = [(name, click.utils.make_default_short_help(_docstring(name), limit)) for name in self.list_commands(ctx)]
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        rows = [(name, click.utils.make_default_short_help(_docstring(name), limit)) for name in names]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

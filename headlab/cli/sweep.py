@@ -6,7 +6,6 @@ from pathlib import Path
 
 import click
 
-from headlab import __version__
 from headlab.cli.options import (
     calibration_tokens_option,
     compensate_option,
@@ -120,19 +119,14 @@ def command(  # click passes every option as a parameter
     # one when the same command runs again (the same model, text and options; headlab.fsio.resumable_directory).
     options = dict(fractions=fraction_list, orders=order_list, seeds=seed_list, unit=unit, per_layer=per_layer)
     options.update(mode=mode, calibration_tokens=calibration_tokens, method=method, compensate=compensate)
-    options.update(tasks=task_list, include_path=include_path, task_limit=task_limit, text=repr(text))
-    key = {"command": "headlab sweep", "model": loaded.describe(), "options": options, "headlab": __version__}
+    options.update(tasks=task_list, include_path=include_path, task_limit=task_limit)
+    key = {"command": "headlab sweep", "model": loaded.describe(), "options": options, "text": repr(text)}
     with resumable_directory(out, key, overwrite=overwrite) as journal:
         if journal.resumed:
             click.echo(f"resuming from {journal.staging}: {', '.join(journal.resumed)} already done", err=True)
-        result = sweep(loaded, text=text, eval_tokens=text.max_tokens, journal=journal, **_library(options))
+        result = sweep(loaded, text=text, eval_tokens=text.max_tokens, journal=journal, **options)
         write_run_files(journal.staging, *sweep_files(result))
     _print(result, out)
-
-
-def _library(options: dict) -> dict:
-    """The command's options as sweep()'s keywords (the text is passed as its TextSpec)."""
-    return {k: v for k, v in options.items() if k != "text"}
 
 
 def _print(result, out: Path) -> None:
