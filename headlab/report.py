@@ -562,8 +562,7 @@ def _recovery_step(run: ReportRun) -> None:
 def _figures_step(run: ReportRun, fmt: str) -> None:
     figures = plots.run_figures(run.tmp)
     for name, fig in figures.items():
-        plots.save_figure(fig, run.tmp / "figures" / f"{name}.{fmt}", fmt)
-    run.figures = sorted(figures)
+        plots.save_figure(fig, run.tmp / "figures" / f"{name}.{fmt}", fmt)  # run.figures: read back (_read_back)
 
 
 def _speed_step(run: ReportRun) -> None:
