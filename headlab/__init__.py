@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from headlab.errors import HeadlabError  # noqa: E402
+from headlab.core.errors import HeadlabError  # noqa: E402
 
 __all__ = ["HeadlabError", "__version__"]

@@ -2,7 +2,7 @@
 """GQA conversion study: what sharing key/value heads costs each model, in perplexity per KV-cache byte saved.
 
 For every model given on the command line: every reachable KV-head count (the query heads, the current count and its
-divisors) x grouping (contiguous, similarity) x pooling rule (headlab.gqa.gqa_sweep: mean pooling as in Ainslie et
+divisors) x grouping (contiguous, similarity) x pooling rule (headlab.kv.gqa.gqa_sweep: mean pooling as in Ainslie et
 al. 2023, no uptraining), with perplexity on the eval split and KV-cache bytes per token measured from a real cache.
 Models whose architecture cannot hold fewer KV heads (GPT-2, OPT, ...) are skipped with a message. Writes, under
 --out: one gqa-sweep directory per model, `study.csv` (all models, perplexity and KV bytes relative to the unchanged
@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from headlab import gqa, kv_heads
-from headlab.errors import HeadlabError
-from headlab.plots import figure_bytes, plot_gqa_sweep, plot_study
-from headlab.report_text import parse_list
-from headlab.tables import write_run
+from headlab.cli.parsing import parse_list
+from headlab.core.errors import HeadlabError
+from headlab.core.tables import write_run
+from headlab.kv import gqa, grouping
+from headlab.viz.plots import figure_bytes, plot_gqa_sweep, plot_study
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_common.py sits beside this script
 from study_common import measure_models, run_script, slug, study_arguments, write_study  # noqa: E402
@@ -52,8 +52,8 @@ def write_model(directory: Path, run) -> None:
 
 def main(argv=None) -> Path:
     args = arguments(argv)
-    groupings = tuple(parse_list(args.groupings, str, "groupings", kv_heads.GROUPINGS))
-    pools = tuple(parse_list(args.pools, str, "pools", kv_heads.POOLS))
+    groupings = tuple(parse_list(args.groupings, str, "groupings", grouping.GROUPINGS))
+    pools = tuple(parse_list(args.pools, str, "pools", grouping.POOLS))
 
     def measure(loaded, spec):
         if not loaded.adapter.supports_gqa:

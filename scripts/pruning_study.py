@@ -2,7 +2,7 @@
 """Pruning study: how much perplexity each model loses as its attention heads are pruned, in several orders.
 
 For every model given on the command line: gradient importance on the calibration split, then perplexity on the eval
-split with the lowest fraction f of heads removed, for each f and order (headlab.sweep.sweep). Writes, under --out:
+split with the lowest fraction f of heads removed, for each f and order (headlab.pruning.sweep.sweep). Writes, under --out:
 one sweep run directory per model (sweep.csv/.parquet, meta.json, sweep.png), `study.csv` (all models, with
 perplexity relative to each model's unpruned perplexity) and `study.png` (relative perplexity against the fraction
 of heads pruned, one colour per model).
@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from headlab.plots import plot_study
-from headlab.report_text import parse_list
-from headlab.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, write_sweep
+from headlab.cli.parsing import parse_list
+from headlab.pruning.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, write_sweep
+from headlab.viz.plots import plot_study
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_common.py sits beside this script
 from study_common import measure_models, run_script, slug, study_arguments, write_study  # noqa: E402

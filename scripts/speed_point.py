@@ -3,9 +3,9 @@ cache, 2 decode steps): the measurement quoted in docs/runtimes.md. Prints JSON.
 
 import json
 
-from headlab.gqa import convert
-from headlab.loading import from_model, load_model
-from headlab.speed import SpeedSpec, transformers_point
+from headlab.core.loading import from_model, load_model
+from headlab.kv.gqa import convert
+from headlab.runtimes.speed import SpeedSpec, transformers_point
 
 spec = SpeedSpec(contexts=(8192,), batches=(8,), decode_tokens=2, prefill_limit=2048)
 loaded = load_model(None, device="cpu")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from headlab.errors import HeadlabError
-from headlab.fsio import check_out
-from headlab.loading import DEFAULT_MODEL, LoadedModel, load_model
-from headlab.plots import figure_bytes
-from headlab.tables import write_run
+from headlab.core.errors import HeadlabError
+from headlab.core.fsio import check_out
+from headlab.core.loading import DEFAULT_MODEL, LoadedModel, load_model
+from headlab.core.tables import write_run
+from headlab.viz.plots import figure_bytes
 
 
 def study_arguments(

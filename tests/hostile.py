@@ -78,7 +78,7 @@ def damaged_checkpoints(healthy: Path, root: Path) -> dict[str, Path]:
 def layout_variants(pruned: Path, root: Path) -> dict[str, Path]:
     """Copies of a physically pruned checkpoint with a per-layer head layout, each record contradicting itself or
     the tensors in one way."""
-    from headlab.layout import HEAD_LAYOUT_KEY
+    from headlab.core.layout import HEAD_LAYOUT_KEY
 
     def variant(name, edit):
         target = _copy(pruned, root / name)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from models import ALL_TYPES, ENCODER_TYPES, GATED_TYPES, LAYOUTS, tiny_config, tiny_inputs, tiny_model
 
-from headlab.arch import HeadWeights, adapter_for, attention_layers
-from headlab.errors import HeadlabError
+from headlab.core.arch import HeadWeights, adapter_for, attention_layers
+from headlab.core.errors import HeadlabError
 
 
 def _out(model, name):

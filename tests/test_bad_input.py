@@ -17,10 +17,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
-from headlab.errors import HeadlabError
-from headlab.gates import read_mask
-from headlab.loading import load_model
-from headlab.scores import read_scores
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import load_model
+from headlab.mechanisms.gates import read_mask
+from headlab.pruning.scores import read_scores
 
 # ---- table-driven bad input -------------------------------------------------------------------------------------
 
@@ -65,7 +65,7 @@ CASES = [
     ),
     (["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--out", "{existing}"], "--overwrite"),
     (["prune", *NO_MODEL, *DATA, "--heads", "0:0", "--out", "p"], "{missing}"),
-    # prune: head selection (headlab.selection)
+    # prune: head selection (headlab.pruning.selection)
     (["prune", "--model", "{llama}", *M, *DATA, "--method", "magic", "--out", "p"], "magic"),
     (["prune", "--model", "{llama}", *M, *DATA, "--select", "oracle", "--out", "p"], "oracle"),
     (["prune", "--model", "{gpt2}", *M, *DATA, "--select", "obs", "--compensate", "bias", "--out", "p"], "ridge"),
@@ -425,7 +425,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 def _hostile(paths: dict, root: Path) -> None:
     """Issue 19's inputs: symlinks and nesting for the output guard, damaged checkpoints, contradicting layouts,
     foreign and duplicate score tables, non-text corpus cells, a FIFO, an all-inf run."""
-    from headlab.prune import prune
+    from headlab.pruning.prune import prune
 
     paths["llamalink"] = root / "llama-link"
     paths["llamalink"].symlink_to(paths["llama"], target_is_directory=True)

@@ -12,10 +12,10 @@ import pytest
 import torch
 from models import ALL_TYPES, tiny_inputs, tiny_model
 
-from headlab.arch import AttentionLayer
-from headlab.capture import OUTPUTS, capture_attention, output_from_chunks
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
+from headlab.core.arch import AttentionLayer
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.mechanisms.capture import OUTPUTS, capture_attention, output_from_chunks
 
 ATOL, RTOL = 1e-5, 1e-4  # float32 chunked P x V against the fused kernel (docs/performance.md)
 

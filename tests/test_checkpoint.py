@@ -1,4 +1,4 @@
-"""headlab.checkpoint: a saved checkpoint reloads to the same logits (checked before anything is published), a
+"""headlab.core.checkpoint: a saved checkpoint reloads to the same logits (checked before anything is published), a
 mismatch is caught and nothing is written, an existing or self-overlapping --out is refused before any work."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from models import tiny_inputs, tiny_model
 
-from headlab.checkpoint import (
+from headlab.core.checkpoint import (
     META_FILE,
     CheckpointMismatch,
     check_checkpoint_out,
@@ -20,8 +20,8 @@ from headlab.checkpoint import (
     save_with_record,
     verify_reload,
 )
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
 
 
 def test_verify_reload_catches_a_mismatch(tmp_path):
@@ -46,7 +46,7 @@ def test_saved_checkpoint_reloads_to_the_same_logits_and_records_its_check(tmp_p
 
 
 def test_a_failed_verification_publishes_nothing(tmp_path, monkeypatch):
-    import headlab.checkpoint as checkpoint
+    import headlab.core.checkpoint as checkpoint
 
     def mismatch(*args, **kwargs):
         raise CheckpointMismatch("differs")
@@ -86,7 +86,7 @@ def test_save_with_record_publishes_weights_record_and_extras_together(tmp_path)
 
 @pytest.mark.parametrize("stage", ["verification", "extras"])
 def test_save_with_record_leaves_nothing_when_a_stage_fails(stage, tmp_path, monkeypatch):
-    import headlab.checkpoint as checkpoint
+    import headlab.core.checkpoint as checkpoint
 
     def mismatch(*args, **kwargs):
         raise CheckpointMismatch("differs")

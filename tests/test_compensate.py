@@ -1,4 +1,4 @@
-"""Pruning compensation (headlab.compensate): the ridge refit against a slow stacked least-squares solution, nothing
+"""Pruning compensation (headlab.recovery.compensate): the ridge refit against a slow stacked least-squares solution, nothing
 pruned changes nothing, the calibration reconstruction error never rises, FLAP bias keeps the mean output."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import torch
 from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-from headlab import prune as P
-from headlab import scores as S
-from headlab.compensate import apply_compensation, output_statistics, ridge_refit
-from headlab.data import Corpus
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
+from headlab.core.data import Corpus
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.pruning import prune as P
+from headlab.pruning import scores as S
+from headlab.recovery.compensate import apply_compensation, output_statistics, ridge_refit
 
 
 class Batches:
@@ -159,7 +159,7 @@ def test_corpus_object_is_accepted():
 
 
 def test_sweep_with_compensation_adds_compensated_rows(tmp_path):
-    from headlab.sweep import sweep, write_sweep
+    from headlab.pruning.sweep import sweep, write_sweep
 
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())
     corpus = tmp_path / "text.txt"
@@ -194,8 +194,8 @@ def test_embedded_compensation_lowers_perplexity_and_reloads(tmp_path):
     import pandas as pd
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from headlab.evaluate import perplexity
-    from headlab.loading import load_model
+    from headlab.core.loading import load_model
+    from headlab.measure.evaluate import perplexity
 
     loaded = load_model(None, device="cpu")
     scores = S.importance_scores(loaded, seq_len=128, batch_size=4, max_tokens=512, progress=False)

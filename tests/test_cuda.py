@@ -10,12 +10,12 @@ import torch
 from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab import gqa
-from headlab import prune as P
-from headlab.evaluate import perplexity
-from headlab.importance import head_importance
-from headlab.loading import from_model
-from headlab.stats import head_statistics
+from headlab.core.loading import from_model
+from headlab.kv import gqa
+from headlab.measure.evaluate import perplexity
+from headlab.measure.importance import head_importance
+from headlab.measure.stats import head_statistics
+from headlab.pruning import prune as P
 
 pytestmark = [
     pytest.mark.cuda,

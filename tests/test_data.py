@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-from headlab.data import (
+from headlab.core.data import (
     Corpus,
     batch_windows,
     calibration_batches,
@@ -19,7 +19,7 @@ from headlab.data import (
     split_text,
     tokenize,
 )
-from headlab.errors import HeadlabError
+from headlab.core.errors import HeadlabError
 
 
 def test_embedded_corpus_is_the_python_reference():

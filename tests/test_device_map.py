@@ -13,10 +13,10 @@ import pytest
 import torch
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
-from headlab.evaluate import perplexity
-from headlab.importance import ScoringBatch, head_importance, sequence_nll
-from headlab.loading import from_model, input_device, load_model
-from headlab.stats import head_statistics
+from headlab.core.loading import from_model, input_device, load_model
+from headlab.measure.evaluate import perplexity
+from headlab.measure.importance import ScoringBatch, head_importance, sequence_nll
+from headlab.measure.stats import head_statistics
 
 # Embeddings, the middle layer and the LM head on disk; the other layers on the CPU.
 DEVICE_MAP = {
@@ -143,16 +143,18 @@ def test_input_device_prefers_the_embeddings_execution_device():
 
 def _edits(dispatched):
     """Every headlab entry point that rewrites weights in place, as (name, call) pairs."""
-    from headlab import gqa, kv_heads, merge, prune, uptrain
-    from headlab.compensate import check_compensation
-    from headlab.reconstruct import reconstruct
-    from headlab.recover import RecoverySpec, recover
+    from headlab.kv import gqa, grouping, merge
+    from headlab.pruning import prune
+    from headlab.recovery import uptrain
+    from headlab.recovery.compensate import check_compensation
+    from headlab.recovery.reconstruct import reconstruct
+    from headlab.recovery.recover import RecoverySpec, recover
 
     layers = dispatched.layers
     pruned = [{0}] + [set() for _ in layers[1:]]
     return [
         ("convert", lambda: gqa.convert(dispatched, 1)),
-        ("similarity", lambda: kv_heads.kv_similarity(dispatched, [], progress=False)),
+        ("similarity", lambda: grouping.kv_similarity(dispatched, [], progress=False)),
         ("merge", lambda: merge.merge_kv_heads(dispatched, 1, [], progress=False)),
         ("mask", lambda: prune.apply_mask(dispatched, pruned)),
         ("physical", lambda: prune.apply_physical(dispatched, prune.physical_layout(layers, pruned))),
@@ -169,8 +171,8 @@ def _edits(dispatched):
 def test_edits_of_offloaded_weights_are_refused(models, edit):
     """accelerate refills offloaded weights from its store at every forward, so an in-place edit would be silently
     undone: each command that edits weights refuses, with one line, and leaves the model as it was."""
-    from headlab.errors import HeadlabError
-    from headlab.loading import offloaded_modules
+    from headlab.core.errors import HeadlabError
+    from headlab.core.loading import offloaded_modules
 
     _, dispatched, _ = models
     assert "model.layers.1.self_attn.k_proj" in offloaded_modules(dispatched.model)
@@ -187,8 +189,8 @@ def test_models_on_several_devices_are_verified_without_a_second_copy(tmp_path):
     shapes against the config) instead of reloading a copy for logits; a mismatch is still caught."""
     from models import tiny_model
 
-    from headlab import gqa
-    from headlab.checkpoint import CheckpointMismatch, meta_load_check, save_checkpoint
+    from headlab.core.checkpoint import CheckpointMismatch, meta_load_check, save_checkpoint
+    from headlab.kv import gqa
 
     model = tiny_model("llama")
     gqa.convert(from_model(model), 1)
@@ -207,9 +209,9 @@ def test_models_on_several_devices_are_verified_without_a_second_copy(tmp_path):
 
 
 def test_meta_load_check_of_a_non_uniform_pruned_checkpoint(tmp_path):
-    from headlab.checkpoint import meta_load_check
-    from headlab.errors import HeadlabError
-    from headlab.prune import prune
+    from headlab.core.checkpoint import meta_load_check
+    from headlab.core.errors import HeadlabError
+    from headlab.pruning.prune import prune
 
     loaded = load_model(str(save_tiny("llama", tmp_path / "source")), device="cpu")
     # A whole KV group of layer 0: 2 heads there, 4 in layer 1, so the layout is recorded per layer.
@@ -219,7 +221,7 @@ def test_meta_load_check_of_a_non_uniform_pruned_checkpoint(tmp_path):
     entry = config["headlab_head_layout"]["layers"][0]
     entry["heads"], entry["kv_heads"] = [0, 1, 2, 3], [0, 1]  # claims the pruned heads are still there
     (tmp_path / "pruned" / "config.json").write_text(json.dumps(config))
-    # headlab.validate checks the record against the tensors first (issue 19) and names the contradiction.
+    # headlab.core.validate checks the record against the tensors first (issue 19) and names the contradiction.
     with pytest.raises(HeadlabError, match="does not load|do not fit|but the record lists"):
         meta_load_check(tmp_path / "pruned")
 

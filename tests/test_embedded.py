@@ -7,7 +7,7 @@ import json
 import pytest
 from tiny_text import run_cli
 
-from headlab.loading import cache_dir, load_model
+from headlab.core.loading import cache_dir, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -10,10 +10,10 @@ import torch
 from models import tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-from headlab.costs import kv_cache_bytes, model_info, parameter_counts
-from headlab.data import Corpus, split_text
-from headlab.evaluate import perplexity
-from headlab.loading import from_model
+from headlab.core.data import Corpus, split_text
+from headlab.core.loading import from_model
+from headlab.measure.costs import kv_cache_bytes, model_info, parameter_counts
+from headlab.measure.evaluate import perplexity
 
 
 def slow_perplexity(model, ids: list[int], max_length: int, stride: int) -> tuple[float, int]:

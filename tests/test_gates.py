@@ -9,9 +9,9 @@ import pytest
 import torch
 from models import ALL_TYPES, tiny_inputs, tiny_model
 
-from headlab.arch import adapter_for, attention_layers
-from headlab.errors import HeadlabError
-from headlab.gates import head_gates, ones_gates, read_mask, write_mask
+from headlab.core.arch import adapter_for, attention_layers
+from headlab.core.errors import HeadlabError
+from headlab.mechanisms.gates import head_gates, ones_gates, read_mask, write_mask
 
 
 def _logits(model, inputs):

@@ -10,10 +10,10 @@ import torch
 from conftest import tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-from headlab.errors import HeadlabError
-from headlab.gguf_export import check_type, export_gguf, interleave_rope_rows, plan_export
-from headlab.llamacpp import compare_logprobs, unavailable
-from headlab.loading import from_model
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.runtimes.gguf_export import check_type, export_gguf, interleave_rope_rows, plan_export
+from headlab.runtimes.llamacpp import compare_logprobs, unavailable
 
 gguf = pytest.importorskip("gguf")
 LLAMACPP = unavailable()
@@ -47,7 +47,7 @@ def tiny(name="llama", **overrides):
 
 def pruned(loaded, heads):
     """Physically prune `heads` (one set per layer) with headlab's own layout rules."""
-    from headlab.prune import apply_physical, physical_layout, prepare_config
+    from headlab.pruning.prune import apply_physical, physical_layout, prepare_config
 
     layout = physical_layout(loaded.layers, heads)
     apply_physical(loaded, layout)
@@ -56,7 +56,7 @@ def pruned(loaded, heads):
 
 
 def kv_converted(loaded, kv_heads=1):
-    from headlab.gqa import convert
+    from headlab.kv.gqa import convert
 
     convert(loaded, kv_heads)
     return from_model(loaded.model, loaded.tokenizer)
@@ -258,7 +258,7 @@ def test_llamacpp_log_probs_match_transformers(tmp_path, variant):
 
 @needs_llamacpp
 def test_llamacpp_tokenizes_like_transformers(tmp_path):
-    from headlab.llamacpp import open_model
+    from headlab.runtimes.llamacpp import open_model
 
     loaded = tiny()
     export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
@@ -274,7 +274,7 @@ def test_llamacpp_tokenizes_like_transformers(tmp_path):
 
 
 def _embedded_variant(variant):
-    from headlab.loading import load_model
+    from headlab.core.loading import load_model
 
     loaded = load_model(None, device="cpu")
     if variant == "uniform":  # one query head of every KV group, in every layer
@@ -290,7 +290,7 @@ def _embedded_variant(variant):
 @needs_llamacpp
 @pytest.mark.parametrize("variant", ["original", "uniform", "non_uniform", "kv_3_to_1"])
 def test_embedded_model_in_llamacpp_matches_transformers(tmp_path, variant):
-    from headlab.llamacpp import eval_windows
+    from headlab.runtimes.llamacpp import eval_windows
 
     loaded = _embedded_variant(variant)
     path = tmp_path / "m.gguf"

@@ -12,12 +12,13 @@ from models import GQA_TYPES, HYBRID_TYPES, tiny_inputs, tiny_model
 from tiny_text import run_cli, save_tiny
 from transformers import AutoModelForCausalLM
 
-from headlab import costs, gqa, kv_heads
-from headlab.arch import HeadWeights
-from headlab.checkpoint import save_checkpoint
-from headlab.costs import model_info
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
+from headlab.core.arch import HeadWeights
+from headlab.core.checkpoint import save_checkpoint
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.kv import gqa, grouping
+from headlab.measure import costs
+from headlab.measure.costs import model_info
 
 NO_GQA = ["gpt2", "gpt_neox", "opt", "bert", "roberta"]
 
@@ -38,10 +39,10 @@ def test_pool_weights_by_hand():
     # 4 KV heads of D=1, C=1 holding 1, 2, 3, 10: mean pooling to 2 gives 1.5 and 6.5; first gives 1 and 3.
     k = torch.tensor([1.0, 2.0, 3.0, 10.0]).view(4, 1, 1)
     w = HeadWeights(q=torch.zeros(8, 1, 1), k=k, v=-k, o=torch.zeros(1, 8, 1), k_bias=k.view(4, 1))
-    mean = kv_heads.pool_weights(w, 2, "mean")
+    mean = grouping.pool_weights(w, 2, "mean")
     assert mean.k.flatten().tolist() == [1.5, 6.5] and mean.v.flatten().tolist() == [-1.5, -6.5]
     assert mean.k_bias.flatten().tolist() == [1.5, 6.5]
-    assert kv_heads.pool_weights(w, 2, "first").k.flatten().tolist() == [1.0, 3.0]
+    assert grouping.pool_weights(w, 2, "first").k.flatten().tolist() == [1.0, 3.0]
     assert torch.equal(mean.q, w.q) and torch.equal(mean.o, w.o)  # query and output untouched
 
 
@@ -49,14 +50,14 @@ def test_random_pool_is_seeded_and_scaled():
     torch.manual_seed(0)
     k = torch.cat([torch.randn(2, 16, 64) * 0.1, torch.randn(2, 16, 64) * 2.0])  # group stds 0.1 and 2
     w = HeadWeights(q=torch.zeros(4, 16, 64), k=k, v=k.clone(), o=torch.zeros(64, 4, 16))
-    a, b = kv_heads.pool_weights(w, 2, "random", seed=3), kv_heads.pool_weights(w, 2, "random", seed=3)
-    assert torch.equal(a.k, b.k) and not torch.equal(a.k, kv_heads.pool_weights(w, 2, "random", seed=4).k)
+    a, b = grouping.pool_weights(w, 2, "random", seed=3), grouping.pool_weights(w, 2, "random", seed=3)
+    assert torch.equal(a.k, b.k) and not torch.equal(a.k, grouping.pool_weights(w, 2, "random", seed=4).k)
     assert a.k[0].std() == pytest.approx(0.1, rel=0.1) and a.k[1].std() == pytest.approx(2.0, rel=0.1)
     assert not torch.allclose(a.k[0], k[0])
 
 
 @pytest.mark.parametrize("name", GQA_TYPES)
-@pytest.mark.parametrize("pool", kv_heads.POOLS)
+@pytest.mark.parametrize("pool", grouping.POOLS)
 def test_current_kv_heads_reproduce_the_logits(name, pool):
     model = tiny_model(name)
     before = logits(model, name)
@@ -120,7 +121,7 @@ def test_query_permutation_leaves_the_function_unchanged(name):
     if all(order == list(range(G)) for order in orders):
         orders[0] = list(reversed(range(G)))
     heads_before = [loaded.adapter.read(layer) for layer in loaded.layers]
-    kv_heads.permute_heads(loaded, orders)
+    grouping.permute_heads(loaded, orders)
     moved = loaded.adapter.read(loaded.layers[0])
     assert not torch.equal(moved.k, heads_before[0].k) or orders[0] == list(range(G))
     torch.testing.assert_close(logits(model, name), before, rtol=1e-5, atol=1e-5)
@@ -130,7 +131,7 @@ def brute_best_score(similarity, m):
     """Slow and obvious: every ordering of the heads, cut into consecutive groups of m."""
     n = similarity.shape[0]
     return max(
-        kv_heads.partition_score(similarity, [order[i : i + m] for i in range(0, n, m)])
+        grouping.partition_score(similarity, [order[i : i + m] for i in range(0, n, m)])
         for order in itertools.permutations(range(n))
     )
 
@@ -140,11 +141,11 @@ def test_exact_search_finds_the_best_partition(n, m, seed):
     generator = torch.Generator().manual_seed(seed)
     a = torch.randn(n, n, generator=generator)
     similarity = (a + a.T) / 2
-    groups, method = kv_heads.best_groups(similarity, n // m)
+    groups, method = grouping.best_groups(similarity, n // m)
     assert method == "exact"
     assert sorted(i for g in groups for i in g) == list(range(n)) and {len(g) for g in groups} == {m}
-    assert kv_heads.partition_score(similarity, groups) == pytest.approx(brute_best_score(similarity, m))
-    assert kv_heads.partition_count(n, m) == len(list(kv_heads._partitions(tuple(range(n)), m)))
+    assert grouping.partition_score(similarity, groups) == pytest.approx(brute_best_score(similarity, m))
+    assert grouping.partition_count(n, m) == len(list(grouping._partitions(tuple(range(n)), m)))
 
 
 def planted_similarity(groups, n, seed=0):
@@ -159,10 +160,10 @@ def planted_similarity(groups, n, seed=0):
 
 def test_greedy_search_recovers_a_planted_grouping_beyond_the_exact_limit():
     n, m = 16, 4
-    assert kv_heads.partition_count(n, m) > kv_heads.EXACT_SEARCH_LIMIT
+    assert grouping.partition_count(n, m) > grouping.EXACT_SEARCH_LIMIT
     order = torch.randperm(n, generator=torch.Generator().manual_seed(1)).tolist()
-    planted = kv_heads.canonical([order[i : i + m] for i in range(0, n, m)])
-    groups, method = kv_heads.best_groups(planted_similarity(planted, n), n // m)
+    planted = grouping.canonical([order[i : i + m] for i in range(0, n, m)])
+    groups, method = grouping.best_groups(planted_similarity(planted, n), n // m)
     assert method == "greedy" and groups == planted
 
 
@@ -188,7 +189,7 @@ def test_similarity_grouping_recovers_a_planted_grouping_and_pools_it():
     plant_kv_copies(model, planted)
     batches = [(x["input_ids"], x["attention_mask"]) for x in (tiny_inputs("llama", 4, 16, seed=s) for s in range(3))]
     loaded = from_model(model)
-    similarity = kv_heads.kv_similarity(loaded, batches, progress=False)
+    similarity = grouping.kv_similarity(loaded, batches, progress=False)
     assert similarity["tokens"] == 3 * 4 * 16
     assert similarity["similarity"].shape == (2, H, H)
     torch.testing.assert_close(
@@ -213,7 +214,7 @@ def test_kv_similarity_matches_a_direct_computation():
     model = tiny_model("qwen2")  # biases on k and v
     x = tiny_inputs("qwen2", 2, 8)
     x["attention_mask"][1, 5:] = 0
-    result = kv_heads.kv_similarity(from_model(model), [(x["input_ids"], x["attention_mask"])], progress=False)
+    result = grouping.kv_similarity(from_model(model), [(x["input_ids"], x["attention_mask"])], progress=False)
     captured = {}
     handles = [
         blk.self_attn.register_forward_pre_hook(
@@ -309,11 +310,11 @@ def test_architectures_without_kv_heads_get_a_clear_error(name):
 )
 def test_bad_targets(H, G, target, message):
     with pytest.raises(HeadlabError, match=message):
-        kv_heads.check_kv_heads(H, G, target)
+        grouping.check_kv_heads(H, G, target)
 
 
 def test_check_kv_heads_actions():
-    assert [kv_heads.check_kv_heads(12, 3, g) for g in (1, 3, 6, 12)] == ["pool", "keep", "expand", "expand"]
+    assert [grouping.check_kv_heads(12, 3, g) for g in (1, 3, 6, 12)] == ["pool", "keep", "expand", "expand"]
 
 
 @pytest.fixture
@@ -415,7 +416,7 @@ def test_cli_sweep_resumes_after_a_failed_variant(tiny_checkpoint, tmp_path, cap
     import pandas as pd
     from tiny_text import SAMPLE_TEXT
 
-    from headlab import gqa as gqa_module
+    from headlab.kv import gqa as gqa_module
 
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
@@ -453,8 +454,8 @@ def test_cli_sweep_resumes_after_a_failed_variant(tiny_checkpoint, tmp_path, cap
 def test_embedded_mqa_checkpoint_evaluates_to_the_printed_perplexity(tmp_path):
     from transformers import AutoTokenizer
 
-    from headlab.evaluate import perplexity
-    from headlab.loading import load_model
+    from headlab.core.loading import load_model
+    from headlab.measure.evaluate import perplexity
 
     loaded = load_model(None, device="cpu")
     record = gqa.convert_checkpoint(loaded, 1, tmp_path / "mqa", max_tokens=256, seq_len=128, progress=False)

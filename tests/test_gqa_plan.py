@@ -1,4 +1,4 @@
-"""The pure KV-head conversion plan (headlab.kv_heads.plan_conversion) on hand-made layouts, and headlab.gqa.apply
+"""The pure KV-head conversion plan (headlab.kv.grouping.plan_conversion) on hand-made layouts, and headlab.kv.gqa.apply
 doing what the plan says. Layers here are bare layouts (no modules, no weights): planning never touches a model."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from models import tiny_model
 
-from headlab import gqa
-from headlab.errors import HeadlabError
-from headlab.kv_heads import ConversionPlan, plan_conversion
-from headlab.loading import from_model
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.kv import gqa
+from headlab.kv.grouping import ConversionPlan, plan_conversion
 
 
 def layout(num_layers: int, H: int, G: int, D: int = 16) -> list[SimpleNamespace]:

@@ -14,16 +14,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_text import save_tiny
 
-from headlab.data import load_corpus
-from headlab.errors import HeadlabError
-from headlab.loading import load_model
+from headlab.core.data import load_corpus
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import load_model
 
 WRITER = textwrap.dedent(
     """
     import signal, sys, time
     from pathlib import Path
     from headlab.cli import _raise_on_sigterm
-    from headlab.fsio import atomic_directory
+    from headlab.core.fsio import atomic_directory
 
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     target = Path(sys.argv[1])

@@ -1,4 +1,4 @@
-"""The hook primitive (headlab.hooks) and the restore primitive (headlab.restore): sites resolve to the modules the
+"""The hook primitive (headlab.mechanisms.hooks) and the restore primitive (headlab.mechanisms.restore): sites resolve to the modules the
 adapter names, a replacing hook changes the forward exactly as the same edit made by hand, hooks are gone after the
 block (also after an error), and `restoring` brings back weights, shapes and config head counts after an error."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from models import ALL_TYPES, GQA_TYPES, tiny_inputs, tiny_model
 
-from headlab.errors import HeadlabError
-from headlab.hooks import SITES, hooks
-from headlab.layout import physical_layout
-from headlab.loading import from_model
-from headlab.prune import apply_physical
-from headlab.restore import restoring
+from headlab.core.errors import HeadlabError
+from headlab.core.layout import physical_layout
+from headlab.core.loading import from_model
+from headlab.mechanisms.hooks import SITES, hooks
+from headlab.mechanisms.restore import restoring
+from headlab.pruning.prune import apply_physical
 
 
 def _logits(model, inputs):

@@ -12,11 +12,11 @@ import torch
 from models import ALL_TYPES, ENCODER_TYPES, GQA_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab.arch import adapter_for, attention_layers
-from headlab.errors import HeadlabError
-from headlab.gates import head_gates, ones_gates, write_mask
-from headlab.importance import head_importance, normalise, scoring_batches, sequence_nll
-from headlab.loading import from_model
+from headlab.core.arch import adapter_for, attention_layers
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.measure.importance import head_importance, normalise, scoring_batches, sequence_nll
+from headlab.mechanisms.gates import head_gates, ones_gates, write_mask
 
 
 def _loaded(name, dtype=torch.float32, **overrides):
@@ -272,7 +272,7 @@ def test_cli_writes_tables_and_refuses_bad_input(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_embedded_model_grad_importance():
-    from headlab.loading import load_model
+    from headlab.core.loading import load_model
 
     loaded = load_model(None, device="cpu")
     result = head_importance(loaded, max_tokens=256, seq_len=128, batch_size=2, progress=False)

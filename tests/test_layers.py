@@ -1,7 +1,8 @@
-"""The package's import structure, read from its own source: every module has a declared layer, imports point only
-down or sideways within a layer, there are no circles, and an import inside a function says why (start-up time).
+"""The package's import structure, read from its own folders: every module lives in a domain package (a wing),
+wings import only from wings below them, siblings never from each other, there are no circles, and an import inside a
+function says why (start-up time).
 
-A new module fails here until it is placed in LAYERS: add one line under the layer its meaning asks for.
+A new module fails here until it sits in a wing's folder; a new wing fails until it is placed in WINGS.
 """
 
 from __future__ import annotations
@@ -13,63 +14,21 @@ import headlab
 
 PACKAGE = Path(headlab.__file__).parent
 
-# Layers from the top; a module may import from its own layer or any layer below it (docs/design.md).
-LAYER_ORDER = ["cli", "workflows", "capabilities", "mechanisms", "foundations", "base"]
-LAYERS = {
-    # cli: click commands (the whole headlab.cli package), parse options, call one workflow, print
-    "headlab.cli": "cli",
-    "headlab.__main__": "cli",
-    # workflows: compose capabilities, evaluate, save
-    "headlab.gqa": "workflows",
-    "headlab.ladder": "workflows",
-    "headlab.mla": "workflows",
-    "headlab.prune": "workflows",
-    "headlab.recover": "workflows",
-    "headlab.report": "workflows",
-    "headlab.speed": "workflows",
-    "headlab.streaming": "workflows",
-    "headlab.sweep": "workflows",
-    "headlab.uptrain": "workflows",
-    # capabilities: one analysis or edit each, on resolved objects
-    "headlab.compensate": "capabilities",
-    "headlab.costs": "capabilities",
-    "headlab.evaluate": "capabilities",
-    "headlab.gguf_export": "capabilities",
-    "headlab.importance": "capabilities",
-    "headlab.kv_heads": "capabilities",
-    "headlab.lm_eval_bridge": "capabilities",
-    "headlab.llamacpp": "capabilities",
-    "headlab.merge": "capabilities",
-    "headlab.plots": "capabilities",
-    "headlab.obs": "capabilities",
-    "headlab.reconstruct": "capabilities",
-    "headlab.report_render": "capabilities",
-    "headlab.scores": "capabilities",
-    "headlab.selection": "capabilities",
-    "headlab.stats": "capabilities",
-    # mechanisms: how headlab reaches inside a running model
-    "headlab.capture": "mechanisms",
-    "headlab.gates": "mechanisms",
-    "headlab.hooks": "mechanisms",
-    "headlab.losses": "mechanisms",
-    "headlab.recompute": "mechanisms",
-    "headlab.restore": "mechanisms",
-    # foundations: adapters, saved layouts, loading, text, tables, files, checkpoints
-    "headlab.arch": "foundations",
-    "headlab.checkpoint": "foundations",
-    "headlab.data": "foundations",
-    "headlab.fsio": "foundations",
-    "headlab.layout": "foundations",
-    "headlab.loading": "foundations",
-    "headlab.reload_stream": "foundations",
-    "headlab.report_text": "foundations",
-    "headlab.tables": "foundations",
-    "headlab.validate": "foundations",
-    # base: imported by everything, imports nothing of headlab's but errors
-    "headlab": "base",
-    "headlab.distributed": "base",
-    "headlab.errors": "base",
-}
+# Wings from the top (docs/design.md); wings on one line are siblings and may not import each other. A module may
+# import from its own wing or any wing on a lower line.
+WINGS = [
+    ("cli",),  # click commands: parse options into specs, call one workflow, print
+    ("reporting",),  # the end-to-end report and its rendering
+    ("kv", "pruning"),  # KV-cache compression; head pruning
+    ("recovery", "runtimes"),  # compensation, reconstruction, uptraining; GGUF, llama.cpp, lm-eval, speed
+    ("viz",),  # figures from saved tables
+    ("measure",),  # statistics, importance, perplexity, costs
+    ("mechanisms",),  # hooks, gates, attention capture, restoring, recompute, losses
+    ("core",),  # adapters, loading, data, checkpoints, layouts, validation, tables, files, errors
+]
+# The package's own two files: the version and the error type (headlab), and `python -m headlab` (the CLI's).
+TOP_LEVEL = {"headlab": "core", "headlab.__main__": "cli"}
+
 # Words one of which a comment on (or just above) a function-level import must contain.
 DEFERRED_REASONS = ("start-up",)
 
@@ -80,15 +39,15 @@ def module_name(path: Path) -> str:
 
 
 def layer_of(module: str) -> str | None:
-    """The declared layer of a module: its own entry, else its subpackage's (headlab.cli.prune -> cli)."""
-    if module in LAYERS:
-        return LAYERS[module]
-    package = module.rpartition(".")[0]
-    return LAYERS.get(package) if package != "headlab" else None
+    """The wing a module lives in: the first folder under headlab/ (headlab.kv.gqa -> kv); None for a flat module."""
+    if module in TOP_LEVEL:
+        return TOP_LEVEL[module]
+    parts = module.split(".")
+    return parts[1] if len(parts) >= 2 and any(parts[1] in line for line in WINGS) else None
 
 
 def imported_modules(node: ast.AST, module: str, is_package: bool) -> list[str]:
-    """The headlab modules an import statement names (`from headlab import gqa` names headlab.gqa)."""
+    """The headlab modules an import statement names (`from headlab import gqa` names headlab.kv.gqa)."""
     if isinstance(node, ast.Import):
         return [alias.name for alias in node.names if alias.name.split(".")[0] == "headlab"]
     if not isinstance(node, ast.ImportFrom):
@@ -168,22 +127,44 @@ def find_cycles(graph: dict[str, list[str]]) -> list[list[str]]:
     return cycles
 
 
-def test_every_module_has_a_declared_layer():
+def test_every_module_lives_in_a_wing_folder():
     unplaced = [module for module in package_imports() if layer_of(module) is None]
-    assert not unplaced, f"place these modules in tests/test_layers.py LAYERS: {unplaced}"
-    assert set(LAYERS.values()) <= set(LAYER_ORDER)
+    assert not unplaced, f"move these modules into a wing's folder (or place a new wing in WINGS): {unplaced}"
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == {wing for line in WINGS for wing in line}
+
+
+def test_every_wing_declares_its_public_modules():
+    """`__all__` in each library wing names its modules (the CLI's public face is its commands, found by name)."""
+    for line in WINGS[1:]:
+        for wing in line:
+            init = PACKAGE / wing / "__init__.py"
+            namespace = {}
+            exec(
+                compile(
+                    ast.Module(
+                        body=[n for n in ast.parse(init.read_text()).body if isinstance(n, ast.Assign)], type_ignores=[]
+                    ),
+                    str(init),
+                    "exec",
+                ),
+                namespace,
+            )
+            modules = {p.stem for p in (PACKAGE / wing).glob("*.py") if p.stem != "__init__"}
+            assert set(namespace.get("__all__", ())) == modules - {m for m in modules if m.startswith("_")}, wing
 
 
 def test_imports_point_down_or_sideways_never_up():
-    rank = {layer: position for position, layer in enumerate(LAYER_ORDER)}  # 0 = top
+    rank = {wing: position for position, line in enumerate(WINGS) for wing in line}  # 0 = top
     upward = []
     for module, edges in package_imports().items():
         for target, line, _, _ in edges:
-            if layer_of(target) is None:
-                continue  # reported by the test above
-            if rank[layer_of(target)] < rank[layer_of(module)]:
-                upward.append(f"{module}:{line} ({layer_of(module)}) imports {target} ({layer_of(target)})")
-    assert not upward, "upward imports:\n" + "\n".join(upward)
+            source, wing = layer_of(module), layer_of(target)
+            if source is None or wing is None or wing == source:
+                continue  # unplaced modules are reported by the test above
+            if rank[wing] <= rank[source]:
+                upward.append(f"{module}:{line} ({source}) imports {target} ({wing})")
+    assert not upward, "imports upward or between sibling wings:\n" + "\n".join(upward)
 
 
 def test_no_import_circles_including_imports_inside_functions():
@@ -271,5 +252,5 @@ def test_the_checker_sees_a_circle_and_an_upward_import():
     """The checks themselves, on a made-up graph: a loop is found, a straight chain is not."""
     assert find_cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]
     assert find_cycles({"a": ["b"], "b": ["c"], "c": []}) == []
-    assert layer_of("headlab.cli.prune") == "cli" and layer_of("headlab.errors") == "base"
+    assert layer_of("headlab.cli.prune") == "cli" and layer_of("headlab.core.errors") == "core"
     assert layer_of("headlab.not_a_module") is None

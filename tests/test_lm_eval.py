@@ -13,14 +13,14 @@ import torch
 from models import tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab.data import Corpus, load_corpus, rolling_windows, split_text, tokenize
-from headlab.errors import HeadlabError
-from headlab.evaluate import perplexity
-from headlab.loading import from_model, load_model
+from headlab.core.data import Corpus, load_corpus, rolling_windows, split_text, tokenize
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model, load_model
+from headlab.measure.evaluate import perplexity
 
 lm_eval_utils = pytest.importorskip("lm_eval.utils", reason="lm-eval is not installed (pip install 'headlab[lmeval]')")
 
-from headlab.lm_eval_bridge import (  # noqa: E402 - after the skip
+from headlab.runtimes.lm_eval_bridge import (  # noqa: E402 - after the skip
     ROLLING_METRICS,
     ROLLING_TASK,
     lm_eval_rolling_perplexity,
@@ -180,7 +180,7 @@ def test_non_uniform_pruned_checkpoint_through_tasks_cli(tmp_path, capsys):
     reloaded = load_model(str(pruned), device="cpu")
     assert [layer.num_heads for layer in reloaded.layers] != [4, 4]
     # The hand computation runs on the unpruned model with the same heads masked (equal logits to the physical prune).
-    from headlab.prune import pruned_in_place
+    from headlab.pruning.prune import pruned_in_place
 
     masked = from_model(tiny_model("llama"), tiny_tokenizer())
     with pruned_in_place(masked, heads, "mask"):
@@ -217,7 +217,7 @@ def test_hub_task_offline_is_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_task_errors_are_headlab_errors(tmp_path):
-    from headlab.lm_eval_bridge import task_manager
+    from headlab.runtimes.lm_eval_bridge import task_manager
 
     with pytest.raises(HeadlabError, match="not a directory"):
         task_manager(["x"], tmp_path / "missing")
@@ -233,9 +233,9 @@ def _hand_accuracy(model, tokenizer, labels: list[int]) -> float:
 
 
 def test_sweep_tasks_adds_the_task_metric_of_each_pruned_model(tmp_path):
-    from headlab.prune import pruned_in_place, select_heads
-    from headlab.scores import random_scores
-    from headlab.sweep import sweep, write_sweep
+    from headlab.pruning.prune import pruned_in_place, select_heads
+    from headlab.pruning.scores import random_scores
+    from headlab.pruning.sweep import sweep, write_sweep
 
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())
     labels, _ = _labels_with_one_wrong(loaded.model, loaded.tokenizer)

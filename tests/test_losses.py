@@ -1,4 +1,4 @@
-"""Chunked vocabulary projection + cross-entropy (headlab.losses) against whole logits and F.cross_entropy: losses,
+"""Chunked vocabulary projection + cross-entropy (headlab.mechanisms.losses) against whole logits and F.cross_entropy: losses,
 gradients to the hidden states, gate gradients through every adapter's tiny model, and the fallback for models that
 transform their logits."""
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from models import ALL_TYPES, tiny_inputs, tiny_model
 
-from headlab import losses
-from headlab.gates import head_gates, ones_gates
-from headlab.loading import from_model
+from headlab.core.loading import from_model
+from headlab.mechanisms import losses
+from headlab.mechanisms.gates import head_gates, ones_gates
 
 
 def _case(dtype, bias: bool, B=3, T=7, C=16, V=50, seed=0):
@@ -171,7 +171,7 @@ def test_head_restored_after_an_exception():
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gemma3_text"])
 def test_evaluation_log_probs_in_chunks_equal_whole_logits(name, monkeypatch):
-    """headlab.evaluate's per-token log-probabilities from final states projected a few rows at a time
+    """headlab.measure.evaluate's per-token log-probabilities from final states projected a few rows at a time
     (final_states + picked_log_probs) equal log_softmax of the model's own whole logits (float64)."""
     monkeypatch.setattr(losses, "CHUNK_BYTES", 8 * 128 * 3)  # 3 rows per chunk: several chunks per row
     model = tiny_model(name, attn_implementation="sdpa").to(torch.float64)

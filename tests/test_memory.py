@@ -10,10 +10,10 @@ from conftest import tiny_model
 from safetensors.torch import load_file, save_file
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-from headlab import reload_stream
-from headlab.checkpoint import CheckpointMismatch, save_checkpoint, verify_reload
-from headlab.importance import head_importance
-from headlab.loading import from_model
+from headlab.core import reload_stream
+from headlab.core.checkpoint import CheckpointMismatch, save_checkpoint, verify_reload
+from headlab.core.loading import from_model
+from headlab.measure.importance import head_importance
 
 
 @pytest.fixture
@@ -29,8 +29,8 @@ def test_streamed_verification_of_a_vanilla_checkpoint(name, tmp_path, always_st
 
 
 def test_streamed_verification_of_per_layer_and_kv_converted_layouts(tmp_path, always_stream):
-    from headlab.gqa import convert
-    from headlab.prune import apply_physical, physical_layout, prepare_config
+    from headlab.kv.gqa import convert
+    from headlab.pruning.prune import apply_physical, physical_layout, prepare_config
 
     loaded = from_model(tiny_model("llama"))
     layout = physical_layout(loaded.layers, [{0, 1}, {3}])

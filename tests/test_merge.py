@@ -1,4 +1,4 @@
-"""Calibrated KV-head merging (headlab.merge): exact on planted cases (copies, invertible maps, complex rotations per
+"""Calibrated KV-head merging (headlab.kv.merge): exact on planted cases (copies, invertible maps, complex rotations per
 rotary frequency pair), the closed form against brute force, better than mean pooling, vanilla reload everywhere."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from models import GQA_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
-from headlab import gqa
-from headlab.data import Corpus
-from headlab.loading import from_model
-from headlab.merge import _subspace, merge_kv_heads, merge_plan
+from headlab.core.data import Corpus
+from headlab.core.loading import from_model
+from headlab.kv import gqa
+from headlab.kv.merge import _subspace, merge_kv_heads, merge_plan
 
 LINEAR_KEYS = ["llama", "mistral", "qwen2", "phi3"]  # keys without a per-head norm: the complex merge applies
 
@@ -188,7 +188,7 @@ def test_svd_needs_batches_and_a_known_method():
     loaded = from_model(tiny_model("llama"))
     with pytest.raises(ValueError):
         gqa.convert(loaded, 1, method="svd")
-    from headlab.errors import HeadlabError
+    from headlab.core.errors import HeadlabError
 
     with pytest.raises(HeadlabError):
         gqa.convert(loaded, 1, method="pca")
@@ -201,8 +201,8 @@ def test_svd_needs_batches_and_a_known_method():
 def test_embedded_svd_merge_beats_mean_pooling_and_reloads(tmp_path):
     from transformers import AutoTokenizer
 
-    from headlab.evaluate import perplexity
-    from headlab.loading import load_model
+    from headlab.core.loading import load_model
+    from headlab.measure.evaluate import perplexity
 
     loaded = load_model(None, device="cpu")
     common = dict(max_tokens=256, seq_len=128, batch_size=4, calib_tokens=512, progress=False)

@@ -1,4 +1,4 @@
-"""MHA/GQA -> MLA (headlab.mla): RoRoPE checked against a slow per-position rotation, exactness where the format
+"""MHA/GQA -> MLA (headlab.kv.mla): RoRoPE checked against a slow per-position rotation, exactness where the format
 allows it (MQA sources, keys with no dropped RoPE components, full-rank latents), the latent-norm fold, and the
 vanilla deepseek_v3 checkpoint round trip."""
 
@@ -14,10 +14,10 @@ from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
-from headlab import mla
-from headlab.data import TextSpec
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
+from headlab.core.data import TextSpec
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.kv import mla
 
 
 @pytest.fixture
@@ -317,7 +317,7 @@ def test_plan_refuses_what_the_format_cannot_express(name, overrides, plan, mess
 def test_recovery_trains_the_norm_free_model_and_the_saved_checkpoint_holds_it(text, tmp_path):
     """convert-mla's recovery hook: local reconstruction of the norm-free MLA model towards the untouched source (a
     teacher of another model type), then the fold at save; the reloaded checkpoint computes the recovered model."""
-    from headlab.recover import RecoverySpec, recover
+    from headlab.recovery.recover import RecoverySpec, recover
 
     loaded = loaded_tiny("llama")
     spec = RecoverySpec(stages=["local"], minutes=None, local_tokens=256, local_seq_len=32)
@@ -357,7 +357,7 @@ def test_cli_recover_flag_reaches_the_conversion(tmp_path, capsys):
 def test_ladder_adds_mla_rows_measured_from_a_real_cache(text, tmp_path):
     """gqa-sweep --mla: one row per budget beside the KV-head rows; the MLA rows' measured cache is (latent + rope)
     numbers per layer, the same bytes as the rung they are named after."""
-    from headlab import ladder
+    from headlab.kv import ladder
 
     loaded = loaded_tiny("llama")
     frame, meta = ladder.ladder(

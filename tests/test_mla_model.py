@@ -17,20 +17,20 @@ from test_evaluate import slow_perplexity
 from test_stats import _reference
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab import prune as P
-from headlab.arch import LatentHeadWeights, LatentQKV, adapter_for
-from headlab.capture import capture_attention
-from headlab.costs import kv_bytes_per_token, mla_budget, model_info
-from headlab.data import Corpus, calibration_batches, split_text
-from headlab.errors import HeadlabError
-from headlab.evaluate import perplexity
-from headlab.gates import head_gates, ones_gates
-from headlab.gqa import measured_kv_bytes_per_token
-from headlab.importance import head_importance, scoring_batches, sequence_nll
-from headlab.loading import from_model, load_model
-from headlab.reconstruct import LocalSpec, dead_heads, reconstruct
-from headlab.stats import StatisticsCollector
-from headlab.uptrain import uptrain
+from headlab.core.arch import LatentHeadWeights, LatentQKV, adapter_for
+from headlab.core.data import Corpus, calibration_batches, split_text
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model, load_model
+from headlab.kv.gqa import measured_kv_bytes_per_token
+from headlab.measure.costs import kv_bytes_per_token, mla_budget, model_info
+from headlab.measure.evaluate import perplexity
+from headlab.measure.importance import head_importance, scoring_batches, sequence_nll
+from headlab.measure.stats import StatisticsCollector
+from headlab.mechanisms.capture import capture_attention
+from headlab.mechanisms.gates import head_gates, ones_gates
+from headlab.pruning import prune as P
+from headlab.recovery.reconstruct import LocalSpec, dead_heads, reconstruct
+from headlab.recovery.uptrain import uptrain
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CORPUS = Corpus("sample", [SAMPLE_TEXT * 6])
@@ -398,7 +398,7 @@ def test_speed_holds_the_latent_cache_in_both_runtimes():
     import pandas as pd
     from test_gguf import LLAMACPP, tiny
 
-    from headlab.speed import SpeedSpec, measure_model
+    from headlab.runtimes.speed import SpeedSpec, measure_model
 
     spec = SpeedSpec(contexts=(16, 32), batches=(1, 2), decode_tokens=2, prefill_limit=32)
     table = pd.DataFrame(measure_model(tiny("deepseek_v3"), "mla", spec, progress=False))
@@ -407,7 +407,7 @@ def test_speed_holds_the_latent_cache_in_both_runtimes():
     assert (hf["kv_cache_bytes"] == 2 * (12 + 8) * 4 * hf["context"] * hf["batch"]).all()  # float32 cells
     if LLAMACPP is None:
         cpp = table[table["runtime"] == "llama.cpp"]
-        # every (context, batch) point: llama.cpp runs one KV stream per sequence (headlab.llamacpp.Sequences)
+        # every (context, batch) point: llama.cpp runs one KV stream per sequence (headlab.runtimes.llamacpp.Sequences)
         assert len(cpp) == len(spec.contexts) * len(spec.batches) and (cpp["decode_tokens_per_s"] > 0).all()
         allocated = cpp["kv_cache_bytes"] // (2 * (12 + 8) * 2)  # f16 cells
         assert (cpp["kv_cache_bytes"] == 2 * (12 + 8) * 2 * allocated).all()
@@ -419,8 +419,8 @@ def test_llamacpp_state_grows_by_the_latent_per_token(tmp_path):
     2 layers x (12 + 8) f16 numbers plus the cell metadata the same-shaped GQA llama shows beyond its 2 x 2 x 2 x 16."""
     from test_gguf import LLAMACPP, tiny
 
-    from headlab.gguf_export import export_gguf
-    from headlab.llamacpp import open_model
+    from headlab.runtimes.gguf_export import export_gguf
+    from headlab.runtimes.llamacpp import open_model
 
     if LLAMACPP is not None:
         pytest.skip(LLAMACPP)

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from tiny_text import run_cli
 
-from headlab import plots
-from headlab.errors import HeadlabError
+from headlab.core.errors import HeadlabError
+from headlab.viz import plots
 
 
 def wide_table(layers: int, heads: int, kv_heads: int, seed: int = 0) -> pd.DataFrame:
@@ -198,7 +198,7 @@ def test_query_groups_follow_repeat_kv_and_the_new_groups():
 
 
 def write_run_dir(root):
-    from headlab.tables import write_run
+    from headlab.core.tables import write_run
 
     wide = wide_table(2, 4, 2)
     write_run(root / "stats", {"stats_wide": wide}, {"model": "tiny"})
@@ -253,9 +253,9 @@ def test_a_full_disk_never_truncates_a_figure(tmp_path, monkeypatch):
 
     import matplotlib.pyplot as plt
 
-    from headlab import fsio
-    from headlab.errors import HeadlabError
-    from headlab.plots import save_figure
+    from headlab.core import fsio
+    from headlab.core.errors import HeadlabError
+    from headlab.viz.plots import save_figure
 
     fig, ax = plt.subplots()
     ax.plot([0, 1], [1, 0])

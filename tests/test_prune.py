@@ -12,14 +12,14 @@ import torch
 from models import ALL_TYPES, ENCODER_TYPES, GQA_TYPES, MHA_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab import prune as P
-from headlab import scores as S
-from headlab.arch import adapter_for
-from headlab.checkpoint import _auto_class_for
-from headlab.errors import HeadlabError
-from headlab.gates import head_gates, read_mask
-from headlab.layout import HEAD_LAYOUT_KEY
-from headlab.loading import from_model, load_model
+from headlab.core.arch import adapter_for
+from headlab.core.checkpoint import _auto_class_for
+from headlab.core.errors import HeadlabError
+from headlab.core.layout import HEAD_LAYOUT_KEY
+from headlab.core.loading import from_model, load_model
+from headlab.mechanisms.gates import head_gates, read_mask
+from headlab.pruning import prune as P
+from headlab.pruning import scores as S
 
 
 def _loaded(name, **overrides):
@@ -370,7 +370,7 @@ def test_cli_kv_group_on_mha_is_an_error(tmp_path, capsys):
 
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
-    import headlab.checkpoint as checkpoint
+    import headlab.core.checkpoint as checkpoint
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -428,13 +428,13 @@ def test_embedded_model_physical_checkpoints(tmp_path):
 
 
 def test_the_cli_and_the_python_api_share_the_calibration_default():
-    """One default for prune's calibration budget (headlab.prune.DEFAULT_CALIBRATION_TOKENS), in both faces."""
+    """One default for prune's calibration budget (headlab.pruning.prune.DEFAULT_CALIBRATION_TOKENS), in both faces."""
     import inspect
 
     import click
 
     from headlab.cli import cli
-    from headlab.prune import DEFAULT_CALIBRATION_TOKENS, prune
+    from headlab.pruning.prune import DEFAULT_CALIBRATION_TOKENS, prune
 
     assert inspect.signature(prune).parameters["calibration_tokens"].default == DEFAULT_CALIBRATION_TOKENS
     command = cli.get_command(click.Context(cli), "prune")

@@ -1,4 +1,4 @@
-"""Activation recompute (headlab.recompute) for importance and uptrain: the same scores as without it, blocks
+"""Activation recompute (headlab.mechanisms.recompute) for importance and uptrain: the same scores as without it, blocks
 really recomputed in the backward pass, dropout kept off, and the model's previous state restored."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from models import ALL_TYPES, ENCODER_TYPES, tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab.errors import HeadlabError
-from headlab.importance import head_importance
-from headlab.loading import from_model
-from headlab.recompute import activation_checkpointing
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.measure.importance import head_importance
+from headlab.mechanisms.recompute import activation_checkpointing
 
 
 def _loaded(name, **overrides):

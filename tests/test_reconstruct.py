@@ -1,4 +1,4 @@
-"""Local reconstruction (headlab.reconstruct): an unchanged layer never moves, a known linear corruption of a layer is
+"""Local reconstruction (headlab.recovery.reconstruct): an unchanged layer never moves, a known linear corruption of a layer is
 undone, dead (pruned) heads stay dead, KV merges and physical layouts go through the adapters, and every layer leaves
 no worse than it came on held-out windows."""
 
@@ -11,12 +11,12 @@ import torch
 from models import tiny_model
 from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-from headlab import gqa
-from headlab import prune as P
-from headlab.data import Corpus, calibration_batches
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
-from headlab.reconstruct import LocalSpec, dead_heads, reconstruct
+from headlab.core.data import Corpus, calibration_batches
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.kv import gqa
+from headlab.pruning import prune as P
+from headlab.recovery.reconstruct import LocalSpec, dead_heads, reconstruct
 
 CORPUS = Corpus("sample", [SAMPLE_TEXT * 6])
 

@@ -1,8 +1,8 @@
-"""headlab.recover's record helpers, on records written by hand."""
+"""headlab.recovery.recover's record helpers, on records written by hand."""
 
 from __future__ import annotations
 
-from headlab.recover import before_after
+from headlab.recovery.recover import before_after
 
 
 def test_before_after_has_one_row_per_stage_measure():

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
-from headlab import fsio, validate
-from headlab.errors import HeadlabError
-from headlab.loading import load_model
+from headlab.core import fsio, validate
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import load_model
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MPLBACKEND": "Agg"}
 
@@ -115,7 +115,7 @@ RACER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from headlab import fsio
+    from headlab.core import fsio
     from headlab.cli import main
 
     barrier, me = Path(sys.argv[1]), sys.argv[2]
@@ -398,7 +398,7 @@ def test_check_weights_can_be_turned_off(tmp_path):
 
 
 def test_csv_and_jsonl_text_stays_text(tmp_path):
-    from headlab.data import load_corpus
+    from headlab.core.data import load_corpus
 
     (tmp_path / "a.csv").write_text("text\n1984\nhello world\n")
     assert load_corpus(str(tmp_path / "a.csv")).documents == ["1984", "hello world"]
@@ -468,7 +468,7 @@ def test_write_failures_the_environment_causes_are_recognised():
 
 
 def test_resumable_directory_keeps_completed_steps_for_the_same_key_only(tmp_path):
-    from headlab.fsio import resumable_directory
+    from headlab.core.fsio import resumable_directory
 
     target = tmp_path / "run"
     key = {"model": "m", "options": [1, 2]}
@@ -493,7 +493,7 @@ def test_resumable_directory_keeps_completed_steps_for_the_same_key_only(tmp_pat
 
 
 def test_resumable_directory_never_removes_what_it_did_not_make(tmp_path):
-    from headlab.fsio import resumable_directory
+    from headlab.core.fsio import resumable_directory
 
     mine = tmp_path / "run.partial"
     mine.mkdir()
@@ -510,7 +510,7 @@ def test_resumable_directory_never_removes_what_it_did_not_make(tmp_path):
 
 
 def test_resumable_directory_refuses_a_second_writer(tmp_path):
-    from headlab.fsio import resumable_directory
+    from headlab.core.fsio import resumable_directory
 
     with resumable_directory(tmp_path / "run", {"k": 1}) as journal:
         journal.finish("a")

@@ -8,9 +8,9 @@ import logging
 import pytest
 from conftest import tiny_model
 
-from headlab import reload_stream
-from headlab.checkpoint import save_checkpoint
-from headlab.loading import from_model
+from headlab.core import reload_stream
+from headlab.core.checkpoint import save_checkpoint
+from headlab.core.loading import from_model
 
 
 @pytest.fixture
@@ -19,7 +19,7 @@ def always_stream(monkeypatch):
 
 
 def _physically_pruned():
-    from headlab.prune import apply_physical, physical_layout, prepare_config
+    from headlab.pruning.prune import apply_physical, physical_layout, prepare_config
 
     loaded = from_model(tiny_model("llama"))
     layout = physical_layout(loaded.layers, [{0, 1}, {3}])

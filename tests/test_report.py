@@ -14,9 +14,9 @@ from models import tiny_model
 from slow_clock import slow_machine
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
-from headlab import report
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.reporting import report
 
 SECTIONS = [
     "Summary",

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from models import tiny_model
 
-from headlab import report
-from headlab.loading import from_model
+from headlab.core.loading import from_model
+from headlab.reporting import report
 
 EVERY_STEP = ["info", "stats", "importance", "gallery", "sweep", "gqa", "recovery", "speed"]
 

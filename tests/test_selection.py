@@ -1,4 +1,4 @@
-"""Head selection (Fisher in headlab.importance, headlab.obs, headlab.selection): the Fisher against a slow per-sequence loop, OBS
+"""Head selection (Fisher in headlab.measure.importance, headlab.pruning.obs, headlab.pruning.selection): the Fisher against a slow per-sequence loop, OBS
 on a layer with a redundant head, OBS's predicted error against the actual ridge refit, and budgets' constraints."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 import torch
 from models import tiny_inputs, tiny_model
 
-from headlab import prune as P
-from headlab import selection as S
-from headlab.compensate import _error, output_statistics, ridge_refit
-from headlab.errors import HeadlabError
-from headlab.gates import head_gates
-from headlab.importance import fisher_statistics, frozen, head_importance, scoring_batches
-from headlab.loading import from_model
-from headlab.obs import obs_path, ridge_lambda
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.measure.importance import fisher_statistics, frozen, head_importance, scoring_batches
+from headlab.mechanisms.gates import head_gates
+from headlab.pruning import prune as P
+from headlab.pruning import selection as S
+from headlab.pruning.obs import obs_path, ridge_lambda
+from headlab.recovery.compensate import _error, output_statistics, ridge_refit
 
 
 class Batches:
@@ -304,7 +304,7 @@ def test_search_measures_each_layers_loss_curve():
     tokens = sum(b.scored for b in prepared)
 
     def loss(pruned):
-        from headlab.importance import sequence_nll
+        from headlab.measure.importance import sequence_nll
 
         with torch.no_grad(), head_gates(loaded, P.gates_from_pruned(loaded.layers, pruned)):
             return sum(float(sequence_nll(loaded.model, b, "cpu").double().sum()) for b in prepared) / tokens
@@ -350,7 +350,7 @@ def test_obs_selection_and_its_refit_share_one_gram_pass(tmp_path, monkeypatch):
     and the pruned model equals the one a refit from freshly computed Grams gives."""
     from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-    from headlab.restore import restoring
+    from headlab.mechanisms.restore import restoring
 
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
@@ -392,7 +392,7 @@ def test_prune_method_sources_by_name(tmp_path):
 def test_sweep_compares_joint_and_ranked_orders(tmp_path):
     from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-    from headlab.sweep import sweep
+    from headlab.pruning.sweep import sweep
 
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)

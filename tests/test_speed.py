@@ -10,8 +10,8 @@ import pytest
 import torch
 from test_gguf import LLAMACPP, kv_converted, needs_llamacpp, tiny
 
-from headlab.gguf_export import export_gguf
-from headlab.speed import SpeedSpec, measure_model, relative_to_first
+from headlab.runtimes.gguf_export import export_gguf
+from headlab.runtimes.speed import SpeedSpec, measure_model, relative_to_first
 
 
 def test_speed_table_measures_every_point_and_the_kv_bytes_held():
@@ -42,7 +42,7 @@ def test_speed_table_measures_every_point_and_the_kv_bytes_held():
 def test_llamacpp_sequences_decode_as_one_sequence_does(tmp_path):
     """Three sequences in one context: the second (other tokens) decodes what a context of its own decodes, and the
     third, a copy of the first's cache, decodes exactly what the first does."""
-    from headlab.llamacpp import Sequences
+    from headlab.runtimes.llamacpp import Sequences
 
     loaded = tiny()
     path = tmp_path / "m.gguf"
@@ -76,8 +76,8 @@ def test_llamacpp_sequences_decode_as_one_sequence_does(tmp_path):
 
 @needs_llamacpp
 def test_llamacpp_sequences_refuse_an_unloadable_file(tmp_path):
-    from headlab.errors import HeadlabError
-    from headlab.llamacpp import Sequences
+    from headlab.core.errors import HeadlabError
+    from headlab.runtimes.llamacpp import Sequences
 
     path = tmp_path / "broken.gguf"
     path.write_bytes(b"GGUF not really")

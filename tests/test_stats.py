@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 from models import ALL_TYPES, ENCODER_TYPES, tiny_inputs, tiny_model
 
-from headlab.arch import AttentionLayer
-from headlab.capture import FUNCTION_NAME, AttentionChunk, capture_attention
 from headlab.cli import cli
-from headlab.loading import from_model
-from headlab.stats import STATISTICS, StatisticsCollector, _is_first_argmax, head_statistics, wide_statistics
+from headlab.core.arch import AttentionLayer
+from headlab.core.loading import from_model
+from headlab.measure.stats import STATISTICS, StatisticsCollector, _is_first_argmax, head_statistics, wide_statistics
+from headlab.mechanisms.capture import FUNCTION_NAME, AttentionChunk, capture_attention
 
 # ---- hand-made attention tensors ------------------------------------------------------------------------------
 
@@ -227,7 +227,7 @@ def _reference(attentions, values, attention_mask, sep_keys, target) -> dict:
     return out
 
 
-# A float64 model's statistics are computed in float64 (headlab.capture's working dtype). The reference is not
+# A float64 model's statistics are computed in float64 (headlab.mechanisms.capture's working dtype). The reference is not
 # fully float64 (most families' eager softmax runs in float32 even in a float64 model, rounding weights to ~1e-8),
 # so float64 is held to 1e-7; float32 to the float32 tolerance of docs/performance.md.
 PRECISIONS = [(torch.float32, 1e-5), (torch.float64, 1e-7)]
@@ -424,7 +424,7 @@ def test_cli_bad_input_exits_2_before_work(saved_llama, tmp_path, extra, message
 
 @pytest.mark.slow
 def test_embedded_model_statistics():
-    from headlab.loading import load_model
+    from headlab.core.loading import load_model
 
     loaded = load_model(None, device="cpu")
     tidy = head_statistics(
@@ -441,8 +441,8 @@ def test_embedded_model_statistics():
 
 def test_non_finite_attention_is_reported_not_written():
     """A float16-style overflow (inf in the queries) gives a clear error instead of NaN statistics."""
-    from headlab.errors import HeadlabError
-    from headlab.loading import from_model
+    from headlab.core.errors import HeadlabError
+    from headlab.core.loading import from_model
 
     model = tiny_model("llama")
     with torch.no_grad():

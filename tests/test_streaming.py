@@ -1,4 +1,4 @@
-"""Layer-by-layer conversion of safetensors checkpoints (headlab.streaming): the same tensors as converting the
+"""Layer-by-layer conversion of safetensors checkpoints (headlab.kv.streaming): the same tensors as converting the
 loaded model, one block in memory at a time, clean errors for what it cannot do."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from models import GQA_TYPES, VLM_TYPES, tiny_model
 from safetensors import safe_open
 from tiny_text import run_cli, save_tiny
 
-from headlab import gqa, kv_heads, streaming
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
-from headlab.streaming import checkpoint_files, convert_streaming
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.kv import gqa, grouping, streaming
+from headlab.kv.streaming import checkpoint_files, convert_streaming
 
 
 def stored_tensors(directory) -> dict[str, torch.Tensor]:
@@ -39,7 +39,7 @@ def in_memory_reference(name: str, kv_heads: int, pool: str, seed: int, director
 
 
 @pytest.mark.parametrize("name", GQA_TYPES)
-@pytest.mark.parametrize("pool", kv_heads.POOLS)
+@pytest.mark.parametrize("pool", grouping.POOLS)
 def test_streaming_equals_converting_the_loaded_model(name, pool, tmp_path):
     """Sharded source, small output shards: every stored tensor equals the in-memory conversion's, bit for bit."""
     tiny_model(name).save_pretrained(tmp_path / "source", max_shard_size="20KB")

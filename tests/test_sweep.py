@@ -8,12 +8,12 @@ import torch
 from models import tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab.errors import HeadlabError
-from headlab.evaluate import perplexity
-from headlab.gates import head_gates
-from headlab.loading import from_model
-from headlab.scores import random_scores
-from headlab.sweep import sweep, write_sweep
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.measure.evaluate import perplexity
+from headlab.mechanisms.gates import head_gates
+from headlab.pruning.scores import random_scores
+from headlab.pruning.sweep import sweep, write_sweep
 
 EVAL = dict(seq_len=32, batch_size=2)
 
@@ -96,7 +96,7 @@ def test_cli_sweep(tmp_path, corpus, capsys):
 def test_cli_sweep_resumes_after_a_failed_order(tmp_path, corpus, capsys, monkeypatch):
     """An order that fails keeps the orders before it in OUT.partial; the same command again measures only what is
     missing and writes the same table as an uninterrupted sweep (timings aside)."""
-    from headlab import sweep as sweep_module
+    from headlab.pruning import sweep as sweep_module
 
     src = save_tiny("llama", tmp_path / "src")
     args = ["sweep", "--model", src, "--device", "cpu", "--data", corpus, "--max-tokens", "64", "--seq-len", "32",

@@ -1,4 +1,4 @@
-"""TextSpec (headlab.data): one spec for the text a command reads, resolved once; the loose keywords of the
+"""TextSpec (headlab.core.data): one spec for the text a command reads, resolved once; the loose keywords of the
 earlier API and the earlier option names still work (issue 13: one name for one thing)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from models import tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab.data import Corpus, TextSpec, takes_text
-from headlab.errors import renamed_keywords
-from headlab.evaluate import perplexity
-from headlab.loading import from_model
+from headlab.core.data import Corpus, TextSpec, takes_text
+from headlab.core.errors import renamed_keywords
+from headlab.core.loading import from_model
+from headlab.measure.evaluate import perplexity
 
 
 def test_resolved_loads_the_corpus_once(tmp_path):

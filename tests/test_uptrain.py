@@ -1,4 +1,4 @@
-"""Uptraining (headlab.uptrain): losses and the schedule by hand, a student equal to its teacher stays put with zero
+"""Uptraining (headlab.recovery.uptrain): losses and the schedule by hand, a student equal to its teacher stays put with zero
 loss, best-state keeping returns the start when every step hurts, held-out and training text never overlap, the
 stream covers all windows, pruned heads stay pruned, and the recovery pipeline saves a verified checkpoint."""
 
@@ -16,14 +16,14 @@ from models import tiny_model
 from slow_clock import ScaledClock, slow_machine
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
-from headlab import gqa
-from headlab import prune as P
-from headlab.data import Corpus, split_text
-from headlab.errors import HeadlabError
-from headlab.loading import from_model
-from headlab.reconstruct import dead_heads
-from headlab.recover import RecoverySpec, describe_stop, parse_stages, recover, save_recovered
-from headlab.uptrain import (
+from headlab.core.data import Corpus, split_text
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model
+from headlab.kv import gqa
+from headlab.pruning import prune as P
+from headlab.recovery.reconstruct import dead_heads
+from headlab.recovery.recover import RecoverySpec, describe_stop, parse_stages, recover, save_recovered
+from headlab.recovery.uptrain import (
     UptrainConfig,
     attention_parameters,
     distillation_loss,
@@ -252,10 +252,10 @@ def test_sigterm_during_recovery_leaves_no_partial_output(tmp_path):
 def test_the_demos_recovery_budget_lowers_the_svd_merged_perplexity():
     """The embedded model merged 3 -> 1 (svd): local reconstruction on 1,024 tokens then 12 uptraining steps (the
     demo's budget) lower eval-split perplexity (every choice is made on calibration text)."""
-    from headlab.data import calibration_batches, load_corpus
-    from headlab.evaluate import perplexity
-    from headlab.loading import load_model
-    from headlab.recover import teacher_copy
+    from headlab.core.data import calibration_batches, load_corpus
+    from headlab.core.loading import load_model
+    from headlab.measure.evaluate import perplexity
+    from headlab.recovery.recover import teacher_copy
 
     teacher = load_model(None, device="cpu")
     corpus = load_corpus(None)
@@ -311,7 +311,7 @@ def test_a_minutes_cap_too_small_ends_recovery_cleanly_with_a_note(monkeypatch):
 
 
 def test_uptraining_cap_stops_at_the_best_state_so_far(monkeypatch):
-    from headlab import uptrain as uptrain_module
+    from headlab.recovery import uptrain as uptrain_module
 
     teacher = from_model(tiny_model("llama"), tiny_tokenizer())
     student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())

@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 from tiny_text import SAMPLE_TEXT, save_tiny, tiny_tokenizer
 
-from headlab import gqa
-from headlab.data import Corpus, split_text
-from headlab.loading import from_model
-from headlab.uptrain import UptrainConfig, heldout_split, stream_batches
+from headlab.core.data import Corpus, split_text
+from headlab.core.loading import from_model
+from headlab.kv import gqa
+from headlab.recovery.uptrain import UptrainConfig, heldout_split, stream_batches
 
 STEPS, SEQ_LEN, BATCH, HELDOUT = 3, 32, 4, 128
 

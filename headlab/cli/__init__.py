@@ -19,7 +19,7 @@ from pathlib import Path
 import click
 
 from headlab import __version__
-from headlab.errors import HeadlabError
+from headlab.core.errors import HeadlabError
 
 
 class LazyGroup(click.Group):

@@ -1,4 +1,4 @@
-"""--recover options shared by convert-gqa and prune: hand the edited model straight to recovery (headlab.recover)."""
+"""--recover options shared by convert-gqa and prune: hand the edited model straight to recovery (headlab.recovery.recover)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import click
 
-from headlab.data import TextSpec
-from headlab.recover import RecoverySpec, parse_stages, recover, teacher_copy
-from headlab.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, UptrainConfig
+from headlab.core.data import TextSpec
+from headlab.recovery.recover import RecoverySpec, parse_stages, recover, teacher_copy
+from headlab.recovery.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, UptrainConfig
 
 
 def recovery_options(function):

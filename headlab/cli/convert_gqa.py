@@ -8,8 +8,6 @@ from pathlib import Path
 
 import click
 
-from headlab.arch import adapter_for
-from headlab.checkpoint import describe_check
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     calibration_tokens_option,
@@ -19,14 +17,17 @@ from headlab.cli.options import (
     model_options,
     out_option,
 )
-from headlab.errors import HeadlabError
-from headlab.fsio import check_free_space
-from headlab.gqa import METHODS, convert_checkpoint
-from headlab.kv_heads import GROUPINGS, POOLS
-from headlab.loading import local_checkpoint
-from headlab.recover import describe_stop
-from headlab.report_text import human_bytes, parse_bytes
-from headlab.streaming import convert_streaming
+from headlab.cli.parsing import parse_bytes
+from headlab.core.arch import adapter_for
+from headlab.core.checkpoint import describe_check
+from headlab.core.errors import HeadlabError
+from headlab.core.fsio import check_free_space
+from headlab.core.loading import local_checkpoint
+from headlab.core.units import human_bytes
+from headlab.kv.gqa import METHODS, convert_checkpoint
+from headlab.kv.grouping import GROUPINGS, POOLS
+from headlab.kv.streaming import convert_streaming
+from headlab.recovery.recover import describe_stop
 
 
 def print_summary(record: dict) -> None:

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import click
 
-from headlab.checkpoint import describe_check
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     calibration_tokens_option,
@@ -18,10 +17,11 @@ from headlab.cli.options import (
     model_options,
     out_option,
 )
-from headlab.errors import HeadlabError
-from headlab.mla import BUDGETS, convert_mla_checkpoint
-from headlab.recover import describe_stop
-from headlab.report_text import human_bytes
+from headlab.core.checkpoint import describe_check
+from headlab.core.errors import HeadlabError
+from headlab.core.units import human_bytes
+from headlab.kv.mla import BUDGETS, convert_mla_checkpoint
+from headlab.recovery.recover import describe_stop
 
 
 def _step_line(step: dict) -> str:

@@ -8,8 +8,8 @@ import click
 
 from headlab.cli.options import guard, model_options
 from headlab.cli.report import report_options
-from headlab.data import load_corpus
-from headlab.report import DEMO_MARKER, DEMO_OUT, is_demo_run, run_report
+from headlab.core.data import load_corpus
+from headlab.reporting.report import DEMO_MARKER, DEMO_OUT, is_demo_run, run_report
 
 
 @click.command("demo")

@@ -7,12 +7,13 @@ import json
 import click
 
 from headlab.cli.options import data_options, model_options, out_option, task_options
-from headlab.errors import HeadlabError
-from headlab.evaluate import perplexity
-from headlab.fsio import check_out
-from headlab.lm_eval_bridge import run_tasks, task_manager
-from headlab.report_text import human_bytes, parse_list
-from headlab.tables import write_run
+from headlab.cli.parsing import parse_list
+from headlab.core.errors import HeadlabError
+from headlab.core.fsio import check_out
+from headlab.core.tables import write_run
+from headlab.core.units import human_bytes
+from headlab.measure.evaluate import perplexity
+from headlab.runtimes.lm_eval_bridge import run_tasks, task_manager
 
 
 @click.command("eval")

@@ -7,8 +7,8 @@ import click
 
 from headlab.cli.convert_gqa import run_streaming, show, streaming_options
 from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
-from headlab.gqa import convert_checkpoint
-from headlab.kv_heads import gqa_layers
+from headlab.kv.gqa import convert_checkpoint
+from headlab.kv.grouping import gqa_layers
 
 
 @click.command("expand-kv")

@@ -9,10 +9,10 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, guard, model_options
-from headlab.errors import HeadlabError
-from headlab.gguf_export import DEFAULT_TYPE, check_type, export_gguf
-from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
-from headlab.report_text import human_bytes
+from headlab.core.errors import HeadlabError
+from headlab.core.units import human_bytes
+from headlab.runtimes.gguf_export import DEFAULT_TYPE, check_type, export_gguf
+from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable
 
 
 @click.command("export-gguf")

@@ -8,11 +8,12 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
-from headlab.gqa import METHODS, run_sweep
-from headlab.kv_heads import GROUPINGS, POOLS
-from headlab.ladder import run_ladder
-from headlab.mla import BUDGETS
-from headlab.report_text import human_bytes, parse_list
+from headlab.cli.parsing import parse_list
+from headlab.core.units import human_bytes
+from headlab.kv.gqa import METHODS, run_sweep
+from headlab.kv.grouping import GROUPINGS, POOLS
+from headlab.kv.ladder import run_ladder
+from headlab.kv.mla import BUDGETS
 
 
 @click.command("gqa-sweep")

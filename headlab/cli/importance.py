@@ -8,10 +8,10 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import allow_foreign_option, data_options, guard, model_options, out_option
-from headlab.errors import HeadlabError
-from headlab.importance import DEFAULT_MAX_TOKENS, METHODS, head_importance
-from headlab.tables import write_run
-from headlab.validate import check_table_origin
+from headlab.core.errors import HeadlabError
+from headlab.core.tables import write_run
+from headlab.core.validate import check_table_origin
+from headlab.measure.importance import DEFAULT_MAX_TOKENS, METHODS, head_importance
 
 
 @click.command("importance")

@@ -7,8 +7,8 @@ import json
 import click
 
 from headlab.cli.options import model_options
-from headlab.costs import DTYPE_BYTES, model_info
-from headlab.report_text import human_bytes
+from headlab.core.units import human_bytes
+from headlab.measure.costs import DTYPE_BYTES, model_info
 
 
 @click.command("info")

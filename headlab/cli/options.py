@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from headlab.data import PARTS, TextSpec
-from headlab.fsio import RUN_DIR_BYTES, check_free_space, guard_output
-from headlab.loading import (
+from headlab.core.data import PARTS, TextSpec
+from headlab.core.fsio import RUN_DIR_BYTES, check_free_space, guard_output
+from headlab.core.loading import (
     DEFAULT_MODEL,
     DEVICE_MAPS,
     DTYPES,
@@ -66,7 +66,7 @@ def data_options(
     default_split: str, max_tokens: int | None, seq_len: int, batch_size: int, perplexity_windows: bool = False
 ):
     """--data, --text-column, --split, --max-tokens, --seq-len, --batch-size with a command's own defaults; the
-    command receives them as one `text: TextSpec` (headlab.data).
+    command receives them as one `text: TextSpec` (headlab.core.data).
 
     perplexity_windows: the window option is --max-length (lm-eval's name and meaning: model input tokens per
     window, each scoring as many predictions) with --seq-len kept as the same option, since both count the tokens
@@ -138,7 +138,7 @@ def _local(spec) -> Path | None:
 
 
 def guard(out, overwrite: bool, models: dict, *, data=None, run_dir_bytes: bool = True, **tables) -> None:
-    """The output guard of a writing command (headlab.fsio.guard_output), before anything is loaded: `out` is not,
+    """The output guard of a writing command (headlab.core.fsio.guard_output), before anything is loaded: `out` is not,
     does not contain and does not lie inside a model, the corpus or a table the command reads.
     `models`: label -> spec (None: the embedded default); `tables`: option name -> path. run_dir_bytes: also
     require RUN_DIR_BYTES free (commands that write checkpoints check their size after loading instead)."""
@@ -206,7 +206,7 @@ def task_options(help_text: str):
 
 
 def compensate_option(choices, help_text: str):
-    """--compensate CHOICE (the caller passes headlab.compensate.COMPENSATIONS: importing it here would load
+    """--compensate CHOICE (the caller passes headlab.recovery.compensate.COMPENSATIONS: importing it here would load
     pandas at every command's start-up); the bare flag means ridge."""
     return click.option(
         "--compensate",

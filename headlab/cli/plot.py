@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from headlab.fsio import guard_output
-from headlab.plots import FORMATS, plot_run
+from headlab.core.fsio import guard_output
+from headlab.viz.plots import FORMATS, plot_run
 
 
 @click.command("plot")

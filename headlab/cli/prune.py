@@ -7,7 +7,6 @@ from pathlib import Path
 
 import click
 
-from headlab.checkpoint import describe_check
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     allow_foreign_option,
@@ -19,14 +18,15 @@ from headlab.cli.options import (
     model_options,
     out_option,
 )
-from headlab.compensate import COMPENSATIONS
-from headlab.errors import HeadlabError
-from headlab.prune import DEFAULT_CALIBRATION_TOKENS, MODES, prune
-from headlab.recover import describe_stop
-from headlab.report_text import human_bytes
-from headlab.scores import SCORE_SOURCES
-from headlab.selection import BUDGETS, SELECTS, UNITS
-from headlab.validate import check_table_origin
+from headlab.core.checkpoint import describe_check
+from headlab.core.errors import HeadlabError
+from headlab.core.units import human_bytes
+from headlab.core.validate import check_table_origin
+from headlab.pruning.prune import DEFAULT_CALIBRATION_TOKENS, MODES, prune
+from headlab.pruning.scores import SCORE_SOURCES
+from headlab.pruning.selection import BUDGETS, SELECTS, UNITS
+from headlab.recovery.compensate import COMPENSATIONS
+from headlab.recovery.recover import describe_stop
 
 SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table comes with --scores
 

@@ -8,12 +8,12 @@ import dataclasses
 import click
 
 from headlab.cli.options import guard, model_options, out_option
-from headlab.data import load_corpus
-from headlab.lm_eval_bridge import task_manager
-from headlab.plots import FORMATS
-from headlab.report import PRESETS, run_report
-from headlab.report_text import parse_list
-from headlab.sweep import check_sweep
+from headlab.cli.parsing import parse_list
+from headlab.core.data import load_corpus
+from headlab.pruning.sweep import check_sweep
+from headlab.reporting.report import PRESETS, run_report
+from headlab.runtimes.lm_eval_bridge import task_manager
+from headlab.viz.plots import FORMATS
 
 
 def report_options(function):

@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import guard
-from headlab.report_text import human_bytes
-from headlab.speed import RUNTIMES, SpeedSpec, run_speed
+from headlab.core.units import human_bytes
+from headlab.runtimes.speed import RUNTIMES, SpeedSpec, run_speed
 
 
 def _ints(ctx, param, value):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from headlab.capture import DEFAULT_CHUNK
 from headlab.cli.options import data_options, guard, model_options, out_option
+from headlab.mechanisms.capture import DEFAULT_CHUNK
 
 DEFAULT_OUT = Path("runs/stats")
 
@@ -48,7 +48,7 @@ def command(
     """Entropy, confidence, positional, sink, previous-token, distance, induction, output-norm and [CLS]/[SEP]
     statistics per (layer, head): stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
     # torch and transformers load here, not at import: `headlab stats --help` keeps its start-up time short.
-    from headlab.stats import head_statistics, wide_statistics, write_statistics
+    from headlab.measure.stats import head_statistics, wide_statistics, write_statistics
 
     out = out or DEFAULT_OUT
     guard(out, overwrite, {"model": load.spec}, data=text.data)

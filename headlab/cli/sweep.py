@@ -15,14 +15,13 @@ from headlab.cli.options import (
     out_option,
     task_options,
 )
-from headlab.compensate import COMPENSATIONS
-from headlab.errors import HeadlabError
-from headlab.fsio import resumable_directory
-from headlab.lm_eval_bridge import metric_columns, task_manager
-from headlab.prune import MODES
-from headlab.report_text import parse_list
-from headlab.selection import UNITS
-from headlab.sweep import (
+from headlab.cli.parsing import parse_list
+from headlab.core.errors import HeadlabError
+from headlab.core.fsio import resumable_directory
+from headlab.core.tables import write_run_files
+from headlab.pruning.prune import MODES
+from headlab.pruning.selection import UNITS
+from headlab.pruning.sweep import (
     DEFAULT_FRACTIONS,
     DEFAULT_ORDERS,
     METHODS,
@@ -32,7 +31,8 @@ from headlab.sweep import (
     sweep,
     sweep_files,
 )
-from headlab.tables import write_run_files
+from headlab.recovery.compensate import COMPENSATIONS
+from headlab.runtimes.lm_eval_bridge import metric_columns, task_manager
 
 
 @click.command("sweep")
@@ -73,7 +73,7 @@ from headlab.tables import write_run_files
 )
 @compensate_option(
     COMPENSATIONS,
-    "also measure each pruned model with its output projection refitted (headlab.compensate; --compensate = ridge)",
+    "also measure each pruned model with its output projection refitted (headlab.recovery.compensate; --compensate = ridge)",
 )
 @task_options(
     "comma-separated lm-eval tasks also run on every pruned model (task/metric columns, sweep_tasks.png; needs "
@@ -116,7 +116,7 @@ def command(  # click passes every option as a parameter
     guard(out, overwrite, {"model": load.spec}, data=text.data)
     loaded = load()
     # Each (order, seed) is a step kept in OUT.partial: a failed or interrupted sweep resumes after the last completed
-    # one when the same command runs again (the same model, text and options; headlab.fsio.resumable_directory).
+    # one when the same command runs again (the same model, text and options; headlab.core.fsio.resumable_directory).
     options = dict(fractions=fraction_list, orders=order_list, seeds=seed_list, unit=unit, per_layer=per_layer)
     options.update(mode=mode, calibration_tokens=calibration_tokens, method=method, compensate=compensate)
     options.update(tasks=task_list, include_path=include_path, task_limit=task_limit)

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import click
 
-from headlab import distributed
-from headlab.checkpoint import describe_check
 from headlab.cli.options import guard, guard_checkpoint_space
-from headlab.errors import HeadlabError
-from headlab.loading import DEFAULT_MODEL, DTYPES, load_model
-from headlab.recover import RecoverySpec, before_after, describe_stop, parse_stages, recover, save_recovered
-from headlab.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED, UptrainConfig
+from headlab.core import distributed
+from headlab.core.checkpoint import describe_check
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import DEFAULT_MODEL, DTYPES, load_model
+from headlab.recovery.recover import RecoverySpec, before_after, describe_stop, parse_stages, recover, save_recovered
+from headlab.recovery.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED, UptrainConfig
 
 
 def training_options(function):
-    """The uptraining recipe's options (headlab.uptrain.UptrainConfig fields)."""
+    """The uptraining recipe's options (headlab.recovery.uptrain.UptrainConfig fields)."""
     options = [
         click.option(
             "--steps",

@@ -41,9 +41,9 @@ def run(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmark import median_time
 
-    from headlab.data import load_corpus, split_text, tokenize
-    from headlab.evaluate import _prefix_token, perplexity
-    from headlab.loading import load_model
+    from headlab.core.data import load_corpus, split_text, tokenize
+    from headlab.core.loading import load_model
+    from headlab.measure.evaluate import _prefix_token, perplexity
 
     loaded = load_model(None, device=args.device)
     corpus = load_corpus(None)

@@ -10,8 +10,8 @@ MAX_TOKENS, SEQ_LEN = 512, 256
 
 def _to_mla(loaded):
     """convert-mla --budget mqa as the command saves it: the latent norms folded back in (llama.cpp applies them)."""
-    from headlab.data import calibration_batches
-    from headlab.mla import convert_to_mla, fold_latent_norm, plan_mla
+    from headlab.core.data import calibration_batches
+    from headlab.kv.mla import convert_to_mla, fold_latent_norm, plan_mla
 
     batches = calibration_batches(loaded.tokenizer, None, seq_len=512, batch_size=4, max_tokens=2048)
     mla, _ = convert_to_mla(loaded, plan_mla(loaded, "mqa"), batches, progress=False)
@@ -22,8 +22,8 @@ def _to_mla(loaded):
 def variants(loaded):
     """(label, edit) pairs; an edit changes `loaded` in place or returns the new model it built. Heads are chosen by
     index: agreement between runtimes does not depend on which heads go."""
-    from headlab.gqa import convert
-    from headlab.prune import apply_physical, physical_layout, prepare_config
+    from headlab.kv.gqa import convert
+    from headlab.pruning.prune import apply_physical, physical_layout, prepare_config
 
     def prune(pruned):
         def edit(model):
@@ -49,9 +49,9 @@ def run(args) -> dict:
     import tempfile
     from pathlib import Path
 
-    from headlab.gguf_export import export_gguf
-    from headlab.llamacpp import compare_logprobs, eval_windows, unavailable
-    from headlab.loading import LoadedModel, from_model, load_model
+    from headlab.core.loading import LoadedModel, from_model, load_model
+    from headlab.runtimes.gguf_export import export_gguf
+    from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable
 
     missing = unavailable()
     if missing:

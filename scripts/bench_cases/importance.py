@@ -44,10 +44,10 @@ def run(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmark import PeakMemory, machine, machine_kind, median_time, previous_result
 
-    from headlab import importance
-    from headlab.data import calibration_batches
-    from headlab.importance import head_importance, scoring_batches
-    from headlab.loading import load_model
+    from headlab.core.data import calibration_batches
+    from headlab.core.loading import load_model
+    from headlab.measure import importance
+    from headlab.measure.importance import head_importance, scoring_batches
 
     loaded = load_model(None, device=args.device)
     model, device = loaded.model, loaded.device

@@ -18,13 +18,13 @@ def run(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmark import median_time
 
-    from headlab import gqa
-    from headlab.data import Corpus, calibration_batches, load_corpus, split_text, tokenize
-    from headlab.evaluate import perplexity
-    from headlab.lm_eval_bridge import ROLLING_TASK, lm_eval_rolling_perplexity
-    from headlab.loading import load_model
-    from headlab.prune import pruned_in_place, select_heads
-    from headlab.scores import importance_scores
+    from headlab.core.data import Corpus, calibration_batches, load_corpus, split_text, tokenize
+    from headlab.core.loading import load_model
+    from headlab.kv import gqa
+    from headlab.measure.evaluate import perplexity
+    from headlab.pruning.prune import pruned_in_place, select_heads
+    from headlab.pruning.scores import importance_scores
+    from headlab.runtimes.lm_eval_bridge import ROLLING_TASK, lm_eval_rolling_perplexity
 
     loaded = load_model(None, device=args.device)
     corpus = load_corpus(None)
@@ -79,7 +79,7 @@ def markdown(r: dict) -> str:
     lines = [
         f"Embedded SmolLM2-135M (float32, CPU), the first {r['max_tokens']:,} tokens of the eval split as one "
         f"document, max_length {r['max_length']}, batch {r['batch_size']}; lm-eval 0.4.13 runs its own HFLM wrapper "
-        "around the same in-memory model through a local `loglikelihood_rolling` task (headlab.lm_eval_bridge). "
+        "around the same in-memory model through a local `loglikelihood_rolling` task (headlab.runtimes.lm_eval_bridge). "
         f"Pruning scores: gradient importance on {r['calib_tokens']:,} calibration tokens; the svd merge is calibrated "
         f"on as many. Times: median of {r['repeats']} run(s) each, lm-eval's including its task set-up; the machine "
         "was shared with other jobs.",

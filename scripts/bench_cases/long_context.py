@@ -17,9 +17,9 @@ def _child(mode: str, device: str) -> None:
     tokens, batch 1, induction off) while sampling the resident set every millisecond; prints JSON."""
     from benchmark import PeakMemory
 
-    from headlab.data import calibration_batches
-    from headlab.loading import load_model
-    from headlab.stats import head_statistics
+    from headlab.core.data import calibration_batches
+    from headlab.core.loading import load_model
+    from headlab.measure.stats import head_statistics
 
     loaded = load_model(None, device=device)
     batches = calibration_batches(

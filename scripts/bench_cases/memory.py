@@ -71,8 +71,8 @@ def run(args) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from headlab.loading import embedded_checkpoint
-    from headlab.reload_stream import model_bytes
+    from headlab.core.loading import embedded_checkpoint
+    from headlab.core.reload_stream import model_bytes
 
     model = AutoModelForCausalLM.from_pretrained(embedded_checkpoint())
     size = model_bytes(model)

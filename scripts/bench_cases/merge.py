@@ -17,16 +17,21 @@ def run(args) -> dict:
 
     import torch
 
-    from headlab import gqa
-    from headlab import prune as P
-    from headlab import scores as S
-    from headlab.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
-    from headlab.data import calibration_batches, load_corpus
-    from headlab.errors import HeadlabError
-    from headlab.evaluate import perplexity
-    from headlab.loading import from_model, load_model
-    from headlab.merge import merge_kv_heads
-    from headlab.uptrain import uptrain
+    from headlab.core.data import calibration_batches, load_corpus
+    from headlab.core.errors import HeadlabError
+    from headlab.core.loading import from_model, load_model
+    from headlab.kv import gqa
+    from headlab.kv.merge import merge_kv_heads
+    from headlab.measure.evaluate import perplexity
+    from headlab.pruning import prune as P
+    from headlab.pruning import scores as S
+    from headlab.recovery.compensate import (
+        apply_compensation,
+        check_compensation,
+        compensation_batches,
+        output_statistics,
+    )
+    from headlab.recovery.uptrain import uptrain
 
     corpus = load_corpus(None)
 

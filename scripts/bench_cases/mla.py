@@ -14,10 +14,10 @@ def run(args) -> dict:
 
     import torch
 
-    from headlab import gqa, mla
-    from headlab.data import TextSpec, load_corpus
-    from headlab.evaluate import perplexity
-    from headlab.loading import load_model
+    from headlab.core.data import TextSpec, load_corpus
+    from headlab.core.loading import load_model
+    from headlab.kv import gqa, mla
+    from headlab.measure.evaluate import perplexity
 
     corpus = load_corpus(None)
     text = TextSpec(data=corpus, split="eval", seq_len=SEQ_LEN, batch_size=1, max_tokens=EVAL_TOKENS)

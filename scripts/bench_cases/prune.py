@@ -17,11 +17,11 @@ def run(args) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmark import median_time
 
-    from headlab.costs import costs
-    from headlab.data import load_corpus, split_text, tokenize
-    from headlab.layout import physical_layout
-    from headlab.loading import load_model
-    from headlab.prune import pruned_in_place, select_heads
+    from headlab.core.data import load_corpus, split_text, tokenize
+    from headlab.core.layout import physical_layout
+    from headlab.core.loading import load_model
+    from headlab.measure.costs import costs
+    from headlab.pruning.prune import pruned_in_place, select_heads
 
     loaded = load_model(None, device=args.device)
     ids, _ = tokenize(loaded.tokenizer, split_text(load_corpus(None), "eval").text, TOKENS)

@@ -44,14 +44,14 @@ def _edited(name, teacher, corpus, device):
     """The edited model `name`, built from a copy of the original as the matching command does."""
     import copy
 
-    from headlab import gqa
-    from headlab import prune as P
-    from headlab.compensate import apply_compensation, compensation_batches, output_statistics
-    from headlab.data import calibration_batches
-    from headlab.loading import from_model
+    from headlab.core.data import calibration_batches
+    from headlab.core.loading import from_model
+    from headlab.kv import gqa
+    from headlab.pruning import prune as P
+    from headlab.recovery.compensate import apply_compensation, compensation_batches, output_statistics
 
     if name == "mla":  # a new deepseek_v3 model beside the teacher, latent norms off (as recovery trains it)
-        from headlab.mla import convert_to_mla, plan_mla
+        from headlab.kv.mla import convert_to_mla, plan_mla
 
         batches = calibration_batches(teacher.tokenizer, corpus, seq_len=SEQ_LEN, batch_size=4, max_tokens=CALIB_TOKENS)
         return convert_to_mla(teacher, plan_mla(teacher, "mqa"), batches, progress=False)[0]
@@ -73,13 +73,13 @@ def _edited(name, teacher, corpus, device):
 
 
 def _stage(student, teacher, corpus, stages, device):
-    """One recovery run through headlab.recover, with its wall time and peak memory."""
+    """One recovery run through headlab.recovery.recover, with its wall time and peak memory."""
     import time
 
     from benchmark import PeakMemory
 
-    from headlab.recover import RecoverySpec, recover
-    from headlab.uptrain import UptrainConfig
+    from headlab.recovery.recover import RecoverySpec, recover
+    from headlab.recovery.uptrain import UptrainConfig
 
     spec = RecoverySpec(stages=stages, uptrain=UptrainConfig(**UPTRAIN), **LOCAL)
     start = time.perf_counter()
@@ -107,9 +107,9 @@ def run(args) -> dict:
 
     import torch
 
-    from headlab.data import load_corpus
-    from headlab.evaluate import perplexity
-    from headlab.loading import from_model, load_model
+    from headlab.core.data import load_corpus
+    from headlab.core.loading import from_model, load_model
+    from headlab.measure.evaluate import perplexity
 
     corpus = load_corpus(None)
     device = torch.device(args.device)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-TITLE = "Uptraining learning rate (evidence for `headlab.uptrain.DEFAULT_LR`)"
+TITLE = "Uptraining learning rate (evidence for `headlab.recovery.uptrain.DEFAULT_LR`)"
 LRS = (1e-5, 3e-5, 1e-4, 3e-4)
 STEPS = 8  # a step budget, not minutes, so that the load of a shared machine cannot bias the comparison
 SETTINGS = dict(seq_len=128, batch_size=4, heldout_tokens=1024, heldout_every=2, eval_tokens=0)
@@ -19,10 +19,10 @@ def run(args) -> dict:
 
     import torch
 
-    from headlab import gqa
-    from headlab.data import calibration_batches, load_corpus
-    from headlab.loading import from_model, load_model
-    from headlab.uptrain import uptrain
+    from headlab.core.data import calibration_batches, load_corpus
+    from headlab.core.loading import from_model, load_model
+    from headlab.kv import gqa
+    from headlab.recovery.uptrain import uptrain
 
     corpus = load_corpus(None)
     teacher = load_model(None, device=args.device)

@@ -3,7 +3,7 @@ and 135 heads (global ranking), without and with the ridge compensation, for eve
 random (3 seeds) as the floor; and each per-head score's Spearman correlation with exact ablation.
 
 Calibration split only for every choice (scores, Grams, Fisher); the eval split only for the reported perplexity.
-Calibration: `headlab prune`'s default (headlab.prune.DEFAULT_CALIBRATION_TOKENS) for every method, and the
+Calibration: `headlab prune`'s default (headlab.pruning.prune.DEFAULT_CALIBRATION_TOKENS) for every method, and the
 earlier default of 2,048 tokens for obs and grad beside it. Every compensated row is also evaluated on text from
 outside the embedded corpus: the package descriptions of the installed distributions (importlib.metadata, sorted by
 name, those over 2,000 characters), whose eval split is read the same way.
@@ -45,7 +45,7 @@ OUTSIDE = Path.home() / ".cache" / "headlab" / "bench-selection-outside.txt"
 
 
 def calibration_tokens() -> int:
-    from headlab.prune import DEFAULT_CALIBRATION_TOKENS
+    from headlab.pruning.prune import DEFAULT_CALIBRATION_TOKENS
 
     return DEFAULT_CALIBRATION_TOKENS
 
@@ -96,7 +96,7 @@ def _flat(scores):
 
 def _paths(loaded, method, budget, count, stats, grams):
     """The joint selection's paths under one budget, from statistics computed once."""
-    from headlab import selection as S
+    from headlab.pruning import selection as S
 
     layers = loaded.layers
     cap = S.uniform_cap(layers, "head", None, count) if budget == "uniform" else None
@@ -113,10 +113,10 @@ def _paths(loaded, method, budget, count, stats, grams):
 
 def _select(loaded, method, prepared, grams, data_kw):
     """{setting: pruned sets} for one method, and its wall time (scores + selection, both settings)."""
-    from headlab import prune as P
-    from headlab.data import TextSpec
-    from headlab.importance import fisher_statistics
-    from headlab.scores import ScoreRequest, score_heads
+    from headlab.core.data import TextSpec
+    from headlab.measure.importance import fisher_statistics
+    from headlab.pruning import prune as P
+    from headlab.pruning.scores import ScoreRequest, score_heads
 
     start = time.perf_counter()
     out = {}
@@ -135,9 +135,9 @@ def _select(loaded, method, prepared, grams, data_kw):
 
 def _ppl(loaded, pruned, grams, compensate, data=None):
     """Eval-split perplexity of the embedded corpus (data None) or of the text file `data`, pruned as masks."""
-    from headlab.compensate import compensated
-    from headlab.evaluate import perplexity
-    from headlab.prune import pruned_in_place
+    from headlab.measure.evaluate import perplexity
+    from headlab.pruning.prune import pruned_in_place
+    from headlab.recovery.compensate import compensated
 
     refit = compensated(loaded, pruned, grams, "ridge") if compensate else contextlib.nullcontext()
     with refit, pruned_in_place(loaded, pruned, "mask"):
@@ -148,11 +148,11 @@ def _ppl(loaded, pruned, grams, compensate, data=None):
 
 def _spearman_part(loaded, store, methods):
     """Per-head scores on the 512 Spearman calibration tokens, and exact ablation there (resumable, head by head)."""
-    from headlab.compensate import output_statistics
-    from headlab.data import calibration_batches
-    from headlab.importance import _total_nll, fisher_statistics, head_importance, scoring_batches
-    from headlab.selection import single_obs_scores
-    from headlab.stats import head_statistics
+    from headlab.core.data import calibration_batches
+    from headlab.measure.importance import _total_nll, fisher_statistics, head_importance, scoring_batches
+    from headlab.measure.stats import head_statistics
+    from headlab.pruning.selection import single_obs_scores
+    from headlab.recovery.compensate import output_statistics
 
     windows = list(
         calibration_batches(loaded.tokenizer, None, seq_len=SPEARMAN_SEQ, batch_size=2, max_tokens=SPEARMAN_TOKENS)
@@ -207,7 +207,7 @@ def run(args) -> dict:
     partial_only = os.environ.get("HEADLAB_SELECTION_PARTIAL_ONLY") == "1"
     loaded = None
     if not partial_only:
-        from headlab.loading import load_model
+        from headlab.core.loading import load_model
 
         loaded = load_model(None, device=args.device)
     store = Store(Path(str(PARTIAL).format(tokens=tokens)))
@@ -284,9 +284,9 @@ class _Work:
     """The measurements at one calibration size, each stored as soon as it is made (the model loaded once)."""
 
     def __init__(self, loaded, store, tokens: int):
-        from headlab.compensate import output_statistics
-        from headlab.data import calibration_batches
-        from headlab.importance import scoring_batches
+        from headlab.core.data import calibration_batches
+        from headlab.measure.importance import scoring_batches
+        from headlab.recovery.compensate import output_statistics
 
         self.store, self.loaded, self.tokens = store, loaded, tokens
         windows = list(

@@ -13,10 +13,10 @@ CONTEXTS, BATCHES, DECODE_TOKENS, PREFILL_LIMIT = (512, 2048, 8192), (1, 8), 4, 
 def run(args) -> dict:
     import pandas as pd
 
-    from headlab.gqa import convert
-    from headlab.loading import from_model, load_model
-    from headlab.prune import apply_physical, physical_layout, prepare_config
-    from headlab.speed import SpeedSpec, measure_model, relative_to_first
+    from headlab.core.loading import from_model, load_model
+    from headlab.kv.gqa import convert
+    from headlab.pruning.prune import apply_physical, physical_layout, prepare_config
+    from headlab.runtimes.speed import SpeedSpec, measure_model, relative_to_first
 
     spec = SpeedSpec(CONTEXTS, BATCHES, DECODE_TOKENS, PREFILL_LIMIT)
 
@@ -52,7 +52,7 @@ def write_figure(table) -> None:
     """The decode plot `headlab speed --out` writes, for docs/runtimes.md (docs/images/speed_decode.png)."""
     import matplotlib.pyplot as plt
 
-    from headlab.plots import figure_bytes, plot_speed
+    from headlab.viz.plots import figure_bytes, plot_speed
 
     figure = plot_speed(table, "decode speed with a KV cache (embedded model, 2-core CPU)")
     FIGURE.write_bytes(figure_bytes(figure))

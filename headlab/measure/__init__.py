@@ -1,0 +1,5 @@
+"""What a model is and does, measured without changing it: per-head statistics, head importance,
+perplexity, and costs (parameters, FLOPs, KV-cache bytes).
+"""
+
+__all__ = ["costs", "evaluate", "importance", "stats"]

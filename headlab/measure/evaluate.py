@@ -1,0 +1,244 @@
+"""Perplexity (rolling windows, lm-evaluation-harness conventions): how every change is judged; costs are in costs.py.
+
+Perplexity follows lm-evaluation-harness `loglikelihood_rolling` (docs/evaluation.md): the text is tokenized without
+special tokens, a prefix token (BOS, else EOS) is put in front so that every token of the text is scored, each
+window feeds max_length tokens and scores max_length predictions (the last window reaches back to a full max_length
+of context), and word perplexity and bits per byte divide the summed log-likelihood by the words and UTF-8 bytes of
+exactly the text scored.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from headlab.core import distributed
+from headlab.core.data import (
+    MLM_SEED,
+    Corpus,
+    TextSpec,
+    batch_windows,
+    masked_lm_batch,
+    require_tokens,
+    rolling_windows,
+    split_text,
+    takes_text,
+    tokenize,
+)
+from headlab.core.errors import HeadlabError, moved_names
+from headlab.core.loading import LoadedModel
+from headlab.measure.costs import peak_memory
+from headlab.mechanisms.losses import final_states, picked_log_probs
+
+WINDOW_CONVENTION = "lm-eval loglikelihood_rolling (prefix token; max_length inputs; full-context last window)"
+
+
+@dataclass
+class Perplexity:
+    """Result of `perplexity`; nll is the mean negative log-likelihood per scored token in nats."""
+
+    perplexity: float
+    nll: float
+    bits_per_token: float
+    word_perplexity: float
+    bits_per_byte: float
+    byte_perplexity: float
+    scored_tokens: int
+    words: int
+    bytes: int
+    tokens_per_s: float
+    seconds: float
+    peak_memory_bytes: int
+    objective: str  # "causal" or "masked-lm (15% fixed-seed masking)"
+    max_length: int  # model input tokens per window (lm-eval's max_length; --seq-len is the same option)
+    stride: int
+    prefix_token: int | None
+    windows: int = 0
+    convention: str = WINDOW_CONVENTION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _prefix_token(tokenizer) -> int | None:
+    """The token put before the text so its first token is scored too: BOS, else EOS (lm-evaluation-harness)."""
+    for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return None
+
+
+@torch.no_grad()
+def token_nll(model, input_ids, attention_mask, targets: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed NLL (float64) and count of scored tokens per row: the last len(targets[r]) real positions of row r
+    predict targets[r] (position p predicts token p + 1; lm-eval's continuation slice). The vocabulary projection runs
+    on chunks of the scored positions (losses.final_states), so the [B, T, V] logits never exist whole: they would
+    be most of the memory a command needs beyond the model (402 MB at the defaults for SmolLM2's 49,152 tokens)."""
+    states, head = final_states(model, input_ids, attention_mask)  # [B, T, C] (or [B, T, V] logits, head None)
+    nll_sum = torch.zeros(input_ids.shape[0], dtype=torch.float64)
+    counts = torch.zeros(input_ids.shape[0], dtype=torch.long)
+    for row, row_targets in enumerate(targets):
+        length, scored = int(attention_mask[row].sum()), len(row_targets)
+        picked = picked_log_probs(states[row, length - scored : length], head, row_targets)  # [scored]
+        # Summed in float32 per window as lm-eval does (float(logits.sum())), so that word perplexity agrees to
+        # 1e-6 even over few words; windows are then added in float64.
+        nll_sum[row] = -float(picked.sum())
+        counts[row] = scored
+    return nll_sum, counts
+
+
+def rolling_nll(loaded: LoadedModel, ids: torch.Tensor, max_length: int, stride: int, batch_size: int, progress=True):
+    """Summed NLL, scored-token count, window count and seconds of the rolling windows over `ids` (prefix token
+    first, never scored); see data.rolling_windows for the layout."""
+    windows = rolling_windows(len(ids), max_length, stride)
+    pad_id = loaded.tokenizer.pad_token_id or 0
+    device = loaded.device
+    totals = torch.zeros(2, dtype=torch.float64)  # summed NLL, scored tokens
+    start = time.perf_counter()
+    batches = list(batch_windows(ids, distributed.shard(windows), batch_size, pad_id))
+    for input_ids, attention_mask, group in tqdm(batches, desc="perplexity", disable=not progress, unit="batch"):
+        targets = [ids[w.first_target : w.end + 1] for w in group]
+        nll_sum, counts = token_nll(loaded.model, input_ids.to(device), attention_mask.to(device), targets)
+        totals += torch.stack([nll_sum.sum(), counts.sum().double()])
+    distributed.all_reduce_sum(totals)
+    seconds = distributed.all_reduce_max(time.perf_counter() - start)
+    return float(totals[0]), int(totals[1]), windows, seconds
+
+
+def check_max_length(loaded: LoadedModel, max_length: int) -> None:
+    """Refuse a window longer than the model's positions (a one-line error instead of an index error)."""
+    if loaded.max_positions is not None and max_length > loaded.max_positions:
+        raise HeadlabError(
+            f"--max-length/--seq-len {max_length} exceeds the model's maximum positions ({loaded.max_positions})"
+        )
+
+
+@takes_text(split="eval", seq_len=512, max_tokens=4096)
+def perplexity(
+    loaded: LoadedModel,
+    data: Corpus | str | None = None,
+    *,
+    text: TextSpec,
+    stride: int | None = None,
+    progress: bool = True,
+) -> Perplexity:
+    """Token perplexity exp(-(1/N) sum_i log p(x_i | x_<i)) over the N tokens of the chosen part, plus word
+    perplexity and bits per byte (lm-evaluation-harness wikitext definitions), in lm-eval's rolling windows.
+
+    `text`: a TextSpec (the loose keywords split, seq_len, batch_size, max_tokens, text_column also work; `data`,
+    when given, is its corpus). Its seq_len is the model input length of a window (lm-eval's max_length, the CLI's
+    --max-length); stride (default seq_len, lm-eval's layout) < seq_len gives each scored token seq_len - stride
+    tokens of extra context.
+    """
+    if data is not None:
+        text = text.but(data=data)
+    part, seq_len, batch_size, max_tokens = text.split, text.seq_len, text.batch_size, text.max_tokens
+    stride = seq_len if stride is None else stride
+    check_max_length(loaded, seq_len)
+    corpus = text.corpus
+    text_part = split_text(corpus, part)
+    if loaded.adapter.is_encoder:
+        return _masked_lm_loss(loaded, text_part.text, seq_len, batch_size, max_tokens, progress)
+
+    ids, text = tokenize(loaded.tokenizer, text_part.text, max_tokens)
+    require_tokens(ids, f"the {part} part of corpus {corpus.spec!r}")
+    prefix = _prefix_token(loaded.tokenizer)
+    if prefix is not None:
+        ids = torch.cat([torch.tensor([prefix]), ids])
+    device = loaded.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    total_nll, total_count, windows, seconds = rolling_nll(loaded, ids, seq_len, stride, batch_size, progress)
+    if not math.isfinite(total_nll):
+        raise HeadlabError(
+            f"the loss is not finite ({total_nll}); with {str(loaded.dtype)} this is usually overflow: "
+            "try --dtype bfloat16 or float32"
+        )
+    words = len(re.split(r"\s+", text))
+    n_bytes = len(text.encode("utf-8"))
+    nll = total_nll / total_count
+    return Perplexity(
+        perplexity=exp_or_inf(nll),
+        nll=nll,
+        bits_per_token=nll / math.log(2),
+        word_perplexity=exp_or_inf(total_nll / words),
+        bits_per_byte=total_nll / (n_bytes * math.log(2)),
+        byte_perplexity=exp_or_inf(total_nll / n_bytes),
+        scored_tokens=total_count,
+        words=words,
+        bytes=n_bytes,
+        tokens_per_s=sum(w.end - w.start for w in windows) / seconds,
+        seconds=seconds,
+        peak_memory_bytes=peak_memory(device),
+        objective="causal",
+        max_length=seq_len,
+        stride=stride,
+        prefix_token=prefix,
+        windows=len(windows),
+    )
+
+
+def exp_or_inf(x: float) -> float:
+    """exp(x), or inf where it leaves float64's range: word perplexity over text without whitespace (Chinese,
+    Japanese), whose lm-eval word count is one per whitespace-separated run, so a document of hundreds of tokens
+    counts as one word (docs/evaluation.md); lm-eval's own math.exp raises there."""
+    return math.exp(x) if x < LARGEST_EXPONENT else math.inf
+
+
+LARGEST_EXPONENT = math.log(sys.float_info.max)
+
+
+@torch.no_grad()
+def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> Perplexity:
+    """Masked-LM loss: 15% of the non-special tokens of each window (fixed seed) replaced by the mask token and
+    predicted; perplexity = exp(mean NLL over masked tokens). Not comparable to causal perplexity."""
+    tokenizer, model, device = loaded.tokenizer, loaded.model, loaded.device
+    ids, text = tokenize(tokenizer, text, max_tokens)
+    require_tokens(ids, "the masked-LM text")
+    body = seq_len - 2  # room for [CLS] and [SEP]
+    if body < 1:
+        raise HeadlabError(f"--seq-len {seq_len} is too short for a masked-LM window")
+    generator = torch.Generator().manual_seed(MLM_SEED)
+    rows = [ids[i : i + body] for i in range(0, len(ids), body)]
+    total_nll, total_count, start = 0.0, 0, time.perf_counter()
+    for first in tqdm(range(0, len(rows), batch_size), desc="masked-LM loss", disable=not progress, unit="batch"):
+        input_ids, attention_mask, labels = masked_lm_batch(tokenizer, rows[first : first + batch_size], generator)
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+        log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()  # [B, T, V]
+        scored = labels != -100
+        total_nll += float(-log_probs[scored].gather(1, labels[scored][:, None]).sum())
+        total_count += int(scored.sum())
+    seconds = time.perf_counter() - start
+    nll = total_nll / total_count
+    words, n_bytes = len(re.split(r"\s+", text)), len(text.encode("utf-8"))
+    return Perplexity(
+        exp_or_inf(nll),
+        nll,
+        nll / math.log(2),
+        float("nan"),
+        float("nan"),
+        float("nan"),
+        total_count,
+        words,
+        n_bytes,
+        len(ids) / seconds,
+        seconds,
+        peak_memory(device),
+        "masked-lm (15% fixed-seed masking)",
+        seq_len,
+        seq_len,
+        None,
+        len(rows),
+        "masked-LM windows of max_length tokens ([CLS] and [SEP] included)",
+    )
+
+
+__getattr__ = moved_names(
+    "headlab.measure.evaluate", {"model_info": "headlab.measure.costs", "kv_cache_bytes": "headlab.measure.costs"}
+)

@@ -1,0 +1,5 @@
+"""How headlab reaches inside a running model: the one hook primitive, head gates, the attention-capture
+function, restoring context managers, activation recompute and chunked losses.
+"""
+
+__all__ = ["capture", "gates", "hooks", "losses", "recompute", "restore"]

@@ -1,0 +1,48 @@
+"""The one hook primitive: `hooks(adapter, [(site, layer, fn), ...])` registers forward pre-hooks at named sites the
+adapter resolves and always removes them on exit (TransformerLens' `hooks` context manager, on unmodified models).
+
+Sites: "attn_in" (the attention module's input, [B, T, C]) and "heads_out" (the head outputs concatenated head-major
+before the output projection, [B, T, H * D]). `fn(x)` sees the site's tensor; it returns None to leave it alone or a
+tensor of the same shape to replace it. Gates, compensation statistics, KV similarity and merge statistics use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+
+import torch
+
+from headlab.core.arch import HOOK_SITES, Adapter, AttentionLayer
+
+SITES = HOOK_SITES  # the names a hook can use (resolved by Adapter.hook_site)
+
+SiteHook = Callable[[torch.Tensor], "torch.Tensor | None"]
+
+
+def _pre_hook(fn: SiteHook):
+    """A with_kwargs forward pre-hook passing the module's first input (positional, or `hidden_states` given by
+    keyword, as transformers' decoder layers call attention) to fn and substituting what fn returns."""
+
+    def hook(module, args, kwargs):
+        if args:
+            replaced = fn(args[0])
+            return None if replaced is None else ((replaced, *args[1:]), kwargs)
+        replaced = fn(kwargs["hidden_states"])
+        return None if replaced is None else (args, {**kwargs, "hidden_states": replaced})
+
+    return hook
+
+
+@contextlib.contextmanager
+def hooks(adapter: Adapter, site_hooks: Iterable[tuple[str, AttentionLayer, SiteHook]]):
+    """Register each (site, layer, fn) for the duration of the block; every hook is removed in `finally`."""
+    handles = []
+    try:
+        for site, layer, fn in site_hooks:
+            module = adapter.hook_site(layer, site)
+            handles.append(module.register_forward_pre_hook(_pre_hook(fn), with_kwargs=True))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,5 @@
+"""Making an edited model good again: closed-form compensation, layer-wise reconstruction, uptraining by
+distillation, and the pipeline that chains them.
+"""
+
+__all__ = ["compensate", "reconstruct", "recover", "uptrain"]

@@ -1,0 +1,521 @@
+"""Uptraining (`headlab uptrain`, `--recover uptrain`): train a converted or pruned student towards its original (the
+teacher) on streamed calibration text, keeping the state that is best on held-out calibration text.
+
+Objective (per unpadded token, averaged): kl = KL(p_teacher || p_student) = sum_v p_t(v) (ln p_t(v) - ln p_s(v)) (logit
+distillation, Hinton et al. 2015, temperature 1), ce = next-token cross-entropy (the LM loss Ainslie et al. 2023
+uptrain with), or mixed = (1 - w) kl + w ce. Recipe: AdamW, linear warmup over 10% of the steps, cosine decay to 0,
+global-norm clipping 1.0, gradient accumulation; trained groups attention (default: every attention module and its
+output projection), norms (plus every norm) or all. The default lr was chosen by held-out calibration perplexity
+(docs/recovery.md); lr 1e-4 without warmup made a merged model worse before it got better.
+Held-out: the calibration part's last tokens, never trained on; the state with the lowest held-out perplexity (the
+start included) is the one returned. The eval split only reports the curve.
+Budget: `steps` (tokens = steps x accumulation x batch_size x seq_len), so one command trains the same model on any
+machine; `minutes` is only a cap, which ends the run cleanly with the best state so far and says so in the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from headlab.core import distributed
+from headlab.core.data import Corpus, batch_windows, chunk_windows, load_corpus, require_tokens, split_text, tokenize
+from headlab.core.errors import HeadlabError, renamed_keywords
+from headlab.core.loading import LoadedModel, check_resident
+from headlab.measure.evaluate import perplexity
+from headlab.mechanisms.recompute import activation_checkpointing
+from headlab.recovery.reconstruct import check_pair, dead_heads_kept
+
+
+@dataclass
+class UptrainResult:
+    curve: pd.DataFrame  # step, lr, loss, kl, ce, tokens, heldout_perplexity, perplexity (eval split), seconds
+    meta: dict = field(default_factory=dict)
+    verification: dict | None = None
+
+
+def attention_parameters(loaded: LoadedModel) -> list[torch.nn.Parameter]:
+    """Parameters of every softmax-attention module and its output projection (through the adapter), deduplicated."""
+    modules = [m for layer in loaded.layers for m in (layer.module, loaded.adapter.out_proj(layer))]
+    return _unique(p for module in modules for p in module.parameters())
+
+
+def _unique(params) -> list[torch.nn.Parameter]:
+    """`params` without repeats (tied or shared parameters), first occurrence kept, in order."""
+    seen, unique = set(), []
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
+
+
+def distillation_loss(student_logits, teacher_logits, valid) -> torch.Tensor:
+    """Mean over valid positions of KL(p_teacher || p_student) (nats); logits [B, T, V], valid [B, T] bool."""
+    log_s = torch.log_softmax(student_logits.float(), -1)
+    log_t = torch.log_softmax(teacher_logits.to(student_logits.device).float(), -1)  # device maps: the LM heads'
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # [B, T]
+    return kl[valid.to(kl.device)].mean()
+
+
+TRAINED = ("attention", "norms", "all")
+OBJECTIVES = ("kl", "ce", "mixed")
+# Chosen by measurement on held-out calibration text (never the eval split); the evidence is in docs/recovery.md.
+DEFAULT_LR = 3e-5
+# The default budget: 64 steps of 4 x 256 tokens (65,536 tokens), about what the former 10-minute default trained on a
+# 2-core CPU. A step budget trains the same model on any machine.
+DEFAULT_STEPS = 64
+
+
+@dataclass
+class UptrainConfig:
+    """The uptraining recipe: AdamW, linear warmup then cosine decay to zero, gradient clipping, accumulation."""
+
+    steps: int = DEFAULT_STEPS  # the budget: steps of accumulation x batch_size x seq_len tokens (same model anywhere)
+    minutes: float | None = None  # optional wall-clock cap: training stops there cleanly, keeping the best state
+    lr: float = DEFAULT_LR
+    warmup: float = 0.1  # fraction of the steps with a linear warmup
+    clip: float = 1.0  # max global gradient norm (0: no clipping)
+    accumulation: int = 1  # micro-batches per optimiser step
+    seq_len: int = 256
+    batch_size: int = 4
+    trained: str = "attention"  # attention | norms (attention + every norm) | all
+    objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed
+    ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
+    heldout_tokens: int = 2048  # held-out calibration tokens (the calibration part's tail) that choose the state kept
+    heldout_every: int | None = None  # steps between held-out checks [default: about 8 checks per run]
+    eval_every: int | None = None  # steps between eval-split perplexities of the curve [default: start and end]
+    eval_tokens: int | None = 1024  # 0: no eval-split perplexity at all (choices made on calibration text only)
+    eval_seq_len: int = 256
+    gradient_checkpointing: bool = True
+    bf16: bool | None = None  # bfloat16 autocast [default: on CUDA only]
+    seed: int = 0
+
+    def check(self) -> None:
+        """Bad settings fail before any work, each as one line."""
+        if self.steps is None or not (0 <= self.steps <= 10_000_000):
+            raise HeadlabError(f"--steps must be in 0..10000000, got {self.steps}")
+        if self.minutes is not None and not (0 < self.minutes <= 10_000):
+            raise HeadlabError(f"--minutes must be in (0, 10000], got {self.minutes}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise HeadlabError(f"--lr must be a positive number, got {self.lr}")
+        if not (0 <= self.warmup < 1):
+            raise HeadlabError(f"--warmup must be a fraction in [0, 1), got {self.warmup}")
+        if not (self.clip >= 0 and math.isfinite(self.clip)):
+            raise HeadlabError(f"--clip must be >= 0, got {self.clip}")
+        for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len"):
+            if getattr(self, name) < 1:
+                raise HeadlabError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("heldout_every", "eval_every"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise HeadlabError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.eval_tokens is not None and self.eval_tokens < 0:
+            raise HeadlabError(f"--eval-tokens must be >= 0, got {self.eval_tokens}")
+        if self.seq_len < 2:
+            raise HeadlabError(f"--seq-len must be >= 2, got {self.seq_len}")
+        if self.trained not in TRAINED:
+            raise HeadlabError(f"unknown --train {self.trained!r}; use one of {', '.join(TRAINED)}")
+        if self.objective not in OBJECTIVES:
+            raise HeadlabError(f"unknown --objective {self.objective!r}; use one of {', '.join(OBJECTIVES)}")
+        if not (0 <= self.ce_weight <= 1):
+            raise HeadlabError(f"--ce-weight must be in [0, 1], got {self.ce_weight}")
+
+
+def check_uptrain(steps: int, lr: float, eval_every: int | None = None, **more) -> UptrainConfig:
+    """The config for these settings, checked (the CLI calls it before loading anything)."""
+    config = UptrainConfig(steps=steps, lr=lr, eval_every=eval_every, **more)
+    config.check()
+    return config
+
+
+def trained_parameters(loaded: LoadedModel, trained: str = "attention") -> list[torch.nn.Parameter]:
+    """attention: attention modules and their output projections; norms: those plus every normalisation layer's
+    parameters (found by class name: *Norm*); all: every parameter. Deduplicated, in model order."""
+    if trained == "all":
+        return list(loaded.model.parameters())
+    params = attention_parameters(loaded)
+    if trained == "norms":
+        norms = [m for m in loaded.model.modules() if "norm" in type(m).__name__.lower()]
+        params = _unique([*params, *(p for module in norms for p in module.parameters(recurse=False))])
+    return params
+
+
+def token_losses(student_logits, teacher_logits, input_ids, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean KL(p_teacher || p_student) over valid positions, or NaN without a teacher; mean next-token
+    cross-entropy -ln p_student(x_{t+1} | x_<=t) over valid pairs). logits [B, T, V], input_ids/valid [B, T]."""
+    valid = valid.to(student_logits.device)
+    kl = torch.tensor(math.nan)
+    if teacher_logits is not None:
+        kl = distillation_loss(student_logits, teacher_logits, valid)
+    log_s = torch.log_softmax(student_logits[:, :-1].float(), -1)  # [B, T-1, V]
+    labels = input_ids[:, 1:].to(log_s.device)
+    pairs = valid[:, 1:] & valid[:, :-1]
+    nll = -log_s.gather(-1, labels[..., None])[..., 0]  # [B, T-1]
+    return kl, nll[pairs].mean()
+
+
+def objective_value(kl, ce, config: UptrainConfig) -> torch.Tensor:
+    if config.objective == "kl":
+        return kl
+    if config.objective == "ce":
+        return ce
+    return (1 - config.ce_weight) * kl + config.ce_weight * ce
+
+
+def learning_rate(step: int, total: int, config: UptrainConfig) -> float:
+    """Step s (1-based) of `total`: linear warmup over ceil(warmup x total) steps, then cosine decay to zero."""
+    warm = math.ceil(config.warmup * total)
+    if step <= warm:
+        return config.lr * step / warm
+    progress = (step - warm) / max(total - warm, 1)
+    return config.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def heldout_split(tokenizer, text: str, tokens: int) -> tuple[str, torch.Tensor]:
+    """(training text, held-out ids): the last `tokens` tokens of the calibration text (at most a quarter of a short
+    text) are held out; training streams from the text before them, so the two never overlap."""
+    tail = text[-max(4096, 16 * tokens) :]
+    offset = len(text) - len(tail)
+    if offset == 0:  # the whole text was tokenized: keep three quarters of it for training
+        tokens = min(tokens, len(tokenizer(text, add_special_tokens=False)["input_ids"]) // 4)
+    if getattr(tokenizer, "is_fast", False) and tokens > 0:
+        encoded = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = encoded["input_ids"], encoded["offset_mapping"]
+        if len(ids) > tokens:
+            ids = ids[-tokens:]
+            return text[: offset + offsets[-tokens][0]], torch.tensor(ids, dtype=torch.long)
+    ids = tokenizer(tail, add_special_tokens=False)["input_ids"]
+    return text[:offset], torch.tensor(ids[-tokens:] if tokens > 0 else [], dtype=torch.long)
+
+
+def stream_batches(tokenizer, text: str, config: UptrainConfig, pad_id: int, chunk_chars: int = 200_000):
+    """Endless training batches (input_ids, attention_mask, epoch) streamed from `text`: tokenized a chunk of
+    characters at a time, cut into seq_len windows, shuffled within the chunk (seeded), cycling over the whole text
+    (no cap: a long run sees every window before any repeats). Under torchrun each rank takes every N-th window."""
+    generator = torch.Generator().manual_seed(config.seed)
+    epoch = 0
+    while True:
+        produced = 0
+        for begin in range(0, len(text), chunk_chars):
+            ids, _ = tokenize(tokenizer, text[begin : begin + chunk_chars])
+            windows = chunk_windows(len(ids), config.seq_len, min_len=max(2, config.seq_len // 4))
+            order = torch.randperm(len(windows), generator=generator).tolist()
+            windows = distributed.shard([windows[i] for i in order])
+            for input_ids, attention_mask, _ in batch_windows(ids, windows, config.batch_size, pad_id):
+                produced += 1
+                yield input_ids, attention_mask, epoch
+        if not produced:
+            raise HeadlabError(f"the calibration text is too short for --seq-len {config.seq_len}")
+        epoch += 1
+
+
+@torch.no_grad()
+def heldout_perplexity(student: LoadedModel, batches: list, bf16: bool = False) -> float:
+    """exp(mean next-token cross-entropy) of the student on the held-out calibration batches (token-weighted)."""
+    total, count = 0.0, 0
+    device = student.device
+    for input_ids, attention_mask, *_ in batches:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = student.model(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False
+            ).logits
+        _, ce = token_losses(logits, None, input_ids, attention_mask.bool())
+        pairs = int((attention_mask[:, 1:].bool() & attention_mask[:, :-1].bool()).sum())
+        total, count = total + float(ce) * pairs, count + pairs
+    return math.exp(total / max(count, 1))
+
+
+def _train_step(student, teacher, stream, optimizer, params, step, lr, config, bf16) -> dict:
+    """One optimiser step over `accumulation` micro-batches; returns the step's record (losses, tokens, grad norm)."""
+    model, device = student.model, student.device
+    optimizer.zero_grad(set_to_none=True)
+    sums, tokens, epoch = {"loss": 0.0, "kl": 0.0, "ce": 0.0}, 0, 0
+    for _ in range(config.accumulation):
+        input_ids, attention_mask, epoch = next(stream)
+        teacher_logits = None
+        if config.objective != "ce":
+            with torch.no_grad():
+                teacher_logits = teacher.model(
+                    input_ids=input_ids.to(teacher.device),
+                    attention_mask=attention_mask.to(teacher.device),
+                    use_cache=False,
+                ).logits  # [B, T, V]
+        model.eval()  # no dropout; activation_checkpointing still recomputes the blocks
+        ids, mask = input_ids.to(device), attention_mask.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        kl, ce = token_losses(logits, teacher_logits, ids, mask.bool())
+        loss = objective_value(kl, ce, config)
+        if not torch.isfinite(loss):
+            raise HeadlabError(f"the {config.objective} loss is not finite at step {step} (lr {lr:.3g}); lower --lr")
+        # KL exactly 0: the student reproduces the teacher on this batch, and the gradient is rounding noise that
+        # Adam's per-parameter normalisation would blow up into a real step. Nothing to learn from it.
+        if not (config.objective == "kl" and float(loss.detach()) == 0.0):
+            (loss / config.accumulation).backward()
+        sums = {k: v + float(x.detach()) / config.accumulation for (k, v), x in zip(sums.items(), (loss, kl, ce))}
+        tokens += int(attention_mask.sum())
+    if distributed.active():  # data parallel: every rank applies the mean gradient
+        for p in params:
+            if p.grad is not None:
+                distributed.all_reduce_sum(p.grad).div_(distributed.world_size())
+        tokens = int(distributed.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
+        # the curve records the step's loss over every rank's windows, not rank 0's share
+        reduced = distributed.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64))
+        sums = dict(zip(sums, (reduced / distributed.world_size()).tolist()))
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip if config.clip > 0 else math.inf)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return {**sums, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens, "epoch": epoch}
+
+
+def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
+    """(training stream, held-out batches, record): training windows stream from the calibration part up to its
+    held-out tail; the eval part is never touched here."""
+    tokenizer = student.tokenizer
+    if student.max_positions is not None and config.seq_len > student.max_positions:
+        raise HeadlabError(
+            f"--seq-len {config.seq_len} exceeds the model's maximum positions ({student.max_positions})"
+        )
+    part = split_text(corpus, "calibration")
+    train_text, heldout_ids = heldout_split(tokenizer, part.text, config.heldout_tokens)
+    require_tokens(heldout_ids, f"the held-out calibration text of {corpus.spec!r}")
+    if not train_text.strip():
+        raise HeadlabError(
+            f"the calibration part of {corpus.spec!r} is too short to hold out {config.heldout_tokens} tokens"
+        )
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    heldout = list(
+        batch_windows(heldout_ids, chunk_windows(len(heldout_ids), config.seq_len), config.batch_size, pad_id)
+    )
+    record = {
+        **part.describe(),
+        "training_characters": len(train_text),
+        "heldout_tokens": int(len(heldout_ids)),
+        "heldout": "the calibration part's last tokens; training streams from the text before them",
+    }
+    return stream_batches(tokenizer, train_text, config, pad_id), heldout, record
+
+
+@dataclass
+class _Best:
+    """The trained parameters' state with the lowest held-out calibration perplexity so far (the start included):
+    what uptrain hands back."""
+
+    perplexity: float
+    step: int
+    state: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, params: list[torch.nn.Parameter], perplexity: float, step: int = 0) -> _Best:
+        return cls(perplexity, step, [p.detach().clone() for p in params])
+
+    def offer(self, params: list[torch.nn.Parameter], perplexity: float, step: int) -> None:
+        """Keep the current state when it is better (strictly lower held-out perplexity)."""
+        if perplexity < self.perplexity:
+            self.perplexity, self.step, self.state = perplexity, step, [p.detach().clone() for p in params]
+
+    @torch.no_grad()
+    def restore(self, params: list[torch.nn.Parameter]) -> None:
+        for p, kept in zip(params, self.state):
+            p.copy_(kept)
+
+
+@dataclass
+class _Run:
+    """One uptraining run's fixed parts, built from the spec (UptrainConfig) before the first step."""
+
+    student: LoadedModel
+    teacher: LoadedModel | None
+    config: UptrainConfig
+    corpus: Corpus
+    stream: Iterator  # training batches (stream_batches)
+    heldout: list  # held-out calibration batches
+    data_record: dict
+    bf16: bool
+    params: list[torch.nn.Parameter]  # the trained ones
+    optimizer: torch.optim.Optimizer
+    eval_args: dict = field(default_factory=dict)
+
+    def evaluate(self) -> float:
+        """Eval-split perplexity for the curve (NaN with --eval-tokens 0)."""
+        if self.config.eval_tokens == 0:
+            return math.nan
+        self.student.model.eval()
+        return perplexity(self.student, self.corpus, progress=False, **self.eval_args).perplexity
+
+    def heldout_perplexity(self) -> float:
+        return heldout_perplexity(self.student, self.heldout, self.bf16)
+
+
+@renamed_keywords(corpus="data")
+def uptrain(
+    student: LoadedModel,
+    teacher: LoadedModel | None,
+    *,
+    data: Corpus | str | None = None,
+    text_column: str | None = None,
+    config: UptrainConfig | None = None,
+    progress: bool = True,
+    **settings,
+) -> UptrainResult:
+    """Train the student towards the teacher (config.objective) on streamed calibration windows, in place, and keep
+    the state with the lowest held-out calibration perplexity (the start included), so the returned student is never
+    worse on held-out calibration text than the one given. `settings` override fields of `config`.
+
+    Curve: one row per step (lr, loss, kl, ce, tokens, grad_norm, seconds), held-out perplexity at the checks, and
+    eval-split perplexity at step 0, every eval_every steps and at the end (the eval split only reports).
+    Steps: check and prepare the data (`_prepare`), the optimiser (`_optimiser`), the loop with held-out checks that
+    keep the best state (`_train`), the record (`_record`)."""
+    config = replace(config or UptrainConfig(), **settings)
+    corpus = _check(student, teacher, data, text_column, config)
+    stream, heldout, data_record = _data(student, corpus, config)
+    bf16 = student.device.type == "cuda" if config.bf16 is None else config.bf16
+    params, optimizer = _optimiser(student, config)
+    torch.manual_seed(config.seed)
+    eval_args = dict(
+        split="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
+    )
+    run = _Run(student, teacher, config, corpus, stream, heldout, data_record, bf16, params, optimizer, eval_args)
+    start = time.perf_counter()
+    best = _Best.of(params, run.heldout_perplexity())
+    rows = [_first_row(best.perplexity, run.evaluate())]
+    loop = _train(run, best, rows, start, progress)
+    curve = pd.DataFrame(rows)
+    final = curve["perplexity"].iloc[-1] if best.step == loop["steps_run"] else run.evaluate()
+    return UptrainResult(curve, _record(run, best, rows, loop, float(final), start))
+
+
+def _check(student, teacher, corpus, text_column, config: UptrainConfig) -> Corpus:
+    """Bad settings, a missing teacher or a mismatched pair fail before any work; returns the resolved corpus."""
+    config.check()
+    if config.objective != "ce" and teacher is None:
+        raise HeadlabError(f"the {config.objective} objective needs a teacher")
+    if teacher is not None:
+        check_pair(student, teacher)
+    check_resident(student, "uptraining")
+    return corpus if isinstance(corpus, Corpus) else load_corpus(corpus, text_column)
+
+
+def _optimiser(student: LoadedModel, config: UptrainConfig) -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    """The trained parameters (config.trained) and their AdamW (weight decay 0; the lr is set at every step)."""
+    params = trained_parameters(student, config.trained)
+    return params, torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0)
+
+
+def _first_row(heldout: float, perplexity_now: float) -> dict:
+    """The curve's step 0: the start, before any training."""
+    return {
+        "step": 0,
+        "lr": 0.0,
+        "loss": math.nan,
+        "kl": math.nan,
+        "ce": math.nan,
+        "tokens": 0,
+        "seconds": 0.0,
+        "heldout_perplexity": heldout,
+        "perplexity": perplexity_now,
+    }
+
+
+def _train(run: _Run, best: _Best, rows: list[dict], start: float, progress: bool) -> dict:
+    """The loop: optimiser steps until config.steps or the minutes cap, held-out checks offering each state to
+    `best`, eval-split points for the curve (appended to `rows`). Afterwards, also after an error, the model is in
+    eval mode with the best state and its own requires_grad flags. Returns the loop's counts."""
+    config, model = run.config, run.student.model
+    total = config.steps  # the budget; the schedule never depends on the machine's speed
+    deadline = start + (config.minutes * 60 if config.minutes is not None else math.inf)
+    trained = {id(p) for p in run.params}
+    frozen = [(p, p.requires_grad) for p in model.parameters()]
+    restore = contextlib.ExitStack()
+    checkpointing = restore.enter_context(activation_checkpointing(model, config.gradient_checkpointing))
+    kept_dead = restore.enter_context(dead_heads_kept(run.student))  # pruned heads stay pruned
+    tokens_seen, step = 0, 0
+    bar = tqdm(total=total, desc="uptrain", disable=not progress, unit="step")
+    try:
+        for p in model.parameters():
+            p.requires_grad_(id(p) in trained)
+        while step < total and time.perf_counter() < deadline:
+            step += 1
+            lr = learning_rate(step, total, config)
+            row = _train_step(
+                run.student, run.teacher, run.stream, run.optimizer, run.params, step, lr, config, run.bf16
+            )
+            tokens_seen += row["tokens"]
+            row.update(step=step, tokens=tokens_seen, heldout_perplexity=math.nan, perplexity=math.nan)
+            _checkpoints(run, best, row, total, last=step >= total or time.perf_counter() >= deadline)
+            row["seconds"] = time.perf_counter() - start
+            rows.append(row)
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2g}")
+    finally:
+        bar.close()
+        restore.close()
+        model.eval()
+        run.optimizer.zero_grad(set_to_none=True)
+        best.restore(run.params)  # the best state is what the caller gets, also after an error
+        for p, requires_grad in frozen:
+            p.requires_grad_(requires_grad)
+    return {
+        "steps_run": step,
+        "steps_planned": total,
+        # the cap, not the budget, ended the run: the schedule was cut short (the best state is still what is kept)
+        "stopped_on_time": step < total,
+        "tokens_seen": tokens_seen,
+        "gradient_checkpointing": checkpointing,
+        "dead_heads_kept": kept_dead,
+    }
+
+
+def _checkpoints(run: _Run, best: _Best, row: dict, total: int, last: bool) -> None:
+    """At a held-out check (every heldout_every steps [default: about 8 per run] and the last step) offer the state
+    to `best`; at an eval point (every eval_every steps and the last) add the eval-split perplexity to `row`."""
+    config, step = run.config, row["step"]
+    every = config.heldout_every or max(1, total // 8)
+    if step % every == 0 or last:
+        row["heldout_perplexity"] = run.heldout_perplexity()
+        best.offer(run.params, row["heldout_perplexity"], step)
+    if (config.eval_every and step % config.eval_every == 0) or last:
+        row["perplexity"] = run.evaluate()
+
+
+def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, start: float) -> dict:
+    """The run's metadata: who trained what with which recipe, the counts, held-out and eval perplexities."""
+    config = run.config
+    return {
+        "student": run.student.describe(),
+        "teacher": run.teacher.describe() if run.teacher is not None else None,
+        "config": asdict(config),
+        "objective": {
+            "kl": "mean KL(p_teacher || p_student) per token, temperature 1",
+            "ce": "mean next-token cross-entropy",
+            "mixed": f"(1 - {config.ce_weight}) KL + {config.ce_weight} CE",
+        }[config.objective],
+        "schedule": "AdamW (weight decay 0), linear warmup, cosine decay to 0, global-norm clipping",
+        "trained_parameters": sum(p.numel() for p in run.params),
+        "steps_run": loop["steps_run"],
+        "steps_planned": loop["steps_planned"],
+        "stopped_on_time": loop["stopped_on_time"],
+        "stopped_by": "the --minutes cap" if loop["stopped_on_time"] else "the step budget",
+        "tokens_seen": loop["tokens_seen"],
+        "epochs_started": int(max(r.get("epoch", 0) for r in rows)) + 1,
+        "kept_step": best.step,
+        "heldout_perplexity_before": rows[0]["heldout_perplexity"],
+        "heldout_perplexity_after": best.perplexity,
+        "perplexity_before": rows[0]["perplexity"],
+        "perplexity_after": final,
+        "gradient_checkpointing": loop["gradient_checkpointing"],
+        "dead_heads_kept": loop["dead_heads_kept"],
+        "bf16_autocast": run.bf16,
+        "processes": distributed.world_size(),
+        "calibration": run.data_record,
+        "eval": {"data": run.corpus.spec, **run.eval_args},
+        "seconds": time.perf_counter() - start,
+    }

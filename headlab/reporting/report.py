@@ -1,0 +1,784 @@
+"""The end-to-end pipeline behind `headlab report` and `headlab demo`: info, statistics, importance, an attention
+gallery, a pruning sweep, a GQA sweep and grouping, every figure, and report.md / a self-contained report.html.
+
+Each step writes its own run directory (the same tables its CLI command writes) inside the report directory, so
+`headlab plot REPORT_DIR` redraws every figure without a model; every number in the report comes from those tables.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from headlab.core.data import calibration_batches, load_corpus
+from headlab.core.errors import HeadlabError
+from headlab.core.fsio import StepJournal, resumable_directory, write_json
+from headlab.core.loading import DEFAULT_MODEL, LoadedModel
+from headlab.core.tables import versions, write_run
+from headlab.core.units import human_bytes
+from headlab.kv import gqa, grouping, ladder
+from headlab.measure.costs import model_info
+from headlab.measure.evaluate import perplexity
+from headlab.measure.importance import head_importance
+from headlab.measure.stats import _frame_tokens, head_statistics, write_statistics
+from headlab.mechanisms.capture import capture_attention
+from headlab.pruning.scores import read_scores
+from headlab.pruning.sweep import sweep, write_sweep
+from headlab.recovery.reconstruct import LocalSpec
+from headlab.recovery.recover import RecoverySpec, recover, teacher_copy, write_recovery
+from headlab.recovery.uptrain import UptrainConfig
+from headlab.reporting.render import build_sections, render_html, render_markdown
+from headlab.runtimes.speed import SpeedSpec, measure_model, relative_to_first
+from headlab.viz import plots
+
+SAMPLE_SENTENCE = "The cat sat on the mat because it was tired, and then it slept."
+DEMO_OUT = Path("runs/demo")
+DEMO_MARKER = "headlab demo"  # meta.json "command" of a demo run: `headlab demo` may replace such a directory
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How much text each step reads (tokens) and what the sweeps cover; `full` and `quick` presets below."""
+
+    seq_len: int = 256
+    batch_size: int = 4
+    stats_tokens: int = 2048
+    induction_len: int = 64
+    induction_count: int = 8
+    importance_tokens: int = 1024
+    eval_tokens: int = 1024
+    calibration_tokens: int = 1024
+    fractions: tuple[float, ...] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+    orders: tuple[str, ...] = ("importance", "random", "entropy")
+    seeds: tuple[int, ...] = (0, 1)
+    groupings: tuple[str, ...] = ("contiguous", "similarity")
+    pools: tuple[str, ...] = ("mean",)
+    # mean pooling (Ainslie et al.) beside the calibrated merge (headlab.kv.merge), so the report shows both
+    methods: tuple[str, ...] = ("mean", "svd")
+    # MLA rungs of the KV ladder (headlab.kv.ladder): the training-free conversion at these budgets, where it applies
+    mla_budgets: tuple[str, ...] = ("gqa", "mqa")
+    gallery_heads: int = 3
+    # recovery of the svd-merged model: local reconstruction on calibration_tokens (recovery_local_passes per layer),
+    # then uptraining steps of batch_size x recovery_seq_len tokens (budgets, so every machine gets the same model);
+    # 0 steps: no recovery step
+    recovery_steps: int = 12
+    recovery_seq_len: int = 128
+    recovery_local_passes: int = 6
+    # headlab speed: decode with a KV cache; points above speed_prefill_limit tokens get a synthetic cache
+    speed_contexts: tuple[int, ...] = (512, 2048, 8192)
+    speed_batches: tuple[int, ...] = (1, 8)
+    speed_decode_tokens: int = 4
+    speed_prefill_limit: int = 2048
+
+
+PRESETS = {
+    "full": Settings(),
+    "quick": Settings(
+        stats_tokens=512,
+        induction_len=32,
+        induction_count=4,
+        importance_tokens=512,
+        eval_tokens=512,
+        calibration_tokens=512,
+        fractions=(0.0, 0.3, 0.5),
+        orders=("importance", "random"),
+        seeds=(0,),
+        groupings=("contiguous",),
+        mla_budgets=("gqa",),  # one build at full rank (the mqa budget builds and compares three rope splits)
+        recovery_steps=6,
+        speed_contexts=(128, 512),
+        speed_batches=(1, 4),
+        speed_decode_tokens=2,
+    ),
+}
+
+
+@dataclass
+class Report:
+    """What `run_report` wrote: the directory, the per-step seconds and the summary lines."""
+
+    out: Path
+    seconds: dict[str, float] = field(default_factory=dict)
+    summary: list[str] = field(default_factory=list)
+    figures: list[str] = field(default_factory=list)
+
+
+# ---- the attention gallery -------------------------------------------------------------------------------------
+
+
+def token_labels(tokenizer, ids: list[int]) -> list[str]:
+    """Readable per-token labels: each token decoded alone, spaces shown as '_' and newlines as '\\n'."""
+    labels = []
+    for token in ids:
+        text = tokenizer.decode([token]) if tokenizer is not None else str(token)
+        labels.append(text.replace("\n", "\\n").replace(" ", "_") or f"<{token}>")
+    return labels
+
+
+@torch.no_grad()
+def attention_maps(
+    loaded: LoadedModel, importance: pd.DataFrame, sentence: str = SAMPLE_SENTENCE, heads: int = 3
+) -> pd.DataFrame:
+    """Attention weights of the `heads` most and least important heads on one sentence, as a tidy table
+    `selection, layer, head, kv_head, importance, rank, query, key, weight, query_token, key_token` (visible keys
+    only). The weights are softmax(QK^T / sqrt(d) + mask), computed by headlab's capture function (the eager math)."""
+
+    if loaded.tokenizer is None:
+        raise HeadlabError("the attention gallery needs the model's tokenizer")
+    prefix, suffix = _frame_tokens(loaded)
+    ids = prefix + loaded.tokenizer(sentence, add_special_tokens=False)["input_ids"] + suffix
+    ranked = importance.sort_values("rank")
+    k = min(heads, len(ranked) // 2) or 1
+    chosen = pd.concat(
+        [ranked.head(k).assign(selection="most important"), ranked.tail(k)[::-1].assign(selection="least important")]
+    )
+    wanted = {(int(r.layer), int(r.head)) for r in chosen.itertuples()}
+    labels = token_labels(loaded.tokenizer, ids)
+    captured: dict[tuple[int, int], torch.Tensor] = {}
+
+    def on_chunk(chunk):
+        for head in range(chunk.probs.shape[1]):
+            if (chunk.layer.index, head) in wanted:
+                weights = chunk.probs[0, head].masked_fill(~chunk.visible[0, 0], float("nan"))  # [c, Tk]
+                part = torch.full((weights.shape[0], len(ids)), float("nan"))
+                part[:, : weights.shape[1]] = weights.cpu()
+                key = (chunk.layer.index, head)
+                captured[key] = part if key not in captured else torch.cat([captured[key], part])
+
+    input_ids = torch.tensor([ids], device=loaded.device)  # [1, T]
+    with capture_attention(loaded.model, loaded.layers, on_chunk):
+        loaded.model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids))
+    rows = []
+    for r in chosen.itertuples():
+        grid = captured[(int(r.layer), int(r.head))]  # [T, T]
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if not torch.isnan(grid[i, j]):
+                    rows.append(
+                        (r.selection, r.layer, r.head, r.kv_head, r.importance, r.rank, i, j, float(grid[i, j]))
+                    )
+    columns = ["selection", "layer", "head", "kv_head", "importance", "rank", "query", "key", "weight"]
+    table = pd.DataFrame(rows, columns=columns)
+    table["query_token"] = [labels[i] for i in table["query"]]
+    table["key_token"] = [labels[j] for j in table["key"]]
+    return table
+
+
+# ---- GQA grouping ----------------------------------------------------------------------------------------------
+
+
+def gqa_target(num_kv_heads: int) -> int | None:
+    """The KV-head count the grouping step pools to: the largest proper divisor of the current count (e.g. 8 -> 4,
+    3 -> 1), the smallest change that still halves or better the KV cache; None for an MQA model."""
+    divisors = [g for g in range(num_kv_heads - 1, 0, -1) if num_kv_heads % g == 0]
+    return divisors[0] if divisors else None
+
+
+def grouping_table(loaded: LoadedModel, target: int, similarity: dict | None, grouping: str) -> pd.DataFrame:
+    """One row per query head: layer, head, kv_head (read now), new_kv_head (read after pooling to `target` KV
+    heads with `grouping`), grouping, method (exact / greedy / trivial / contiguous search)."""
+
+    groups, methods = gqa.plan_groups(loaded, target, grouping, similarity)
+    rows = []
+    for layer in grouping.gqa_layers(loaded):
+        new_of = {kv: g for g, members in enumerate(grouping.canonical(groups[layer.index])) for kv in members}
+        for head in range(layer.num_heads):
+            kv = layer.kv_head_of(head)
+            rows.append((layer.index, head, kv, new_of[kv], grouping, methods[layer.index]))
+    return pd.DataFrame(rows, columns=["layer", "head", "kv_head", "new_kv_head", "grouping", "method"])
+
+
+# ---- summary of the trades -------------------------------------------------------------------------------------
+
+
+def _pct(new: float, old: float) -> str:
+    """Relative change: '+12.3%' below a doubling, '10.8x' from there on (a +97,000% reads worse than 971x)."""
+    ratio = new / old
+    return f"{(ratio - 1) * 100:+.1f}%" if ratio < 2 else f"{ratio:,.1f}x"
+
+
+def pruning_trades(sweep: pd.DataFrame, at: float = 0.3) -> list[str]:
+    """Sentences on the perplexity cost of pruning, from a sweep table: at the swept fraction nearest `at` and at
+    the largest one, for each order (random: mean over seeds)."""
+    base = sweep.loc[sweep["pruned_heads"] == 0, "perplexity"]
+    if base.empty:
+        return ["The sweep has no unpruned row, so no relative costs can be given."]
+    base = float(base.mean())
+    if "compensation" in sweep and (sweep["compensation"] != "none").any():  # sweep --compensate: its own lines
+        sweep = sweep.assign(
+            order=[o if c == "none" else f"{o} + {c}" for o, c in zip(sweep["order"], sweep["compensation"])]
+        )
+    mean = sweep.groupby(["order", "fraction"], sort=False).agg(
+        perplexity=("perplexity", "mean"), pruned=("fraction_pruned", "mean"), params=("parameters", "mean")
+    )
+    fractions = sorted(f for f in sweep["fraction"].unique() if f > 0)
+    if not fractions:
+        return [f"Unpruned perplexity {base:.3f}; the sweep pruned nothing."]
+    lines = []
+    for fraction in dict.fromkeys([min(fractions, key=lambda f: abs(f - at)), max(fractions)]):
+        costs = []
+        for order in mean.index.get_level_values(0).unique():
+            if (order, fraction) in mean.index:
+                row = mean.loc[(order, fraction)]
+                costs.append(f"{order} order {_pct(row['perplexity'], base)} ({row['perplexity']:.2f})")
+        lines.append(
+            f"Pruning {fraction:.0%} of the attention heads costs {'; '.join(costs)} perplexity "
+            f"against {base:.2f} unpruned."
+        )
+    best = mean.reset_index()
+    best = best[best["fraction"] == max(fractions)].sort_values("perplexity").iloc[0]
+    lines.append(f"At {max(fractions):.0%} the best order is {best['order']}.")
+    return lines
+
+
+def gqa_trades(frame: pd.DataFrame) -> list[str]:
+    """Sentences on the KV-cache trade, from a gqa-sweep table: each pooled KV-head count's best variant against
+    the unchanged model (bytes from a real cache), each MLA rung against the pooling at its bytes, and what the MHA
+    expansion would cost."""
+    keep = frame[frame["action"] == "keep"]
+    if keep.empty:
+        return []
+    base = keep.iloc[0]
+    lines = []
+    pooled = frame[(frame["action"] == "pool")]
+    for g, part in sorted(pooled.groupby("kv_heads"), key=lambda item: -item[0]):
+        best = part.sort_values("perplexity").iloc[0]
+        saved = 1 - best["kv_bytes_per_token"] / base["kv_bytes_per_token"]
+        lines.append(
+            f"{int(base['kv_heads'])} -> {int(g)} KV heads ({best['grouping']} grouping, {best['pool']} pooling, no "
+            f"uptraining) saves {saved:.1%} of the KV cache ({human_bytes(base['kv_bytes_per_token'])} -> "
+            f"{human_bytes(best['kv_bytes_per_token'])} per token) for {_pct(best['perplexity'], base['perplexity'])} "
+            f"perplexity ({base['perplexity']:.2f} -> {best['perplexity']:.2f})."
+        )
+    for row in frame[frame["action"] == "mla"].itertuples():
+        same = pooled[pooled["kv_bytes_per_token"] == row.kv_bytes_per_token].sort_values("perplexity")
+        versus = (
+            f", against {same.iloc[0]['perplexity']:.2f} for the best KV-head pooling at those bytes"
+            if len(same)
+            else ""
+        )
+        lines.append(
+            f"{row.variant} (multi-head latent attention at the {row.pool}, no uptraining) holds "
+            f"{human_bytes(row.kv_bytes_per_token)} per token for {_pct(row.perplexity, base['perplexity'])} "
+            f"perplexity ({base['perplexity']:.2f} -> {row.perplexity:.2f}{versus})."
+        )
+    expand = frame[frame["action"] == "expand"]
+    for row in expand.itertuples():
+        lines.append(
+            f"Expanding to {int(row.kv_heads)} KV heads (MHA) is lossless ({_pct(row.perplexity, base['perplexity'])} "
+            f"perplexity) but multiplies the KV cache by {row.kv_bytes_per_token / base['kv_bytes_per_token']:.1f}."
+        )
+    return lines
+
+
+# ---- commands that reproduce each step -------------------------------------------------------------------------
+
+
+def _flags(**options) -> str:
+    """Options as CLI flags in the order given: --name value (lists comma-joined, quoted for a shell), a bare --name
+    for True, nothing for None or False."""
+    parts = []
+    for name, value in options.items():
+        if value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        else:
+            if isinstance(value, (list, tuple)):
+                value = ",".join(str(v) for v in value)
+            parts += [flag, shlex.quote(str(value))]
+    return " ".join(parts)
+
+
+def _command(words: str, **options) -> str:
+    """`headlab WORDS --option value ...` (options as _flags writes them)."""
+    return f"headlab {words} {_flags(**options)}".strip()
+
+
+def step_commands(model: str | None, data: str | None, text_column: str | None, s: Settings, out: Path, target):
+    """The CLI command behind each step, with the options the report used (each writing its own runs/STEP)."""
+    common = dict(model=model, data=data, text_column=text_column)
+    size = dict(seq_len=s.seq_len, batch_size=s.batch_size)
+    convert = dict(**common, kv_heads=target)  # the grouping and recovery steps are both `headlab convert-gqa`
+    budget = dict(calibration_tokens=s.calibration_tokens, max_tokens=s.eval_tokens, **size)
+    induction = dict(induction_len=s.induction_len, induction_count=s.induction_count)
+    return {
+        "info": _command("info", model=model),
+        "stats": _command("stats", **common, max_tokens=s.stats_tokens, **size, **induction, out="runs/stats"),
+        "importance": _command("importance", **common, max_tokens=s.importance_tokens, **size, out="runs/importance"),
+        "sweep": _command(
+            "sweep",
+            **common,
+            **dict(fractions=s.fractions, orders=s.orders, seeds=s.seeds),
+            **dict(max_tokens=s.eval_tokens, calibration_tokens=s.importance_tokens, **size),
+            out="runs/sweep",
+        ),
+        "gqa_sweep": _command(
+            "gqa-sweep",
+            **common,
+            **dict(grouping=s.groupings, pool=s.pools, method=s.methods),
+            **(dict(mla=s.mla_budgets) if s.mla_budgets else {}),
+            **dict(max_tokens=s.eval_tokens, calibration_tokens=s.calibration_tokens, **size),
+            out="runs/gqa_sweep",
+        ),
+        "gqa_groups": _command("convert-gqa", **convert, grouping="similarity", **budget, out="converted"),
+        "recovery": _command(
+            "convert-gqa",
+            **convert,
+            method="svd",
+            **budget,
+            **dict(recover="local,uptrain", recover_steps=s.recovery_steps),
+            out="recovered",
+        ),
+        "speed": _command(
+            "speed" + (" " + shlex.quote(model) if model else ""),
+            **dict(contexts=s.speed_contexts, batches=s.speed_batches, decode_tokens=s.speed_decode_tokens),
+            **dict(prefill_limit=s.speed_prefill_limit, runtime="transformers", out="runs/speed"),
+        ),
+        "plot": f"headlab plot {shlex.quote(str(out))}",
+    }
+
+
+# ---- the pipeline ----------------------------------------------------------------------------------------------
+
+
+def fit_settings(s: Settings, max_positions: int | None) -> Settings:
+    """Shrink the windows and induction sequences to the model's positions (2 x length + a prefix token fit)."""
+    if max_positions is None:
+        return s
+    contexts = tuple(c for c in s.speed_contexts if c <= max_positions) or (max_positions // 2,)
+    return replace(
+        s,
+        seq_len=min(s.seq_len, max_positions),
+        induction_len=min(s.induction_len, max(2, (max_positions - 2) // 2)),
+        speed_contexts=contexts,
+    )
+
+
+def check_report_out(out: Path, overwrite: bool, demo: bool = False) -> None:
+    """An existing `out` needs overwrite=True, except a previous `headlab demo` output, which a demo replaces."""
+    out = Path(out)
+    if not out.exists() or overwrite:
+        return
+    if demo and is_demo_run(out):
+        return
+    raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+
+
+# What a report directory holds at its top level; a demo replaces a directory only if it holds nothing else.
+REPORT_ENTRIES = {
+    "meta.json",
+    "info.json",
+    "report.md",
+    "report.html",
+    "figures",
+    "stats",
+    "importance",
+    "attention",
+    "sweep",
+    "gqa_sweep",
+    "gqa_groups",
+    "recovery",
+    "speed",
+}
+
+
+def is_demo_run(path: Path) -> bool:
+    """A directory written by `headlab demo` (its meta.json says so) holding nothing a user added: every file in it,
+    at any depth, is one the demo listed in meta.json's "files" (and nothing is a link)."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("command") != DEMO_MARKER or path.is_symlink():
+            return False
+        if {p.name for p in path.iterdir()} - REPORT_ENTRIES:
+            return False
+        return set(_files(path)) <= set(meta.get("files", ()))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return False
+
+
+def _files(root: Path) -> list[str]:
+    """Every entry under `root` as a relative POSIX path (folders end in '/'; a link counts as a file, never
+    followed), for the demo's list of what it wrote."""
+    entries = []
+    for folder, dirs, files in os.walk(root):  # os.walk lists a linked folder in `dirs` and does not enter it
+        base = Path(folder).relative_to(root)
+        entries += [(base / d).as_posix() + ("" if (Path(folder) / d).is_symlink() else "/") for d in dirs]
+        entries += [(base / f).as_posix() for f in files]
+    return sorted(entries)
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        print(text, file=sys.stderr, flush=True)
+
+
+@dataclass
+class ReportRun:
+    """What the report steps share: the model, the settings, the text options, the staging directory, and what
+    earlier steps produced for later ones (importance for the gallery and sweep, tables for the summary)."""
+
+    loaded: LoadedModel
+    s: Settings
+    tmp: Path
+    common: dict  # data, text_column, seq_len, batch_size, progress
+    sentence: str
+    target: int | None  # KV heads the grouping step pools to (None: no grouping step)
+    tasks: dict = field(default_factory=dict)  # lm-eval tasks for the sweep: {"tasks": [...], "include_path": DIR}
+    info: dict = field(default_factory=dict)
+    importance_table: pd.DataFrame | None = None
+    sweep_table: pd.DataFrame | None = None
+    gqa_frame: pd.DataFrame | None = None
+    figures: list[str] = field(default_factory=list)
+
+
+def _info_step(run: ReportRun) -> None:
+    run.info = model_info(run.loaded, context=run.s.seq_len)
+    write_json(run.tmp / "info.json", run.info)
+
+
+def _stats_step(run: ReportRun) -> None:
+    s = run.s
+    tidy = head_statistics(
+        run.loaded,
+        max_tokens=s.stats_tokens,
+        induction_len=s.induction_len,
+        induction_count=s.induction_count,
+        **run.common,
+    )
+    write_statistics(run.tmp / "stats", tidy)
+
+
+def _importance_step(run: ReportRun) -> None:
+    importance = head_importance(run.loaded, max_tokens=run.s.importance_tokens, **run.common)
+    tables = {"importance": importance.table, "kv_groups": importance.kv_groups}
+    write_run(run.tmp / "importance", tables, importance.meta)
+
+
+def _gallery_step(run: ReportRun) -> None:
+    maps = attention_maps(run.loaded, run.importance_table, run.sentence, run.s.gallery_heads)
+    write_run(run.tmp / "attention", {"attention_maps": maps}, {**run.loaded.describe(), "sentence": run.sentence})
+
+
+def _sweep_step(run: ReportRun) -> None:
+    s = run.s
+    result = sweep(
+        run.loaded,
+        # The importance order starts from the scores just computed with the same settings (same numbers as
+        # `headlab sweep` recomputing them, without the second gradient pass).
+        scores={"importance": read_scores(run.importance_table, run.loaded.layers)},
+        fractions=s.fractions,
+        orders=s.orders,
+        seeds=s.seeds,
+        calibration_tokens=s.importance_tokens,
+        eval_tokens=s.eval_tokens,
+        **run.tasks,
+        **run.common,
+    )
+    write_sweep(result, run.tmp / "sweep")
+    run.sweep_table = result.table
+
+
+def _gqa_step(run: ReportRun) -> None:
+    s, loaded, data, text_column = run.s, run.loaded, run.common["data"], run.common["text_column"]
+    run.gqa_frame, gqa_meta = ladder.ladder(
+        loaded,
+        mla=s.mla_budgets,
+        groupings=s.groupings,
+        pools=s.pools,
+        methods=s.methods,
+        corpus=data,
+        text_column=text_column,
+        max_tokens=s.eval_tokens,
+        seq_len=s.seq_len,
+        batch_size=s.batch_size,
+        calibration_tokens=s.calibration_tokens,
+        progress=run.common["progress"],
+    )
+    write_run(run.tmp / "gqa_sweep", {"sweep": run.gqa_frame}, gqa_meta)
+    if run.target is None:
+        return
+    batches = calibration_batches(
+        loaded.tokenizer,
+        data,
+        seq_len=s.seq_len,
+        batch_size=s.batch_size,
+        max_tokens=s.calibration_tokens,
+        text_column=text_column,
+        max_positions=loaded.max_positions,
+    )
+    similarity = grouping.kv_similarity(loaded, batches, progress=run.common["progress"])
+    groups = grouping_table(loaded, run.target, similarity, "similarity")
+    write_run(
+        run.tmp / "gqa_groups",
+        {"gqa_groups": groups, "kv_similarity": grouping.similarity_table(similarity)},
+        {**loaded.describe(), "kv_heads_after": run.target, "calibration": batches.meta},
+    )
+
+
+def _recovery_step(run: ReportRun) -> None:
+    """The svd merge to the grouping target, recovered (local reconstruction, then Settings.recovery_steps of
+    uptraining: token budgets, so any machine gets the same model); eval perplexity of the original, the merge and
+    the recovered merge. The report's model is never changed: the merge is made on a copy."""
+    s, loaded = run.s, run.loaded
+    if run.target is None or s.recovery_steps <= 0:
+        return
+    corpus = load_corpus(run.common["data"], run.common["text_column"])
+    student = teacher_copy(loaded)  # here the copy is the student; `loaded` is the original (teacher)
+    batches = calibration_batches(
+        student.tokenizer, corpus, seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.calibration_tokens
+    )
+    gqa.convert(student, run.target, method="svd", batches=batches)
+    eval_args = dict(split="eval", seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.eval_tokens, progress=False)
+    rows = [{"model": "original", "perplexity": perplexity(loaded, corpus, **eval_args).perplexity, "seconds": 0.0}]
+    merged = f"{run.target} KV heads, svd merge"
+    rows.append({"model": merged, "perplexity": perplexity(student, corpus, **eval_args).perplexity, "seconds": 0.0})
+    config = UptrainConfig(steps=s.recovery_steps, seq_len=min(s.recovery_seq_len, s.seq_len), heldout_tokens=512)
+    # eval_tokens 0: the eval split is measured below, once; no activation checkpointing: 4 windows of 128 tokens
+    # of a report-sized model fit in memory, and recomputing them would cost a quarter of the step
+    # held-out checks every 4 steps (the default, about 8 a run, would check after every one of so few steps)
+    config = replace(config, eval_tokens=0, gradient_checkpointing=False, heldout_every=4)
+    local = LocalSpec(steps=s.recovery_local_passes)
+    spec = RecoverySpec(uptrain=config, local=local, local_tokens=s.calibration_tokens)
+    spec.local_seq_len = s.seq_len
+    record = recover(student, loaded, spec, data=corpus, progress=run.common["progress"])
+    after = perplexity(student, corpus, **eval_args).perplexity
+    rows.append({"model": f"{merged} + local + uptrain", "perplexity": after, "seconds": record["seconds"]})
+    record["tables"]["before_after"] = pd.DataFrame(rows)
+    record["kv_heads"] = run.target
+    write_recovery(run.tmp / "recovery", record, f"recovery of the {run.target}-KV-head svd merge")
+
+
+def _figures_step(run: ReportRun, fmt: str) -> None:
+    figures = plots.run_figures(run.tmp)
+    for name, fig in figures.items():
+        plots.save_figure(fig, run.tmp / "figures" / f"{name}.{fmt}", fmt)  # run.figures: read back (_read_back)
+
+
+def _speed_step(run: ReportRun) -> None:
+    s = run.s
+    spec = SpeedSpec(s.speed_contexts, s.speed_batches, s.speed_decode_tokens, s.speed_prefill_limit, ("transformers",))
+    label = run.loaded.spec or DEFAULT_MODEL
+    table = relative_to_first(measure_model(run.loaded, label, spec, run.common["progress"]))
+    write_run(run.tmp / "speed", {"speed": table}, {**run.loaded.describe(), "spec": spec.to_dict()})
+
+
+# The report is this list of steps, run in order inside one atomic directory; "gqa" only where KV heads can pool.
+REPORT_STEPS = [
+    ("info", _info_step),
+    ("stats", _stats_step),
+    ("importance", _importance_step),
+    ("gallery", _gallery_step),
+    ("sweep", _sweep_step),
+    ("gqa", _gqa_step),
+    ("recovery", _recovery_step),
+    ("speed", _speed_step),
+]
+
+
+@dataclass(frozen=True)
+class ReportPlan:
+    """What a report runs, decided from the model's layout before any model work: the fitted settings, the KV-head
+    count the grouping and recovery steps pool to, the steps in order and the command behind each."""
+
+    settings: Settings
+    can_gqa: bool  # every layer has the same (H, G) and the adapter can hold fewer KV heads
+    target: int | None
+    recovering: bool
+    steps: list[tuple[str, object]]
+    commands: dict[str, str]
+    model_flag: str | None  # --model as a user would type it (None for the embedded default)
+
+
+def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, tasks, include_path) -> ReportPlan:
+    """Which steps run on this model and with which settings (`s` already fitted to its positions)."""
+    layers = loaded.layers
+    G = layers[0].num_kv_heads
+    can_gqa = loaded.adapter.supports_gqa and len({(la.num_heads, la.num_kv_heads) for la in layers}) == 1
+    target = gqa_target(G) if can_gqa else None
+    # Similarity grouping differs from contiguous only when pooling to 1 < G' < G groups; otherwise its rows would
+    # repeat the contiguous ones, so the sweep skips them (and their similarity pass).
+    groupings = (
+        s.groupings if any(G % g == 0 for g in range(2, G)) else tuple(g for g in s.groupings if g != "similarity")
+    )
+    s = replace(s, groupings=groupings or ("contiguous",))
+    if not can_gqa or ladder.mla_refusal(loaded) is not None:
+        s = replace(s, mla_budgets=())  # no MLA rung for an attention deepseek_v3 cannot express
+    model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
+    commands = step_commands(model_flag, data, text_column, s, out, target)
+    if tasks:  # the sweep ran lm-eval tasks too
+        commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
+    recovering = target is not None and s.recovery_steps > 0
+    skipped = {"gqa": not can_gqa, "recovery": not recovering}
+    steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
+    return ReportPlan(s, can_gqa, target, recovering, steps, commands, model_flag)
+
+
+# What each step writes under the report directory: removed before the step runs again after a failure.
+STEP_OUTPUTS = {
+    "info": ("info.json",),
+    "stats": ("stats",),
+    "importance": ("importance",),
+    "gallery": ("attention",),
+    "sweep": ("sweep",),
+    "gqa": ("gqa_sweep", "gqa_groups"),
+    "recovery": ("recovery",),
+    "speed": ("speed",),
+    "figures": ("figures",),
+}
+
+
+def _read_back(run: ReportRun, step: str) -> None:
+    """What later steps need from `step`, read from its files: the same after the step ran now as after it ran in an
+    earlier, interrupted run of the same command."""
+    tmp = run.tmp
+    if step == "info":
+        run.info = json.loads((tmp / "info.json").read_text())
+    elif step == "importance":
+        run.importance_table = pd.read_parquet(tmp / "importance" / "importance.parquet")
+    elif step == "sweep":
+        run.sweep_table = pd.read_parquet(tmp / "sweep" / "sweep.parquet")
+    elif step == "gqa":
+        run.gqa_frame = pd.read_parquet(tmp / "gqa_sweep" / "sweep.parquet")
+    elif step == "figures":
+        run.figures = sorted(path.stem for path in (tmp / "figures").iterdir())
+
+
+def _run_steps(run: ReportRun, steps: list, progress: bool, journal: StepJournal) -> dict[str, float]:
+    """Run each step in order, announcing it, and record it in `journal` once done; a step an earlier run of the
+    same command completed (journal.resumed) is read back instead of run. A failing step names itself and what was
+    kept. Returns the seconds each step took, by step name (a kept step: the seconds it took then)."""
+    seconds = {}
+    for number, (name, function) in enumerate(steps, 1):
+        label = f"[{number}/{len(steps)}] {name}"
+        if journal.done(name):
+            _say(progress, f"{label}: kept from the previous run of this command")
+            seconds[name] = journal.records[name].get("seconds", 0.0)
+            _read_back(run, name)
+            continue
+        _say(progress, label)
+        for entry in STEP_OUTPUTS.get(name, ()):  # a half-written output of this step from an interrupted run
+            path = run.tmp / entry
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif os.path.lexists(path):
+                path.unlink()
+        begin = time.perf_counter()
+        try:
+            function(run)
+            _read_back(run, name)
+        except BaseException as error:
+            kept = (
+                f"steps 1-{number - 1} are kept in {journal.staging}: rerun the same command to resume at step {number}"
+                if number > 1
+                else "rerun the same command to try again"
+            )
+            if isinstance(error, HeadlabError):
+                raise HeadlabError(f"step {number}/{len(steps)} ({name}) failed: {error}; {kept}") from error
+            _say(True, f"headlab: step {number}/{len(steps)} ({name}) stopped; {kept}")
+            raise
+        seconds[name] = round(time.perf_counter() - begin, 2)
+        journal.finish(name, {"seconds": seconds[name]})
+    return seconds
+
+
+def _report_meta(loaded: LoadedModel, plan: ReportPlan, report: Report, options: dict, total: float) -> dict:
+    """meta.json of a report: the model, the settings, each step's seconds and command, the summary, versions.
+    `options`: the run's command, data, text_column, quick and out, as run_report received them."""
+    s, data = plan.settings, options["data"]
+    flags = _flags(
+        model=plan.model_flag, data=data, text_column=options["text_column"], quick=options["quick"], out=options["out"]
+    )
+    return {
+        **loaded.describe(),
+        "command": options["command"],
+        "data": data or "pydoc-topics",
+        "quick": options["quick"],
+        "settings": {k: getattr(s, k) for k in s.__dataclass_fields__},
+        "seconds": report.seconds,
+        "total_seconds": total,
+        "threads": torch.get_num_threads(),
+        "figures": report.figures,
+        "commands": plan.commands,
+        "command_line": f"{options['command']} " + flags,
+        "summary": report.summary,
+        "recovery_kv_heads": plan.target if plan.recovering else None,
+        "versions": versions(),
+    }
+
+
+def _write_documents(tmp: Path, meta: dict, info: dict, fmt: str) -> None:
+    """meta.json, report.md and the self-contained report.html, all read from the tables under `tmp`. meta.json lists
+    every file the report holds, so a later demo replaces the directory only while nothing else was added."""
+    meta = {**meta, "files": sorted({*_files(tmp), "meta.json", "report.md", "report.html"})}
+    write_json(tmp / "meta.json", meta)
+    sections = build_sections(tmp, meta, info, fmt)
+    (tmp / "report.md").write_text(render_markdown(sections, meta))
+    (tmp / "report.html").write_text(render_html(sections, meta, tmp))
+
+
+# 13 parameters: one per `headlab report` option, so the Python API mirrors the command (and `headlab demo` reuses
+# it with its own `command`); the steps themselves take the ReportPlan and ReportRun bundles.
+def run_report(
+    loaded: LoadedModel,
+    out,
+    *,
+    data: str | None = None,
+    text_column: str | None = None,
+    quick: bool = False,
+    settings: Settings | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+    command: str = "headlab report",
+    sentence: str = SAMPLE_SENTENCE,
+    fmt: str = "png",
+    tasks: list[str] | None = None,
+    include_path: str | None = None,
+) -> Report:
+    """Run every analysis on `loaded`, write each step's tables under `out`, draw every figure and write
+    report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
+    tasks: lm-eval tasks the pruning sweep also runs on every pruned model (accuracy against heads pruned).
+    """
+
+    out = Path(out)
+    s = fit_settings(settings or PRESETS["quick" if quick else "full"], loaded.max_positions)
+    if fmt not in plots.FORMATS:
+        raise HeadlabError(f"unknown figure format {fmt!r}; use one of {', '.join(plots.FORMATS)}")
+    check_report_out(out, overwrite, demo=command == DEMO_MARKER)
+    load_corpus(data, text_column)  # a bad --data fails here, before any model work
+    plan = plan_report(loaded, s, data, text_column, out, tasks, include_path)
+    s = plan.settings
+    report = Report(out)
+    started = time.perf_counter()
+    common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
+    # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
+    replaceable = is_demo_run if command == DEMO_MARKER else None
+    task_options = {"tasks": tasks, "include_path": include_path} if tasks else {}
+    # The steps' results depend on these alone: a rerun with the same key resumes after the last completed step.
+    key = dict(command=command, model=loaded.describe(), data=data, text_column=text_column, settings=asdict(s))
+    key.update(sentence=sentence, fmt=fmt, tasks=task_options)
+    with resumable_directory(out, key, overwrite=overwrite, replaceable=replaceable) as journal:
+        tmp = journal.staging
+        if journal.resumed:
+            _say(progress, f"resuming from {tmp}: {', '.join(journal.resumed)} already done")
+        run = ReportRun(loaded, s, tmp, common, sentence, plan.target, task_options)
+        steps = plan.steps + [("figures", lambda run: _figures_step(run, fmt))]
+        report.seconds = _run_steps(run, steps, progress, journal)
+        report.figures = run.figures
+        report.summary = pruning_trades(run.sweep_table) + (gqa_trades(run.gqa_frame) if plan.can_gqa else [])
+        total = round(time.perf_counter() - started, 2)
+        options = dict(command=command, data=data, text_column=text_column, quick=quick, out=out)
+        _write_documents(tmp, _report_meta(loaded, plan, report, options, total), run.info, fmt)
+    _say(progress, f"report written to {out} in {total:.0f} s")
+    return report

@@ -1,0 +1,596 @@
+"""GGUF export for llama.cpp: any llama-family checkpoint headlab loads or writes (original, uniformly or per-layer
+pruned, KV-reduced) and dense MLA (deepseek_v3) checkpoints, with its tokenizer and chat template, in f32/f16/bf16 or a type the gguf package quantizes.
+
+Which llama.cpp architecture runs which layout (read from llama.cpp's loader, src/llama-model.cpp and src/models/):
+- every architecture reads `head_count` / `head_count_kv` as a scalar or a per-layer array (`get_key_or_arr`), but
+  the `llama`, `qwen2` and `qwen3` graphs reshape every layer with the layer-0 count (`hparams.n_head()`), so they
+  run uniform layouts only; `qwen2` also sizes q and o as `n_embd` wide (a uniformly pruned qwen2 does not fit);
+- `deci` (DeciLM / Llama-3.1-Nemotron) builds each layer with `hparams.n_head(il)`, `n_head_kv(il)`: a llama graph
+  (RMSNorm, SwiGLU, optional q/k/v/o biases, rope_freqs) with per-layer attention shapes. Non-uniform layouts go
+  there; it has no per-head q/k norm, so a qwen3 with per-layer head counts cannot run in llama.cpp.
+- `llama` and `deci` rotate adjacent pairs (2i, 2i+1) ("normal" RoPE); transformers rotates i with i + d/2
+  (rotate_half), so q and k rows (and biases) are permuted within each head for them (llama.cpp's
+  convert_hf_to_gguf does the same); `qwen2`/`qwen3` use the rotate_half ("neox") convention and are written as is.
+- `deepseek2` runs multi-head latent attention: deepseek_v3 checkpoints with a dense MLP in every block (what
+  convert-mla writes) go there as convert_hf_to_gguf's DeepseekV2Model writes them: MQA over the latent (key length
+  kv_lora_rank + rope, value length kv_lora_rank), kv_b_proj split into attn_k_b (transposed) and attn_v_b, the
+  rotary rows unpermuted (rope_interleave already gives consecutive pairs). Its graph always applies the latent
+  RMSNorm with rms_norm_eps, and its loader asserts qk_nope_head_dim >= 1 (docs/runtimes.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import LoadedModel
+
+# Tensor types: the float ones are written by numpy; any other ggml type only if gguf.quants can quantize it.
+FLOAT_TYPES = ("f32", "f16", "bf16")
+DEFAULT_TYPE = "f16"
+
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_BLOCK_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.gate_proj.bias": "ffn_gate.bias",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.up_proj.bias": "ffn_up.bias",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.down_proj.bias": "ffn_down.bias",
+    # multi-head latent attention (deepseek_v3 -> deepseek2); kv_b is split into attn_k_b / attn_v_b when written
+    "self_attn.q_a_proj.weight": "attn_q_a.weight",
+    "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight",
+    "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+}
+_BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_CORE = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight"}
+_FFN = {"ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"}
+_BIASES = {"attn_q.bias", "attn_k.bias", "attn_v.bias"}
+_LLAMA_LOADS = frozenset(_CORE | _FFN | _BIASES | {"attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias"})
+
+
+@dataclass(frozen=True)
+class Target:
+    """A llama.cpp architecture as its loader and graph read it (src/models/<arch>.cpp)."""
+
+    arch: str
+    per_layer_heads: bool  # the graph reads n_head(il) / n_head_kv(il)
+    interleaved_rope: bool  # "normal" RoPE on pairs (2i, 2i+1): q/k rows are permuted from rotate_half order
+    full_width_q: bool  # q and o are sized n_embd: needs heads x head_dim == hidden size
+    rope_freqs: bool  # reads a rope_freqs tensor (llama3 / linear RoPE scaling as per-frequency divisors)
+    loads: frozenset  # block tensor names (without "blk.N.") it reads
+
+
+TARGETS = {
+    "llama": Target("llama", False, True, False, True, _LLAMA_LOADS),
+    "deci": Target("deci", True, True, False, True, _LLAMA_LOADS),
+    "qwen2": Target("qwen2", False, False, True, False, frozenset(_CORE - {"attn_output.bias"} | _FFN | _BIASES)),
+    "qwen3": Target(
+        "qwen3",
+        False,
+        False,
+        False,
+        False,
+        frozenset(_CORE | _FFN | _BIASES | {"attn_q_norm.weight", "attn_k_norm.weight"}),
+    ),
+}
+# llama.cpp's deepseek2 (src/models/deepseek2.cpp): MLA attention, dense SwiGLU for the leading dense blocks. Weights
+# as transformers holds them with rope_interleave (consecutive-pair RoPE, llama.cpp's "normal" type): no permutation.
+_MLA_LOADS = frozenset(
+    {"attn_norm.weight", "attn_q.weight", "attn_q_a.weight", "attn_q_a_norm.weight", "attn_q_b.weight"}
+    | {"attn_kv_a_mqa.weight", "attn_kv_a_norm.weight", "attn_kv_b.weight", "attn_output.weight"}
+    | _FFN
+)
+TARGETS["deepseek2"] = Target("deepseek2", False, False, False, False, _MLA_LOADS)
+# transformers model_type -> llama.cpp architectures to try, in order of preference.
+FAMILIES = {
+    "llama": ("llama", "deci"),
+    "mistral": ("llama", "deci"),
+    "qwen2": ("qwen2", "deci"),
+    "qwen3": ("qwen3",),
+    "deepseek_v3": ("deepseek2",),
+}
+# deepseek2's loader takes a 26-, 27- or 48-layer model (with a 128,256-token vocabulary for 48) for a "lite" one and
+# then never reads q_lora_rank (llama_model_deepseek2::load_arch_hparams): a query LoRA there would not load.
+_LITE_LAYERS = {26: None, 27: None, 48: 128256}
+ROPE_TYPES = ("default", "linear", "llama3")  # frequency-only RoPE variants llama.cpp reproduces exactly
+
+# Byte-level BPE pre-tokenizers llama.cpp implements (src/llama-vocab.cpp), identified by tokenizer.json's regex.
+_LLAMA3_SPLIT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass
+class ExportPlan:
+    """What will be written: architecture, per-layer heads, and anything the user should know."""
+
+    target: Target
+    model_type: str
+    heads: list[int]
+    kv_heads: list[int]
+    head_dim: int
+    rope_freqs: list[float] | None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(zip(self.heads, self.kv_heads))) == 1
+
+
+def _gguf_names(model) -> dict[str, tuple[str, int | None, torch.Tensor]]:
+    """HF state-dict name -> (GGUF name, block index, tensor); a tied output head is left out (llama.cpp reuses
+    token_embd). Unknown tensors are refused: writing a file that silently drops weights would run wrong."""
+    state = model.state_dict()
+    embed = state.get("model.embed_tokens.weight")
+    out = {}
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and embed is not None and tensor.data_ptr() == embed.data_ptr():
+            continue
+        if name in _TOP_NAMES:
+            out[name] = (_TOP_NAMES[name], None, tensor)
+            continue
+        match = _BLOCK_RE.fullmatch(name)
+        if not match or match.group(2) not in _BLOCK_NAMES:
+            raise HeadlabError(f"tensor {name} has no GGUF counterpart in the llama family; cannot export this model")
+        block = int(match.group(1))
+        out[name] = (f"blk.{block}.{_BLOCK_NAMES[match.group(2)]}", block, tensor)
+    return out
+
+
+def _rope_freqs(loaded: LoadedModel, head_dim: int) -> tuple[list[float] | None, str | None]:
+    """Per-frequency divisors of llama.cpp's rope_freqs tensor (theta_i = base^(-2i/d) / rope_freqs[i]) that turn
+    the default RoPE into the model's (linear and llama3 scaling only change frequencies); None when default."""
+    config = loaded.model.config.get_text_config()
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in ROPE_TYPES:
+        return None, f"RoPE type {rope_type!r} (llama.cpp reproduces only {', '.join(ROPE_TYPES)} exactly)"
+    if rope_type == "default":
+        return None, None
+    rotary = next((m for m in loaded.model.modules() if hasattr(m, "inv_freq")), None)
+    if rotary is None or float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        return None, f"RoPE type {rope_type!r} with an attention scaling factor"
+    base = float(rope["rope_theta"])
+    default = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)  # [d/2]
+    return (default / rotary.inv_freq.double().cpu()).tolist(), None
+
+
+def plan_export(loaded: LoadedModel) -> ExportPlan:
+    """Choose the llama.cpp architecture for this checkpoint or refuse in one line saying why."""
+    config = loaded.model.config.get_text_config()
+    model_type = config.model_type
+    if model_type not in FAMILIES:
+        raise HeadlabError(
+            f"export-gguf covers the llama family and MLA ({', '.join(FAMILIES)}); {model_type!r} is not one of them"
+        )
+    if loaded.adapter.norm_spans_heads:
+        raise HeadlabError(f"{model_type}: a q/k norm spanning heads has no llama.cpp counterpart")
+    if loaded.adapter.latent_kv:
+        return _plan_mla(loaded, config)
+    layers = loaded.layers
+    head_dims = {layer.head_dim for layer in layers}
+    if len(head_dims) != 1:
+        raise HeadlabError("layers with different head sizes cannot be described to llama.cpp")
+    head_dim = head_dims.pop()
+    if loaded.adapter.rotary_dim(layers[0], config) != head_dim:
+        raise HeadlabError("partial rotary embeddings: llama.cpp's llama-family graphs rotate the whole head")
+    heads = [layer.num_heads for layer in layers]
+    kv_heads = [layer.num_kv_heads for layer in layers]
+    names = {gguf.split(".", 2)[-1] for gguf, block, _ in _gguf_names(loaded.model).values() if block is not None}
+    rope_freqs, rope_problem = _rope_freqs(loaded, head_dim)
+    if rope_problem:
+        raise HeadlabError(f"{model_type}: {rope_problem} cannot be exported to llama.cpp")
+    uniform = len(set(zip(heads, kv_heads))) == 1
+    reasons = []
+    for arch in FAMILIES[model_type]:
+        target = TARGETS[arch]
+        if not uniform and not target.per_layer_heads:
+            reasons.append(f"{arch}: its graph builds every layer with layer 0's head counts")
+        elif target.full_width_q and heads[0] * head_dim != config.hidden_size:
+            reasons.append(f"{arch}: q/o must be hidden-size wide ({heads[0]} x {head_dim} != {config.hidden_size})")
+        elif names - target.loads:
+            reasons.append(f"{arch}: does not read {', '.join(sorted(names - target.loads))}")
+        elif rope_freqs is not None and not target.rope_freqs:
+            reasons.append(f"{arch}: has no rope_freqs tensor for scaled RoPE")
+        else:
+            notes = []
+            window = getattr(config, "sliding_window", None)
+            if window and getattr(config, "use_sliding_window", True) and window < (loaded.max_positions or 0):
+                notes.append(
+                    f"llama.cpp's {arch} graph attends over the whole context: identical to transformers only "
+                    f"up to the sliding window ({window} tokens)"
+                )
+            return ExportPlan(target, model_type, heads, kv_heads, head_dim, rope_freqs, notes)
+    raise HeadlabError(f"llama.cpp cannot run this {model_type} layout: " + "; ".join(reasons))
+
+
+def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
+    """deepseek_v3 -> llama.cpp's deepseek2, or a one-line refusal naming what its loader or graph cannot express."""
+    layers, model_type = loaded.layers, config.model_type
+    L = len(layers)
+    problems = []
+    if (config.first_k_dense_replace or 0) < L:
+        problems.append(f"MoE layers (first_k_dense_replace {config.first_k_dense_replace} < {L} layers): headlab "
+                        "exports dense-MLP MLA models only")  # fmt: skip
+    if any(getattr(layer.module.kv_a_layernorm, "weight", None) is None for layer in layers):
+        problems.append("an identity latent norm: llama.cpp's deepseek2 graph always applies the RMSNorm to the latent "
+                        "(fold it into the weights first)")  # fmt: skip
+    if float(config.rms_norm_eps) != 1e-6:
+        problems.append(f"rms_norm_eps {config.rms_norm_eps}: llama.cpp applies it to the latent norm too, which "
+                        "transformers computes with eps 1e-6")  # fmt: skip
+    if config.qk_nope_head_dim < 1:
+        problems.append("qk_nope_head_dim 0: llama.cpp's deepseek2 loader asserts at least one non-rotary key dim")
+    if not config.rope_interleave:
+        problems.append("rope_interleave false (llama.cpp's deepseek2 rotates consecutive pairs)")
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type != "default":
+        problems.append(f"RoPE type {rope_type!r} (only the default is exported for MLA)")
+    if config.q_lora_rank and L in _LITE_LAYERS and _LITE_LAYERS[L] in (None, config.vocab_size):
+        problems.append(f"a query LoRA in {L} layers: llama.cpp takes this depth for a 'lite' model without one")
+    heads = [layer.num_heads for layer in layers]
+    if len(set(heads)) != 1:
+        problems.append("per-layer head counts (the deepseek2 graph builds every layer with layer 0's)")
+    if problems:
+        raise HeadlabError(f"llama.cpp cannot run this {model_type} model: " + "; ".join(problems))
+    # After the checks above: _gguf_names refuses unknown tensors (MoE experts) with a less telling message.
+    names = {gguf.split(".", 2)[-1] for gguf, block, _ in _gguf_names(loaded.model).values() if block is not None}
+    if names - _MLA_LOADS:
+        raise HeadlabError(f"llama.cpp's deepseek2 does not read {', '.join(sorted(names - _MLA_LOADS))}")
+    notes = ["MLA cache in llama.cpp: kv_lora_rank + qk_rope_head_dim numbers per token and layer (the latent)"]
+    return ExportPlan(TARGETS["deepseek2"], model_type, heads, [1] * L, layers[0].head_dim, None, notes)
+
+
+def _mla_hparams(writer, config) -> None:
+    """deepseek2's keys (convert_hf_to_gguf's DeepseekV2Model): MLA seen as MQA over the latent (key length
+    kv_lora_rank + rope, value length kv_lora_rank), the per-head sizes as *_mla keys, every block dense."""
+    rank, rope = int(config.kv_lora_rank), int(config.qk_rope_head_dim)
+    writer.add_kv_lora_rank(rank)
+    writer.add_q_lora_rank(int(config.q_lora_rank or 0))  # 0: one q_proj; the non-lite loader requires the key
+    writer.add_key_length(rank + rope)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(int(config.qk_nope_head_dim) + rope)
+    writer.add_value_length_mla(int(config.v_head_dim))
+    writer.add_rope_dimension_count(rope)
+    writer.add_leading_dense_block_count(int(config.num_hidden_layers))
+    writer.add_expert_feed_forward_length(int(config.intermediate_size))  # read unconditionally, unused when dense
+    writer.add_expert_shared_count(0)
+
+
+def _split_kv_b(items: list, config) -> list:
+    """attn_kv_b [H*(nope+Dv), R] -> attn_k_b [H, R, nope] (transposed: llama.cpp absorbs it into the query) and
+    attn_v_b [H, Dv, R], as convert_hf_to_gguf writes them for MLA."""
+    nope, Dv = int(config.qk_nope_head_dim), int(config.v_head_dim)
+    out = []
+    for name, block, tensor in items:
+        if not name.endswith("attn_kv_b.weight"):
+            out.append((name, block, tensor))
+            continue
+        kv_b = tensor.detach().reshape(-1, nope + Dv, tensor.shape[-1])  # [H, nope + Dv, R]
+        k_b, v_b = kv_b.split([nope, Dv], dim=1)
+        out.append((name.replace("attn_kv_b", "attn_k_b"), block, k_b.transpose(1, 2).contiguous()))
+        out.append((name.replace("attn_kv_b", "attn_v_b"), block, v_b.contiguous()))
+    return out
+
+
+def interleave_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Rows of q/k (or their biases) from rotate_half order (dim i pairs with i + d/2, transformers) to adjacent
+    pairs (2i, 2i+1, llama.cpp "normal" RoPE): within each head, new row 2i = old row i, new row 2i+1 = old i + d/2."""
+    d = weight.shape[0] // num_heads
+    return weight.reshape(num_heads, 2, d // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+# ---- tensor types -------------------------------------------------------------------------------------------------
+
+
+def writable_types() -> list[str]:
+    """Tensor types this gguf package can write: the float types plus every type gguf.quants quantizes in numpy."""
+    out = list(FLOAT_TYPES)
+    sample = np.linspace(-1, 1, 256 * 4, dtype=np.float32).reshape(4, 256)
+    for qtype in gguf.GGMLQuantizationType:
+        name = qtype.name.lower()
+        if name in out or name in ("f64", "i8", "i16", "i32", "i64"):
+            continue
+        try:
+            gguf.quants.quantize(sample, qtype)
+        except (NotImplementedError, ValueError, KeyError, AssertionError, TypeError):
+            continue
+        out.append(name)
+    return out
+
+
+def check_type(outtype: str) -> str:
+    """One-line refusal of a type the gguf package cannot write."""
+    outtype = outtype.lower()
+    if outtype in FLOAT_TYPES:
+        return outtype
+    choices = writable_types()
+    if outtype not in choices:
+        raise HeadlabError(f"--outtype {outtype}: the gguf package cannot write it; use one of {', '.join(choices)}")
+    return outtype
+
+
+def _tensor_type(outtype: str, name: str, shape: tuple[int, ...]):
+    """The ggml type one tensor is written in: vectors (norms, biases, rope_freqs) stay f32 as in llama.cpp's
+    converter; a matrix whose rows do not split into the quantized type's blocks falls back to f16."""
+    if len(shape) == 1 or outtype == "f32":
+        return gguf.GGMLQuantizationType.F32
+    qtype = gguf.GGMLQuantizationType[outtype.upper()]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        return gguf.GGMLQuantizationType.F16
+    return qtype
+
+
+def _encode(array: np.ndarray, qtype) -> np.ndarray:
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return array.astype(np.float32)
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return array.astype(np.float16)
+    return gguf.quants.quantize(array.astype(np.float32), qtype)
+
+
+# ---- tokenizer ----------------------------------------------------------------------------------------------------
+
+
+def _pre_tokenizer(spec: dict | None) -> tuple[str | None, str | None]:
+    """llama.cpp's name for a byte-level BPE pre-tokenizer ("gpt-2", "smollm", "llama-bpe", "qwen2"), from
+    tokenizer.json; (None, problem) when the tokenizer is not byte-level BPE or has another pre-tokenizer."""
+    parts = spec.get("pretokenizers", []) if spec and spec.get("type") == "Sequence" else [spec] if spec else []
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2", None
+    if kinds == ["Digits", "ByteLevel"] and parts[0].get("individual_digits") and parts[1].get("use_regex", True):
+        return "smollm", None
+    if kinds == ["Split", "ByteLevel"] and not parts[1].get("use_regex", True):
+        pattern = (parts[0].get("pattern") or {}).get("Regex")
+        for name, regex in (("llama-bpe", _LLAMA3_SPLIT), ("qwen2", _QWEN2_SPLIT)):
+            if pattern == regex:
+                return name, None
+    if "ByteLevel" in kinds:
+        return "default", "its pre-tokenizer is not one llama.cpp implements: llama.cpp splits text its default way"
+    return None, f"pre-tokenizer {kinds or 'none'}"
+
+
+def _tokenizer_fields(tokenizer, vocab_size: int) -> tuple[dict, list[str]]:
+    """GGUF tokenizer metadata for a byte-level BPE tokenizer (vocabulary type "gpt2" in llama.cpp)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if backend is None:
+        raise HeadlabError("export-gguf needs a fast (tokenizers) tokenizer to write the vocabulary")
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    pre, problem = _pre_tokenizer(spec.get("pre_tokenizer"))
+    if model.get("type") != "BPE" or pre is None:
+        raise HeadlabError(
+            f"tokenizer {model.get('type')} with {problem or 'byte fallback'}: export-gguf writes byte-level BPE "
+            "vocabularies (SmolLM2, Llama 3, Qwen, GPT-2 style) only"
+        )
+    notes = [f"tokenizer: {problem}"] if problem else []
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise HeadlabError(f"the tokenizer has ids up to {max(vocab.values())} but the model only {vocab_size} rows")
+    by_id = {i: token for token, i in vocab.items()}
+    added = {i: entry for i, entry in tokenizer.added_tokens_decoder.items()}
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i not in by_id:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif i in added:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+        else:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.NORMAL)
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges", [])]
+    probe = tokenizer("a").input_ids
+    fields = {
+        "model": "gpt2",
+        "pre": pre,
+        "tokens": tokens,
+        "types": types,
+        "merges": merges,
+        "special": {name: getattr(tokenizer, f"{name}_token_id", None) for name in ("bos", "eos", "unk", "pad")},
+        # What transformers does when asked to add special tokens: llama.cpp repeats it when it tokenizes.
+        "add_bos": bool(probe) and probe[0] == tokenizer.bos_token_id,
+        "add_eos": bool(probe) and probe[-1] == tokenizer.eos_token_id and tokenizer.eos_token_id is not None,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
+    return fields, notes
+
+
+def _add_tokenizer(writer, fields: dict) -> None:
+    writer.add_tokenizer_model(fields["model"])
+    writer.add_tokenizer_pre(fields["pre"])
+    writer.add_token_list(fields["tokens"])
+    writer.add_token_types(fields["types"])
+    writer.add_token_merges(fields["merges"])
+    setters = {
+        "bos": writer.add_bos_token_id,
+        "eos": writer.add_eos_token_id,
+        "unk": writer.add_unk_token_id,
+        "pad": writer.add_pad_token_id,
+    }
+    for name, token_id in fields["special"].items():
+        if token_id is not None:
+            setters[name](int(token_id))
+    writer.add_add_bos_token(fields["add_bos"])
+    writer.add_add_eos_token(fields["add_eos"])
+    if isinstance(fields["chat_template"], str):
+        writer.add_chat_template(fields["chat_template"])
+
+
+# ---- writing ------------------------------------------------------------------------------------------------------
+
+
+def _hparams(writer, plan: ExportPlan, config, loaded: LoadedModel, file_type: int) -> None:
+    writer.add_name(str(getattr(config, "name_or_path", "") or loaded.spec))
+    writer.add_block_count(len(plan.heads))
+    writer.add_context_length(int(loaded.max_positions or 0))
+    writer.add_embedding_length(int(config.hidden_size))
+    writer.add_feed_forward_length(int(config.intermediate_size))
+    if plan.uniform:
+        writer.add_head_count(plan.heads[0])
+        writer.add_head_count_kv(plan.kv_heads[0])
+    else:  # per-layer arrays (llama.cpp get_key_or_arr); only per-layer architectures read them layer by layer
+        writer.add_head_count(plan.heads)
+        writer.add_head_count_kv(plan.kv_heads)
+    if plan.target.arch == "deepseek2":
+        _mla_hparams(writer, config)
+    else:
+        # llama.cpp derives the head size as n_embd / n_head unless told: pruned layouts must say it.
+        writer.add_key_length(plan.head_dim)
+        writer.add_value_length(plan.head_dim)
+        writer.add_rope_dimension_count(plan.head_dim)
+    writer.add_rope_freq_base(float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(int(config.vocab_size))
+    writer.add_file_type(file_type)
+
+
+def _converted(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torch.Tensor) -> np.ndarray:
+    """The tensor as llama.cpp reads it: float32 numpy, q/k rows permuted for interleaved-RoPE architectures."""
+    data = tensor.detach().to("cpu", torch.float32)
+    if plan.target.interleaved_rope and block is not None:
+        if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+            data = interleave_rope_rows(data, plan.heads[block])
+        elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+            data = interleave_rope_rows(data, plan.kv_heads[block])
+    return data.numpy()
+
+
+@contextlib.contextmanager
+def _temporary_beside(out: Path):
+    """A temporary file in `out`'s directory (so the final rename is atomic), removed if the block fails."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    os.close(handle)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _file_type(outtype: str) -> int:
+    """GGUF's general.file_type code for the output type (llama.cpp's LLAMA_FTYPE; 0 for a type it has none for)."""
+    file_type = {"f32": 0, "f16": 1, "bf16": 32}.get(outtype)
+    if file_type is None:
+        file_type = int(getattr(gguf.LlamaFileType, f"MOSTLY_{outtype.upper()}", 0))
+    return file_type
+
+
+def _add_tensor_infos(writer, items: list, types: dict) -> None:
+    """The tensor index: each tensor's name, stored (byte) shape, numpy dtype and size, in writing order."""
+    for name, _, tensor in items:
+        qtype = types[name]
+        shape = tuple(tensor.shape)
+        byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype) if qtype.name not in ("F32", "F16") else shape
+        itemsize = {"F32": 4, "F16": 2}.get(qtype.name, 1)
+        dtype = {"F32": np.float32, "F16": np.float16}.get(qtype.name, np.uint8)
+        writer.add_tensor_info(
+            name,
+            byte_shape,
+            np.dtype(dtype),
+            math.prod(byte_shape) * itemsize,
+            raw_dtype=None if qtype.name in ("F32", "F16") else qtype,
+        )
+
+
+def export_gguf(
+    loaded: LoadedModel,
+    out: Path,
+    *,
+    outtype: str = DEFAULT_TYPE,
+    overwrite: bool = False,
+    progress: bool = True,
+    verify=None,
+) -> dict:
+    """Write `loaded` as a GGUF file at `out` atomically (a temporary file beside it, renamed at the end).
+
+    Tensors stream one at a time (header and tensor index first, then each tensor converted and written), so the
+    export holds the model plus one converted tensor. `verify(path)` (optional) runs on the finished temporary file
+    before it is published; its result goes into the returned record. Returns what was written.
+    """
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+    if out.is_dir():
+        raise HeadlabError(f"{out} is a directory; export-gguf writes one .gguf file")
+    outtype = check_type(outtype)
+    plan = plan_export(loaded)
+    config = loaded.model.config.get_text_config()
+    tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
+    items = [(gguf_name, block, tensor) for gguf_name, block, tensor in _gguf_names(loaded.model).values()]
+    if plan.target.arch == "deepseek2":
+        items = _split_kv_b(items, config)
+    if plan.rope_freqs is not None:
+        items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
+    types = {name: _tensor_type(outtype, name, tuple(t.shape)) for name, _, t in items}
+    file_type = _file_type(outtype)
+
+    with _temporary_beside(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, plan.target.arch)
+        _hparams(writer, plan, config, loaded, file_type)
+        _add_tokenizer(writer, tokens)
+        _add_tensor_infos(writer, items, types)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
+            writer.write_tensor_data(_encode(_converted(plan, name, block, tensor), types[name]))
+        writer.close()
+        record = {
+            "out": str(out),
+            "architecture": plan.target.arch,
+            "model_type": plan.model_type,
+            "uniform": plan.uniform,
+            "head_count": plan.heads,
+            "head_count_kv": plan.kv_heads,
+            "head_dim": plan.head_dim,
+            "outtype": outtype,
+            "tensor_types": sorted({t.name.lower() for t in types.values()}),
+            "tensors": len(items),
+            "bytes": tmp.stat().st_size,
+            "rope_permuted": plan.target.interleaved_rope,
+            "tokenizer_pre": tokens["pre"],
+            "chat_template": isinstance(tokens["chat_template"], str),
+            "notes": plan.notes + notes,
+        }
+        if verify is not None:
+            record["verification"] = verify(tmp)
+        os.replace(tmp, out)
+    return record
