@@ -388,7 +388,7 @@ def test_cli_sweep_writes_table_and_plot(tiny_checkpoint, tmp_path, capsys):
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
     args = ["gqa-sweep", "--model", tiny_checkpoint, "--data", corpus, "--seq-len", "32", "--max-tokens", "128"]
-    code, out, err = run_cli([*args, "--calib-tokens", "128", "--out", tmp_path / "sweep"], capsys)
+    code, out, err = run_cli([*args, "--calibration-tokens", "128", "--out", tmp_path / "sweep"], capsys)
     assert code == 0, err
     import pandas as pd
 

@@ -68,7 +68,7 @@ def _assert_equal_to_lm_eval(loaded, text, max_length, batch_size, tmp_path):
     ours = perplexity(
         loaded,
         Corpus("t", [text]),
-        part="all",
+        split="all",
         seq_len=max_length,
         batch_size=batch_size,
         max_tokens=None,

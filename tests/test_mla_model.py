@@ -323,7 +323,7 @@ def test_uptraining_lowers_held_out_loss_without_the_latent_norm():
     teacher, student = _pair("deepseek_v3_nonorm")
     P.apply_mask(student, [{0}, {3}])
     small = dict(seq_len=32, batch_size=4, heldout_tokens=128, eval_tokens=128, eval_seq_len=32, progress=False)
-    result = uptrain(student, teacher, corpus=CORPUS, steps=12, lr=1e-2, objective="ce", heldout_every=3, **small)
+    result = uptrain(student, teacher, data=CORPUS, steps=12, lr=1e-2, objective="ce", heldout_every=3, **small)
     assert result.meta["heldout_perplexity_after"] < result.meta["heldout_perplexity_before"]
     assert [dead_heads(student, layer) for layer in student.layers] == [[0], [3]]
     assert all(type(la.module.kv_a_layernorm) is torch.nn.Identity for la in student.layers)

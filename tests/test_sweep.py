@@ -55,7 +55,7 @@ def test_sweep_rows_match_gated_perplexity(corpus, tmp_path):
     for flat in lowest:
         gates[flat // 4][flat % 4] = 0.0
     with head_gates(loaded, gates):
-        expected = perplexity(loaded, corpus, part="eval", max_tokens=128, progress=False, **EVAL).perplexity
+        expected = perplexity(loaded, corpus, split="eval", max_tokens=128, progress=False, **EVAL).perplexity
     row = table[(table["order"] == "random") & (table["seed"] == 1) & (table["fraction"] == 0.5)].iloc[0]
     assert row["perplexity"] == pytest.approx(expected, rel=1e-5)
     # Size columns follow the physical layout: 4 of 8 heads gone; KV bytes fall only with whole KV groups gone.

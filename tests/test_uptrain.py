@@ -96,7 +96,7 @@ def test_student_equal_to_teacher_keeps_zero_loss_and_weights():
     teacher = from_model(tiny_model("llama"), tiny_tokenizer())
     student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())
     before = {n: p.detach().clone() for n, p in student.model.named_parameters()}
-    result = uptrain(student, teacher, corpus=CORPUS, steps=4, lr=1e-3, **SMALL)
+    result = uptrain(student, teacher, data=CORPUS, steps=4, lr=1e-3, **SMALL)
     assert (result.curve["loss"].iloc[1:] == 0).all()
     assert all(torch.equal(before[n], p) for n, p in student.model.named_parameters())
 
@@ -106,7 +106,7 @@ def test_best_state_is_the_start_when_every_step_hurts():
     student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())
     gqa.convert(student, 1)
     before = {n: p.detach().clone() for n, p in student.model.named_parameters()}
-    result = uptrain(student, teacher, corpus=CORPUS, steps=4, lr=30.0, warmup=0.0, clip=0.0, heldout_every=1, **SMALL)
+    result = uptrain(student, teacher, data=CORPUS, steps=4, lr=30.0, warmup=0.0, clip=0.0, heldout_every=1, **SMALL)
     checked = result.curve["heldout_perplexity"].dropna()
     assert (checked.iloc[1:] > checked.iloc[0]).all()  # every step made held-out text worse ...
     assert result.meta["kept_step"] == 0  # ... so the start is what comes back
@@ -120,7 +120,7 @@ def test_non_finite_loss_names_the_step():
     with torch.no_grad():
         student.layers[0].module.q_proj.weight.mul_(float("inf"))
     with pytest.raises(HeadlabError, match=r"not finite at step 1.*lower --lr"):
-        uptrain(student, teacher, corpus=CORPUS, steps=2, **{**SMALL, "eval_tokens": 0})
+        uptrain(student, teacher, data=CORPUS, steps=2, **{**SMALL, "eval_tokens": 0})
 
 
 def test_uptraining_lowers_held_out_loss_and_keeps_pruned_heads_dead(tmp_path):
@@ -130,7 +130,7 @@ def test_uptraining_lowers_held_out_loss_and_keeps_pruned_heads_dead(tmp_path):
     frozen = {n: p.detach().clone() for n, p in student.model.named_parameters()}
     trained = {id(p) for p in attention_parameters(student)}
     # the tiny random teacher is no better than its student on text, so the LM loss is what lowers held-out loss here
-    result = uptrain(student, teacher, corpus=CORPUS, steps=12, lr=1e-2, objective="ce", heldout_every=3, **SMALL)
+    result = uptrain(student, teacher, data=CORPUS, steps=12, lr=1e-2, objective="ce", heldout_every=3, **SMALL)
     assert result.meta["heldout_perplexity_after"] < result.meta["heldout_perplexity_before"]
     assert [dead_heads(student, layer) for layer in student.layers] == [[0, 3], [1]]
     for name, param in student.model.named_parameters():
@@ -155,7 +155,7 @@ def test_bad_settings_fail_before_work():
         (dict(warmup=1.5), "--warmup"),
     ]:
         with pytest.raises(HeadlabError, match=fragment):
-            uptrain(teacher, teacher, corpus=CORPUS, progress=False, **settings)
+            uptrain(teacher, teacher, data=CORPUS, progress=False, **settings)
     with pytest.raises(HeadlabError, match="unknown or repeated"):
         parse_stages("local,global")
 
@@ -168,7 +168,7 @@ def test_recover_pipeline_saves_a_verified_checkpoint(tmp_path):
         minutes=None, uptrain=UptrainConfig(steps=3, **{k: v for k, v in SMALL.items() if k != "progress"})
     )
     spec.local_tokens, spec.local_seq_len = 256, 32
-    record = recover(student, teacher, spec, corpus=CORPUS, progress=False)
+    record = recover(student, teacher, spec, data=CORPUS, progress=False)
     assert record["local"]["error_after"] <= record["local"]["error_before"]
     verification = save_recovered(student, tmp_path / "out", record, {"what": "test"})
     assert verification["loader"].startswith("transformers.")
@@ -262,11 +262,11 @@ def test_the_demos_recovery_budget_lowers_the_svd_merged_perplexity():
     student = teacher_copy(teacher)
     batches = calibration_batches(student.tokenizer, corpus, seq_len=256, batch_size=4, max_tokens=1024)
     gqa.convert(student, 1, method="svd", batches=batches)
-    eval_args = dict(part="eval", seq_len=256, batch_size=4, max_tokens=512, progress=False)
+    eval_args = dict(split="eval", seq_len=256, batch_size=4, max_tokens=512, progress=False)
     before = perplexity(student, corpus, **eval_args).perplexity
     config = UptrainConfig(steps=12, seq_len=128, heldout_tokens=512, eval_tokens=0, gradient_checkpointing=False)
     spec = RecoverySpec(uptrain=config, local_tokens=1024)
-    record = recover(student, teacher, spec, corpus=corpus, progress=False)
+    record = recover(student, teacher, spec, data=corpus, progress=False)
     after = perplexity(student, corpus, **eval_args).perplexity
     assert record["local"]["error_after"] < record["local"]["error_before"]
     assert after < before
@@ -283,7 +283,7 @@ def _recovered_weights(monkeypatch, factor: float, minutes=None):
     gqa.convert(student, 1)
     config = UptrainConfig(steps=4, **{k: v for k, v in SMALL.items() if k != "progress"})
     spec = RecoverySpec(minutes=minutes, uptrain=config, local_tokens=256, local_seq_len=32)
-    record = recover(student, teacher, spec, corpus=CORPUS, progress=False)
+    record = recover(student, teacher, spec, data=CORPUS, progress=False)
     monkeypatch.undo()
     return {k: v.clone() for k, v in student.model.state_dict().items()}, record
 
@@ -329,7 +329,7 @@ def test_uptraining_cap_stops_at_the_best_state_so_far(monkeypatch):
     monkeypatch.setattr(uptrain_module, "time", clock)
     monkeypatch.setattr(uptrain_module, "_train_step", step_then_slow_down)
     settings = {k: v for k, v in SMALL.items() if k != "progress"}
-    result = uptrain(student, teacher, corpus=CORPUS, progress=False, steps=50, minutes=0.5, **settings)
+    result = uptrain(student, teacher, data=CORPUS, progress=False, steps=50, minutes=0.5, **settings)
     meta = result.meta
     assert meta["stopped_on_time"] and meta["stopped_by"] == "the --minutes cap"
     assert meta["steps_run"] == 2 and meta["steps_planned"] == 50

@@ -154,7 +154,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     show_default=True,
     help="contiguous: transformers' layout; similarity: group KV heads that behave alike on calibration text",
 )
-@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge", earlier_name=True)
+@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 # One window per forward: perplexity does not depend on the batch size, and 4 x 512 logits over a large

@@ -32,7 +32,7 @@ from headlab.kv.mla import BUDGETS
     show_default=True,
     help=f"comma list of {', '.join(METHODS)}: mean pools by each --pool; svd adds the calibrated merge",
 )
-@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge", earlier_name=True)
+@calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
 @click.option(
     "--mla",

@@ -165,32 +165,11 @@ def allow_foreign_option(function):
     )(function)
 
 
-def calibration_tokens_option(default: int, help_text: str, earlier_name: bool = False):
-    """--calibration-tokens (one name in every command). earlier_name: also --calib-tokens, its earlier name on
-    convert-gqa and gqa-sweep, kept hidden for one release: it still works and prints a deprecation line."""
-
-    def decorate(function):
-        option = click.option(
-            "--calibration-tokens", type=click.IntRange(min=1), default=default, show_default=True, help=help_text
-        )
-        if not earlier_name:
-            return option(function)
-
-        @option
-        @click.option("--calib-tokens", "calib_tokens", type=click.IntRange(min=1), default=None, hidden=True)
-        @functools.wraps(function)
-        def wrapper(*args, calibration_tokens, calib_tokens, **kwargs):
-            if calib_tokens is not None:
-                source = click.get_current_context().get_parameter_source("calibration_tokens")
-                if source is not None and source.name != "DEFAULT":
-                    raise click.UsageError("--calib-tokens is the earlier name of --calibration-tokens; give one")
-                click.echo("headlab: --calib-tokens is deprecated; use --calibration-tokens", err=True)
-                calibration_tokens = calib_tokens
-            return function(*args, calibration_tokens=calibration_tokens, **kwargs)
-
-        return wrapper
-
-    return decorate
+def calibration_tokens_option(default: int, help_text: str):
+    """--calibration-tokens (one name in every command)."""
+    return click.option(
+        "--calibration-tokens", type=click.IntRange(min=1), default=default, show_default=True, help=help_text
+    )
 
 
 def task_options(help_text: str):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from headlab.core.errors import HeadlabError, renamed_keywords
+from headlab.core.errors import HeadlabError
 
 DEFAULT_CORPUS = "pydoc-topics"
 PARTS = ("calibration", "eval", "all")
@@ -104,22 +104,18 @@ class TextSpec:
         )
 
 
-# The loose keywords of the earlier API that a TextSpec now carries; `part` and `corpus` are earlier names.
+# The keywords a TextSpec carries, which a function taking `text` also accepts one by one.
 TEXT_KEYWORDS = ("data", "text_column", "split", "seq_len", "batch_size", "max_tokens")
-_EARLIER_NAMES = {"part": "split", "corpus": "data"}
 
 
 def takes_text(**defaults):
-    """Let a function take its text as one `text: TextSpec` (with these defaults) while still accepting the loose
-    keywords (data, text_column, split, seq_len, batch_size, max_tokens; part, corpus) of the earlier API."""
+    """Let a function take its text as one `text: TextSpec` (with these defaults), or any of its fields one by one
+    (data, text_column, split, seq_len, batch_size, max_tokens) on top of it: `evaluate(loaded, seq_len=128)`."""
     default = TextSpec(**defaults)
 
     def decorate(function):
         @functools.wraps(function)
         def wrapper(*args, text: TextSpec | None = None, **kwargs):
-            for old, new in _EARLIER_NAMES.items():
-                if old in kwargs:
-                    kwargs[new] = kwargs.pop(old)
             loose = {name: kwargs.pop(name) for name in TEXT_KEYWORDS if name in kwargs}
             text = default if text is None else text
             return function(*args, text=replace(text, **loose) if loose else text, **kwargs)
@@ -258,7 +254,6 @@ def _load_hub_dataset(spec: str, text_column: str | None) -> list[str]:
     return _column(dataset.to_dict(), text_column, spec)
 
 
-@renamed_keywords(part="split")
 def split_text(corpus: Corpus, split: str = "calibration") -> TextPart:
     """The calibration part, the evaluation part or all of a corpus (see the module docstring for the cut)."""
     part = split
@@ -403,7 +398,6 @@ class CalibrationBatches:
         return sum(w.end - w.start for w in self.windows)
 
 
-@renamed_keywords(part="split")
 def calibration_batches(
     tokenizer,
     corpus: Corpus | str | None = None,

@@ -17,7 +17,6 @@ import transformers
 
 from headlab import __version__
 from headlab.core import distributed
-from headlab.core.errors import moved_names
 from headlab.core.fsio import atomic_directory, json_text
 
 
@@ -78,5 +77,3 @@ def read_run(path: Path) -> tuple[dict[str, pd.DataFrame], dict]:
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     return tables, meta
 
-
-__getattr__ = moved_names("headlab.core.tables", {"check_out": "headlab.core.fsio"})

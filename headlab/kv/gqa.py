@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from headlab.core.arch import AttentionLayer
 from headlab.core.checkpoint import check_checkpoint_out, probe_inputs, save_with_record
 from headlab.core.data import TextSpec, takes_text
-from headlab.core.errors import HeadlabError, moved_names, renamed_keywords
+from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out, resumable_directory
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.core.tables import write_run, write_run_files
@@ -223,7 +223,6 @@ def _merge_batches(loaded, calibration: TextSpec):
     return calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
 
 
-@renamed_keywords(calib_tokens="calibration_tokens")
 @takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
 def convert_checkpoint(
     loaded: LoadedModel,
@@ -250,7 +249,7 @@ def convert_checkpoint(
 
     text: the eval text (a TextSpec; the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
     batch_size also work); similarity grouping and the svd merge read its calibration split, `calibration_tokens`
-    tokens (calib_tokens is the earlier name).
+    tokens.
 
     Composes validate -> measure -> calibrate -> plan -> apply -> measure -> recover -> save. 14 parameters because
     this is the Python API of both commands (scripts and tests call it by keyword).
@@ -338,7 +337,6 @@ def _recover_and_save(loaded: LoadedModel, out, record: dict, recovery, score, o
     return gained
 
 
-@renamed_keywords(calib_tokens="calibration_tokens")
 @takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
 def gqa_sweep(
     loaded: LoadedModel,
@@ -360,7 +358,7 @@ def gqa_sweep(
     (column same_as). The model is restored to its original weights after each row. methods: "mean" pools by each
     of `pools`; "svd" adds one calibrated merge (headlab.kv.merge) per grouping (pool column "svd").
     text: the eval text (a TextSpec, or the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
-    batch_size); calibration reads its calibration split, `calibration_tokens` tokens (calib_tokens: earlier name).
+    batch_size); calibration reads its calibration split, `calibration_tokens` tokens.
     journal (headlab.core.fsio.StepJournal): each variant's row is recorded there, and one an interrupted run of the same
     sweep recorded is read back instead of converted and measured again.
     """
@@ -482,12 +480,3 @@ def write_sweep(out, frame: pd.DataFrame, meta: dict, spec: str, *, overwrite: b
     tables, meta, figures = sweep_files(frame, meta, spec)
     write_run(out, tables, meta, overwrite=overwrite, extra_files=figures)
 
-
-__getattr__ = moved_names(
-    "headlab.kv.gqa",
-    {
-        name: "headlab.kv.grouping"
-        for name in ("similarity_table", "permute_heads", "pool_weights")
-        + ("best_groups", "canonical", "contiguous_groups", "identity_groups")  # no longer used here since plan/apply
-    },
-)

@@ -31,7 +31,7 @@ from headlab.core.data import (
     takes_text,
     tokenize,
 )
-from headlab.core.errors import HeadlabError, moved_names
+from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
 from headlab.measure.costs import peak_memory
 from headlab.mechanisms.losses import final_states, picked_log_probs
@@ -238,7 +238,3 @@ def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> 
         "masked-LM windows of max_length tokens ([CLS] and [SEP] included)",
     )
 
-
-__getattr__ = moved_names(
-    "headlab.measure.evaluate", {"model_info": "headlab.measure.costs", "kv_cache_bytes": "headlab.measure.costs"}
-)

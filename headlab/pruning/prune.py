@@ -20,7 +20,7 @@ from headlab.core import checkpoint
 from headlab.core.arch import AttentionLayer
 from headlab.core.checkpoint import check_checkpoint_out
 from headlab.core.data import TextSpec, takes_text
-from headlab.core.errors import HeadlabError, moved_names
+from headlab.core.errors import HeadlabError
 from headlab.core.layout import (
     HEAD_LAYOUT_KEY,
     LAYOUT_VERSION,
@@ -578,13 +578,3 @@ def _ppl(loaded, evaluation: TextSpec | None, progress: bool) -> float | None:
     """Perplexity on the eval text, or None when nothing is evaluated."""
     return None if evaluation is None else perplexity(loaded, text=evaluation, progress=progress).perplexity
 
-
-__getattr__ = moved_names(
-    "headlab.pruning.prune",
-    {
-        "load_pruned": "headlab.core.layout",
-        "read_scores": "headlab.pruning.scores",
-        "random_scores": "headlab.pruning.scores",
-        "importance_scores": "headlab.pruning.scores",
-    },
-)

@@ -20,7 +20,7 @@ import pandas as pd
 
 from headlab.core.checkpoint import save_with_record
 from headlab.core.data import Corpus, calibration_batches, load_corpus
-from headlab.core.errors import HeadlabError, renamed_keywords
+from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident, from_model
 from headlab.core.tables import write_run
 from headlab.recovery.reconstruct import LocalSpec, check_pair, reconstruct, summary
@@ -75,7 +75,6 @@ def teacher_copy(loaded: LoadedModel) -> LoadedModel:
     return teacher
 
 
-@renamed_keywords(corpus="data")
 def recover(
     student: LoadedModel,
     teacher: LoadedModel,

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from headlab.core import distributed
 from headlab.core.data import Corpus, batch_windows, chunk_windows, load_corpus, require_tokens, split_text, tokenize
-from headlab.core.errors import HeadlabError, renamed_keywords
+from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.recompute import activation_checkpointing
@@ -355,7 +355,6 @@ class _Run:
         return heldout_perplexity(self.student, self.heldout, self.bf16)
 
 
-@renamed_keywords(corpus="data")
 def uptrain(
     student: LoadedModel,
     teacher: LoadedModel | None,

@@ -498,7 +498,7 @@ def _gqa_step(run: ReportRun) -> None:
         groupings=s.groupings,
         pools=s.pools,
         methods=s.methods,
-        corpus=data,
+        data=data,
         text_column=text_column,
         max_tokens=s.eval_tokens,
         seq_len=s.seq_len,
