@@ -72,7 +72,9 @@ def main(argv=None) -> Path:
         base = frame.loc[frame["action"] == "keep"].iloc[0]
         frame = frame.assign(model=spec, relative_perplexity=frame["perplexity"] / base["perplexity"])
         frame["relative_kv_bytes"] = frame["kv_bytes_per_token"] / base["kv_bytes_per_token"]
-        frame["setting"] = frame["grouping"].fillna(frame["action"]) + "/" + frame["pool"].fillna("-")
+        frame["setting"] = (
+            frame["grouping"].fillna(frame["action"]) + "/" + frame["pool"].fillna(frame["method"]).fillna("-")
+        )
         best = frame.sort_values("relative_kv_bytes").iloc[0]
         print(
             f"{spec}: {int(base['kv_heads'])} -> {int(best['kv_heads'])} KV heads: "

@@ -24,8 +24,8 @@ from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_free_space
 from headlab.core.loading import local_checkpoint
 from headlab.core.units import human_bytes
-from headlab.kv.gqa import METHODS, convert_checkpoint
-from headlab.kv.grouping import GROUPINGS, POOLS
+from headlab.kv.gqa import convert_checkpoint
+from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
 from headlab.kv.streaming import convert_streaming
 from headlab.recovery.recover import describe_stop
 
@@ -138,11 +138,10 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 @click.option("--kv-heads", type=int, required=True, help="KV heads after conversion; must divide the current count")
 @click.option(
     "--method",
-    type=click.Choice(METHODS),
+    type=click.Choice(tuple(KV_METHODS)),
     default="mean",
     show_default=True,
-    help="mean: pool each group by --pool (Ainslie et al.); svd: calibrated training-free merge (weighted SVD of "
-    "values, complex rank-1 keys per rotary frequency, folded into the query and output projections)",
+    help="; ".join(f"{m.name}: {m.help}" for m in KV_METHODS.values()),
 )
 @click.option(
     "--pool", type=click.Choice(POOLS), default="mean", show_default=True, help="how a group becomes one head"

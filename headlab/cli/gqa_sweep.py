@@ -10,9 +10,9 @@ import click
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
 from headlab.cli.parsing import parse_list
 from headlab.core.units import human_bytes
-from headlab.kv.gqa import METHODS, run_sweep
-from headlab.kv.grouping import GROUPINGS, POOLS
+from headlab.kv.gqa import run_sweep
 from headlab.kv.ladder import run_ladder
+from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
 from headlab.kv.mla import BUDGETS
 
 
@@ -30,7 +30,9 @@ from headlab.kv.mla import BUDGETS
     "--method",
     default="mean",
     show_default=True,
-    help=f"comma list of {', '.join(METHODS)}: mean pools by each --pool; svd adds the calibrated merge",
+    help="comma list of "
+    + "; ".join(f"{m.name}: {m.help}" for m in KV_METHODS.values())
+    + " (a pooling method gives one row per --pool, a merge one row per grouping)",
 )
 @calibration_tokens_option(2048, "calibration tokens for similarity grouping and the svd merge")
 @click.option("--seed", type=int, default=0, show_default=True, help="seed of --pool random")
@@ -69,7 +71,7 @@ def command(
         kv_heads=None if kv_heads is None else parse_list(kv_heads, int, "kv-heads"),
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
         pools=tuple(parse_list(pool, str, "pool", POOLS)),
-        methods=tuple(parse_list(method, str, "method", METHODS)),
+        methods=tuple(parse_list(method, str, "method", tuple(KV_METHODS))),
         text=text,
         calibration_tokens=calibration_tokens,
         seed=seed,

@@ -11,13 +11,22 @@ from headlab.cli.options import allow_foreign_option, data_options, guard, model
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
 from headlab.core.validate import check_table_origin
-from headlab.measure.importance import DEFAULT_MAX_TOKENS, METHODS, head_importance
+from headlab.measure.importance import head_importance
+from headlab.measure.importance_methods import IMPORTANCE_METHODS
 
 
 @click.command("importance")
 @model_options
 @data_options(default_split="calibration", max_tokens=None, seq_len=256, batch_size=4)
-@click.option("--method", type=click.Choice(METHODS), default="grad", show_default=True, help="importance score")
+@click.option(
+    "--method",
+    type=click.Choice(IMPORTANCE_METHODS.names()),
+    default="grad",
+    show_default=True,
+    help="; ".join(
+        f"{m.name}: {m.help} (--max-tokens default {m.default_max_tokens})" for m in IMPORTANCE_METHODS.values()
+    ),
+)
 @click.option("--no-layer-norm", is_flag=True, help="skip the per-layer L2 normalisation")
 @click.option("--no-global-norm", is_flag=True, help="skip the global min-max scaling to [0, 1]")
 @click.option(
@@ -59,10 +68,9 @@ def command(
     out,
     overwrite,
 ):
-    """Head importance on calibration text: grad (Michel et al. 2019, E_x |dL(x)/dxi_h|), taylor (per-token
-    |ctx_h . dL/dctx_h|) or ablation (exact loss increase with one head masked).
+    """Head importance on calibration text: gradient scores (Michel et al. 2019), Fisher, second-order or exact
+    ablation; --method lists each with its definition and its --max-tokens default.
 
-    --max-tokens defaults to 2048 for grad and taylor, 256 for ablation (one forward pass set per head).
     Importance reads calibration text only: the eval part is kept for perplexity.
     """
     if text.split != "calibration":
@@ -71,7 +79,7 @@ def command(
         )
     if bertology_compat and method != "grad":
         raise HeadlabError("--bertology-compat applies to --method grad only")
-    if gradient_checkpointing and method == "ablation":
+    if gradient_checkpointing and not IMPORTANCE_METHODS[method].backward:
         raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
     if mask is not None and not mask.is_file():
         raise HeadlabError(f"no such mask file: {mask}")
@@ -82,12 +90,14 @@ def command(
     result = head_importance(
         loaded,
         method=method,
-        text=text if text.max_tokens is not None else text.but(max_tokens=DEFAULT_MAX_TOKENS[method]),
+        text=text
+        if text.max_tokens is not None
+        else text.but(max_tokens=IMPORTANCE_METHODS[method].default_max_tokens),
         layer_norm=not no_layer_norm,
         global_norm=not no_global_norm,
         accumulate="bertology" if bertology_compat else "per-sequence",
         mask=mask,
-        gradient_checkpointing=gradient_checkpointing or (low_memory and method != "ablation"),
+        gradient_checkpointing=gradient_checkpointing or (low_memory and IMPORTANCE_METHODS[method].backward),
         max_rows=1 if low_memory else None,
     )
     write_run(out, {"importance": result.table, "kv_groups": result.kv_groups}, result.meta, overwrite=overwrite)

@@ -23,12 +23,10 @@ from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.core.validate import check_table_origin
 from headlab.pruning.prune import DEFAULT_CALIBRATION_TOKENS, MODES, prune
-from headlab.pruning.scores import SCORE_SOURCES
+from headlab.pruning.score_sources import SCORE_SOURCES
 from headlab.pruning.selection import BUDGETS, SELECTS, UNITS
 from headlab.recovery.compensate import COMPENSATIONS
 from headlab.recovery.recover import describe_stop
-
-SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table comes with --scores
 
 
 @click.command("prune")
@@ -51,7 +49,7 @@ SCORE_NAMES = [name for name in SCORE_SOURCES if name != "table"]  # a table com
 )
 @click.option(
     "--method",
-    type=click.Choice(SCORE_NAMES),
+    type=click.Choice(SCORE_SOURCES.names(choosable=True)),
     default="grad",
     show_default=True,
     help="per-head score source when no --scores is given (see docs/selection.md)",

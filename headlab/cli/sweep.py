@@ -20,17 +20,9 @@ from headlab.core.errors import HeadlabError
 from headlab.core.fsio import resumable_directory
 from headlab.core.tables import write_run_files
 from headlab.pruning.prune import MODES
+from headlab.pruning.score_sources import DEFAULT_ORDERS, ORDER_HELP, ORDERS, SWEEP_METHODS
 from headlab.pruning.selection import UNITS
-from headlab.pruning.sweep import (
-    DEFAULT_FRACTIONS,
-    DEFAULT_ORDERS,
-    METHODS,
-    ORDER_HELP,
-    ORDERS,
-    check_sweep,
-    sweep,
-    sweep_files,
-)
+from headlab.pruning.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, sweep_files
 from headlab.recovery.compensate import COMPENSATIONS
 from headlab.runtimes.lm_eval_bridge import metric_columns, task_manager
 
@@ -66,7 +58,7 @@ from headlab.runtimes.lm_eval_bridge import metric_columns, task_manager
 @calibration_tokens_option(1024, "calibration tokens for the scores and the --compensate refit")
 @click.option(
     "--method",
-    type=click.Choice(METHODS),
+    type=click.Choice(SWEEP_METHODS),
     default="grad",
     show_default=True,
     help="score of the importance and iterative orders",

@@ -25,9 +25,6 @@ from headlab.core.fsio import check_out, resumable_directory
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.core.tables import write_run, write_run_files
 from headlab.kv.grouping import (
-    GROUPINGS,
-    METHODS,
-    POOLS,
     ConversionPlan,
     check_direction,
     check_kv_heads,
@@ -39,7 +36,7 @@ from headlab.kv.grouping import (
     plan_conversion,
     pool_weights,
 )
-from headlab.kv.merge import merge_kv_heads
+from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
 from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.restore import restoring
@@ -59,7 +56,7 @@ class Conversion:
     groups: list[list[list[int]]] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)  # per layer: contiguous, trivial, exact or greedy
     permuted_layers: int = 0
-    method: str = "mean"  # mean (pooled by `pool`) or svd (headlab.kv.merge)
+    method: str = "mean"  # a KV_METHODS name (headlab.kv.methods)
     merge: dict | None = None  # what the svd merge did (keys/values: svd or mean, calibration tokens)
 
     @classmethod
@@ -108,33 +105,35 @@ def apply(loaded: LoadedModel, plan: ConversionPlan, *, batches=None, progress: 
     layout = (plan.num_heads, plan.kv_heads_before, plan.head_dim)
     if (layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim) != layout or len(plan.groups) != len(layers):
         raise ValueError(f"the plan is for {len(plan.groups)} layers of (H, G, D) = {layout}, not this model's")
-    if plan.method == "svd" and batches is None:
-        raise ValueError("method='svd' needs calibration batches")
+    method = KV_METHODS[plan.method or "mean"]
+    if method.calibrated and batches is None:
+        raise ValueError(f"method={method.name!r} needs calibration batches")
     conversion = Conversion.from_plan(plan)
     if plan.action == "expand":
         for layer in layers:
             loaded.adapter.write(layer, expand_weights(loaded.adapter.read(layer), plan.kv_heads_after))
     elif plan.action == "pool":
         conversion.permuted_layers = _pool_layers(loaded, layers, plan)
-        if plan.method == "svd":
-            conversion.merge = merge_kv_heads(loaded, plan.kv_heads_after, batches, progress=progress)
+        if method.merge is not None:
+            conversion.merge = method.merge(loaded, plan.kv_heads_after, batches, progress=progress)
     if plan.action != "keep":
         loaded.adapter.set_config_heads(loaded.model.config, plan.num_heads, plan.kv_heads_after, plan.head_dim)
     return conversion
 
 
 def _pool_layers(loaded: LoadedModel, layers: list[AttentionLayer], plan: ConversionPlan) -> int:
-    """Permute each layer whose groups are not contiguous, then pool (method "mean"); the svd merge that follows
-    works on the permuted, contiguous groups. Returns how many layers were permuted."""
+    """Permute each layer whose groups are not contiguous, then pool (a pooling method); a merge method's merge that
+    follows works on the permuted, contiguous groups. Returns how many layers were permuted."""
+    pools = KV_METHODS[plan.method].pools
     permuted = 0
     for layer in layers:
         weights = loaded.adapter.read(layer)
         if plan.permutes(layer.index):
             weights = permute_weights(weights, plan.order(layer.index))
             permuted += 1
-            if plan.method == "svd":
+            if not pools:
                 loaded.adapter.write(layer, weights)
-        if plan.method == "mean":
+        if pools:
             pooled = pool_weights(weights, plan.kv_heads_after, plan.pool, seed=plan.seed + layer.index)
             loaded.adapter.write(layer, pooled)
     return permuted
@@ -255,7 +254,7 @@ def convert_checkpoint(
     this is the Python API of both commands (scripts and tests call it by keyword).
     """
     action = _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, grouping, method)
-    calibrate = action == "pool" and (grouping == "similarity" or method == "svd")
+    calibrate = action == "pool" and (grouping == "similarity" or KV_METHODS[method].calibrated)
     if evaluate or calibrate:
         text = text.resolved()  # one corpus for the perplexities and the calibration
     score = _scorer(loaded, text if evaluate else None, progress)
@@ -287,9 +286,9 @@ def _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, groupin
     H, G = layers[0].num_heads, layers[0].num_kv_heads
     action = check_kv_heads(H, G, kv_heads)
     check_direction(direction, action, H, G, kv_heads)
-    if pool not in POOLS or grouping not in GROUPINGS or method not in METHODS:
+    if pool not in POOLS or grouping not in GROUPINGS or method not in KV_METHODS:
         raise HeadlabError(
-            f"--pool must be one of {POOLS}, --grouping one of {GROUPINGS} and --method one of {METHODS}"
+            f"--pool must be one of {POOLS}, --grouping one of {GROUPINGS} and --method one of {tuple(KV_METHODS)}"
         )
     return action
 
@@ -314,11 +313,11 @@ def _measured(loaded: LoadedModel, when: str, score) -> dict:
 
 def _calibration(loaded, calibration: TextSpec, pooling: bool, groupings, methods, progress: bool):
     """(similarity, merge batches, record) for the pooled targets: KV-head similarity when a grouping is
-    "similarity", calibration windows when a method is "svd"; None (and nothing recorded) otherwise."""
+    "similarity", calibration windows when a method is calibrated; None (and nothing recorded) otherwise."""
     similarity, batches, record = None, None, {}
     if pooling and "similarity" in groupings:
         similarity, record["calibration"] = _similarity_for(loaded, calibration, progress)
-    if pooling and "svd" in methods:
+    if pooling and any(KV_METHODS[m].calibrated for m in methods):
         batches = _merge_batches(loaded, calibration)
         record["merge_calibration"] = batches.meta
     return similarity, batches, record
@@ -355,8 +354,9 @@ def gqa_sweep(
     models get one row each). Default targets: every reachable count, from H (MHA) down to 1 (MQA).
 
     Conversions whose per-layer groups and pool equal an earlier row's give the same weights and reuse its numbers
-    (column same_as). The model is restored to its original weights after each row. methods: "mean" pools by each
-    of `pools`; "svd" adds one calibrated merge (headlab.kv.merge) per grouping (pool column "svd").
+    (column same_as). The model is restored to its original weights after each row. methods (headlab.kv.methods): a
+    pooling method ("mean") gives one row per pool of `pools`, any other ("svd") one row per grouping; columns
+    method and pool say which (pool empty for a merge).
     text: the eval text (a TextSpec, or the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
     batch_size); calibration reads its calibration split, `calibration_tokens` tokens.
     journal (headlab.core.fsio.StepJournal): each variant's row is recorded there, and one an interrupted run of the same
@@ -377,19 +377,21 @@ def gqa_sweep(
 
     rows, seen = [], {}
     jobs = _sweep_jobs(kv_heads, actions, groupings, pools, methods)
-    for g, grouping, pool in tqdm(jobs, desc="GQA sweep", disable=not progress, unit="variant"):
-        plan = _variant_plan(layers, g, grouping, pool, similarity, seed)
-        key = (g, pool, repr(plan.groups))
-        label = f"{g}/{grouping or actions[g]}/{pool or '-'}"
+    for g, grouping, method, pool in tqdm(jobs, desc="GQA sweep", disable=not progress, unit="variant"):
+        plan = _variant_plan(layers, g, grouping, method, pool, similarity, seed)
+        key = (g, method, pool, repr(plan.groups))
+        label = f"{g}/{grouping or actions[g]}/{pool or method or '-'}"
         if key in seen:
-            rows.append(dict(seen[key], grouping=grouping, pool=pool, variant=label, same_as=seen[key]["variant"]))
+            same = dict(seen[key], grouping=grouping, method=method, pool=pool, variant=label)
+            rows.append(dict(same, same_as=seen[key]["variant"]))
             continue
         if journal is not None and journal.done(label):
             row = journal.records[label]["row"]
         else:
             with restoring(loaded):  # back to the original model for the next variant, also after an error
                 conversion = apply(loaded, plan, batches=batches)
-                row = {"variant": label, "kv_heads": g, "action": conversion.action, "grouping": grouping, "pool": pool}
+                row = {"variant": label, "kv_heads": g, "action": conversion.action, "grouping": grouping}
+                row.update(method=method, pool=pool)
                 row.update(_variant_numbers(loaded, text, conversion))
             if journal is not None:
                 journal.finish(label, {"row": row})
@@ -401,14 +403,14 @@ def gqa_sweep(
     return frame, meta
 
 
-def _variant_plan(layers, kv_heads: int, grouping: str | None, pool: str | None, similarity, seed: int):
-    """The plan of one sweep row: pool column "svd" is the calibrated merge, None an expanded or unchanged model."""
+def _variant_plan(layers, kv_heads: int, grouping: str | None, method: str | None, pool: str | None, similarity, seed):
+    """The plan of one sweep row; grouping and method None: an expanded or unchanged model, pool None: a merge."""
     return plan_conversion(
         layers,
         kv_heads,
-        pool="mean" if pool in (None, "svd") else pool,
+        pool=pool or "mean",
         grouping=grouping or "contiguous",
-        method="svd" if pool == "svd" else "mean",
+        method=method or "mean",
         similarity=similarity,
         seed=seed,
     )
@@ -429,22 +431,25 @@ def _variant_numbers(loaded: LoadedModel, text: TextSpec, conversion: Conversion
 
 
 def _check_choices(groupings, pools, methods) -> None:
-    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, METHODS))
+    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, tuple(KV_METHODS)))
     for name, values, allowed in checks:
         unknown = [v for v in values if v not in allowed]
         if unknown or not values:
             raise HeadlabError(f"{name}: unknown {unknown or 'empty list'}; use some of {', '.join(allowed)}")
 
 
-def _sweep_jobs(kv_heads, actions, groupings, pools, methods) -> list[tuple[int, str | None, str | None]]:
-    """(target, grouping, pool) per variant: every grouping x pool for a pooled target, one row otherwise."""
+def _sweep_jobs(kv_heads, actions, groupings, pools, methods) -> list[tuple[int, str | None, str | None, str | None]]:
+    """(target, grouping, method, pool) per variant: for a pooled target every grouping x method, a pooling method
+    once per pool; one row (no grouping, method or pool) for an expanded or unchanged model."""
     jobs = []
     for g in kv_heads:
-        if actions[g] == "pool":
-            pooled = [p for p in pools if "mean" in methods] + (["svd"] if "svd" in methods else [])
-            jobs += [(g, grouping, pool) for grouping in groupings for pool in pooled]
-        else:
-            jobs.append((g, None, None))
+        if actions[g] != "pool":
+            jobs.append((g, None, None, None))
+            continue
+        for grouping in groupings:
+            for method in methods:
+                each = pools if KV_METHODS[method].pools else (None,)
+                jobs += [(g, grouping, method, pool) for pool in each]
     return jobs
 
 
@@ -479,4 +484,3 @@ def write_sweep(out, frame: pd.DataFrame, meta: dict, spec: str, *, overwrite: b
     """A sweep's table (CSV + Parquet), meta.json and gqa_sweep.png under `out`, published atomically."""
     tables, meta, figures = sweep_files(frame, meta, spec)
     write_run(out, tables, meta, overwrite=overwrite, extra_files=figures)
-

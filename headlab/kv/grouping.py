@@ -21,12 +21,9 @@ from tqdm.auto import tqdm
 from headlab.core.arch import ADAPTERS, AttentionLayer, HeadWeights
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
+from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
 from headlab.mechanisms.hooks import hooks
 
-POOLS = ("mean", "first", "random")
-GROUPINGS = ("contiguous", "similarity")
-# mean: pool by POOLS (Ainslie et al. 2023); svd: calibrated, training-free merge (headlab.kv.merge)
-METHODS = ("mean", "svd")
 # Enumerate every equal-size partition up to this many (9 heads in 3s: 280; 12 in 3s: 15,400; 12 in 4s: 5,775).
 EXACT_SEARCH_LIMIT = 100_000
 
@@ -224,7 +221,7 @@ class ConversionPlan:
     action: str  # pool, expand or keep
     pool: str | None  # the pooling rule (POOLS) of method "mean"; None otherwise
     grouping: str | None  # how the groups were chosen (GROUPINGS); None when not pooling
-    method: str | None  # mean or svd (METHODS) when pooling; None otherwise
+    method: str | None  # a KV_METHODS name (headlab.kv.methods) when pooling; None otherwise
     seed: int
     groups: list[list[list[int]]]  # [layer][new or original KV head] -> KV heads
     methods: list[str]  # per layer: contiguous, trivial, exact, greedy, given, expand or keep
@@ -264,8 +261,7 @@ def plan_conversion(
     """Pure: layers' (H, G, D) + target `kv_heads` + grouping, pool and method -> the ConversionPlan. Bad choices and
     bad explicit `groups` (not `kv_heads` equal parts of every layer's G heads) raise before any weight is touched.
     grouping="similarity" needs `similarity` (kv_similarity) unless `groups` are given."""
-    if method not in METHODS:
-        raise HeadlabError(f"unknown --method {method!r}; use one of {', '.join(METHODS)}")
+    KV_METHODS[method]  # an unknown name is an error listing the registry
     H, G, D = uniform_layout(layers)
     action = check_kv_heads(H, G, kv_heads)
     if pool not in POOLS:
@@ -282,7 +278,7 @@ def plan_conversion(
         members = groups[layer.index]
         if sorted(i for g in members for i in g) != list(range(G)) or {len(g) for g in members} != {G // kv_heads}:
             raise HeadlabError(f"layer {layer.index}: groups {members} are not {kv_heads} equal parts of {G} heads")
-    pooled_by = pool if method == "mean" else None
+    pooled_by = pool if KV_METHODS[method].pools else None
     return ConversionPlan(H, G, kv_heads, D, "pool", pooled_by, grouping, method, seed, groups, methods)
 
 

@@ -56,7 +56,9 @@ def mla_rows(loaded: LoadedModel, plans, text: TextSpec, calibration_tokens: int
                 "kv_heads": plan.num_heads,  # every query head reads keys and values of its own, from the latent
                 "action": "mla",
                 "grouping": "mla",
-                "pool": f"{plan.budget} budget",
+                "method": "mla",
+                "pool": None,
+                "budget": plan.budget,
                 "perplexity": result.perplexity,
                 "nll": result.nll,
                 "scored_tokens": result.scored_tokens,

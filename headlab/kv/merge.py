@@ -38,7 +38,6 @@ from headlab.kv.grouping import gqa_layers, pool_weights
 from headlab.mechanisms.capture import capture_attention
 from headlab.mechanisms.hooks import hooks
 
-METHODS = ("mean", "svd")
 VALUE_WEIGHTINGS = ("attention", "uniform")
 # Eigenvalues of a token Gram below this fraction of the largest are treated as zero (directions the calibration
 # tokens never excite): the merge is then exact on what was seen and leaves the rest to the pooled projection.

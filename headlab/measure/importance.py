@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -31,13 +31,12 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
 from headlab.core.tables import head_table
 from headlab.measure.costs import peak_memory
+from headlab.measure.importance_methods import BERTOLOGY_DEFINITION, IMPORTANCE_METHODS
 from headlab.mechanisms import losses
 from headlab.mechanisms.gates import head_gates, read_mask
 from headlab.mechanisms.recompute import activation_checkpointing, checkpointing_supported
 
-METHODS = ("grad", "taylor", "fisher", "second-order", "ablation")
 ACCUMULATE = ("per-sequence", "bertology")
-DEFAULT_MAX_TOKENS = {"grad": 2048, "taylor": 2048, "fisher": 2048, "second-order": 2048, "ablation": 256}
 
 
 @dataclass
@@ -374,15 +373,6 @@ def second_order_scores(
     return [f / 2 - g for g, f in zip(stats.mean_gradient, stats.diagonal)]
 
 
-SCORERS: dict[str, Callable] = {
-    "grad": grad_scores,
-    "taylor": taylor_scores,
-    "fisher": fisher_scores,
-    "second-order": second_order_scores,
-    "ablation": ablation_scores,
-}
-
-
 # ---- normalisation and the table ---------------------------------------------------------------------------------
 
 
@@ -476,8 +466,10 @@ def head_importance(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    options = {"gradient_checkpointing": gradient_checkpointing} if method != "ablation" else {}
-    raw = SCORERS[method](loaded, prepared, mask=mask, accumulate=accumulate, progress=progress, **options)
+    options = {"gradient_checkpointing": gradient_checkpointing} if IMPORTANCE_METHODS[method].backward else {}
+    raw = IMPORTANCE_METHODS[method].scorer.resolve()(
+        loaded, prepared, mask=mask, accumulate=accumulate, progress=progress, **options
+    )
     seconds = time.perf_counter() - start
     raw = [r.cpu() for r in raw]
     if not all(bool(torch.isfinite(r).all()) for r in raw):
@@ -500,7 +492,7 @@ def head_importance(
         "processes": distributed.world_size(),
         "mask": mask_path if mask_path is not None else (None if mask is None else "in-memory"),
         "masked_heads": 0 if mask is None else int(sum(int((m == 0).sum()) for m in mask)),
-        "definition": _DEFINITIONS[method] if accumulate == "per-sequence" else _DEFINITIONS["bertology"],
+        "definition": IMPORTANCE_METHODS[method].definition if accumulate == "per-sequence" else BERTOLOGY_DEFINITION,
         "seconds": seconds,
         "peak_memory_bytes": peak_memory(device),
     }
@@ -508,13 +500,12 @@ def head_importance(
 
 
 def _check_importance_options(method: str, accumulate: str, gradient_checkpointing: bool) -> None:
-    if method not in SCORERS:
-        raise HeadlabError(f"unknown importance method {method!r}; use one of {', '.join(SCORERS)}")
+    IMPORTANCE_METHODS[method]  # an unknown name is an error listing the registry
     if accumulate not in ACCUMULATE:
         raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
     if accumulate == "bertology" and method != "grad":
         raise HeadlabError("the bertology compatibility mode applies to --method grad only")
-    if gradient_checkpointing and method == "ablation":
+    if gradient_checkpointing and not IMPORTANCE_METHODS[method].backward:
         raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
 
 
@@ -528,7 +519,7 @@ def _importance_windows(loaded: LoadedModel, text: TextSpec, method: str):
             f"split {text.split!r}: importance is scored on calibration text only (eval is for perplexity)"
         )
     if text.max_tokens is None:
-        text = text.but(max_tokens=DEFAULT_MAX_TOKENS[method])
+        text = text.but(max_tokens=IMPORTANCE_METHODS[method].default_max_tokens)
     window = text.seq_len - 2 if loaded.adapter.is_encoder else text.seq_len
     if window < 2:
         raise HeadlabError(f"--seq-len {text.seq_len} is too short")
@@ -537,16 +528,3 @@ def _importance_windows(loaded: LoadedModel, text: TextSpec, method: str):
 
 def _global_count(local: int) -> int:
     return int(distributed.all_reduce_sum(torch.tensor(float(local), dtype=torch.float64)))
-
-
-_DEFINITIONS = {
-    "grad": "I_h = (1/N) sum_x |dL(x)/dxi_h| at xi = 1; L(x) summed token NLL of sequence x, N scored tokens",
-    "taylor": "I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}|; N scored tokens",
-    "ablation": "I_h = (sum_x L(x) with xi_h = 0 - sum_x L(x)) / N; N scored tokens",
-    "fisher": "I_h = (1/S) sum_x (dl(x)/dxi_h)^2 at xi = 1; l(x) = L(x) / n_x the mean token NLL of sequence x, "
-    "S sequences (diagonal empirical Fisher, Kwon et al. 2022)",
-    "second-order": "I_h = -(1/S) sum_x dl(x)/dxi_h + F_hh / 2 at xi = 1: second-order Taylor estimate of the mean "
-    "loss increase when head h is removed, F the diagonal empirical Fisher (LeCun et al. 1990; Kwon et al. 2022)",
-    "bertology": "I_h = (1/N_in) sum_k |sum_{j<=k} d meanNLL_j/dxi_h| (transformers' run_bertology.py, gradient "
-    "never reset); N_in input tokens",
-}

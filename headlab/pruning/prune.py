@@ -34,10 +34,10 @@ from headlab.core.loading import LoadedModel, check_resident
 from headlab.core.tables import write_run
 from headlab.measure.costs import costs
 from headlab.measure.evaluate import perplexity
-from headlab.measure.importance import METHODS as IMPORTANCE_METHODS
 from headlab.mechanisms.gates import gates_from_pruned, write_mask
 from headlab.mechanisms.restore import restoring
-from headlab.pruning.scores import SCORE_SOURCES, ScoreRequest, score_heads
+from headlab.pruning.score_sources import SCORE_SOURCES
+from headlab.pruning.scores import ScoreRequest, score_heads
 from headlab.pruning.selection import (
     _select_uniform,
     calibration_grams,
@@ -522,11 +522,14 @@ def _check_selection(loaded, spec: PruneSpec, select, budget, method, compensate
     """The selection options' checks that need no forward pass (headlab.pruning.selection), after _check_prune."""
     check_select(select, budget, compensate=compensate, iterative=iterative, heads=heads, scores=scores)
     if heads is None and scores is None:
-        if method not in SCORE_SOURCES or method == "table":
-            names = ", ".join(n for n in SCORE_SOURCES if n != "table")
-            raise HeadlabError(f"unknown score method {method!r}; use one of {names} (or a --scores table)")
-        if iterative and method not in IMPORTANCE_METHODS:
-            raise HeadlabError(f"--iterative re-scores with heads removed: --method {', '.join(IMPORTANCE_METHODS)}")
+        choosable = SCORE_SOURCES.names(choosable=True)
+        if method not in choosable:
+            raise HeadlabError(
+                f"unknown score method {method!r}; use one of {', '.join(choosable)} (or a --scores table)"
+            )
+        if iterative and not SCORE_SOURCES[method].recomputable:
+            names = ", ".join(SCORE_SOURCES.names(recomputable=True))
+            raise HeadlabError(f"--iterative re-scores with heads removed: --method {names}")
     if select == "obs":
         check_resident(loaded, "--select obs (it reads the output projections to refit them)")
     if joint:
@@ -577,4 +580,3 @@ def _physical_equivalent(loaded, pruned) -> tuple[dict, list[dict]]:
 def _ppl(loaded, evaluation: TextSpec | None, progress: bool) -> float | None:
     """Perplexity on the eval text, or None when nothing is evaluated."""
     return None if evaluation is None else perplexity(loaded, text=evaluation, progress=progress).perplexity
-

@@ -1,5 +1,5 @@
-"""Score sources: one registry of the ways to rank heads for pruning (grad, taylor, fisher, ablation, obs, random,
-entropy, a table), used by prune, sweep and the CLI's choices. Every source returns per-layer scores [H_l]; lowest goes first.
+"""Score sources: the functions behind the registry in headlab.pruning.score_sources (grad, taylor, fisher,
+ablation, obs, random, entropy, a table). Every source returns per-layer scores [H_l]; lowest goes first.
 
 Sources take a resolved ScoreRequest (text, budgets, seed, heads already pruned), so a command builds it once.
 """
@@ -7,7 +7,6 @@ Sources take a resolved ScoreRequest (text, budgets, seed, heads already pruned)
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,10 +17,11 @@ from headlab.core.arch import AttentionLayer
 from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
-from headlab.measure.importance import METHODS as IMPORTANCE_METHODS
 from headlab.measure.importance import fisher_statistics, head_importance
+from headlab.measure.importance_methods import IMPORTANCE_METHODS
 from headlab.measure.stats import head_statistics
 from headlab.mechanisms.gates import gates_from_pruned
+from headlab.pruning.score_sources import SCORE_SOURCES
 from headlab.pruning.selection import calibration_grams, calibration_scoring_batches, single_obs_scores
 
 
@@ -129,26 +129,33 @@ class ScoreRequest:
     low_memory: bool = True
 
 
-def _importance(method: str) -> Callable:
-    def source(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
-        return importance_scores(
-            loaded,
-            request.pruned,
-            method=method,
-            text=request.text,
-            progress=request.progress,
-            max_rows=1 if request.low_memory else None,
-            gradient_checkpointing=request.low_memory and method != "ablation",
-        )
+def importance_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
+    """An importance method (headlab.measure.importance_methods) as a score source, with the pruned heads masked."""
+    backward = IMPORTANCE_METHODS[name].backward
+    return importance_scores(
+        loaded,
+        request.pruned,
+        method=name,
+        text=request.text,
+        progress=request.progress,
+        max_rows=1 if request.low_memory else None,
+        gradient_checkpointing=request.low_memory and backward,
+    )
 
-    return source
 
-
-def _entropy(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
+def entropy_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
     return entropy_scores(loaded, text=request.text, progress=request.progress)
 
 
-def _obs(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
+def random_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
+    return random_scores(loaded.layers, request.seed)
+
+
+def table_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
+    return read_scores(request.table, loaded.layers)
+
+
+def obs_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
     """The loss-weighted o_proj reconstruction error left after the ridge refit when each head alone is removed
     (headlab.pruning.obs): the Grams of --compensate and the block-output Fisher, on calibration text."""
     if request.pruned is not None and any(request.pruned):
@@ -161,18 +168,6 @@ def _obs(loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
     return single_obs_scores(loaded, grams, stats.output, request.progress)
 
 
-SCORE_SOURCES: dict[str, Callable[[LoadedModel, ScoreRequest], list[torch.Tensor]]] = {
-    # grad, taylor, fisher, ablation (headlab.measure.importance)
-    **{method: _importance(method) for method in IMPORTANCE_METHODS},
-    "obs": _obs,
-    "random": lambda loaded, request: random_scores(loaded.layers, request.seed),
-    "entropy": _entropy,
-    "table": lambda loaded, request: read_scores(request.table, loaded.layers),
-}
-
-
 def score_heads(source: str, loaded: LoadedModel, request: ScoreRequest) -> list[torch.Tensor]:
     """Per-layer scores [H_l] from the named source; an unknown name is an error listing the registry."""
-    if source not in SCORE_SOURCES:
-        raise HeadlabError(f"unknown score source {source!r}; use one of {', '.join(SCORE_SOURCES)}")
-    return SCORE_SOURCES[source](loaded, request)
+    return SCORE_SOURCES[source].function.resolve()(loaded, request, source)

@@ -21,39 +21,14 @@ from headlab.core.loading import LoadedModel
 from headlab.core.tables import write_run
 from headlab.measure.costs import costs
 from headlab.measure.evaluate import perplexity
-from headlab.measure.importance import METHODS as IMPORTANCE_METHODS
 from headlab.pruning.prune import MODES, PruneSpec, plan, pruned_in_place
+from headlab.pruning.score_sources import DEFAULT_ORDERS, JOINT_ORDERS, ORDER_HELP, ORDERS
 from headlab.pruning.scores import ScoreRequest, score_heads
 from headlab.pruning.selection import allocate, calibration_scoring_batches, check_unit, joint_paths
 from headlab.recovery.compensate import check_compensation, compensated, compensation_batches, output_statistics
 from headlab.runtimes.lm_eval_bridge import metric_columns, run_tasks, task_columns, task_manager
 
-ORDERS = (
-    "importance", "iterative", "random", "entropy", "ablation", "grad", "taylor", "fisher", "second-order", "obs",
-    "fisher-block",
-)  # fmt: skip
-JOINT_ORDERS = (
-    "obs",
-    "fisher-block",
-)  # joint per-layer greedy paths (headlab.pruning.selection), not a per-head ranking
-# Gradient importance methods for the importance orders (ablation is too slow to re-score iteratively).
-METHODS = tuple(m for m in IMPORTANCE_METHODS if m != "ablation")
 DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
-DEFAULT_ORDERS = ("importance", "random", "entropy")
-ORDER_HELP = {
-    "importance": "gradient importance (Michel et al.), lowest first, scored once",
-    "iterative": "gradient importance re-scored with the heads pruned so far masked, before each fraction",
-    "random": "uniformly random scores, averaged over --seeds",
-    "entropy": "mean attention entropy, most diffuse (highest entropy) first",
-    "ablation": "loss increase when each head alone is removed, lowest first",
-    "grad": "gradient importance E_x |dL(x)/dxi_h| (Michel et al.), whatever --method says",
-    "taylor": "per-token |ctx_h . dL/dctx_h| (Michel et al.'s code)",
-    "fisher": "diagonal empirical Fisher of the head gates (Kwon et al. 2022)",
-    "second-order": "second-order Taylor estimate of each head's ablation: -mean gate gradient + Fisher / 2",
-    "obs": "structured OBS: per layer the heads whose removal leaves the least loss-weighted o_proj error after the "
-    "ridge refit, greedily, layers by estimated loss (headlab.pruning.obs)",
-    "fisher-block": "per layer the heads with the least joint block-diagonal Fisher cost, layers by that cost",
-}
 
 
 @dataclass

@@ -193,8 +193,8 @@ def _gqa_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
     section = Section(
         "KV heads: GQA conversion",
         [
-            "Perplexity against measured KV-cache bytes per token; pool mean: KV heads averaged (Ainslie et "
-            "al. 2023); pool svd: the calibrated, training-free merge (`--method svd`); no uptraining."
+            "Perplexity against measured KV-cache bytes per token; method mean, pool mean: KV heads averaged "
+            "(Ainslie et al. 2023); method svd: the calibrated, training-free merge (`--method svd`); no uptraining."
         ],
         [("gqa sweep", gqa_table[[c for c in columns if c in gqa_table]])],
         [figure["gqa_sweep"]] if "gqa_sweep" in figure else [],

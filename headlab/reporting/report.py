@@ -206,6 +206,11 @@ def _pct(new: float, old: float) -> str:
     return f"{(ratio - 1) * 100:+.1f}%" if ratio < 2 else f"{ratio:,.1f}x"
 
 
+def _how(row) -> str:
+    """How a GQA sweep row made one head of each group: its pool ('mean pooling') or its merge ('svd merge')."""
+    return f"{row['pool']} pooling" if isinstance(row["pool"], str) else f"{row['method']} merge"
+
+
 def pruning_trades(sweep: pd.DataFrame, at: float = 0.3) -> list[str]:
     """Sentences on the perplexity cost of pruning, from a sweep table: at the swept fraction nearest `at` and at
     the largest one, for each order (random: mean over seeds)."""
@@ -254,7 +259,7 @@ def gqa_trades(frame: pd.DataFrame) -> list[str]:
         best = part.sort_values("perplexity").iloc[0]
         saved = 1 - best["kv_bytes_per_token"] / base["kv_bytes_per_token"]
         lines.append(
-            f"{int(base['kv_heads'])} -> {int(g)} KV heads ({best['grouping']} grouping, {best['pool']} pooling, no "
+            f"{int(base['kv_heads'])} -> {int(g)} KV heads ({best['grouping']} grouping, {_how(best)}, no "
             f"uptraining) saves {saved:.1%} of the KV cache ({human_bytes(base['kv_bytes_per_token'])} -> "
             f"{human_bytes(best['kv_bytes_per_token'])} per token) for {_pct(best['perplexity'], base['perplexity'])} "
             f"perplexity ({base['perplexity']:.2f} -> {best['perplexity']:.2f})."
@@ -267,7 +272,7 @@ def gqa_trades(frame: pd.DataFrame) -> list[str]:
             else ""
         )
         lines.append(
-            f"{row.variant} (multi-head latent attention at the {row.pool}, no uptraining) holds "
+            f"{row.variant} (multi-head latent attention at the {row.budget} budget, no uptraining) holds "
             f"{human_bytes(row.kv_bytes_per_token)} per token for {_pct(row.perplexity, base['perplexity'])} "
             f"perplexity ({base['perplexity']:.2f} -> {row.perplexity:.2f}{versus})."
         )

@@ -328,7 +328,8 @@ def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
     data = frame[frame["same_as"].isna()].copy() if "same_as" in frame else frame.copy()
     data["KiB per token"] = data["kv_bytes_per_token"] / 1024
     data["grouping"] = data["grouping"].fillna(data["action"])
-    data["pool"] = data["pool"].fillna("-")
+    # a pooling method's pool, else the method (svd, mla): one marker style per way a group becomes one head
+    data["pool"] = data["pool"].fillna(data["method"] if "method" in data else "-").fillna("-")
     _theme()
     fig, ax = _subplots(figsize=(7, 4.5))
     sns.scatterplot(data=data, x="KiB per token", y="perplexity", hue="grouping", style="pool", s=90, ax=ax)

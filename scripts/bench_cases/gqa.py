@@ -51,7 +51,7 @@ def markdown(r: dict) -> str:
     for row in r["rows"]:
         note = f"same partition as {row['same_as']}" if row.get("same_as") else ""
         lines.append(
-            f"| {row['source']} | {row['kv_heads']} | {row['grouping'] or row['action']} | {row['pool'] or '-'} | "
+            f"| {row['source']} | {row['kv_heads']} | {row['grouping'] or row['action']} | {row['pool'] or row.get('method') or '-'} | "
             f"{row['perplexity']:.4g} | {row['kv_bytes_per_token']:,} | {note} |"
         )
     return "\n".join(lines)

@@ -1,0 +1,42 @@
+"""The registry of KV compression methods, and the grouping and pooling choices they use: how each group of KV
+heads becomes one head. GQA conversion, the GQA sweep, the report and the CLI iterate it instead of naming methods.
+
+This module imports no torch: the CLI reads choices and help from it at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headlab.core.registry import Lazy, Registry
+
+GROUPINGS = ("contiguous", "similarity")  # which KV heads share a group (headlab.kv.grouping)
+POOLS = ("mean", "first", "random")  # how a pooling method makes one head of a group (headlab.kv.grouping.pool_weights)
+
+
+@dataclass(frozen=True)
+class KVMethod:
+    """One way to turn each group of KV heads into one. A pooling method pools every group by the `pool` rule; any
+    other merges after the groups are made contiguous: merge(loaded, kv_heads, batches, *, progress) -> record."""
+
+    name: str
+    help: str
+    calibrated: bool  # needs calibration windows (activations), so the conversion reads calibration text
+    pools: bool  # pooled by the `pool` rule; False: `merge` decides every new head
+    merge: Lazy | None = None
+
+
+KV_METHODS: Registry[KVMethod] = Registry(
+    "method",
+    [
+        KVMethod("mean", "pool each group by --pool (Ainslie et al. 2023)", calibrated=False, pools=True),
+        KVMethod(
+            "svd",
+            "calibrated training-free merge (weighted SVD of values, complex rank-1 keys per rotary frequency, folded into "
+            "the query and output projections; headlab.kv.merge)",
+            calibrated=True,
+            pools=False,
+            merge=Lazy("headlab.kv.merge:merge_kv_heads"),
+        ),
+    ],
+)
