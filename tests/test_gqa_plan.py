@@ -74,7 +74,7 @@ def test_expand_keep_and_svd_plans():
     "kwargs, error, message",
     [
         (dict(kv_heads=3), HeadlabError, "does not divide"),
-        (dict(kv_heads=2, method="pca"), HeadlabError, "unknown --method"),
+        (dict(kv_heads=2, method="pca"), HeadlabError, "unknown method="),
         (dict(kv_heads=2, pool="max"), HeadlabError, "unknown --pool"),
         (dict(kv_heads=2, grouping="random"), HeadlabError, "unknown --grouping"),
         (dict(kv_heads=2, grouping="similarity"), ValueError, "needs kv_similarity"),

@@ -1,25 +1,21 @@
-"""Compression that keeps quality, on the embedded model: training-free calibrated KV-head merging (3 -> 1) against
-mean pooling, pruning one query head per KV group (90 heads) with and without compensation, and a short uptraining
-of the merged model (perplexity per step and wall time)."""
+"""Compression that keeps quality without training, on the embedded model: calibrated KV-head merging (3 -> 1)
+against mean pooling, and pruning one query head per KV group (90 heads) with and without compensation. Training
+(local reconstruction, uptraining) is the recovery case's (scripts/bench_cases/recovery.py)."""
 
 from __future__ import annotations
 
-TITLE = (
-    "Calibrated merging, pruning compensation, uptraining (`convert-gqa --method svd`, `prune --compensate`, `uptrain`)"
-)
+TITLE = "Calibrated merging and pruning compensation, training-free (`convert-gqa --method svd`, `prune --compensate`)"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS = 2048, 512, 2048
-UPTRAIN = dict(steps=20, lr=1e-4, seq_len=128, batch_size=4, eval_every=5, eval_tokens=1024, eval_seq_len=256)
 
 
 def run(args) -> dict:
-    import copy
     import time
 
     import torch
 
     from headlab.core.data import calibration_batches, load_corpus
     from headlab.core.errors import HeadlabError
-    from headlab.core.loading import from_model, load_model
+    from headlab.core.loading import load_model
     from headlab.kv import gqa
     from headlab.kv.merge import merge_kv_heads
     from headlab.measure.evaluate import perplexity
@@ -31,7 +27,6 @@ def run(args) -> dict:
         compensation_batches,
         output_statistics,
     )
-    from headlab.recovery.uptrain import uptrain
 
     corpus = load_corpus(None)
 
@@ -101,11 +96,6 @@ def run(args) -> dict:
         result["ridge0"] = ppl(pruned_model)
     del pruned_model
 
-    # 3. uptraining the merged model towards the original
-    student = from_model(copy.deepcopy(merged.model), merged.tokenizer)
-    up = uptrain(student, teacher, corpus=corpus, progress=False, **UPTRAIN)
-    result["uptrain"] = {"curve": up.curve.to_dict("records"), "seconds": up.meta["seconds"], **UPTRAIN}
-    result["uptrain_final_eval"] = ppl(student)
     return result
 
 
@@ -113,8 +103,6 @@ def markdown(r: dict) -> str:
     def f(x):
         return f"{x:,.1f}" if isinstance(x, float) else str(x)
 
-    curve = [row for row in r["uptrain"]["curve"] if row["perplexity"] == row["perplexity"]]
-    u = r["uptrain"]
     lines = [
         f"Embedded SmolLM2-135M (float32, {r['threads']} threads), eval split, first {r['eval_tokens']:,} tokens, "
         f"seq-len {r['seq_len']}; calibration split, {r['calib_tokens']:,} tokens, for merging, importance and "
@@ -138,15 +126,6 @@ def markdown(r: dict) -> str:
         f"Ridge: alpha chosen per layer on held-out calibration windows {r['ridge_alphas']}; mean relative block-output "
         f"error on calibration {r['ridge_error'][0]:.3f} -> {r['ridge_error'][1]:.3f}.",
         "",
-        f"Uptraining the merged model (`headlab uptrain`, KL to the original, attention parameters only, {u['steps']} "
-        f"steps x {u['batch_size']} x {u['seq_len']} tokens, lr {u['lr']}), eval perplexity on {u['eval_tokens']:,} "
-        f"tokens at seq-len {u['eval_seq_len']}, wall time {u['seconds']:.0f} s (evaluations included):",
-        "",
-        "| step | perplexity | seconds |",
-        "|---|---|---|",
-        *[f"| {row['step']} | {row['perplexity']:.2f} | {row['seconds']:.0f} |" for row in curve],
-        "",
-        f"After uptraining, on the setting above (first {r['eval_tokens']:,} eval tokens, seq-len {r['seq_len']}): "
-        f"{f(r['uptrain_final_eval'])} (merged before uptraining: {f(r['svd'])}).",
+        "Recovery of these models by training (local reconstruction, uptraining): the recovery section.",
     ]
     return "\n".join(lines)
