@@ -22,7 +22,8 @@ import pandas as pd
 from headlab.cli.parsing import parse_list
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
-from headlab.kv import gqa, grouping
+from headlab.kv import gqa
+from headlab.kv import grouping as kv_grouping
 from headlab.viz.plots import figure_bytes, plot_gqa_sweep, plot_study
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_common.py sits beside this script
@@ -37,8 +38,7 @@ def own_options(parser) -> None:
 
 
 def arguments(argv=None):
-    # --calib-tokens: the earlier name, still accepted (headlab's commands say --calibration-tokens)
-    calibration = ("--calibration-tokens --calib-tokens", "calibration tokens for similarity grouping")
+    calibration = ("--calibration-tokens", "calibration tokens for similarity grouping")
     return study_arguments(__doc__, argv, "runs/gqa-study", own_options, calibration)
 
 
@@ -52,8 +52,8 @@ def write_model(directory: Path, run) -> None:
 
 def main(argv=None) -> Path:
     args = arguments(argv)
-    groupings = tuple(parse_list(args.groupings, str, "groupings", grouping.GROUPINGS))
-    pools = tuple(parse_list(args.pools, str, "pools", grouping.POOLS))
+    groupings = tuple(parse_list(args.groupings, str, "groupings", kv_grouping.GROUPINGS))
+    pools = tuple(parse_list(args.pools, str, "pools", kv_grouping.POOLS))
 
     def measure(loaded, spec):
         if not loaded.adapter.supports_gqa:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from headlab.cli.parsing import parse_list
-from headlab.pruning.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, write_sweep
+from headlab.pruning.sweep import DEFAULT_FRACTIONS, SweepPlan, check_sweep, sweep, write_sweep
 from headlab.viz.plots import plot_study
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # study_common.py sits beside this script
@@ -48,9 +48,7 @@ def main(argv=None) -> Path:
     def measure(loaded, spec):
         result = sweep(
             loaded,
-            fractions=fractions,
-            orders=orders,
-            seeds=seeds,
+            SweepPlan(fractions=fractions, orders=orders, seeds=seeds),
             data=args.data,
             calibration_tokens=args.calibration_tokens,
             eval_tokens=args.eval_tokens,

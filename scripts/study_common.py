@@ -16,7 +16,8 @@ import pandas as pd
 
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out
-from headlab.core.loading import DEFAULT_MODEL, LoadedModel, load_model
+from headlab.core.loading import LoadedModel, load_model
+from headlab.core.model_names import DEFAULT_MODEL
 from headlab.core.tables import write_run
 from headlab.viz.plots import figure_bytes
 
@@ -30,7 +31,7 @@ def study_arguments(
 ) -> argparse.Namespace:
     """The command line of a study script: its docstring as help (first paragraph, then the rest as epilog), the
     models and --data, the script's own options (`add_own`), the token budgets (--eval-tokens and `calibration`:
-    (flags, help) of its calibration budget; flags separated by spaces, an earlier name after the first), the
+    (flag, help) of its calibration budget), the
     window shape, --device and the output options."""
     parser = argparse.ArgumentParser(
         description=doc.split("\n\n")[0],
@@ -41,7 +42,7 @@ def study_arguments(
     parser.add_argument("--data", default=None, help="corpus spec [default: embedded Python reference]")
     add_own(parser)
     parser.add_argument("--eval-tokens", type=int, default=1024, help="eval-split tokens per perplexity")
-    parser.add_argument(*calibration[0].split(), type=int, default=1024, help=calibration[1])
+    parser.add_argument(calibration[0], type=int, default=1024, help=calibration[1])
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--device", default="auto")

@@ -183,7 +183,10 @@ CASES = [
     ),
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--recover", "everything"], "everything"),
     (["convert-gqa", "--model", "{mha}", *M, "--kv-heads", "2", "--streaming", "--recover", "local"], "--streaming"),
-    (["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "uptrain", "--recover-lr", "0"], "--lr"),
+    (
+        ["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "uptrain", "--recover-lr", "0"],
+        "--recover-lr",
+    ),
     (
         ["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "local", "--recover-minutes", "-3"],
         "--recover-minutes",
@@ -425,7 +428,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
 def _hostile(paths: dict, root: Path) -> None:
     """Issue 19's inputs: symlinks and nesting for the output guard, damaged checkpoints, contradicting layouts,
     foreign and duplicate score tables, non-text corpus cells, a FIFO, an all-inf run."""
-    from headlab.pruning.prune import prune
+    from headlab.pruning.prune import Selection, prune
 
     paths["llamalink"] = root / "llama-link"
     paths["llamalink"].symlink_to(paths["llama"], target_is_directory=True)
@@ -438,8 +441,8 @@ def _hostile(paths: dict, root: Path) -> None:
     paths.update(hostile.damaged_checkpoints(Path(paths["llama"]), root))
     pruned = root / "pruned-mha"
     mha = load_model(str(paths["mha"]), device="cpu")
-    prune(mha, heads="0:0", mode="physical", out=pruned, data=str(paths["text"]), seq_len=32, evaluate=False,
-          progress=False)  # fmt: skip
+    prune(mha, selection=Selection(heads="0:0"), mode="physical", out=pruned, data=str(paths["text"]), seq_len=32,
+          evaluate=False, progress=False)  # fmt: skip
     paths.update(hostile.layout_variants(pruned, root))
     paths["foreign"] = hostile.foreign_run(root)
     paths["foreignmask"] = paths["foreign"] / "mask.csv"

@@ -122,9 +122,9 @@ def test_bias_compensation_keeps_the_mean_output():
 def test_bias_compensation_is_refused_without_an_o_bias():
     loaded = from_model(tiny_model("llama"))
     with pytest.raises(HeadlabError, match="n/a"):
-        P.prune(loaded, heads="0:1", compensate="bias", evaluate=False, progress=False)
-    with pytest.raises(HeadlabError, match="unknown --compensate"):
-        P.prune(loaded, heads="0:1", compensate="magic", evaluate=False, progress=False)
+        P.prune(loaded, selection=P.Selection(heads="0:1"), compensate="bias", evaluate=False, progress=False)
+    with pytest.raises(HeadlabError, match="unknown compensate="):
+        P.prune(loaded, selection=P.Selection(heads="0:1"), compensate="magic", evaluate=False, progress=False)
 
 
 @pytest.mark.parametrize("mode", ["mask", "physical"])
@@ -133,9 +133,10 @@ def test_prune_with_compensation_saves_a_verified_checkpoint(mode, tmp_path):
     loaded = from_model(model, tiny_tokenizer())
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
-    common = dict(data=str(corpus), seq_len=32, calibration_tokens=256, eval_tokens=256, progress=False)
-    plain = P.prune(from_model(tiny_model("llama"), tiny_tokenizer()), heads="0:0,1;1:2,3", mode=mode, **common)
-    result = P.prune(loaded, heads="0:0,1;1:2,3", mode=mode, out=tmp_path / "p", compensate="ridge", **common)
+    chosen = P.Selection(heads="0:0,1;1:2,3", calibration_tokens=256)
+    common = dict(data=str(corpus), seq_len=32, eval_tokens=256, progress=False)
+    plain = P.prune(from_model(tiny_model("llama"), tiny_tokenizer()), selection=chosen, mode=mode, **common)
+    result = P.prune(loaded, selection=chosen, mode=mode, out=tmp_path / "p", compensate="ridge", **common)
     assert result.verification["max_abs_diff"] <= 1e-3
     record = result.meta["compensation"]
     assert record["method"] == "ridge" and record["error_after"] <= record["error_before"]
@@ -147,11 +148,10 @@ def test_corpus_object_is_accepted():
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())
     result = P.prune(
         loaded,
-        heads="0:1",
+        selection=P.Selection(heads="0:1", calibration_tokens=128),
         compensate="ridge",
         data=Corpus("sample", [SAMPLE_TEXT * 4]),
         seq_len=32,
-        calibration_tokens=128,
         evaluate=False,
         progress=False,
     )
@@ -159,16 +159,14 @@ def test_corpus_object_is_accepted():
 
 
 def test_sweep_with_compensation_adds_compensated_rows(tmp_path):
-    from headlab.pruning.sweep import sweep, write_sweep
+    from headlab.pruning.sweep import SweepPlan, sweep, write_sweep
 
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
     result = sweep(
         loaded,
-        fractions=(0.0, 0.25),
-        orders=("random",),
-        seeds=(0,),
+        SweepPlan(fractions=(0.0, 0.25), orders=("random",), seeds=(0,)),
         data=str(corpus),
         seq_len=32,
         calibration_tokens=256,
@@ -202,10 +200,11 @@ def test_embedded_compensation_lowers_perplexity_and_reloads(tmp_path):
     table = pd.DataFrame(
         [(i, h, float(s[h])) for i, s in enumerate(scores) for h in range(len(s))], columns=["layer", "head", "score"]
     )
-    common = dict(scores=table, count=90, uniform=True, seq_len=128, eval_tokens=256, progress=False)
-    plain = P.prune(loaded, **common)
+    spec, common = P.PruneSpec(count=90, uniform=True), dict(seq_len=128, eval_tokens=256, progress=False)
+    plain = P.prune(loaded, spec, P.Selection(scores=table), **common)
     loaded = load_model(None, device="cpu")
-    result = P.prune(loaded, **common, mode="physical", compensate="ridge", calibration_tokens=1024, out=tmp_path / "p")
+    chosen = P.Selection(scores=table, calibration_tokens=1024)
+    result = P.prune(loaded, spec, chosen, **common, mode="physical", compensate="ridge", out=tmp_path / "p")
     assert result.ppl_after < plain.ppl_after
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "p", dtype=torch.float32)
     again = perplexity(

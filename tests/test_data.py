@@ -94,7 +94,7 @@ def test_window_errors():
         rolling_windows(10, 8, 0)
     with pytest.raises(HeadlabError, match="stride"):
         rolling_windows(10, 8, 9)
-    with pytest.raises(HeadlabError, match="max-length"):
+    with pytest.raises(HeadlabError, match="max_length"):
         rolling_windows(10, 0, 1)
     assert rolling_windows(1, 8) == []  # the prefix alone: nothing to score
 

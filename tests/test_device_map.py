@@ -143,7 +143,8 @@ def test_input_device_prefers_the_embeddings_execution_device():
 
 def _edits(dispatched):
     """Every headlab entry point that rewrites weights in place, as (name, call) pairs."""
-    from headlab.kv import gqa, grouping, merge
+    from headlab.kv import gqa, merge
+    from headlab.kv import grouping as kv_grouping
     from headlab.pruning import prune
     from headlab.recovery import uptrain
     from headlab.recovery.compensate import check_compensation
@@ -154,7 +155,7 @@ def _edits(dispatched):
     pruned = [{0}] + [set() for _ in layers[1:]]
     return [
         ("convert", lambda: gqa.convert(dispatched, 1)),
-        ("similarity", lambda: grouping.kv_similarity(dispatched, [], progress=False)),
+        ("similarity", lambda: kv_grouping.kv_similarity(dispatched, [], progress=False)),
         ("merge", lambda: merge.merge_kv_heads(dispatched, 1, [], progress=False)),
         ("mask", lambda: prune.apply_mask(dispatched, pruned)),
         ("physical", lambda: prune.apply_physical(dispatched, prune.physical_layout(layers, pruned))),
@@ -211,11 +212,12 @@ def test_models_on_several_devices_are_verified_without_a_second_copy(tmp_path):
 def test_meta_load_check_of_a_non_uniform_pruned_checkpoint(tmp_path):
     from headlab.core.checkpoint import meta_load_check
     from headlab.core.errors import HeadlabError
-    from headlab.pruning.prune import prune
+    from headlab.pruning.prune import Selection, prune
 
     loaded = load_model(str(save_tiny("llama", tmp_path / "source")), device="cpu")
     # A whole KV group of layer 0: 2 heads there, 4 in layer 1, so the layout is recorded per layer.
-    prune(loaded, heads="0:0,1", mode="physical", out=tmp_path / "pruned", evaluate=False, progress=False)
+    chosen = Selection(heads="0:0,1")
+    prune(loaded, selection=chosen, mode="physical", out=tmp_path / "pruned", evaluate=False, progress=False)
     assert "load_pruned" in meta_load_check(tmp_path / "pruned")["loader"]
     config = json.loads((tmp_path / "pruned" / "config.json").read_text())
     entry = config["headlab_head_layout"]["layers"][0]

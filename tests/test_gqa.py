@@ -16,7 +16,8 @@ from headlab.core.arch import HeadWeights
 from headlab.core.checkpoint import save_checkpoint
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
-from headlab.kv import gqa, grouping
+from headlab.kv import gqa
+from headlab.kv import grouping as kv_grouping
 from headlab.measure import costs
 from headlab.measure.costs import model_info
 
@@ -39,10 +40,10 @@ def test_pool_weights_by_hand():
     # 4 KV heads of D=1, C=1 holding 1, 2, 3, 10: mean pooling to 2 gives 1.5 and 6.5; first gives 1 and 3.
     k = torch.tensor([1.0, 2.0, 3.0, 10.0]).view(4, 1, 1)
     w = HeadWeights(q=torch.zeros(8, 1, 1), k=k, v=-k, o=torch.zeros(1, 8, 1), k_bias=k.view(4, 1))
-    mean = grouping.pool_weights(w, 2, "mean")
+    mean = kv_grouping.pool_weights(w, 2, "mean")
     assert mean.k.flatten().tolist() == [1.5, 6.5] and mean.v.flatten().tolist() == [-1.5, -6.5]
     assert mean.k_bias.flatten().tolist() == [1.5, 6.5]
-    assert grouping.pool_weights(w, 2, "first").k.flatten().tolist() == [1.0, 3.0]
+    assert kv_grouping.pool_weights(w, 2, "first").k.flatten().tolist() == [1.0, 3.0]
     assert torch.equal(mean.q, w.q) and torch.equal(mean.o, w.o)  # query and output untouched
 
 
@@ -50,14 +51,14 @@ def test_random_pool_is_seeded_and_scaled():
     torch.manual_seed(0)
     k = torch.cat([torch.randn(2, 16, 64) * 0.1, torch.randn(2, 16, 64) * 2.0])  # group stds 0.1 and 2
     w = HeadWeights(q=torch.zeros(4, 16, 64), k=k, v=k.clone(), o=torch.zeros(64, 4, 16))
-    a, b = grouping.pool_weights(w, 2, "random", seed=3), grouping.pool_weights(w, 2, "random", seed=3)
-    assert torch.equal(a.k, b.k) and not torch.equal(a.k, grouping.pool_weights(w, 2, "random", seed=4).k)
+    a, b = kv_grouping.pool_weights(w, 2, "random", seed=3), kv_grouping.pool_weights(w, 2, "random", seed=3)
+    assert torch.equal(a.k, b.k) and not torch.equal(a.k, kv_grouping.pool_weights(w, 2, "random", seed=4).k)
     assert a.k[0].std() == pytest.approx(0.1, rel=0.1) and a.k[1].std() == pytest.approx(2.0, rel=0.1)
     assert not torch.allclose(a.k[0], k[0])
 
 
 @pytest.mark.parametrize("name", GQA_TYPES)
-@pytest.mark.parametrize("pool", grouping.POOLS)
+@pytest.mark.parametrize("pool", kv_grouping.POOLS)
 def test_current_kv_heads_reproduce_the_logits(name, pool):
     model = tiny_model(name)
     before = logits(model, name)
@@ -121,7 +122,7 @@ def test_query_permutation_leaves_the_function_unchanged(name):
     if all(order == list(range(G)) for order in orders):
         orders[0] = list(reversed(range(G)))
     heads_before = [loaded.adapter.read(layer) for layer in loaded.layers]
-    grouping.permute_heads(loaded, orders)
+    kv_grouping.permute_heads(loaded, orders)
     moved = loaded.adapter.read(loaded.layers[0])
     assert not torch.equal(moved.k, heads_before[0].k) or orders[0] == list(range(G))
     torch.testing.assert_close(logits(model, name), before, rtol=1e-5, atol=1e-5)
@@ -131,7 +132,7 @@ def brute_best_score(similarity, m):
     """Slow and obvious: every ordering of the heads, cut into consecutive groups of m."""
     n = similarity.shape[0]
     return max(
-        grouping.partition_score(similarity, [order[i : i + m] for i in range(0, n, m)])
+        kv_grouping.partition_score(similarity, [order[i : i + m] for i in range(0, n, m)])
         for order in itertools.permutations(range(n))
     )
 
@@ -141,11 +142,11 @@ def test_exact_search_finds_the_best_partition(n, m, seed):
     generator = torch.Generator().manual_seed(seed)
     a = torch.randn(n, n, generator=generator)
     similarity = (a + a.T) / 2
-    groups, method = grouping.best_groups(similarity, n // m)
+    groups, method = kv_grouping.best_groups(similarity, n // m)
     assert method == "exact"
     assert sorted(i for g in groups for i in g) == list(range(n)) and {len(g) for g in groups} == {m}
-    assert grouping.partition_score(similarity, groups) == pytest.approx(brute_best_score(similarity, m))
-    assert grouping.partition_count(n, m) == len(list(grouping._partitions(tuple(range(n)), m)))
+    assert kv_grouping.partition_score(similarity, groups) == pytest.approx(brute_best_score(similarity, m))
+    assert kv_grouping.partition_count(n, m) == len(list(kv_grouping._partitions(tuple(range(n)), m)))
 
 
 def planted_similarity(groups, n, seed=0):
@@ -160,10 +161,10 @@ def planted_similarity(groups, n, seed=0):
 
 def test_greedy_search_recovers_a_planted_grouping_beyond_the_exact_limit():
     n, m = 16, 4
-    assert grouping.partition_count(n, m) > grouping.EXACT_SEARCH_LIMIT
+    assert kv_grouping.partition_count(n, m) > kv_grouping.EXACT_SEARCH_LIMIT
     order = torch.randperm(n, generator=torch.Generator().manual_seed(1)).tolist()
-    planted = grouping.canonical([order[i : i + m] for i in range(0, n, m)])
-    groups, method = grouping.best_groups(planted_similarity(planted, n), n // m)
+    planted = kv_grouping.canonical([order[i : i + m] for i in range(0, n, m)])
+    groups, method = kv_grouping.best_groups(planted_similarity(planted, n), n // m)
     assert method == "greedy" and groups == planted
 
 
@@ -189,7 +190,7 @@ def test_similarity_grouping_recovers_a_planted_grouping_and_pools_it():
     plant_kv_copies(model, planted)
     batches = [(x["input_ids"], x["attention_mask"]) for x in (tiny_inputs("llama", 4, 16, seed=s) for s in range(3))]
     loaded = from_model(model)
-    similarity = grouping.kv_similarity(loaded, batches, progress=False)
+    similarity = kv_grouping.kv_similarity(loaded, batches, progress=False)
     assert similarity["tokens"] == 3 * 4 * 16
     assert similarity["similarity"].shape == (2, H, H)
     torch.testing.assert_close(
@@ -214,7 +215,7 @@ def test_kv_similarity_matches_a_direct_computation():
     model = tiny_model("qwen2")  # biases on k and v
     x = tiny_inputs("qwen2", 2, 8)
     x["attention_mask"][1, 5:] = 0
-    result = grouping.kv_similarity(from_model(model), [(x["input_ids"], x["attention_mask"])], progress=False)
+    result = kv_grouping.kv_similarity(from_model(model), [(x["input_ids"], x["attention_mask"])], progress=False)
     captured = {}
     handles = [
         blk.self_attn.register_forward_pre_hook(
@@ -310,11 +311,11 @@ def test_architectures_without_kv_heads_get_a_clear_error(name):
 )
 def test_bad_targets(H, G, target, message):
     with pytest.raises(HeadlabError, match=message):
-        grouping.check_kv_heads(H, G, target)
+        kv_grouping.check_kv_heads(H, G, target)
 
 
 def test_check_kv_heads_actions():
-    assert [grouping.check_kv_heads(12, 3, g) for g in (1, 3, 6, 12)] == ["pool", "keep", "expand", "expand"]
+    assert [kv_grouping.check_kv_heads(12, 3, g) for g in (1, 3, 6, 12)] == ["pool", "keep", "expand", "expand"]
 
 
 @pytest.fixture

@@ -248,6 +248,37 @@ def test_the_import_checker_reads_comments_on_the_line_and_above_only():
     assert "optional" in found["import lm_eval  # optional extra"]
 
 
+# More parameters than this and a library function groups them into value objects (PruneSpec, Selection, SweepPlan,
+# TaskSpec, TextSpec, ...). The CLI's commands are exempt: click passes every option as a parameter.
+MAX_PARAMETERS = 12
+
+
+def parameter_count(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Every named parameter (positional-only, ordinary, keyword-only), without self/cls, *args or **kwargs."""
+    arguments = function.args
+    names = [a.arg for a in arguments.posonlyargs + arguments.args + arguments.kwonlyargs]
+    return len(names) - (1 if names and names[0] in ("self", "cls") else 0)
+
+
+def test_no_library_function_takes_more_than_12_parameters():
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name} ({parameter_count(node)})"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "cli"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parameter_count(node) > MAX_PARAMETERS
+    ]
+    assert not offenders, f"more than {MAX_PARAMETERS} parameters; group them in a value object:\n" + "\n".join(
+        offenders
+    )
+
+
+def test_the_parameter_counter_skips_self_and_star_arguments():
+    tree = ast.parse("class A:\n    def f(self, a, /, b, *args, c, d=1, **kwargs): ...\ndef g(cls): ...\n")
+    counts = {n.name: parameter_count(n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    assert counts == {"f": 4, "g": 0}
+
+
 def test_the_checker_sees_a_circle_and_an_upward_import():
     """The checks themselves, on a made-up graph: a loop is found, a straight chain is not."""
     assert find_cycles({"a": ["b"], "b": ["c"], "c": ["a"], "d": ["a"]}) == [["a", "b", "c"]]

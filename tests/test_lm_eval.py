@@ -235,7 +235,7 @@ def _hand_accuracy(model, tokenizer, labels: list[int]) -> float:
 def test_sweep_tasks_adds_the_task_metric_of_each_pruned_model(tmp_path):
     from headlab.pruning.prune import pruned_in_place, select_heads
     from headlab.pruning.scores import random_scores
-    from headlab.pruning.sweep import sweep, write_sweep
+    from headlab.pruning.sweep import SweepPlan, TaskSpec, sweep, write_sweep
 
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())
     labels, _ = _labels_with_one_wrong(loaded.model, loaded.tokenizer)
@@ -244,15 +244,12 @@ def test_sweep_tasks_adds_the_task_metric_of_each_pruned_model(tmp_path):
     corpus.write_text(SAMPLE_TEXT)
     result = sweep(
         loaded,
-        fractions=[0.0, 0.5],
-        orders=["random"],
-        seeds=[0],
+        SweepPlan(fractions=[0.0, 0.5], orders=["random"], seeds=[0]),
         data=str(corpus),
         eval_tokens=200,
         seq_len=32,
         progress=False,
-        tasks=["tiny_mc"],
-        include_path=include,
+        tasks=TaskSpec(["tiny_mc"], include_path=include),
     )
     assert {"tiny_mc/acc", "tiny_mc/acc_stderr"} <= set(result.table.columns)
     assert len(result.table) == 2

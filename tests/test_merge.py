@@ -155,11 +155,11 @@ def test_every_gqa_architecture_converts_with_svd_and_reloads(name, tmp_path):
         loaded,
         1,
         tmp_path / "svd",
-        method="svd",
-        corpus=corpus,
+        gqa.PoolSpec(method="svd"),
+        data=corpus,
         evaluate=False,
         seq_len=32,
-        calib_tokens=128,
+        calibration_tokens=128,
         progress=False,
     )
     assert record["conversion"]["method"] == "svd" and record["conversion"]["merge"]["calibration_tokens"] > 0
@@ -205,8 +205,8 @@ def test_embedded_svd_merge_beats_mean_pooling_and_reloads(tmp_path):
     from headlab.measure.evaluate import perplexity
 
     loaded = load_model(None, device="cpu")
-    common = dict(max_tokens=256, seq_len=128, batch_size=4, calib_tokens=512, progress=False)
-    record = gqa.convert_checkpoint(loaded, 1, tmp_path / "svd", method="svd", **common)
+    common = dict(max_tokens=256, seq_len=128, batch_size=4, calibration_tokens=512, progress=False)
+    record = gqa.convert_checkpoint(loaded, 1, tmp_path / "svd", gqa.PoolSpec(method="svd"), **common)
     after = record["perplexity_after"]["perplexity"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "svd", dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "svd")
@@ -225,7 +225,7 @@ def test_cli_convert_gqa_svd(tmp_path, capsys):
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
     args = ["convert-gqa", "--model", tmp_path / "src", "--kv-heads", "1", "--method", "svd", "--data", corpus]
-    args += ["--seq-len", "32", "--max-tokens", "128", "--calib-tokens", "128", "--out", tmp_path / "mqa"]
+    args += ["--seq-len", "32", "--max-tokens", "128", "--calibration-tokens", "128", "--out", tmp_path / "mqa"]
     code, out, err = run_cli(args, capsys)
     assert code == 0, err
     assert "svd merge (keys svd, values svd" in out

@@ -289,7 +289,7 @@ def test_cli_converts_and_prints_each_step(tmp_path, capsys):
         ("llama", {}, dict(kv_lora_rank=60, rope_dim=8), "above the full rank"),
         ("llama", {}, dict(kv_lora_rank=8, rope_dim=6), "even divisor"),
         ("llama", {}, dict(kv_lora_rank=0, rope_dim=8), "no room"),
-        ("llama", {}, {}, "--budget"),
+        ("llama", {}, {}, "budget="),
         ("llama", {}, dict(budget="gqa", kv_lora_rank=8), "not both"),
         ("llama", {}, dict(budget="half"), "half"),
         ("mistral", {}, dict(budget="gqa"), "sliding-window"),

@@ -189,7 +189,8 @@ def test_uniform_physical_checkpoint_loads_with_vanilla_transformers(tmp_path):
     pruned = [{0, 2}, {1, 2}]
     reference = _logits(_zero_output_columns(loaded, pruned), "deepseek_v3")
     spec = ";".join(f"{i}:{','.join(map(str, sorted(p)))}" for i, p in enumerate(pruned))
-    result = P.prune(loaded, heads=spec, mode="physical", out=tmp_path / "p", evaluate=False, progress=False)
+    chosen = P.Selection(heads=spec)
+    result = P.prune(loaded, selection=chosen, mode="physical", out=tmp_path / "p", evaluate=False, progress=False)
     assert result.loader == "vanilla" and result.verification["max_abs_diff"] <= 1e-4
     config = json.loads((tmp_path / "p" / "config.json").read_text())
     assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 2, 8)
@@ -198,7 +199,8 @@ def test_uniform_physical_checkpoint_loads_with_vanilla_transformers(tmp_path):
     # A layout that differs per layer is reloaded by headlab (and recorded), like any other family.
     loaded = _loaded("deepseek_v3")
     reference = _logits(_zero_output_columns(loaded, [{1}, {0, 2, 3}]), "deepseek_v3")
-    result = P.prune(loaded, heads="0:1;1:0,2,3", mode="physical", out=tmp_path / "q", evaluate=False, progress=False)
+    chosen = P.Selection(heads="0:1;1:0,2,3")
+    result = P.prune(loaded, selection=chosen, mode="physical", out=tmp_path / "q", evaluate=False, progress=False)
     assert result.loader == "headlab"
     again = load_model(str(tmp_path / "q"), device="cpu", attn_implementation="eager")
     assert [la.num_heads for la in again.layers] == [3, 1]

@@ -201,7 +201,9 @@ def test_nonuniform_physical_checkpoint_reloads_with_headlab_and_fails_vanilla(n
     pruned = _mixed(loaded.layers)
     spec = ";".join(f"{i}:{','.join(map(str, sorted(p)))}" for i, p in enumerate(pruned))
     reference = _gated(loaded, pruned, name)
-    result = P.prune(loaded, heads=spec, mode="physical", out=tmp_path / "p", evaluate=False, progress=False)
+    result = P.prune(
+        loaded, selection=P.Selection(heads=spec), mode="physical", out=tmp_path / "p", evaluate=False, progress=False
+    )
     assert result.verification["max_abs_diff"] <= 1e-4
     reloaded = load_model(str(tmp_path / "p"), device="cpu", attn_implementation="eager")
     got = _logits(reloaded.model, name)
@@ -238,8 +240,8 @@ def test_uniform_physical_checkpoint_loads_with_vanilla_transformers(name, tmp_p
     for pass_unit, tag in ((unit, "a"), ("head", "b")):
         fresh = _loaded(name)
         result = P.prune(
-            fresh, scores=scores, fraction=0.5, unit=pass_unit, uniform=True, mode="physical",
-            out=tmp_path / tag, evaluate=False, progress=False,
+            fresh, P.PruneSpec(fraction=0.5, unit=pass_unit, uniform=True), P.Selection(scores=scores),
+            mode="physical", out=tmp_path / tag, evaluate=False, progress=False,
         )  # fmt: skip
         assert result.loader == "vanilla"
         config = json.loads((tmp_path / tag / "config.json").read_text())
@@ -255,17 +257,21 @@ def test_uniform_physical_checkpoint_loads_with_vanilla_transformers(name, tmp_p
 def test_mask_checkpoint_loads_with_vanilla_transformers(tmp_path):
     loaded = _loaded("qwen3")
     reference = _gated(loaded, [{0, 3}, {2}], "qwen3")
-    result = P.prune(loaded, heads="0:0,3;1:2", out=tmp_path / "m", evaluate=False, progress=False)
+    result = P.prune(
+        loaded, selection=P.Selection(heads="0:0,3;1:2"), out=tmp_path / "m", evaluate=False, progress=False
+    )
     assert result.loader == "vanilla" and result.mode == "mask"
     torch.testing.assert_close(_logits(_vanilla(tmp_path / "m", loaded.model), "qwen3"), reference, atol=1e-5, rtol=0)
 
 
 def test_repruning_a_nonuniform_checkpoint_composes_layouts(tmp_path):
     first = _loaded("llama")
-    P.prune(first, heads="0:1;1:0,2", mode="physical", out=tmp_path / "a", evaluate=False, progress=False)
+    P.prune(first, selection=P.Selection(heads="0:1;1:0,2"), mode="physical", out=tmp_path / "a", evaluate=False,
+            progress=False)  # fmt: skip
     second = load_model(str(tmp_path / "a"), device="cpu", attn_implementation="eager")
     # layer 1 now holds original heads [1, 3]; pruning its head 0 removes original head 1
-    P.prune(second, heads="1:0", mode="physical", out=tmp_path / "b", evaluate=False, progress=False)
+    P.prune(second, selection=P.Selection(heads="1:0"), mode="physical", out=tmp_path / "b", evaluate=False,
+            progress=False)  # fmt: skip
     record = json.loads((tmp_path / "b" / "config.json").read_text())[HEAD_LAYOUT_KEY]
     # layer 0 keeps its padding head 1 (zero output) from the first pruning
     assert record["layers"][0]["heads"] == [0, 1, 2, 3] and record["layers"][0]["kv_heads"] == [0, 1]
@@ -284,8 +290,8 @@ def test_iterative_rescoring_matches_manual_steps(tmp_path):
     corpus.write_text(SAMPLE_TEXT)
     kwargs = dict(data=str(corpus), seq_len=32, batch_size=2, max_tokens=256, progress=False)
     loaded = _loaded("llama")
-    result = P.prune(loaded, fraction=0.5, iterative=2, data=str(corpus), seq_len=32, batch_size=2,
-                     calibration_tokens=256, evaluate=False, progress=False)  # fmt: skip
+    result = P.prune(loaded, P.PruneSpec(fraction=0.5), P.Selection(iterative=2, calibration_tokens=256),
+                     data=str(corpus), seq_len=32, batch_size=2, evaluate=False, progress=False)  # fmt: skip
     # By hand: step 1 prunes 2 of 8 on plain importance; step 2 re-scores with those gated off and prunes 2 more.
     fresh = _loaded("llama")
     step1 = P.select_heads(fresh.layers, S.importance_scores(fresh, **kwargs), count=2)
@@ -377,7 +383,9 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", broken)
     with pytest.raises(RuntimeError, match="disk full"):
-        P.prune(_loaded("llama"), heads="0:1", out=tmp_path / "x", evaluate=False, progress=False)
+        P.prune(
+            _loaded("llama"), selection=P.Selection(heads="0:1"), out=tmp_path / "x", evaluate=False, progress=False
+        )
     assert os.listdir(tmp_path) == []
 
 
@@ -415,8 +423,8 @@ def test_embedded_model_physical_checkpoints(tmp_path):
     )
     for tag, kwargs, loader in (("u", dict(uniform=True), "vanilla"), ("n", dict(), "headlab")):
         fresh = load_model(None, device="cpu")
-        result = P.prune(fresh, scores=scores, fraction=0.3, mode="physical", out=tmp_path / tag, evaluate=False,
-                         progress=False, **kwargs)  # fmt: skip
+        result = P.prune(fresh, P.PruneSpec(fraction=0.3, **kwargs), P.Selection(scores=scores), mode="physical",
+                         out=tmp_path / tag, evaluate=False, progress=False)  # fmt: skip
         assert result.loader == loader
         with head_gates(loaded, P.gates_from_pruned(loaded.layers, result.pruned)):
             reference = logits(loaded.model)
@@ -429,14 +437,12 @@ def test_embedded_model_physical_checkpoints(tmp_path):
 
 def test_the_cli_and_the_python_api_share_the_calibration_default():
     """One default for prune's calibration budget (headlab.pruning.prune.DEFAULT_CALIBRATION_TOKENS), in both faces."""
-    import inspect
-
     import click
 
     from headlab.cli import cli
-    from headlab.pruning.prune import DEFAULT_CALIBRATION_TOKENS, prune
+    from headlab.pruning.prune import DEFAULT_CALIBRATION_TOKENS, Selection
 
-    assert inspect.signature(prune).parameters["calibration_tokens"].default == DEFAULT_CALIBRATION_TOKENS
+    assert Selection().calibration_tokens == DEFAULT_CALIBRATION_TOKENS
     command = cli.get_command(click.Context(cli), "prune")
     option = next(p for p in command.params if p.name == "calibration_tokens")
     assert option.default == DEFAULT_CALIBRATION_TOKENS
@@ -451,6 +457,6 @@ def test_the_record_counts_the_heads_the_model_had_before_pruning(mode, tmp_path
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())
     before = sum(layer.num_heads for layer in loaded.layers)
     # uniform: the physical prune rewrites the config, and the layers are described anew with fewer heads
-    result = P.prune(loaded, count=4, uniform=True, data=str(corpus), seq_len=32, calibration_tokens=128,
-                     eval_tokens=64, mode=mode, progress=False)  # fmt: skip
+    result = P.prune(loaded, P.PruneSpec(count=4, uniform=True), P.Selection(calibration_tokens=128),
+                     data=str(corpus), seq_len=32, eval_tokens=64, mode=mode, progress=False)  # fmt: skip
     assert result.meta["total_heads"] == before and result.meta["pruned_heads"] == 4

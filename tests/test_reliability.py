@@ -373,7 +373,7 @@ def test_score_table_of_a_copied_model_is_not_foreign(tmp_path):
     validate.check_table_origin(run, copy, "--scores")  # same weights under another path: accepted
     meta = {**loaded.describe(), "fingerprint": "f" * 64}
     (run / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(HeadlabError, match="--allow-foreign-scores"):
+    with pytest.raises(HeadlabError, match="allow_foreign=True"):
         validate.check_table_origin(run / "importance.csv", copy, "--scores")
     validate.check_table_origin(run, copy, "--scores", allow_foreign=True)
     # A prune run records its layout after pruning: with the same fingerprint its mask still fits the original.

@@ -139,7 +139,7 @@ def test_demo_replaces_only_its_own_output(tiny_run, tmp_path, monkeypatch, caps
     assert meta["command"] == "headlab demo" and meta["quick"] and (user / "report.html").is_file()
     assert "wrote runs/demo/report.md" in out
     report.check_report_out(user, overwrite=False, demo=True)  # a demo may run again
-    with pytest.raises(HeadlabError, match="--overwrite"):
+    with pytest.raises(HeadlabError, match="overwrite=True"):
         report.check_report_out(user, overwrite=False, demo=False)
     # A file a user added anywhere inside the previous demo (here in a step's folder) makes it theirs: kept.
     (user / "stats" / "my-notes.txt").write_text("mine too")

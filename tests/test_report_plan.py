@@ -10,6 +10,7 @@ import pytest
 from models import tiny_model
 
 from headlab.core.loading import from_model
+from headlab.pruning.sweep import TaskSpec
 from headlab.reporting import report
 
 EVERY_STEP = ["info", "stats", "importance", "gallery", "sweep", "gqa", "recovery", "speed"]
@@ -17,7 +18,7 @@ EVERY_STEP = ["info", "stats", "importance", "gallery", "sweep", "gqa", "recover
 
 def plan(name: str, settings: report.Settings = report.PRESETS["full"], **options) -> report.ReportPlan:
     loaded = from_model(tiny_model(name), spec=f"tiny-{name}")
-    options = {"data": None, "text_column": None, "tasks": None, "include_path": None, **options}
+    options = {"data": None, "text_column": None, "tasks": None, **options}
     return report.plan_report(loaded, settings, out=Path("out"), **options)
 
 
@@ -52,6 +53,8 @@ def test_no_recovery_steps_means_no_recovery_step_but_grouping_stays():
 
 
 def test_tasks_add_their_flags_to_the_sweep_command_only():
-    result = plan("llama", tasks=["arc_easy", "piqa"], include_path="my tasks")
+    result = plan("llama", tasks=TaskSpec(["arc_easy", "piqa"], include_path="my tasks"))
     assert result.commands["sweep"].endswith("--tasks arc_easy,piqa --include-path 'my tasks'")
     assert "--tasks" not in result.commands["stats"]
+    limited = plan("llama", tasks=TaskSpec(["piqa"], limit=5))
+    assert limited.commands["sweep"].endswith("--tasks piqa --task-limit 5")

@@ -63,14 +63,14 @@ def test_pruning_study(models, tmp_path):
             table.loc[table["model"] == model, "perplexity"].tolist()
         )
     assert (out / "study.png").stat().st_size > 10_000
-    with pytest.raises(Exception, match="--overwrite"):
+    with pytest.raises(Exception, match="overwrite=True"):
         study.main([str(models["llama"]), "--out", str(out)])
 
 
 def test_gqa_study_skips_models_without_kv_heads(models, tmp_path, capsys):
     study = load_script("gqa_study")
     args = [models["llama"], models["gpt2"], "--data", models["corpus"], "--groupings", "contiguous"]
-    out = study.main([str(a) for a in args] + SMALL + ["--calib-tokens", "64", "--out", str(tmp_path / "g")])
+    out = study.main([str(a) for a in args] + SMALL + ["--calibration-tokens", "64", "--out", str(tmp_path / "g")])
     assert "skipped" in capsys.readouterr().out
     table = pd.read_csv(out / "study.csv")
     assert set(table["model"]) == {str(models["llama"])}

@@ -229,7 +229,7 @@ def _joint(loaded, select, budget, **kw):
     defaults = dict(unit="head", fraction=None, count=None, allow_empty_layer=False)
     return S.select_joint(
         loaded, select=select, budget=budget, scoring_batches=prepared, grams=grams, scores=scores,
-        search_batches=prepared, progress=False, **{**defaults, **kw},
+        search=S.BudgetSearch(prepared), progress=False, **{**defaults, **kw},
     )  # fmt: skip
 
 
@@ -330,10 +330,10 @@ def test_prune_with_joint_selection_saves_a_consistent_record(select, budget, co
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
     loaded = from_model(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
+    chosen = P.Selection(method="fisher", select=select, budget=budget, calibration_tokens=256, search_tokens=64)
     result = P.prune(
-        loaded, select=select, budget=budget, count=6, method="fisher", compensate=compensate, data=str(corpus),
-        seq_len=32, calibration_tokens=256, search_tokens=64, eval_tokens=128, mode="physical", out=tmp_path / "p",
-        progress=False,
+        loaded, P.PruneSpec(count=6), chosen, compensate=compensate, data=str(corpus), seq_len=32, eval_tokens=128,
+        mode="physical", out=tmp_path / "p", progress=False,
     )  # fmt: skip
     assert result.num_pruned == 6
     assert result.meta["selection"]["select"] == select and result.meta["selection"]["budget"] == budget
@@ -358,16 +358,16 @@ def test_obs_selection_and_its_refit_share_one_gram_pass(tmp_path, monkeypatch):
     for module in (S, P):  # both import it by name: the selection's Grams and the refit's
         monkeypatch.setattr(module, "output_statistics", lambda *a, **k: calls.append(1) or output_statistics(*a, **k))
     loaded = from_model(tiny_model("llama", num_hidden_layers=3), tiny_tokenizer())
-    kw = dict(compensate="ridge", data=str(corpus), seq_len=32, calibration_tokens=256, eval_tokens=128,
-              mode="mask", progress=False)  # fmt: skip
+    kw = dict(compensate="ridge", data=str(corpus), seq_len=32, eval_tokens=128, mode="mask", progress=False)
     with restoring(loaded):
-        shared = P.prune(loaded, select="obs", budget="uniform", count=6, **kw)
+        obs = P.Selection(select="obs", budget="uniform", calibration_tokens=256)
+        shared = P.prune(loaded, P.PruneSpec(count=6), obs, **kw)
         weights = [loaded.adapter.read(layer).o.clone() for layer in loaded.layers]
     assert len(calls) == 1
     # the same heads, refit from Grams computed anew, give the same weights
     with restoring(loaded):
-        P.prune(loaded, heads=";".join(f"{r.layer}:{r.head}" for r in shared.table[shared.table["pruned"]].itertuples()),
-                **kw)  # fmt: skip
+        heads = ";".join(f"{r.layer}:{r.head}" for r in shared.table[shared.table["pruned"]].itertuples())
+        P.prune(loaded, selection=P.Selection(heads=heads, calibration_tokens=256), **kw)
         for layer, w in zip(loaded.layers, weights):
             assert torch.equal(loaded.adapter.read(layer).o, w)
     assert len(calls) == 2
@@ -379,27 +379,28 @@ def test_prune_method_sources_by_name(tmp_path):
 
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
-    common = dict(count=3, data=str(corpus), seq_len=32, calibration_tokens=128, evaluate=False, progress=False)
+    spec, common = P.PruneSpec(count=3), dict(data=str(corpus), seq_len=32, evaluate=False, progress=False)
     chosen = {}
     for method in ("obs", "random", "entropy", "fisher"):
         loaded = from_model(tiny_model("llama"), tiny_tokenizer())
-        chosen[method] = P.prune(loaded, method=method, **common).pruned
+        chosen[method] = P.prune(loaded, spec, P.Selection(method=method, calibration_tokens=128), **common).pruned
         assert sum(len(p) for p in chosen[method]) == 3
-    again = P.prune(from_model(tiny_model("llama"), tiny_tokenizer()), method="random", **common).pruned
+    seeded = P.Selection(method="random", calibration_tokens=128)
+    again = P.prune(from_model(tiny_model("llama"), tiny_tokenizer()), spec, seeded, **common).pruned
     assert again == chosen["random"]
 
 
 def test_sweep_compares_joint_and_ranked_orders(tmp_path):
     from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 
-    from headlab.pruning.sweep import sweep
+    from headlab.pruning.sweep import SweepPlan, sweep
 
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 4)
     loaded = from_model(tiny_model("llama"), tiny_tokenizer())
     result = sweep(
-        loaded, fractions=(0.0, 0.25, 0.5), orders=("obs", "fisher", "fisher-block"), data=str(corpus), seq_len=32,
-        calibration_tokens=128, eval_tokens=64, compensate="ridge", progress=False,
+        loaded, SweepPlan(fractions=(0.0, 0.25, 0.5), orders=("obs", "fisher", "fisher-block")), data=str(corpus),
+        seq_len=32, calibration_tokens=128, eval_tokens=64, compensate="ridge", progress=False,
     )  # fmt: skip
     table = result.table
     assert set(table["order"]) == {"obs", "fisher", "fisher-block"}

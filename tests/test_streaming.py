@@ -13,7 +13,8 @@ from tiny_text import run_cli, save_tiny
 
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
-from headlab.kv import gqa, grouping, streaming
+from headlab.kv import gqa, streaming
+from headlab.kv import grouping as kv_grouping
 from headlab.kv.streaming import checkpoint_files, convert_streaming
 
 
@@ -39,7 +40,7 @@ def in_memory_reference(name: str, kv_heads: int, pool: str, seed: int, director
 
 
 @pytest.mark.parametrize("name", GQA_TYPES)
-@pytest.mark.parametrize("pool", grouping.POOLS)
+@pytest.mark.parametrize("pool", kv_grouping.POOLS)
 def test_streaming_equals_converting_the_loaded_model(name, pool, tmp_path):
     """Sharded source, small output shards: every stored tensor equals the in-memory conversion's, bit for bit."""
     tiny_model(name).save_pretrained(tmp_path / "source", max_shard_size="20KB")

@@ -13,7 +13,7 @@ from headlab.core.loading import from_model
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.gates import head_gates
 from headlab.pruning.scores import random_scores
-from headlab.pruning.sweep import sweep, write_sweep
+from headlab.pruning.sweep import SweepPlan, sweep, write_sweep
 
 EVAL = dict(seq_len=32, batch_size=2)
 
@@ -33,9 +33,7 @@ def test_sweep_rows_match_gated_perplexity(corpus, tmp_path):
     loaded = _loaded()
     result = sweep(
         loaded,
-        fractions=[0.5, 0.0, 0.25],
-        orders=["importance", "random", "iterative", "entropy"],
-        seeds=[0, 1],
+        SweepPlan(fractions=[0.5, 0.0, 0.25], orders=["importance", "random", "iterative", "entropy"], seeds=[0, 1]),
         data=corpus,
         calibration_tokens=128,
         eval_tokens=128,
@@ -69,16 +67,16 @@ def test_sweep_rows_match_gated_perplexity(corpus, tmp_path):
     out = write_sweep(result, tmp_path / "run")
     assert {p.name for p in out.iterdir()} >= {"sweep.csv", "sweep.parquet", "meta.json", "sweep.png"}
     assert len(pd.read_csv(out / "sweep.csv")) == len(table)
-    with pytest.raises(HeadlabError, match="--overwrite"):
+    with pytest.raises(HeadlabError, match="overwrite=True"):
         write_sweep(result, tmp_path / "run")
 
 
 def test_sweep_bad_input():
     loaded = _loaded()
     with pytest.raises(HeadlabError, match=r"\[0, 1\)"):
-        sweep(loaded, fractions=[0.0, 1.0], orders=["random"], progress=False)
+        sweep(loaded, SweepPlan(fractions=[0.0, 1.0], orders=["random"]), progress=False)
     with pytest.raises(HeadlabError, match="unknown order"):
-        sweep(loaded, fractions=[0.0], orders=["magnitude"], progress=False)
+        sweep(loaded, SweepPlan(fractions=[0.0], orders=["magnitude"]), progress=False)
 
 
 def test_cli_sweep(tmp_path, corpus, capsys):

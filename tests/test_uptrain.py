@@ -119,7 +119,7 @@ def test_non_finite_loss_names_the_step():
     gqa.convert(student, 1)
     with torch.no_grad():
         student.layers[0].module.q_proj.weight.mul_(float("inf"))
-    with pytest.raises(HeadlabError, match=r"not finite at step 1.*lower --lr"):
+    with pytest.raises(HeadlabError, match=r"not finite at step 1.*lower the learning rate \(lr=\)"):
         uptrain(student, teacher, data=CORPUS, steps=2, **{**SMALL, "eval_tokens": 0})
 
 
@@ -145,14 +145,14 @@ def test_uptraining_lowers_held_out_loss_and_keeps_pruned_heads_dead(tmp_path):
 def test_bad_settings_fail_before_work():
     teacher = from_model(tiny_model("llama"), tiny_tokenizer())
     for settings, fragment in [
-        (dict(lr=0.0), "--lr"),
-        (dict(lr=-1e-4), "--lr"),
-        (dict(steps=-1), "--steps"),
-        (dict(minutes=0), "--minutes"),
-        (dict(steps=None), "--steps"),
-        (dict(objective="mse"), "mse"),
-        (dict(trained="mlp"), "mlp"),
-        (dict(warmup=1.5), "--warmup"),
+        (dict(lr=0.0), "lr=0.0 must be a positive number"),
+        (dict(lr=-1e-4), "lr=-0.0001 must be"),
+        (dict(steps=-1), "steps=-1 must be"),
+        (dict(minutes=0), "minutes=0 must be"),
+        (dict(steps=None), "steps=None must be"),
+        (dict(objective="mse"), "objective='mse'"),
+        (dict(trained="mlp"), "trained='mlp'"),
+        (dict(warmup=1.5), "warmup=1.5 must be"),
     ]:
         with pytest.raises(HeadlabError, match=fragment):
             uptrain(teacher, teacher, data=CORPUS, progress=False, **settings)

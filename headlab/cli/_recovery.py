@@ -8,8 +8,7 @@ from dataclasses import replace
 import click
 
 from headlab.core.data import TextSpec
-from headlab.recovery.recover import RecoverySpec, parse_stages, recover, teacher_copy
-from headlab.recovery.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, UptrainConfig
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES
 
 
 def recovery_options(function):
@@ -58,6 +57,10 @@ def recovery_options(function):
 
 def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | None = None):
     """The checked RecoverySpec of the options, or None without --recover (checked before any model is loaded)."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.recovery.recover import RecoverySpec, parse_stages
+    from headlab.recovery.uptrain import UptrainConfig
+
     stages = parse_stages(options["stages"])
     if not stages:
         return None
@@ -75,6 +78,8 @@ def recovery_for(spec, loaded, text: TextSpec, progress: bool, *, edits_in_place
     of `text`'s corpus."""
     if spec is None:
         return None
+    from headlab.recovery.recover import recover, teacher_copy  # start-up: torch loads when the command runs
+
     teacher = teacher_copy(loaded) if edits_in_place else loaded
     if not edits_in_place:
         teacher.model.requires_grad_(False)  # a teacher only gives targets (teacher_copy freezes its copy alike)

@@ -18,20 +18,18 @@ from headlab.cli.options import (
     out_option,
 )
 from headlab.cli.parsing import parse_bytes
-from headlab.core.arch import adapter_for
-from headlab.core.checkpoint import describe_check
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_free_space
-from headlab.core.loading import local_checkpoint
 from headlab.core.units import human_bytes
-from headlab.kv.gqa import convert_checkpoint
 from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
-from headlab.kv.streaming import convert_streaming
-from headlab.recovery.recover import describe_stop
 
 
 def print_summary(record: dict) -> None:
     """Before/after perplexity and KV bytes per token, the groups and the reload check, one line each."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.core.checkpoint import describe_check
+    from headlab.recovery.recover import describe_stop
+
     rows = [("KV heads", f"{record['kv_heads_before']} -> {record['kv_heads_after']}")]
     before, after = record.get("perplexity_before"), record.get("perplexity_after")
     if before and after:
@@ -99,6 +97,8 @@ def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
     heads x the stored element size."""
     from transformers import AutoConfig  # here, not at the top: importing transformers costs start-up time
 
+    from headlab.core.arch import adapter_for  # start-up: torch loads with the adapters
+
     total = sum(path.stat().st_size for path in source.glob("*.safetensors"))
     if direction != "expand":
         return total
@@ -112,6 +112,9 @@ def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
 
 def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, as_json, pool="mean", seed=0):
     """The --streaming path of convert-gqa and expand-kv: files in, files out, the model is never run."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.core.loading import local_checkpoint
+    from headlab.kv.streaming import convert_streaming
 
     if load.dtype is not None or load.device_map is not None:
         # Nothing is loaded onto a device: tensors are read and written in their stored dtype.
@@ -181,6 +184,8 @@ def command(  # click passes every option as a parameter
     as_json,
 ):
     """Pool groups of KV heads into one (MHA -> GQA, GQA -> fewer groups or MQA) and save a checkpoint."""
+    from headlab.kv.gqa import PoolSpec, convert_checkpoint  # start-up: torch loads when the command runs
+
     out = Path(out) if out is not None else Path("headlab-gqa")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     recovery = recovery_spec(recovery_options)
@@ -209,12 +214,9 @@ def command(  # click passes every option as a parameter
         loaded,
         kv_heads,
         out,
-        pool=pool,
-        method=method,
-        grouping=grouping,
+        PoolSpec(pool=pool, grouping=grouping, method=method, seed=seed),
         text=text,
         calibration_tokens=calibration_tokens,
-        seed=seed,
         evaluate=not no_eval,
         overwrite=overwrite,
         progress=not as_json,

@@ -17,11 +17,9 @@ from headlab.cli.options import (
     model_options,
     out_option,
 )
-from headlab.core.checkpoint import describe_check
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.kv.mla import BUDGETS, convert_mla_checkpoint
-from headlab.recovery.recover import describe_stop
+from headlab.kv.methods import MLA_BUDGETS
 
 
 def _step_line(step: dict) -> str:
@@ -38,6 +36,10 @@ def _step_line(step: dict) -> str:
 
 def print_summary(record: dict) -> None:
     """The target layout, before/after perplexity and KV bytes, each step exact or approximate, the reload check."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.core.checkpoint import describe_check
+    from headlab.recovery.recover import describe_stop
+
     plan = record["plan"]
     rows = [
         ("MLA layout", f"latent {plan['kv_lora_rank']} + rope {plan['rope_dim']} per token per layer "
@@ -71,7 +73,7 @@ def print_summary(record: dict) -> None:
 @model_options
 @click.option(
     "--budget",
-    type=click.Choice(BUDGETS),
+    type=click.Choice(MLA_BUDGETS),
     default=None,
     help="KV numbers per token per layer as a rung: gqa = the source's own 2 x KV heads x head_dim, mqa = 2 x head_dim",
 )
@@ -96,6 +98,8 @@ def command(
 
     With --recover, the converted model is trained towards the original without its latent norms (plain linear
     latent attention) and the norms are folded in at save (docs/mla.md)."""
+    from headlab.kv.mla import convert_mla_checkpoint  # start-up: torch loads when the command runs, not for --help
+
     recovery = recovery_spec(recovery_options)
     out = Path(out) if out is not None else Path("headlab-mla")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)

@@ -9,7 +9,7 @@ import click
 from headlab.cli.options import guard, model_options
 from headlab.cli.report import report_options
 from headlab.core.data import load_corpus
-from headlab.reporting.report import DEMO_MARKER, DEMO_OUT, is_demo_run, run_report
+from headlab.reporting.choices import DEMO_OUT
 
 
 @click.command("demo")
@@ -26,6 +26,9 @@ from headlab.reporting.report import DEMO_MARKER, DEMO_OUT, is_demo_run, run_rep
 def command(load, data, text_column, quick, fmt, out, overwrite):
     """Run every analysis on the embedded model and write runs/demo/report.md and report.html (a few minutes on a
     CPU; --quick about half that)."""
+    # start-up: torch, pandas and matplotlib load when the command runs, not for --help
+    from headlab.reporting.report import DEMO_MARKER, is_demo_run, run_report
+
     out = Path(out)
     guard(out, overwrite or is_demo_run(out), {"model": load.spec}, data=data)
     load_corpus(data, text_column)

@@ -10,10 +10,7 @@ from headlab.cli.options import data_options, model_options, out_option, task_op
 from headlab.cli.parsing import parse_list
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out
-from headlab.core.tables import write_run
 from headlab.core.units import human_bytes
-from headlab.measure.evaluate import perplexity
-from headlab.runtimes.lm_eval_bridge import run_tasks, task_manager
 
 
 @click.command("eval")
@@ -65,6 +62,8 @@ def command(  # click passes every option as a parameter
         return
     if out is not None or include_path is not None:
         raise HeadlabError("--out and --include-path go with --tasks")
+    from headlab.measure.evaluate import perplexity  # start-up: torch loads when the command runs, not for --help
+
     loaded = load()
     result = perplexity(loaded, text=text, stride=stride, progress=not as_json)
     if as_json:
@@ -95,6 +94,10 @@ def command(  # click passes every option as a parameter
 
 def _run_tasks(load, tasks, include_path, max_length, batch_size, limit, num_fewshot, out, overwrite, as_json):
     """lm-eval tasks on the loaded model; names, YAMLs and the output directory are checked before loading it."""
+    # start-up: torch, pandas and lm-eval load when the command runs, not for --help
+    from headlab.core.tables import write_run
+    from headlab.runtimes.lm_eval_bridge import run_tasks, task_manager
+
     names = parse_list(tasks, str, "tasks")
     manager = task_manager(names, include_path)
     check_out(out, overwrite)

@@ -7,8 +7,6 @@ import click
 
 from headlab.cli.convert_gqa import run_streaming, show, streaming_options
 from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
-from headlab.kv.gqa import convert_checkpoint
-from headlab.kv.grouping import gqa_layers
 
 
 @click.command("expand-kv")
@@ -36,6 +34,10 @@ def command(
     as_json,
 ):
     """Repeat KV heads (GQA -> MHA); the model computes exactly what it did, with a larger KV cache."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.kv.gqa import convert_checkpoint
+    from headlab.kv.grouping import gqa_layers
+
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     if streaming:
         return run_streaming(

@@ -11,8 +11,7 @@ import click
 from headlab.cli.options import data_options, guard, model_options
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.runtimes.gguf_export import DEFAULT_TYPE, check_type, export_gguf
-from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable
+from headlab.runtimes.choices import DEFAULT_TYPE
 
 
 @click.command("export-gguf")
@@ -37,6 +36,10 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
     """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3, and deepseek_v3 with dense MLPs (MLA, llama.cpp's
     `deepseek2`); per-layer head counts go to llama.cpp's `deci` architecture (the one whose graph builds each layer
     with its own head counts)."""
+    # start-up: torch and gguf load when the command runs, not for --help
+    from headlab.runtimes.gguf_export import check_type, export_gguf
+    from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable
+
     # the one output guard: never onto, around or inside the model or the corpus it reads (symlinks resolved)
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     outtype = check_type(outtype)

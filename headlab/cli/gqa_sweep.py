@@ -10,10 +10,7 @@ import click
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
 from headlab.cli.parsing import parse_list
 from headlab.core.units import human_bytes
-from headlab.kv.gqa import run_sweep
-from headlab.kv.ladder import run_ladder
-from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
-from headlab.kv.mla import BUDGETS
+from headlab.kv.methods import GROUPINGS, KV_METHODS, MLA_BUDGETS, POOLS
 
 
 @click.command("gqa-sweep")
@@ -40,7 +37,7 @@ from headlab.kv.mla import BUDGETS
     "--mla",
     default=None,
     metavar="BUDGETS",
-    help=f"comma list of {', '.join(BUDGETS)}: add the training-free MLA conversion (convert-mla) at each rung's "
+    help=f"comma list of {', '.join(MLA_BUDGETS)}: add the training-free MLA conversion (convert-mla) at each rung's "
     "KV budget to the table and the plot: the ladder MHA -> GQA -> MQA -> MLA",
 )
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
@@ -59,9 +56,13 @@ def command(
     overwrite,
 ):
     """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool (and MLA budget), with a plot."""
+    # start-up: torch, pandas and matplotlib load when the command runs, not for --help
+    from headlab.kv.gqa import run_sweep
+    from headlab.kv.ladder import run_ladder
+
     out = out or Path("gqa-sweep")
     guard(out, overwrite, {"model": load.spec}, data=text.data)
-    budgets = tuple(parse_list(mla, str, "mla", BUDGETS)) if mla else ()
+    budgets = tuple(parse_list(mla, str, "mla", MLA_BUDGETS)) if mla else ()
     run = run_ladder if budgets else run_sweep
     frame, _ = run(
         load(),

@@ -9,9 +9,6 @@ import click
 
 from headlab.cli.options import allow_foreign_option, data_options, guard, model_options, out_option
 from headlab.core.errors import HeadlabError
-from headlab.core.tables import write_run
-from headlab.core.validate import check_table_origin
-from headlab.measure.importance import head_importance
 from headlab.measure.importance_methods import IMPORTANCE_METHODS
 
 
@@ -83,6 +80,11 @@ def command(
         raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
     if mask is not None and not mask.is_file():
         raise HeadlabError(f"no such mask file: {mask}")
+    # start-up: torch and pandas load when the command runs, not for --help
+    from headlab.core.tables import write_run
+    from headlab.core.validate import check_table_origin
+    from headlab.measure.importance import head_importance
+
     out = out if out is not None else Path("runs") / f"importance-{method}"
     guard(out, overwrite, {"model": load.spec}, data=text.data, mask=mask)
     loaded = load()

@@ -8,7 +8,7 @@ import click
 
 from headlab.cli.options import model_options
 from headlab.core.units import human_bytes
-from headlab.measure.costs import DTYPE_BYTES, model_info
+from headlab.measure.choices import DTYPE_BYTES
 
 
 @click.command("info")
@@ -24,6 +24,8 @@ from headlab.measure.costs import DTYPE_BYTES, model_info
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(load, context, batch, cache_dtype, as_json):
     """Model type, heads, parameters and KV-cache bytes (with the MHA / GQA / MQA ladder and the MLA rung)."""
+    from headlab.measure.costs import model_info  # start-up: torch loads when the command runs, not for --help
+
     info = model_info(load(), context=context, batch=batch, cache_dtype=cache_dtype)
     if as_json:
         click.echo(json.dumps(info, indent=2))

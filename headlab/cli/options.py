@@ -3,21 +3,35 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from headlab.core.data import PARTS, TextSpec
 from headlab.core.fsio import RUN_DIR_BYTES, check_free_space, guard_output
-from headlab.core.loading import (
-    DEFAULT_MODEL,
-    DEVICE_MAPS,
-    DTYPES,
-    LoadedModel,
-    load_model,
-    model_location,
-    weight_bytes,
-)
+from headlab.core.model_names import DEFAULT_MODEL, DEVICE_MAPS, DTYPE_NAMES
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model a command runs on (--model, --device, --dtype, --device-map, --check-weights): `spec` None (the
+    embedded default), a checkpoint directory, a .gguf file or a hub id. Calling it loads it (load_model)."""
+
+    spec: str | None = None
+    device: str | None = "auto"
+    dtype: str | None = None
+    device_map: str | None = None
+    check_weights: bool = True
+
+    def load(self, **overrides):
+        """The LoadedModel, with any load_model keyword overridden (e.g. dtype="float32")."""
+        from headlab.core.loading import load_model  # start-up: torch and transformers load with the first model
+
+        options = dict(device=self.device, dtype=self.dtype, device_map=self.device_map)
+        return load_model(self.spec, **(options | {"check_weights": self.check_weights} | overrides))
+
+    __call__ = load
 
 
 def model_options(function):
@@ -33,7 +47,7 @@ def model_options(function):
     @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
     @click.option(
         "--dtype",
-        type=click.Choice(list(DTYPES)),
+        type=click.Choice(DTYPE_NAMES),
         default=None,
         help="weights dtype [default: float32 on CPU, bfloat16 on CUDA]",
     )
@@ -51,12 +65,9 @@ def model_options(function):
     )
     @functools.wraps(function)
     def wrapper(*args, model_spec, device, dtype, device_map, check_weights, **kwargs):
-        def load(**overrides) -> LoadedModel:
-            options = dict(device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
-            return load_model(model_spec, **(options | overrides))
-
-        # For commands that can read the checkpoint files without loading the model (convert-gqa --streaming).
-        load.spec, load.dtype, load.device_map = model_spec, dtype, device_map
+        # The command receives the model as a spec it loads by calling it (load(), load(dtype=...)); commands that
+        # read checkpoint files without loading the model (convert-gqa --streaming) use its fields.
+        load = ModelSpec(model_spec, device, dtype, device_map, check_weights)
         return function(*args, load=load, **kwargs)
 
     return wrapper
@@ -142,6 +153,8 @@ def guard(out, overwrite: bool, models: dict, *, data=None, run_dir_bytes: bool 
     does not contain and does not lie inside a model, the corpus or a table the command reads.
     `models`: label -> spec (None: the embedded default); `tables`: option name -> path. run_dir_bytes: also
     require RUN_DIR_BYTES free (commands that write checkpoints check their size after loading instead)."""
+    from headlab.core.loading import model_location  # start-up: the guard runs after parsing, not for --help
+
     inputs = {label: model_location(spec) for label, spec in models.items()}
     inputs["corpus (--data)"] = _local(data)
     inputs.update({f"table (--{name})": _local(path) for name, path in tables.items()})
@@ -150,9 +163,11 @@ def guard(out, overwrite: bool, models: dict, *, data=None, run_dir_bytes: bool 
         check_free_space(out, RUN_DIR_BYTES, "tables, figures and metadata, assumed at most 16 MiB")
 
 
-def guard_checkpoint_space(out, loaded: LoadedModel, extra: int = 0) -> None:
+def guard_checkpoint_space(out, loaded, extra: int = 0) -> None:
     """Before the first forward pass: room for a checkpoint of the loaded model (its parameter and buffer bytes, in
     the dtype it runs in; pruning and KV pooling only shrink it, `extra` is what KV expansion adds)."""
+    from headlab.core.loading import weight_bytes  # start-up: torch loads with the model, not for --help
+
     check_free_space(out, weight_bytes(loaded.model) + extra, "the loaded model's weights in its dtype")
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from headlab.core.fsio import guard_output
-from headlab.viz.plots import FORMATS, plot_run
+from headlab.viz.choices import FORMATS
 
 
 @click.command("plot")
@@ -24,6 +24,8 @@ def command(run_dir, out, fmt):
     tables = sorted(run_dir.rglob("*.csv")) + sorted(run_dir.rglob("*.parquet")) if run_dir.is_dir() else []
     target = out if out is not None else run_dir / "figures"
     guard_output(target, True, {f"table {path.name}": path for path in tables}, option="--out")
+    from headlab.viz.plots import plot_run  # start-up: pandas and matplotlib load when the command runs
+
     written = plot_run(run_dir, out, fmt)
     for path in written:
         click.echo(str(path))

@@ -18,15 +18,11 @@ from headlab.cli.options import (
     model_options,
     out_option,
 )
-from headlab.core.checkpoint import describe_check
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.core.validate import check_table_origin
-from headlab.pruning.prune import DEFAULT_CALIBRATION_TOKENS, MODES, prune
+from headlab.pruning.choices import BUDGETS, DEFAULT_CALIBRATION_TOKENS, MODES, SELECTS, UNITS
 from headlab.pruning.score_sources import SCORE_SOURCES
-from headlab.pruning.selection import BUDGETS, SELECTS, UNITS
-from headlab.recovery.compensate import COMPENSATIONS
-from headlab.recovery.recover import describe_stop
+from headlab.recovery.choices import COMPENSATIONS
 
 
 @click.command("prune")
@@ -117,6 +113,10 @@ def command(  # click passes every option as a parameter
     """Prune the lowest-scoring heads (importance computed on the calibration split unless --scores/--heads),
     print perplexity (eval split), parameters, attention FLOPs and KV-cache bytes before and after, and save a
     checkpoint that is reloaded and compared before the command returns."""
+    # start-up: torch, transformers and pandas load when the command runs, not for --help
+    from headlab.core.validate import check_table_origin
+    from headlab.pruning.prune import PruneSpec, Selection, prune
+
     if text.split != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
     out = Path(out) if out is not None else Path("headlab-pruned")
@@ -126,31 +126,30 @@ def command(  # click passes every option as a parameter
     text = text.resolved()  # one corpus for scoring, compensation, perplexity and recovery
     guard_checkpoint_space(out, loaded)
     check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
-    result = prune(
-        loaded,
-        scores=scores,
+    spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
+    selection = Selection(
         heads=heads,
-        fraction=fraction,
-        count=count,
-        per_layer=per_layer,
-        unit=unit,
-        uniform=uniform,
-        iterative=iterative,
-        allow_empty_layer=allow_empty_layer,
-        mode=mode,
-        out=out,
-        overwrite=overwrite,
+        scores=scores,
         method=method,
-        text=text,
-        calibration_tokens=calibration_tokens,
-        eval_tokens=text.max_tokens,
-        progress=not as_json,
-        compensate=compensate,
-        recovery=recovery_for(recovery, loaded, text, not as_json),
+        iterative=iterative,
         select=select,
         budget=budget,
-        search_tokens=search_tokens,
         seed=seed,
+        calibration_tokens=calibration_tokens,
+        search_tokens=search_tokens,
+    )
+    result = prune(
+        loaded,
+        spec,
+        selection,
+        mode=mode,
+        text=text,
+        eval_tokens=text.max_tokens,
+        compensate=compensate,
+        recovery=recovery_for(recovery, loaded, text, not as_json),
+        out=out,
+        overwrite=overwrite,
+        progress=not as_json,
     )
     if as_json:
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))
@@ -160,6 +159,10 @@ def command(  # click passes every option as a parameter
 
 def _show(result, mode: str) -> None:
     """The before/after table a prune prints: perplexity, recovery, compensation, costs, checkpoint, notes."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.core.checkpoint import describe_check
+    from headlab.recovery.recover import describe_stop
+
     b, a = result.before, result.after
     rows = [
         ("pruned heads", f"{result.num_pruned} of {result.meta['total_heads']} ({mode} mode)"),

@@ -10,10 +10,7 @@ import click
 from headlab.cli.options import guard, model_options, out_option
 from headlab.cli.parsing import parse_list
 from headlab.core.data import load_corpus
-from headlab.pruning.sweep import check_sweep
-from headlab.reporting.report import PRESETS, run_report
-from headlab.runtimes.lm_eval_bridge import task_manager
-from headlab.viz.plots import FORMATS
+from headlab.viz.choices import FORMATS
 
 
 def report_options(function):
@@ -57,6 +54,11 @@ def report_options(function):
 def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_path, orders):
     """Analyse a model end to end and write OUT/report.md and OUT/report.html, each step's tables under OUT
     (redraw the figures with `headlab plot OUT`)."""
+    # start-up: torch, pandas and matplotlib load when the command runs, not for --help
+    from headlab.pruning.sweep import TaskSpec, check_sweep
+    from headlab.reporting.report import PRESETS, run_report
+    from headlab.runtimes.lm_eval_bridge import task_manager
+
     settings = PRESETS["quick" if quick else "full"]
     if orders is not None:
         settings = dataclasses.replace(settings, orders=tuple(parse_list(orders, str, "orders")))
@@ -75,8 +77,7 @@ def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_
         settings=settings,
         overwrite=overwrite,
         fmt=fmt,
-        tasks=task_list,
-        include_path=include_path,
+        tasks=TaskSpec(task_list, include_path) if task_list else None,
     )
     for line in report.summary:
         click.echo(f"- {line}")

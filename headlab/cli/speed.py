@@ -8,7 +8,7 @@ import click
 
 from headlab.cli.options import guard
 from headlab.core.units import human_bytes
-from headlab.runtimes.speed import RUNTIMES, SpeedSpec, run_speed
+from headlab.runtimes.choices import RUNTIMES
 
 
 def _ints(ctx, param, value):
@@ -57,6 +57,9 @@ def command(models, device, dtype, contexts, batches, decode_tokens, prefill_lim
     """Measure each MODEL (hub id, checkpoint directory or .gguf; default the embedded SmolLM2-135M): prefill and
     decode tokens/s with the KV cache at every context x batch, peak memory and KV-cache bytes held. The first
     model is the reference of decode_speedup and kv_ratio."""
+    # start-up: torch, pandas and matplotlib load when the command runs, not for --help
+    from headlab.runtimes.speed import SpeedSpec, run_speed
+
     spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes))
     if out is not None:  # never onto, around or inside a model it measures (symlinks resolved)
         guard(out, overwrite, {f"model {name or '(embedded)'}": name for name in (list(models) or [None])})

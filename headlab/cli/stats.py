@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, guard, model_options, out_option
-from headlab.mechanisms.capture import DEFAULT_CHUNK
+from headlab.mechanisms.choices import DEFAULT_CHUNK
 
 DEFAULT_OUT = Path("runs/stats")
 

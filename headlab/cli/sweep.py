@@ -18,13 +18,9 @@ from headlab.cli.options import (
 from headlab.cli.parsing import parse_list
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import resumable_directory
-from headlab.core.tables import write_run_files
-from headlab.pruning.prune import MODES
+from headlab.pruning.choices import DEFAULT_FRACTIONS, MODES, UNITS
 from headlab.pruning.score_sources import DEFAULT_ORDERS, ORDER_HELP, ORDERS, SWEEP_METHODS
-from headlab.pruning.selection import UNITS
-from headlab.pruning.sweep import DEFAULT_FRACTIONS, check_sweep, sweep, sweep_files
-from headlab.recovery.compensate import COMPENSATIONS
-from headlab.runtimes.lm_eval_bridge import metric_columns, task_manager
+from headlab.recovery.choices import COMPENSATIONS
 
 
 @click.command("sweep")
@@ -92,6 +88,10 @@ def command(  # click passes every option as a parameter
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
+    # start-up: torch, transformers and pandas load when the command runs, not for --help
+    from headlab.core.tables import write_run_files
+    from headlab.pruning.sweep import SweepPlan, TaskSpec, check_sweep, sweep, sweep_files
+    from headlab.runtimes.lm_eval_bridge import task_manager
 
     if text.split != "eval":
         raise HeadlabError("sweep scores perplexity on the eval split; scores always use the calibration split")
@@ -113,16 +113,29 @@ def command(  # click passes every option as a parameter
     options.update(mode=mode, calibration_tokens=calibration_tokens, method=method, compensate=compensate)
     options.update(tasks=task_list, include_path=include_path, task_limit=task_limit)
     key = {"command": "headlab sweep", "model": loaded.describe(), "options": options, "text": repr(text)}
+    plan = SweepPlan(fraction_list, order_list, seed_list, unit, per_layer, mode=mode, method=method)
+    task_spec = TaskSpec(task_list, include_path, task_limit) if task_list else None
     with resumable_directory(out, key, overwrite=overwrite) as journal:
         if journal.resumed:
             click.echo(f"resuming from {journal.staging}: {', '.join(journal.resumed)} already done", err=True)
-        result = sweep(loaded, text=text, eval_tokens=text.max_tokens, journal=journal, **options)
+        result = sweep(
+            loaded,
+            plan,
+            text=text,
+            calibration_tokens=calibration_tokens,
+            eval_tokens=text.max_tokens,
+            compensate=compensate,
+            tasks=task_spec,
+            journal=journal,
+        )
         write_run_files(journal.staging, *sweep_files(result))
     _print(result, out)
 
 
 def _print(result, out: Path) -> None:
     """The sweep's summary table (and task metrics) on standard output."""
+    from headlab.runtimes.lm_eval_bridge import metric_columns  # start-up: pandas loads with the run
+
     summary = (
         result.table.groupby(["order", "compensation", "fraction"], sort=False)
         .agg(pruned=("pruned_heads", "mean"), perplexity=("perplexity", "mean"), tokens_per_s=("tokens_per_s", "mean"))

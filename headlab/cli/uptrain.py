@@ -8,12 +8,9 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import guard, guard_checkpoint_space
-from headlab.core import distributed
-from headlab.core.checkpoint import describe_check
 from headlab.core.errors import HeadlabError
-from headlab.core.loading import DEFAULT_MODEL, DTYPES, load_model
-from headlab.recovery.recover import RecoverySpec, before_after, describe_stop, parse_stages, recover, save_recovered
-from headlab.recovery.uptrain import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED, UptrainConfig
+from headlab.core.model_names import DEFAULT_MODEL, DTYPE_NAMES
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED
 
 
 def training_options(function):
@@ -62,7 +59,7 @@ def training_options(function):
 @click.option("--recover", "stages", default="uptrain", show_default=True, help="stages: local, uptrain or both")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
 @click.option("--device-map", type=click.Choice(["auto"]), default=None, help="spread each model over the devices")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True, help="weights dtype")
+@click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True, help="weights dtype")
 @click.option("--data", default=None, metavar="SPEC", help="corpus [default: embedded Python reference text]")
 @click.option("--text-column", default=None, help="text column of a table corpus [default: text]")
 @training_options
@@ -81,6 +78,19 @@ def command(
 ):
     """Train --student towards --teacher on calibration text (KL by default, attention parameters only), keep the
     state best on held-out calibration text, and save it with recovery/curve.csv and curve.png."""
+    # start-up: torch, transformers and pandas load when the command runs, not for --help
+    from headlab.core import distributed
+    from headlab.core.checkpoint import describe_check
+    from headlab.core.loading import load_model
+    from headlab.recovery.recover import (
+        RecoverySpec,
+        before_after,
+        describe_stop,
+        parse_stages,
+        recover,
+        save_recovered,
+    )
+    from headlab.recovery.uptrain import UptrainConfig  # start-up: torch loads when the command runs
 
     minutes = recipe.pop("minutes")
     recipe["gradient_checkpointing"] = not recipe.pop("no_gradient_checkpointing")

@@ -11,6 +11,8 @@ __all__ = [
     "fsio",
     "layout",
     "loading",
+    "model_names",
+    "registry",
     "reload_stream",
     "tables",
     "units",

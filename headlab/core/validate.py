@@ -195,7 +195,7 @@ def check_finite_weights(model, where: str) -> None:
             bad = int((~torch.isfinite(parameter)).sum())
             raise HeadlabError(
                 f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {parameter.numel()}; "
-                "the checkpoint is damaged (--no-check-weights loads it anyway)"
+                "the checkpoint is damaged (check_weights=False loads it anyway)"
             )
 
 
@@ -322,7 +322,7 @@ def check_table_origin(source, loaded, option: str, allow_foreign: bool = False)
     if not same_model:
         raise HeadlabError(
             f"{option} {source} was computed on {meta.get('model', meta['source'])!r} ({meta_path} says so), not "
-            f"on {current['model']!r}; pass --allow-foreign-scores to use it anyway"
+            f"on {current['model']!r}; pass allow_foreign=True to use it anyway"
         )
     recorded = meta.get("heads_per_layer")
     # Equal fingerprints settle it (a prune run records its layout after pruning, while its mask.csv is in the
@@ -330,5 +330,5 @@ def check_table_origin(source, loaded, option: str, allow_foreign: bool = False)
     if not (theirs and ours) and recorded is not None and recorded != current.get("heads_per_layer"):
         raise HeadlabError(
             f"{option} {source} was computed on a layout with heads per layer {recorded}, this model has "
-            f"{current.get('heads_per_layer')}; pass --allow-foreign-scores to use it anyway"
+            f"{current.get('heads_per_layer')}; pass allow_foreign=True to use it anyway"
         )

@@ -222,37 +222,50 @@ def _merge_batches(loaded, calibration: TextSpec):
     return calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
 
 
+@dataclass(frozen=True)
+class PoolSpec:
+    """How KV heads are pooled into fewer (the choices of `plan_conversion`; expanding ignores them).
+
+    pool: how a pooling method makes one head of a group (headlab.kv.methods.POOLS: mean, first, random)
+    grouping: which KV heads share a group (GROUPINGS: contiguous, or similarity on calibration text)
+    method: a KV_METHODS name (headlab.kv.methods): "mean" pools by `pool`, "svd" merges on calibration windows
+    seed: the seed of pool "random"
+    """
+
+    pool: str = "mean"
+    grouping: str = "contiguous"
+    method: str = "mean"
+    seed: int = 0
+
+
 @takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
 def convert_checkpoint(
     loaded: LoadedModel,
     kv_heads: int,
     out,
+    pooling: PoolSpec = PoolSpec(),
     *,
-    pool: str = "mean",
-    grouping: str = "contiguous",
     text: TextSpec,
     calibration_tokens: int = 2048,
-    seed: int = 0,
     evaluate: bool = True,
     overwrite: bool = False,
     progress: bool = True,
     direction: str = "pool",
-    method: str = "mean",
     recovery=None,
 ) -> dict:
     """`headlab convert-gqa` / `expand-kv`: perplexity and KV bytes before, convert in place, perplexity and KV
     bytes after, save to `out` verified by a vanilla reload. Bad input fails before any work; the source files are
-    never touched (an --out equal to or containing the source is refused). direction "pool" (convert-gqa) refuses
-    more KV heads than the model has, "expand" (expand-kv) fewer. recovery: a function(loaded) -> record run on the
-    converted model before saving (headlab.recovery.recover; the checkpoint then holds recovery/).
+    never touched (an --out equal to or containing the source is refused). pooling: how the KV heads are pooled
+    (a PoolSpec: pool, grouping, method, seed). direction "pool" (convert-gqa) refuses more KV heads than the model
+    has, "expand" (expand-kv) fewer. recovery: a function(loaded) -> record run on the converted model before saving
+    (headlab.recovery.recover; the checkpoint then holds recovery/).
 
-    text: the eval text (a TextSpec; the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
-    batch_size also work); similarity grouping and the svd merge read its calibration split, `calibration_tokens`
-    tokens.
+    text: the eval text (a TextSpec; the loose keywords data, text_column, split, max_tokens, seq_len, batch_size
+    also work); similarity grouping and the svd merge read its calibration split, `calibration_tokens` tokens.
 
-    Composes validate -> measure -> calibrate -> plan -> apply -> measure -> recover -> save. 14 parameters because
-    this is the Python API of both commands (scripts and tests call it by keyword).
+    Composes validate -> measure -> calibrate -> plan -> apply -> measure -> recover -> save.
     """
+    pool, grouping, method, seed = pooling.pool, pooling.grouping, pooling.method, pooling.seed
     action = _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, grouping, method)
     calibrate = action == "pool" and (grouping == "similarity" or KV_METHODS[method].calibrated)
     if evaluate or calibrate:
@@ -288,7 +301,7 @@ def _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, groupin
     check_direction(direction, action, H, G, kv_heads)
     if pool not in POOLS or grouping not in GROUPINGS or method not in KV_METHODS:
         raise HeadlabError(
-            f"--pool must be one of {POOLS}, --grouping one of {GROUPINGS} and --method one of {tuple(KV_METHODS)}"
+            f"pool= must be one of {POOLS}, grouping= one of {GROUPINGS} and method= one of {tuple(KV_METHODS)}"
         )
     return action
 
@@ -431,7 +444,7 @@ def _variant_numbers(loaded: LoadedModel, text: TextSpec, conversion: Conversion
 
 
 def _check_choices(groupings, pools, methods) -> None:
-    checks = (("--grouping", groupings, GROUPINGS), ("--pool", pools, POOLS), ("--method", methods, tuple(KV_METHODS)))
+    checks = (("groupings=", groupings, GROUPINGS), ("pools=", pools, POOLS), ("methods=", methods, tuple(KV_METHODS)))
     for name, values, allowed in checks:
         unknown = [v for v in values if v not in allowed]
         if unknown or not values:

@@ -62,20 +62,20 @@ def uniform_layout(layers: Sequence[AttentionLayer]) -> tuple[int, int, int]:
 def check_kv_heads(num_heads: int, num_kv_heads: int, kv_heads: int) -> str:
     """'pool', 'expand' or 'keep' for a target of `kv_heads` KV heads; bad targets raise HeadlabError."""
     if kv_heads < 1:
-        raise HeadlabError(f"--kv-heads must be at least 1, got {kv_heads}")
+        raise HeadlabError(f"kv_heads={kv_heads} must be at least 1")
     if kv_heads == num_kv_heads:
         return "keep"
     if kv_heads < num_kv_heads:
         if num_kv_heads % kv_heads:
             divisors = [g for g in range(1, num_kv_heads + 1) if num_kv_heads % g == 0]
             raise HeadlabError(
-                f"--kv-heads {kv_heads} does not divide the model's {num_kv_heads} KV heads; use one of {divisors}"
+                f"kv_heads={kv_heads} does not divide the model's {num_kv_heads} KV heads; use one of {divisors}"
             )
         return "pool"
     if kv_heads > num_heads or num_heads % kv_heads or kv_heads % num_kv_heads:
         larger = [g for g in range(num_kv_heads + 1, num_heads + 1) if num_heads % g == 0 and g % num_kv_heads == 0]
         raise HeadlabError(
-            f"--kv-heads {kv_heads} is not reachable from {num_kv_heads} KV heads and {num_heads} query heads: "
+            f"kv_heads={kv_heads} is not reachable from {num_kv_heads} KV heads and {num_heads} query heads: "
             f"pooling needs a divisor of {num_kv_heads}, expanding a multiple of {num_kv_heads} that divides "
             f"{num_heads} ({larger or 'none'})"
         )
@@ -89,9 +89,9 @@ def check_direction(direction: str, action: str, num_heads: int, num_kv_heads: i
     """convert-gqa ("pool") refuses more KV heads than the model has, expand-kv ("expand") fewer or the same."""
     G = num_kv_heads
     if direction == "pool" and action == "expand":
-        raise HeadlabError(f"--kv-heads {kv_heads} is more than the model's {G} KV heads; use `headlab expand-kv`")
+        raise HeadlabError(f"kv_heads={kv_heads} is more than the model's {G} KV heads; use `headlab expand-kv`")
     if direction == "expand" and action == "pool":
-        raise HeadlabError(f"--kv-heads {kv_heads} is fewer than the model's {G} KV heads; use `headlab convert-gqa`")
+        raise HeadlabError(f"kv_heads={kv_heads} is fewer than the model's {G} KV heads; use `headlab convert-gqa`")
     if direction == "expand" and action == "keep":
         # Expanding to the current count would only copy the checkpoint (e.g. expand-kv on an MHA model).
         raise HeadlabError(f"the model already has {G} KV heads for its {num_heads} query heads: nothing to expand")
@@ -192,7 +192,7 @@ def layer_groups(
     """Per layer, the groups of current KV heads to pool into `kv_heads` (and how each layer's were found):
     contiguous (transformers' layout) or similarity (`best_groups` on `similarity["similarity"][layer]`)."""
     if grouping not in GROUPINGS:
-        raise HeadlabError(f"unknown --grouping {grouping!r}; use one of {', '.join(GROUPINGS)}")
+        raise HeadlabError(f"unknown grouping={grouping!r}; use one of {', '.join(GROUPINGS)}")
     G = layers[0].num_kv_heads
     if grouping == "contiguous":
         return [contiguous_groups(G, kv_heads) for _ in layers], ["contiguous"] * len(layers)
@@ -265,7 +265,7 @@ def plan_conversion(
     H, G, D = uniform_layout(layers)
     action = check_kv_heads(H, G, kv_heads)
     if pool not in POOLS:
-        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
+        raise HeadlabError(f"unknown pool={pool!r}; use one of {', '.join(POOLS)}")
     if action != "pool":
         identity = [identity_groups(G, kv_heads) for _ in layers]
         return ConversionPlan(H, G, kv_heads, D, action, None, None, None, seed, identity, [action] * len(layers))
@@ -400,7 +400,7 @@ def pool_weights(weights: HeadWeights, kv_heads: int, pool: str = "mean", seed: 
     over fewer, pooled values.
     """
     if pool not in POOLS:
-        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
+        raise HeadlabError(f"unknown pool={pool!r}; use one of {', '.join(POOLS)}")
     G = weights.num_kv_heads
     m = G // kv_heads
     generator = torch.Generator().manual_seed(seed)

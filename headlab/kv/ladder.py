@@ -14,7 +14,8 @@ from headlab.core.data import TextSpec, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
 from headlab.kv.gqa import gqa_sweep, measured_kv_bytes_per_token, resumable_sweep
-from headlab.kv.mla import BUDGETS, convert_to_mla, input_grams, plan_mla, rope_phases
+from headlab.kv.methods import MLA_BUDGETS
+from headlab.kv.mla import convert_to_mla, input_grams, plan_mla, rope_phases
 from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
 
@@ -22,9 +23,9 @@ from headlab.measure.evaluate import perplexity
 def check_mla_budgets(loaded: LoadedModel, budgets) -> list:
     """Each budget's MlaPlan, validated before any work (one line for an unknown budget or a source MLA cannot
     express)."""
-    unknown = [b for b in budgets if b not in BUDGETS]
+    unknown = [b for b in budgets if b not in MLA_BUDGETS]
     if unknown:
-        raise HeadlabError(f"--mla: unknown budgets {unknown}; use some of {', '.join(BUDGETS)}")
+        raise HeadlabError(f"unknown budgets {unknown} in mla=; use some of {', '.join(MLA_BUDGETS)}")
     return [plan_mla(loaded, budget) for budget in budgets]
 
 
@@ -77,7 +78,7 @@ def mla_rows(loaded: LoadedModel, plans, text: TextSpec, calibration_tokens: int
 
 @takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
 def ladder(
-    loaded: LoadedModel, *, mla: tuple[str, ...] = BUDGETS, text: TextSpec, calibration_tokens: int = 2048, **sweep
+    loaded: LoadedModel, *, mla: tuple[str, ...] = MLA_BUDGETS, text: TextSpec, calibration_tokens: int = 2048, **sweep
 ) -> tuple[pd.DataFrame, dict]:
     """The gqa sweep (headlab.kv.gqa.gqa_sweep, keywords `sweep`) plus one MLA row per budget in `mla`, on one eval
     text; relative_kv_bytes is against the unconverted model's cache for every row."""

@@ -12,6 +12,7 @@ from headlab.core.registry import Lazy, Registry
 
 GROUPINGS = ("contiguous", "similarity")  # which KV heads share a group (headlab.kv.grouping)
 POOLS = ("mean", "first", "random")  # how a pooling method makes one head of a group (headlab.kv.grouping.pool_weights)
+MLA_BUDGETS = ("gqa", "mqa")  # KV budgets of the MLA conversion, as rungs of the ladder (headlab.kv.mla)
 
 
 @dataclass(frozen=True)

@@ -40,13 +40,13 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.gqa import measured_kv_bytes_per_token
 from headlab.kv.grouping import gqa_layers
+from headlab.kv.methods import MLA_BUDGETS
 from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.capture import capture_attention
 from headlab.mechanisms.hooks import hooks
 from headlab.recovery.recover import RECOVERY_DIR, write_recovery
 
-BUDGETS = ("gqa", "mqa")
 LATENT_NORM_EPS = 1e-6  # transformers' DeepseekV3RMSNorm default, hard-coded for kv_a_layernorm and q_a_layernorm
 # Relative error of RMSNorm(c) ~ c / sqrt(eps) allowed at the weights' worst-case input: m / (2 eps) <= FOLD_TOLERANCE.
 FOLD_TOLERANCE = 1e-7
@@ -119,7 +119,7 @@ def check_source(loaded: LoadedModel) -> None:
         raise HeadlabError(f"{name} uses {rope.get('rope_type')} RoPE scaling; MLA conversion takes default RoPE only")
     if any(p.dtype == torch.float16 for p in loaded.model.parameters()):
         raise HeadlabError(
-            "float16 cannot hold the latent-norm fold (its tiny latents underflow); use --dtype float32 or bfloat16"
+            "float16 cannot hold the latent-norm fold (its tiny latents underflow); use dtype='float32' or 'bfloat16'"
         )
 
 
@@ -134,12 +134,12 @@ def plan_mla(
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
     q_bias = loaded.adapter.read(layers[0]).q_bias is not None
-    if budget is not None and budget not in BUDGETS:
-        raise HeadlabError(f"unknown --budget {budget!r}; use one of {', '.join(BUDGETS)}")
+    if budget is not None and budget not in MLA_BUDGETS:
+        raise HeadlabError(f"unknown budget={budget!r}; use one of {', '.join(MLA_BUDGETS)}")
     if budget is not None and kv_lora_rank is not None:
-        raise HeadlabError("give --budget or --kv-lora-rank (with --rope-dim), not both")
+        raise HeadlabError("give budget= or kv_lora_rank (with rope_dim), not both")
     if budget is None and kv_lora_rank is None:
-        raise HeadlabError("give a KV budget: --budget gqa|mqa, or --kv-lora-rank R --rope-dim r")
+        raise HeadlabError("give a KV budget: budget='gqa' or 'mqa', or kv_lora_rank (with rope_dim)")
     total = {"gqa": 2 * G * D, "mqa": 2 * D}.get(budget, (kv_lora_rank or 0) + (rope_dim or rd))
     choice = "given"
     if rope_dim is None:
@@ -150,10 +150,10 @@ def plan_mla(
     kv_lora_rank = total - rope_dim if kv_lora_rank is None else kv_lora_rank
     plan = MlaPlan(H, G, D, rd, kv_lora_rank, rope_dim, budget, choice, q_bias)
     if kv_lora_rank < 1:
-        raise HeadlabError(f"the budget of {total} numbers is not above --rope-dim {rope_dim}: no room for a latent")
+        raise HeadlabError(f"the budget of {total} numbers is not above rope_dim={rope_dim}: no room for a latent")
     if kv_lora_rank > plan.full_rank:
         raise HeadlabError(
-            f"--kv-lora-rank {kv_lora_rank} is above the full rank {plan.full_rank} of [K_nope; V] "
+            f"kv_lora_rank={kv_lora_rank} is above the full rank {plan.full_rank} of [K_nope; V] "
             f"(2 x {G} KV heads x {D} - {rope_dim} rope dims): a larger latent would only cost cache"
         )
     # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
@@ -167,7 +167,7 @@ def plan_mla(
 def _check_rope_dim(rope_dim: int, rotary_dim: int) -> None:
     if rope_dim < 2 or rope_dim % 2 or rotary_dim % rope_dim:
         raise HeadlabError(
-            f"--rope-dim {rope_dim} must be an even divisor of the {rotary_dim} rotary dims (every n-th frequency is "
+            f"rope_dim={rope_dim} must be an even divisor of the {rotary_dim} rotary dims (every n-th frequency is "
             "then exactly RoPE at that dim), e.g. " + ", ".join(str(rotary_dim // n) for n in (1, 2, 4, 8))
         )
 

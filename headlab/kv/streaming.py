@@ -66,7 +66,7 @@ def checkpoint_files(source: Path) -> list[str]:
         return [SINGLE_FILE]
     raise HeadlabError(
         f"{source} has no {SINGLE_FILE} or {INDEX_FILE}; layer-by-layer conversion reads safetensors checkpoints "
-        "(convert others without --streaming)"
+        "(convert others without streaming, on the loaded model)"
     )
 
 
@@ -144,7 +144,7 @@ def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
             return names
     raise HeadlabError(
         f"the checkpoint does not hold {prefix}* under the names {type(model).__name__} uses or saves (renamed "
-        "keys in an older checkpoint?); convert it without --streaming"
+        "keys in an older checkpoint?); convert it without streaming, on the loaded model"
     )
 
 
@@ -171,7 +171,7 @@ def _read_config(source: Path, out: Path, overwrite: bool, pool: str, max_shard_
         raise HeadlabError(f"{source} is not a checkpoint directory with config.json")
     check_checkpoint_out(out, overwrite, source)
     if pool not in POOLS:
-        raise HeadlabError(f"unknown --pool {pool!r}; use one of {', '.join(POOLS)}")
+        raise HeadlabError(f"unknown pool={pool!r}; use one of {', '.join(POOLS)}")
     if max_shard_bytes < 1:
         raise HeadlabError("the shard size must be positive")
     files = checkpoint_files(source)
@@ -242,7 +242,7 @@ class _LayerConverter:
             # path copies through unread: refuse rather than write a half-converted layer.
             raise HeadlabError(
                 f"{type(self.model).__name__} keeps attention weights outside its attention module; convert it "
-                "without --streaming"
+                "without streaming, on the loaded model"
             )
         layer.module.to("meta")  # drop the storage before the next layer
         return converted

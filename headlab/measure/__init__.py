@@ -2,4 +2,4 @@
 perplexity, and costs (parameters, FLOPs, KV-cache bytes).
 """
 
-__all__ = ["costs", "evaluate", "importance", "stats"]
+__all__ = ["choices", "costs", "evaluate", "importance", "importance_methods", "stats"]

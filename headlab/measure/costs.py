@@ -11,6 +11,7 @@ import torch
 
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
+from headlab.measure.choices import DTYPE_BYTES
 
 
 def peak_memory(device: torch.device) -> int:
@@ -18,9 +19,6 @@ def peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
-
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1, "int8": 1}
 
 
 def kv_cache_bytes(
@@ -76,7 +74,7 @@ def model_info(loaded: LoadedModel, context: int = 8192, batch: int = 1, cache_d
     layers = loaded.layers
     cache_dtype = cache_dtype or str(loaded.dtype).removeprefix("torch.")
     if cache_dtype not in DTYPE_BYTES:
-        raise HeadlabError(f"unknown --cache-dtype {cache_dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+        raise HeadlabError(f"unknown cache_dtype={cache_dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
     element = DTYPE_BYTES[cache_dtype]
     heads = sorted({layer.num_heads for layer in layers})
     kv_heads = sorted({layer.num_kv_heads for layer in layers})

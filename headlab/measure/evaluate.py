@@ -115,7 +115,7 @@ def check_max_length(loaded: LoadedModel, max_length: int) -> None:
     """Refuse a window longer than the model's positions (a one-line error instead of an index error)."""
     if loaded.max_positions is not None and max_length > loaded.max_positions:
         raise HeadlabError(
-            f"--max-length/--seq-len {max_length} exceeds the model's maximum positions ({loaded.max_positions})"
+            f"max_length={max_length} exceeds the model's maximum positions ({loaded.max_positions})"
         )
 
 
@@ -158,7 +158,7 @@ def perplexity(
     if not math.isfinite(total_nll):
         raise HeadlabError(
             f"the loss is not finite ({total_nll}); with {str(loaded.dtype)} this is usually overflow: "
-            "try --dtype bfloat16 or float32"
+            "try dtype='bfloat16' or 'float32'"
         )
     words = len(re.split(r"\s+", text))
     n_bytes = len(text.encode("utf-8"))
@@ -203,7 +203,7 @@ def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> 
     require_tokens(ids, "the masked-LM text")
     body = seq_len - 2  # room for [CLS] and [SEP]
     if body < 1:
-        raise HeadlabError(f"--seq-len {seq_len} is too short for a masked-LM window")
+        raise HeadlabError(f"seq_len={seq_len} is too short for a masked-LM window")
     generator = torch.Generator().manual_seed(MLM_SEED)
     rows = [ids[i : i + body] for i in range(0, len(ids), body)]
     total_nll, total_count, start = 0.0, 0, time.perf_counter()

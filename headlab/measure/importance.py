@@ -226,7 +226,7 @@ def taylor_scores(
 ) -> list[torch.Tensor]:
     """I_h = (1/N) sum_x sum_t |ctx_{t,h}^T dL(x)/dctx_{t,h}| (Michel et al.'s code: absolute value per token)."""
     if accumulate != "per-sequence":
-        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+        raise HeadlabError("accumulate='bertology' (the compatibility mode) applies to method='grad' only")
     return _gradient_pass(
         loaded, batches, mask=mask, want="taylor", progress=progress, gradient_checkpointing=gradient_checkpointing
     )
@@ -244,7 +244,7 @@ def _total_nll(loaded, batches, gates) -> float:
 def ablation_scores(loaded, batches, *, mask=None, accumulate="per-sequence", progress=True) -> list[torch.Tensor]:
     """I_h = (sum_x L(x) | xi_h = 0) - sum_x L(x)) / N: the exact loss increase from masking one head (signed)."""
     if accumulate != "per-sequence":
-        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+        raise HeadlabError("accumulate='bertology' (the compatibility mode) applies to method='grad' only")
     base = _base_gates(loaded, mask)
     N = float(distributed.all_reduce_sum(torch.tensor(float(sum(b.scored for b in batches)), dtype=torch.float64)))
     reference = _total_nll(loaded, batches, base)
@@ -352,7 +352,7 @@ def fisher_scores(
 ) -> list[torch.Tensor]:
     """I_h = F_hh = (1/S) sum_x (dl(x)/dxi_h)^2, l(x) the mean NLL of sequence x (Kwon et al. 2022)."""
     if accumulate != "per-sequence":
-        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+        raise HeadlabError("accumulate='bertology' (the compatibility mode) applies to method='grad' only")
     stats = fisher_statistics(
         loaded, batches, mask=mask, progress=progress, gradient_checkpointing=gradient_checkpointing
     )
@@ -366,7 +366,7 @@ def second_order_scores(
     is removed (xi_h: 1 -> 0), with the diagonal empirical Fisher F as the Hessian (LeCun et al. 1990; Kwon et al.
     2022). Signed like ablation; lowest is pruned first."""
     if accumulate != "per-sequence":
-        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+        raise HeadlabError("accumulate='bertology' (the compatibility mode) applies to method='grad' only")
     stats = fisher_statistics(
         loaded, batches, mask=mask, progress=progress, gradient_checkpointing=gradient_checkpointing
     )
@@ -473,7 +473,12 @@ def head_importance(
     seconds = time.perf_counter() - start
     raw = [r.cpu() for r in raw]
     if not all(bool(torch.isfinite(r).all()) for r in raw):
-        raise HeadlabError(f"importance scores are not finite; with {str(loaded.dtype)} try --dtype float32")
+        advice = (
+            "check the weights and the calibration text"
+            if loaded.dtype == torch.float32
+            else f"with {str(loaded.dtype)}, load the model with dtype='float32'"
+        )
+        raise HeadlabError(f"importance scores are not finite; {advice}")
     scores = normalise(raw, layer_norm=layer_norm, global_norm=global_norm)
     table, groups = importance_tables(layers, raw, layer_norm=layer_norm, global_norm=global_norm)
     meta = {
@@ -504,9 +509,11 @@ def _check_importance_options(method: str, accumulate: str, gradient_checkpointi
     if accumulate not in ACCUMULATE:
         raise HeadlabError(f"unknown accumulate {accumulate!r}; use one of {', '.join(ACCUMULATE)}")
     if accumulate == "bertology" and method != "grad":
-        raise HeadlabError("the bertology compatibility mode applies to --method grad only")
+        raise HeadlabError("accumulate='bertology' (the compatibility mode) applies to method='grad' only")
     if gradient_checkpointing and not IMPORTANCE_METHODS[method].backward:
-        raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
+        raise HeadlabError(
+            f"gradient_checkpointing=True applies to the methods with a backward pass, not method={method!r}"
+        )
 
 
 def _importance_windows(loaded: LoadedModel, text: TextSpec, method: str):
@@ -522,7 +529,7 @@ def _importance_windows(loaded: LoadedModel, text: TextSpec, method: str):
         text = text.but(max_tokens=IMPORTANCE_METHODS[method].default_max_tokens)
     window = text.seq_len - 2 if loaded.adapter.is_encoder else text.seq_len
     if window < 2:
-        raise HeadlabError(f"--seq-len {text.seq_len} is too short")
+        raise HeadlabError(f"seq_len={text.seq_len} is too short")
     return text.batches(loaded.tokenizer, seq_len=window, max_positions=loaded.max_positions)
 
 

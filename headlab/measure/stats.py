@@ -391,9 +391,9 @@ def _check_induction(loaded, length: int, count: int, frame_tokens: int) -> None
 def _statistics_windows(loaded, text: TextSpec, framed: bool):
     """The text's windows, 2 tokens shorter when [CLS]/[SEP] frame them, after checking the window length."""
     if text.seq_len < (4 if framed else 2):
-        raise HeadlabError(f"--seq-len must be at least {4 if framed else 2}, got {text.seq_len}")
+        raise HeadlabError(f"seq_len={text.seq_len} must be at least {4 if framed else 2}")
     if loaded.max_positions is not None and text.seq_len > loaded.max_positions:
-        raise HeadlabError(f"--seq-len {text.seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
+        raise HeadlabError(f"seq_len={text.seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
     if loaded.tokenizer is None:
         raise HeadlabError("the model has no tokenizer; pass token batches instead of a corpus")
     return text.batches(loaded.tokenizer, seq_len=text.seq_len - 2 if framed else text.seq_len)
@@ -432,7 +432,7 @@ def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: 
     if not all(bool(torch.isfinite(values["entropy"][0]).all()) for values in means.values() if "entropy" in values):
         raise HeadlabError(
             f"attention statistics are not finite with {str(loaded.dtype).removeprefix('torch.')} "
-            "(overflow?); try --dtype bfloat16 or float32"
+            "(overflow?); try dtype='bfloat16' or 'float32'"
         )
     return means, tokens
 

@@ -19,9 +19,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from headlab.core.arch import AttentionLayer
 from headlab.core.errors import HeadlabError
+from headlab.mechanisms.choices import DEFAULT_CHUNK
 
 FUNCTION_NAME = "headlab_capture"  # must not contain "sdpa": transformers would run its sdpa fallback checks on it
-DEFAULT_CHUNK = 256  # query rows per chunk: B*H*256*T float32 scores at most live at once
 # Where a captured layer's output comes from. "chunks": probabilities x V from the chunks the statistics read, so
 # attention is computed once; "sdpa": the fused kernel beside the chunks (attention computed twice). "auto" takes
 # the faster of the two as measured by scripts/bench_cases/stats.py per device type (docs/performance.md); a device

@@ -36,9 +36,11 @@ from headlab.measure.costs import costs
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.gates import gates_from_pruned, write_mask
 from headlab.mechanisms.restore import restoring
+from headlab.pruning.choices import DEFAULT_CALIBRATION_TOKENS, MODES
 from headlab.pruning.score_sources import SCORE_SOURCES
 from headlab.pruning.scores import ScoreRequest, score_heads
 from headlab.pruning.selection import (
+    BudgetSearch,
     _select_uniform,
     calibration_grams,
     calibration_scoring_batches,
@@ -52,14 +54,7 @@ from headlab.pruning.selection import (
 from headlab.recovery.compensate import apply_compensation, check_compensation, compensation_batches, output_statistics
 from headlab.recovery.recover import RECOVERY_DIR, write_recovery
 
-MODES = ("mask", "physical")
 RECORD_DIR = "pruning"  # inside a pruned checkpoint: heads.csv/.parquet, mask.csv (gates format), meta.json
-# Calibration tokens for the scores, the OBS statistics and the --compensate refit. The refit estimates an
-# (H*D + 1)-row map per layer from the calibration Gram: at 2,048 tokens SmolLM2's 577 dimensions get 3.5 tokens
-# each, the held-out ridge has to shrink hard, and both the choice and the refit are noisy; 16,384 gives about 28
-# per dimension. Measured (docs/selection.md): lower perplexity on the corpus and on text outside it, for every
-# method; the cost is one gradient pass and one forward over these tokens. Wider models want more (docs/selection.md).
-DEFAULT_CALIBRATION_TOKENS = 16384
 
 
 # ---- selection ----------------------------------------------------------------------------------------------------
@@ -71,16 +66,20 @@ def parse_heads(spec: str, layers: list[AttentionLayer]) -> list[set[int]]:
     for part in filter(None, (p.strip() for p in spec.split(";"))):
         match = re.fullmatch(r"(\d+)\s*:\s*(\d+(?:\s*,\s*\d+)*)", part)
         if match is None:
-            raise HeadlabError(f"--heads: cannot read {part!r}; use 'LAYER:HEAD,HEAD;LAYER:HEAD'")
+            raise HeadlabError(f"cannot read {part!r} in heads=; use 'LAYER:HEAD,HEAD;LAYER:HEAD'")
         layer = int(match.group(1))
         if layer >= len(layers):
-            raise HeadlabError(f"--heads: layer {layer} does not exist (the model has {len(layers)} attention layers)")
+            raise HeadlabError(
+                f"heads= names layer {layer}, which does not exist (the model has {len(layers)} attention layers)"
+            )
         for head in (int(h) for h in match.group(2).split(",")):
             if head >= layers[layer].num_heads:
-                raise HeadlabError(f"--heads: layer {layer} has no head {head} ({layers[layer].num_heads} heads)")
+                raise HeadlabError(
+                    f"heads= names head {head} of layer {layer}, which has {layers[layer].num_heads} heads"
+                )
             pruned[layer].add(head)
     if not any(pruned):
-        raise HeadlabError("--heads names no head")
+        raise HeadlabError("heads= names no head")
     return pruned
 
 
@@ -101,7 +100,9 @@ def check_not_empty(layers: list[AttentionLayer], pruned: list[set[int]], allow_
         return
     for layer, heads in zip(layers, pruned):
         if len(heads) >= layer.num_heads:
-            raise HeadlabError(f"this prunes every head of layer {layer.index}; pass --allow-empty-layer to allow it")
+            raise HeadlabError(
+                f"this prunes every head of layer {layer.index}; pass allow_empty_layer=True to allow it"
+            )
 
 
 # ---- applying a selection -----------------------------------------------------------------------------------------
@@ -234,9 +235,14 @@ def _original_layers(table: pd.DataFrame):
     ]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PruneSpec:
-    """How many heads to prune and how to count them: the input of the pure `plan` step besides the scores."""
+    """How many heads to prune and how to count them: the input of the pure `plan` step besides the scores.
+
+    fraction: the fraction of heads (or KV groups) to prune; count: their number instead (neither: 0.2 of them);
+    per_layer: take the amount within every layer, not globally; unit: "head" or "kv-group", what one step removes;
+    uniform: the same number from every layer (or KV group), a vanilla-loadable layout; allow_empty_layer: allow
+    removing every head of a layer. (`prune` reads per_layer/uniform as the budgets of Selection.budget.)"""
 
     fraction: float | None = None
     count: int | None = None
@@ -244,6 +250,37 @@ class PruneSpec:
     unit: str = "head"
     uniform: bool = False
     allow_empty_layer: bool = False
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How `prune` chooses the heads (PruneSpec says how many): given, read from a table, or scored on the
+    calibration split, then ranked or selected jointly under a budget.
+
+    heads: exactly these heads, 'L:h,h;L:h' (nothing is scored; no amount, scores or iterative with it)
+    scores: a scores table instead of scoring: a DataFrame, or a CSV/Parquet path or importance run directory
+    method: the score source when neither is given (headlab.pruning.score_sources: grad, taylor, fisher, ablation,
+        obs, random with `seed`, entropy, ...)
+    iterative: re-score after each of this many steps, the heads chosen so far masked (None: score once)
+    select: rank | fisher-block | obs (headlab.pruning.selection)
+    budget: global | per-layer | uniform | search; None: the one PruneSpec.per_layer/uniform name, else global
+    seed: the seed of method "random"
+    calibration_tokens: calibration tokens for the scores, the OBS statistics and the compensate refit
+    search_tokens: calibration tokens each budget-search measurement runs on
+    low_memory: importance runs one sequence per backward pass with activation checkpointing (same scores, a
+        fraction of the memory)
+    """
+
+    heads: str | None = None
+    scores: object = None  # DataFrame, CSV/Parquet path or importance run directory
+    method: str = "grad"
+    iterative: int | None = None
+    select: str = "rank"
+    budget: str | None = None
+    seed: int = 0
+    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
+    search_tokens: int = 512
+    low_memory: bool = True
 
 
 def plan(
@@ -284,70 +321,56 @@ def apply(loaded: LoadedModel, pruned: list[set[int]], mode: str) -> list[LayerL
 @takes_text(split="calibration", seq_len=256, batch_size=4)
 def prune(
     loaded: LoadedModel,
+    spec: PruneSpec = PruneSpec(),
+    selection: Selection = Selection(),
     *,
-    scores=None,
-    heads: str | None = None,
-    fraction: float | None = None,
-    count: int | None = None,
-    per_layer: bool = False,
-    unit: str = "head",
-    uniform: bool = False,
-    iterative: int | None = None,
-    allow_empty_layer: bool = False,
     mode: str = "mask",
-    out=None,
-    overwrite: bool = False,
-    method: str = "grad",
     text: TextSpec,
-    calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS,
     eval_tokens: int | None = 1024,
     evaluate: bool = True,
-    progress: bool = True,
     compensate: str | None = None,
     recovery=None,
-    select: str = "rank",
-    budget: str | None = None,
-    search_tokens: int = 512,
-    seed: int = 0,
-    low_memory: bool = True,
+    out=None,
+    overwrite: bool = False,
+    progress: bool = True,
 ) -> PruneResult:
     """Select heads, prune them in place (mask or physical), report costs and perplexity before and after, and save
     a verified checkpoint with its pruning record to `out` (when given). Bad input fails before any work.
 
-    The workflow is score -> plan -> compensate -> apply -> evaluate -> save. text: the corpus, its column, the
-    window length and batch size (a TextSpec; the loose keywords data, text_column, seq_len, batch_size also work);
-    scores and compensation read its calibration split (`calibration_tokens`), perplexity its eval split
-    (`eval_tokens`). compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed
-    heads' mean output into the o_proj bias (headlab.recovery.compensate), before pruning. recovery: a function(loaded) ->
-    record run on the pruned model before saving (headlab.recovery.recover).
-    method: a score source of headlab.pruning.scores (grad, taylor, fisher, ablation, obs, random with `seed`, entropy);
-    select: rank | fisher-block | obs and budget: global | per-layer | uniform | search (headlab.pruning.selection; the
-    per_layer / uniform flags are the same budgets); search_tokens: calibration tokens the budget search measures on.
-    low_memory: importance runs one sequence per backward pass with activation checkpointing (same scores, a
-    fraction of the memory)."""
-    # More than 12 parameters: this is the Python face of every `headlab prune` option, kept for API compatibility;
-    # inside, they become a PruneSpec (plan), a ScoreRequest (scores) and two TextSpecs (calibration, eval).
+    The workflow is score -> plan -> compensate -> apply -> evaluate -> save. spec: how many heads and how they are
+    counted (PruneSpec; 0.2 of the heads without fraction or count); selection: how they are chosen (Selection:
+    explicit heads, a scores table, or a score method, ranked or selected jointly under a budget). text: the corpus,
+    its column, the window length and batch size (a TextSpec; the loose keywords data, text_column, seq_len,
+    batch_size also work); scores and compensation read its calibration split (`selection.calibration_tokens`),
+    perplexity its eval split (`eval_tokens`; evaluate=False skips it). mode: "mask" zeroes the heads, "physical"
+    slices them out. compensate: "ridge" refits the kept heads' output-projection columns, "bias" folds the removed
+    heads' mean output into the o_proj bias (headlab.recovery.compensate), before pruning. recovery: a
+    function(loaded) -> record run on the pruned model before saving (headlab.recovery.recover). out, overwrite:
+    the checkpoint directory and whether it may be replaced."""
+    # Inside, the arguments become a PruneSpec (plan), a ScoreRequest (scores) and two TextSpecs (calibration, eval).
+    heads, scores, method, iterative = selection.heads, selection.scores, selection.method, selection.iterative
     check_compensation(loaded, compensate)
-    budget = _budget(budget, per_layer, uniform)
-    spec = PruneSpec(fraction, count, budget == "per-layer", unit, budget == "uniform", allow_empty_layer)
-    _check_prune(loaded, spec, heads=heads, scores=scores, iterative=iterative, mode=mode, out=out, overwrite=overwrite)
-    joint = heads is None and (select != "rank" or budget == "search")
-    _check_selection(loaded, spec, select, budget, method, compensate, iterative, heads, scores, joint)
+    budget = _budget(selection.budget, spec.per_layer, spec.uniform)
+    spec = replace(spec, per_layer=budget == "per-layer", uniform=budget == "uniform")  # never the caller's object
+    spec = _check_prune(loaded, spec, heads=heads, scores=scores, iterative=iterative, mode=mode, out=out,
+                        overwrite=overwrite)  # fmt: skip
+    joint = heads is None and (selection.select != "rank" or budget == "search")
+    _check_selection(loaded, spec, selection, budget, compensate, joint)
     # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
     reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
     text = text.resolved() if reads_text else text
-    request = ScoreRequest(text.but(split="calibration", max_tokens=calibration_tokens), progress, seed,
-                           table=scores, low_memory=low_memory)  # fmt: skip
-    choice = _select_heads(loaded, spec, request, heads=heads, method=method, select=select, budget=budget, joint=joint,
-                           iterative=iterative, compensate=compensate, search_tokens=search_tokens)  # fmt: skip
+    request = ScoreRequest(text.but(split="calibration", max_tokens=selection.calibration_tokens), progress,
+                           selection.seed, table=scores, low_memory=selection.low_memory)  # fmt: skip
+    choice = _select_heads(loaded, spec, request, selection, budget=budget, joint=joint, compensate=compensate)
     gates = gates_from_pruned(loaded.layers, choice.pruned)  # on the original heads, before physical surgery
     eval_text = text.but(split="eval", max_tokens=eval_tokens)
     evaluation = eval_text if evaluate else None
     request = replace(request, grams=choice.grams)  # the refit reads the Grams the selection computed, if any
     measured = _prune_and_measure(loaded, choice.pruned, mode, compensate, request, evaluation, recovery)
-    selection = dict(heads=heads, scores=scores, method=method, iterative=iterative, select=select, budget=budget,
-                     calibration_tokens=calibration_tokens, joint=choice.joint_meta, seed=seed)  # fmt: skip
-    meta = _prune_record(loaded, mode, measured, _selection_record(selection, spec), choice.pruned, eval_text)
+    record = dict(heads=heads, scores=scores, method=method, iterative=iterative, select=selection.select,
+                  budget=budget, calibration_tokens=selection.calibration_tokens, joint=choice.joint_meta,
+                  seed=selection.seed)  # fmt: skip
+    meta = _prune_record(loaded, mode, measured, _selection_record(record, spec), choice.pruned, eval_text)
     verification = None
     if out is not None:
         verification = save_pruned(
@@ -370,10 +393,11 @@ class _Choice:
     grams: list | None = None  # the calibration Grams the selection computed (--compensate refits from the same)
 
 
-def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, method, select, budget, joint,
-                  iterative, compensate, search_tokens) -> _Choice:  # fmt: skip
+def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, selection: Selection, *, budget, joint,
+                  compensate) -> _Choice:  # fmt: skip
     """The selection step: explicit heads, score -> plan (iterated), or (`joint`) a joint selection / budget
-    search."""
+    search. `budget`: the budget _budget resolved from `selection` and `spec`."""
+    heads, method, select, iterative = selection.heads, selection.method, selection.select, selection.iterative
     table_source = request.table
     choosing = heads is None and table_source is None
     if heads is None and (select == "obs" or (choosing and method == "obs") or (budget == "search" and compensate)):
@@ -384,7 +408,7 @@ def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, *, heads, meth
         pruned, current = parse_heads(heads, loaded.layers), None
         check_not_empty(loaded.layers, pruned, spec.allow_empty_layer)
     elif joint:
-        chosen = _choose_joint(loaded, spec, select, budget, method, request, table_scores, compensate, search_tokens)
+        chosen = _choose_joint(loaded, spec, selection, budget, request, table_scores, compensate)
         table = _with_steps(pruned_table(loaded.layers, chosen.pruned, chosen.scores), chosen.table)
         return _Choice(chosen.pruned, table, chosen.meta, request.grams)
     else:
@@ -437,8 +461,8 @@ def _prune_record(loaded, mode, measured: dict, selection: dict, pruned, eval_te
 
 
 def _selection_record(options: dict, spec: PruneSpec) -> dict:
-    """The meta.json `selection` entry, in the key order earlier records used; `options`: prune's selection
-    arguments (heads, scores, method, iterative, select, budget, calibration_tokens, joint, seed)."""
+    """The meta.json `selection` entry, in the key order earlier records used; `options`: the Selection's fields
+    as prune resolved them (heads, scores, method, iterative, select, budget, calibration_tokens, joint, seed)."""
     heads, scores, method, select = options["heads"], options["scores"], options["method"], options["select"]
     selection = {
         "heads": heads,
@@ -457,22 +481,26 @@ def _selection_record(options: dict, spec: PruneSpec) -> dict:
     return {**{key: merged[key] for key in keys}, **{k: merged[k] for k in extra}}
 
 
-def _check_prune(loaded, spec: PruneSpec, *, heads, scores, iterative, mode, out, overwrite) -> None:
-    """Every option check that needs no forward pass; fills the default amount (20% of the heads) into `spec`."""
+def _check_prune(loaded, spec: PruneSpec, *, heads, scores, iterative, mode, out, overwrite) -> PruneSpec:
+    """Every option check that needs no forward pass; returns `spec` with the default amount (20% of the heads)
+    filled in."""
     if mode not in MODES:
-        raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
+        raise HeadlabError(f"unknown mode={mode!r}; use mask or physical")
     if heads is not None:
         if scores is not None or iterative or spec.fraction is not None or spec.count is not None or spec.uniform:
-            raise HeadlabError("--heads names the heads itself; drop --scores/--fraction/--count/--iterative/--uniform")
+            raise HeadlabError(
+                "heads= names the heads itself; drop scores=, fraction=, count=, iterative= and uniform="
+            )
     else:
         if spec.fraction is None and spec.count is None:
-            spec.fraction = 0.2
+            spec = replace(spec, fraction=0.2)
         check_amount(spec.fraction, spec.count)
         check_unit(loaded.layers, spec.unit)
     if iterative is not None and (iterative < 1 or spec.uniform):
-        raise HeadlabError("--iterative needs STEPS >= 1 and cannot be combined with --uniform")
+        raise HeadlabError("iterative= needs at least 1 step and cannot be combined with uniform=True")
     if out is not None:
         check_checkpoint_out(out, overwrite, loaded.source)
+    return spec
 
 
 def _choose(loaded, spec: PruneSpec, method: str, request: ScoreRequest, table_scores, iterative):
@@ -512,26 +540,26 @@ def _budget(budget: str | None, per_layer: bool, uniform: bool) -> str:
     """--budget, or the budget the --per-layer / --uniform flags name (global without either)."""
     implied = "uniform" if uniform else "per-layer" if per_layer else None
     if per_layer and uniform:
-        raise HeadlabError("--per-layer and --uniform are different budgets; give one")
+        raise HeadlabError("per_layer=True and uniform=True are different budgets; give one")
     if budget is not None and implied is not None and budget != implied:
-        raise HeadlabError(f"--budget {budget} contradicts --{implied}; give one")
+        raise HeadlabError(f"budget={budget!r} contradicts {implied.replace('-', '_')}=True; give one")
     return budget or implied or "global"
 
 
-def _check_selection(loaded, spec: PruneSpec, select, budget, method, compensate, iterative, heads, scores, joint):
+def _check_selection(loaded, spec: PruneSpec, selection: Selection, budget, compensate, joint):
     """The selection options' checks that need no forward pass (headlab.pruning.selection), after _check_prune."""
+    select, method, iterative = selection.select, selection.method, selection.iterative
+    heads, scores = selection.heads, selection.scores
     check_select(select, budget, compensate=compensate, iterative=iterative, heads=heads, scores=scores)
     if heads is None and scores is None:
         choosable = SCORE_SOURCES.names(choosable=True)
         if method not in choosable:
-            raise HeadlabError(
-                f"unknown score method {method!r}; use one of {', '.join(choosable)} (or a --scores table)"
-            )
+            raise HeadlabError(f"unknown method={method!r}; use one of {', '.join(choosable)} (or a scores= table)")
         if iterative and not SCORE_SOURCES[method].recomputable:
             names = ", ".join(SCORE_SOURCES.names(recomputable=True))
-            raise HeadlabError(f"--iterative re-scores with heads removed: --method {names}")
+            raise HeadlabError(f"iterative= re-scores with heads removed: method= {names}")
     if select == "obs":
-        check_resident(loaded, "--select obs (it reads the output projections to refit them)")
+        check_resident(loaded, "select='obs' (it reads the output projections to refit them)")
     if joint:
         check_budget(
             loaded.layers, unit=spec.unit, budget=budget, fraction=spec.fraction, count=spec.count,
@@ -547,17 +575,18 @@ class _Joint:
     meta: dict
 
 
-def _choose_joint(loaded, spec: PruneSpec, select, budget, method, request, table_scores, compensate, search_tokens):
+def _choose_joint(loaded, spec: PruneSpec, selection: Selection, budget, request, table_scores, compensate):
     """A joint selection or a budget search (headlab.pruning.selection) instead of score -> plan."""
     current = table_scores
-    if current is None and select == "rank":
-        current = score_heads(method, loaded, request)
+    if current is None and selection.select == "rank":
+        current = score_heads(selection.method, loaded, request)
+    search_text = request.text.but(max_tokens=selection.search_tokens)
     chosen = select_joint(
-        loaded, select=select, budget=budget, unit=spec.unit, fraction=spec.fraction, count=spec.count,
+        loaded, select=selection.select, budget=budget, unit=spec.unit, fraction=spec.fraction, count=spec.count,
         allow_empty_layer=spec.allow_empty_layer,
         scoring_batches=calibration_scoring_batches(loaded, request.text),
-        grams=request.grams, scores=current, compensate=compensate,
-        search_batches=calibration_scoring_batches(loaded, request.text.but(max_tokens=search_tokens))
+        grams=request.grams, scores=current,
+        search=BudgetSearch(calibration_scoring_batches(loaded, search_text), compensate)
         if budget == "search" else None,
         progress=request.progress,
     )  # fmt: skip

@@ -159,7 +159,7 @@ def obs_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[to
     """The loss-weighted o_proj reconstruction error left after the ridge refit when each head alone is removed
     (headlab.pruning.obs): the Grams of --compensate and the block-output Fisher, on calibration text."""
     if request.pruned is not None and any(request.pruned):
-        raise HeadlabError("the obs score is taken on the unpruned model; --iterative re-scores importance methods")
+        raise HeadlabError("the obs score is taken on the unpruned model; iterative= re-scores importance methods only")
     grams = request.grams
     if grams is None:
         grams = calibration_grams(loaded, request.text, progress=request.progress)

@@ -29,12 +29,10 @@ from headlab.core.errors import HeadlabError
 from headlab.measure.importance import fisher_statistics, sequence_nll
 from headlab.measure.importance import scoring_batches as prepare_batches
 from headlab.mechanisms.gates import gates_from_pruned, head_gates
+from headlab.pruning.choices import BUDGETS, SELECTS, UNITS
 from headlab.pruning.obs import choose_alpha_path
 from headlab.recovery.compensate import compensated, compensation_batches, output_statistics
 
-UNITS = ("head", "kv-group")
-SELECTS = ("rank", "fisher-block", "obs")
-BUDGETS = ("global", "per-layer", "uniform", "search")
 SELECT_HELP = {
     "rank": "rank the per-head scores of --method (lowest first)",
     "fisher-block": "per layer, greedily the heads whose joint block-diagonal Fisher cost 1/2 1_R^T F 1_R is least",
@@ -67,7 +65,7 @@ def _units(layer: AttentionLayer, unit: str) -> list[list[int]]:
 def _amount(fraction: float | None, count: int | None, total: int, what: str) -> int:
     if count is not None:
         if count > total:
-            raise HeadlabError(f"--count {count} exceeds the {total} {what}")
+            raise HeadlabError(f"count={count} exceeds the {total} {what}")
         return count
     return _nearest(fraction * total)
 
@@ -79,11 +77,11 @@ def _nearest(x: float) -> int:
 
 def check_amount(fraction: float | None, count: int | None) -> None:
     if (fraction is None) == (count is None):
-        raise HeadlabError("give exactly one of --fraction and --count")
+        raise HeadlabError("give exactly one of fraction= and count=")
     if fraction is not None and not 0 <= fraction < 1:
-        raise HeadlabError(f"--fraction must be in [0, 1), got {fraction}")
+        raise HeadlabError(f"fraction={fraction} must be in [0, 1)")
     if count is not None and count < 0:
-        raise HeadlabError(f"--count must be >= 0, got {count}")
+        raise HeadlabError(f"count={count} must be >= 0")
 
 
 def select_heads(
@@ -130,7 +128,7 @@ def select_heads(
             done = _take_in_order(((i, heads) for heads in ordered), done, target, fits, pruned)
             if done < target:
                 raise HeadlabError(
-                    f"cannot prune {target} {what} of layer {i} and keep one head; pass --allow-empty-layer"
+                    f"cannot prune {target} {what} of layer {i} and keep one head; pass allow_empty_layer=True"
                 )
         return pruned
     total = sum(len(u) for u in units)
@@ -142,7 +140,7 @@ def select_heads(
     done = _take_in_order(((i, heads) for _, i, heads in candidates), done, target, fits, pruned)
     if done < target:
         raise HeadlabError(
-            f"cannot prune {target} {what} while keeping one head in every layer; pass --allow-empty-layer"
+            f"cannot prune {target} {what} while keeping one head in every layer; pass allow_empty_layer=True"
         )
     return pruned
 
@@ -161,17 +159,17 @@ def _take_in_order(candidates, done: int, target: int, fits, pruned: list[set[in
 
 def check_unit(layers: list[AttentionLayer], unit: str) -> None:
     if unit not in UNITS:
-        raise HeadlabError(f"unknown --unit {unit!r}; use one of {', '.join(UNITS)}")
+        raise HeadlabError(f"unknown unit={unit!r}; use one of {', '.join(UNITS)}")
     if unit == "kv-group" and all(layer.group_size == 1 for layer in layers):
-        raise HeadlabError("--unit kv-group means nothing different on a model without GQA (one query per KV head)")
+        raise HeadlabError("unit='kv-group' means nothing different on a model without GQA (one query per KV head)")
 
 
 def _select_uniform(layers, scores, fraction, count, unit, pruned) -> list[set[int]]:
     """Remove the same number k from every container: per KV group (GQA heads), per layer (MHA heads, KV groups)."""
     if any(pruned):
-        raise HeadlabError("--uniform cannot be combined with iterative or preset pruning")
+        raise HeadlabError("uniform=True cannot be combined with iterative or preset pruning")
     if len({(layer.num_heads, layer.num_kv_heads) for layer in layers}) != 1:
-        raise HeadlabError("--uniform needs every attention layer to have the same head layout")
+        raise HeadlabError("uniform=True needs every attention layer to have the same head layout")
     H, G = layers[0].num_heads, layers[0].num_kv_heads
     gs = H // G
     if unit == "head" and gs > 1:
@@ -187,8 +185,8 @@ def _select_uniform(layers, scores, fraction, count, unit, pruned) -> list[set[i
     if count is not None:
         if count % n_containers:
             raise HeadlabError(
-                f"--uniform cannot prune {count} {'KV groups' if unit == 'kv-group' else 'heads'}: the count must be "
-                f"a multiple of {n_containers} (the same number in each of {n_containers} "
+                f"uniform=True cannot prune {count} {'KV groups' if unit == 'kv-group' else 'heads'}: the count "
+                f"must be a multiple of {n_containers} (the same number in each of {n_containers} "
                 f"{'layers' if size != gs or unit != 'head' else 'KV groups'}), e.g. {n_containers}"
             )
         k = count // n_containers
@@ -196,12 +194,12 @@ def _select_uniform(layers, scores, fraction, count, unit, pruned) -> list[set[i
         k = _nearest(fraction * size)
     if (fraction or count) and k == 0:
         raise HeadlabError(
-            f"--uniform cannot prune {fraction if count is None else count}: the nearest uniform layout removes 0 "
+            f"uniform=True cannot prune {fraction if count is None else count}: the nearest uniform layout removes 0 "
             f"of {size} {what} (smallest step: 1/{size} = {1 / size:.3f})"
         )
     if k >= size:
-        hint = "; prune whole groups with --unit kv-group" if unit == "head" and gs > 1 else ""
-        raise HeadlabError(f"--uniform cannot remove all {size} {what}{hint}")
+        hint = "; prune whole groups with unit='kv-group'" if unit == "head" and gs > 1 else ""
+        raise HeadlabError(f"uniform=True cannot remove all {size} {what}{hint}")
     for i, layer_containers in enumerate(containers):
         for members in layer_containers:
             if unit == "kv-group":
@@ -391,24 +389,24 @@ class SelectionResult:
 
 def check_select(select: str, budget: str, *, compensate=None, iterative=None, heads=None, scores=None) -> None:
     if select not in SELECTS:
-        raise HeadlabError(f"unknown --select {select!r}; use one of {', '.join(SELECTS)}")
+        raise HeadlabError(f"unknown select={select!r}; use one of {', '.join(SELECTS)}")
     if budget not in BUDGETS:
-        raise HeadlabError(f"unknown --budget {budget!r}; use one of {', '.join(BUDGETS)}")
+        raise HeadlabError(f"unknown budget={budget!r}; use one of {', '.join(BUDGETS)}")
     if select == "rank" and budget != "search":
         return
     if heads is not None:
-        raise HeadlabError("--heads names the heads itself; drop --select/--budget search")
+        raise HeadlabError("heads= names the heads itself; drop select= and budget='search'")
     if iterative:
         raise HeadlabError(
-            f"--iterative re-scores between steps; --select {select} and --budget search are greedy already"
+            f"iterative= re-scores between steps; select={select!r} and budget='search' are greedy already"
         )
     if select == "obs" and compensate == "bias":
         raise HeadlabError(
-            "--select obs predicts the ridge refit of --compensate ridge; with --compensate bias the refit it "
-            "assumes does not apply (use --select rank or fisher-block)"
+            "select='obs' predicts the ridge refit of compensate='ridge'; with compensate='bias' the refit it "
+            "assumes does not apply (use select='rank' or 'fisher-block')"
         )
     if select != "rank" and scores is not None:
-        raise HeadlabError(f"--scores gives per-head scores for --select rank; --select {select} computes its own")
+        raise HeadlabError(f"scores= gives per-head scores for select='rank'; select={select!r} computes its own")
 
 
 def check_budget(layers, *, unit, budget, fraction, count, allow_empty_layer) -> None:
@@ -427,15 +425,28 @@ def check_budget(layers, *, unit, budget, fraction, count, allow_empty_layer) ->
         for layer, n in zip(layers, units):
             if _amount(fraction, count, n, f"{what} of layer {layer.index}") >= n:
                 raise HeadlabError(
-                    f"cannot prune every {what[:-1]} of layer {layer.index} and keep one head; pass --allow-empty-layer"
+                    f"cannot prune every {what[:-1]} of layer {layer.index} and keep one head; "
+                    "pass allow_empty_layer=True"
                 )
         return
     target, room = _amount(fraction, count, sum(units), what), sum(n - 1 for n in units)
     if target > room:
         raise HeadlabError(
             f"cannot prune {target} {what} while keeping one head in every layer (at most {room}); "
-            "pass --allow-empty-layer"
+            "pass allow_empty_layer=True"
         )
+
+
+@dataclass(frozen=True)
+class BudgetSearch:
+    """What --budget search measures its per-layer loss curves on (measured_curves).
+
+    batches: the prepared ScoringBatches each measurement runs on (the search tokens of the calibration split)
+    compensate: the compensation the prune will apply ("ridge", "bias"), refitted in every measurement; None: none
+    """
+
+    batches: object
+    compensate: str | None = None
 
 
 def select_joint(
@@ -450,15 +461,13 @@ def select_joint(
     scoring_batches,
     grams=None,
     scores=None,
-    compensate=None,
-    search_batches=None,
+    search: BudgetSearch | None = None,
     progress=True,
 ) -> SelectionResult:
     """Paths by `select` (per-head `scores` for rank), then `budget` (see the module docstring).
 
     scoring_batches: prepared ScoringBatches for the gradient statistics; grams: headlab.recovery.compensate's output
-    statistics (obs, and search with compensation); search_batches: ScoringBatches the search measures on.
-    Many parameters: one selection spec spelled out, each used once (a spec object would be the same list)."""
+    statistics (obs, and search with compensation); search: what budget "search" measures on (BudgetSearch)."""
     check_amount(fraction, count)
     check_unit(loaded.layers, unit)
     cap = uniform_cap(loaded.layers, unit, fraction, count) if budget == "uniform" else None
@@ -467,7 +476,9 @@ def select_joint(
         scoring_batches=scoring_batches, grams=grams, scores=scores, progress=progress,
     )  # fmt: skip
     if budget == "search":
-        curves = measured_curves(loaded, paths, search_batches, compensate=compensate, grams=grams, progress=progress)
+        curves = measured_curves(
+            loaded, paths, search.batches, compensate=search.compensate, grams=grams, progress=progress
+        )
         for p, curve in zip(paths, curves):
             p.extra["measured"] = curve
     taken = allocate(loaded, paths, budget=budget, unit=unit, fraction=fraction, count=count, cap=cap)
@@ -487,7 +498,7 @@ def joint_paths(
     meta: dict = {"select": select, "budget": budget, "unit": unit}
     if select == "rank":
         if scores is None:
-            raise HeadlabError("--select rank needs per-head scores")
+            raise HeadlabError("select='rank' needs per-head scores")
         paths = [score_path(layer, units[i], scores[i], allowed[i], steps[i]) for i, layer in enumerate(layers)]
     elif select == "fisher-block":
         stats = fisher_statistics(loaded, scoring_batches, progress=progress)
@@ -497,7 +508,7 @@ def joint_paths(
         meta["fisher_sequences"] = stats.sequences
     else:
         if grams is None:
-            raise HeadlabError("--select obs needs the calibration Gram of the output projections")
+            raise HeadlabError("select='obs' needs the calibration Gram of the output projections")
         stats = fisher_statistics(loaded, scoring_batches, output_fisher=True, progress=progress)
         paths = obs_paths(loaded, grams, stats.output, units, allowed, steps, progress)
         meta["fisher_tokens"] = stats.tokens
@@ -505,7 +516,7 @@ def joint_paths(
     if budget == "uniform":
         short = [p.layer for p, s in zip(paths, steps) if len(p.units) < s]
         if short:
-            raise HeadlabError(f"--budget uniform cannot remove {cap} per container in layers {short}")
+            raise HeadlabError(f"budget='uniform' cannot remove {cap} per container in layers {short}")
     return paths, meta
 
 
@@ -523,7 +534,8 @@ def allocate(loaded, paths: list[Path], *, budget, unit, fraction, count, cap=No
             target = _amount(fraction, count, len(u), f"{what} of layer {layer.index}")
             if target > len(p.units):
                 raise HeadlabError(
-                    f"cannot prune {target} {what} of layer {layer.index} and keep one head; pass --allow-empty-layer"
+                    f"cannot prune {target} {what} of layer {layer.index} and keep one head; "
+                    "pass allow_empty_layer=True"
                 )
             taken.append(target)
         return taken
@@ -532,7 +544,7 @@ def allocate(loaded, paths: list[Path], *, budget, unit, fraction, count, cap=No
     if target > room:
         raise HeadlabError(
             f"cannot prune {target} {what} while keeping one head in every layer (at most {room}); "
-            "pass --allow-empty-layer"
+            "pass allow_empty_layer=True"
         )
     if budget == "global":
         return take_global(paths, target)

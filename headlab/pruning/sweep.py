@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -21,14 +22,13 @@ from headlab.core.loading import LoadedModel
 from headlab.core.tables import write_run
 from headlab.measure.costs import costs
 from headlab.measure.evaluate import perplexity
+from headlab.pruning.choices import DEFAULT_FRACTIONS
 from headlab.pruning.prune import MODES, PruneSpec, plan, pruned_in_place
 from headlab.pruning.score_sources import DEFAULT_ORDERS, JOINT_ORDERS, ORDER_HELP, ORDERS
 from headlab.pruning.scores import ScoreRequest, score_heads
 from headlab.pruning.selection import allocate, calibration_scoring_batches, check_unit, joint_paths
 from headlab.recovery.compensate import check_compensation, compensated, compensation_batches, output_statistics
 from headlab.runtimes.lm_eval_bridge import metric_columns, run_tasks, task_columns, task_manager
-
-DEFAULT_FRACTIONS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 
 
 @dataclass
@@ -37,10 +37,53 @@ class SweepResult:
     meta: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class SweepPlan:
+    """Which pruned models a sweep measures: every fraction in every order.
+
+    fractions: fractions of the heads (or KV groups) to prune, each in [0, 1) (sorted, duplicates dropped)
+    orders: pruning orders (headlab.pruning.score_sources.ORDERS), duplicates dropped
+    seeds: the seeds the random order averages over
+    unit: "head" or "kv-group", what one pruning step removes
+    per_layer: prune each fraction within every layer, not globally
+    allow_empty_layer: allow removing every head of a layer
+    mode: "physical" slices the heads out (the smaller model's speed; mask where physical is approximate), "mask"
+        zeroes them
+    method: the score source of the importance and iterative orders
+    """
+
+    fractions: Sequence[float] = DEFAULT_FRACTIONS
+    orders: Sequence[str] = DEFAULT_ORDERS
+    seeds: Sequence[int] = (0, 1, 2)
+    unit: str = "head"
+    per_layer: bool = False
+    allow_empty_layer: bool = False
+    mode: str = "physical"
+    method: str = "grad"
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """lm-eval tasks run on every pruned model as well (headlab.runtimes.lm_eval_bridge), as "task/metric" columns.
+
+    tasks: the task names
+    include_path: a directory of local task YAMLs (None: lm-eval's own tasks only)
+    limit: at most this many documents per task (None: all)
+    """
+
+    tasks: Sequence[str]
+    include_path: str | Path | None = None
+    limit: int | None = None
+
+    def record(self) -> dict:
+        """The sweep's meta.json `tasks` entry."""
+        return {"names": list(self.tasks), "include_path": self.include_path, "limit": self.limit}
+
+
 def check_sweep(fractions, orders, seeds) -> None:
     bad = [f for f in fractions if not 0 <= f < 1]
     if bad:
-        raise HeadlabError(f"--fractions must lie in [0, 1), got {bad}")
+        raise HeadlabError(f"fractions= must lie in [0, 1), got {bad}")
     unknown = [o for o in orders if o not in ORDERS]
     if unknown:
         raise HeadlabError(f"unknown order(s) {', '.join(unknown)}; use {', '.join(ORDERS)}")
@@ -51,47 +94,39 @@ def check_sweep(fractions, orders, seeds) -> None:
 @takes_text(split="calibration", seq_len=256, batch_size=4)
 def sweep(
     loaded: LoadedModel,
+    plan: SweepPlan = SweepPlan(),
     *,
-    fractions=DEFAULT_FRACTIONS,
-    orders=DEFAULT_ORDERS,
-    seeds=(0, 1, 2),
-    unit: str = "head",
-    per_layer: bool = False,
-    allow_empty_layer: bool = False,
-    mode: str = "physical",
     text: TextSpec,
     calibration_tokens: int = 1024,
     eval_tokens: int | None = 1024,
-    method: str = "grad",
-    progress: bool = True,
     compensate: str | None = None,
     scores: dict | None = None,
-    tasks: list[str] | None = None,
-    include_path: str | Path | None = None,
-    task_limit: int | None = None,
+    tasks: TaskSpec | None = None,
+    progress: bool = True,
     journal=None,
 ) -> SweepResult:
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
-    mode="physical" slices the heads out (measured tokens/s is that of the smaller model); where physical pruning
+    plan: the fractions, orders and seeds, what is counted and how the heads are removed (SweepPlan).
+    plan.mode "physical" slices the heads out (measured tokens/s is that of the smaller model); where physical pruning
     is approximate (q/k norms spanning heads) the sweep falls back to mask mode, which is exact. text: the corpus,
     its column, window length and batch size (a TextSpec; the loose keywords data, text_column, seq_len, batch_size
-    also work); scores come from its calibration split (`calibration_tokens`), importance by `method`, perplexity
-    from its eval split (`eval_tokens`). compensate ("ridge" or "bias", headlab.recovery.compensate) adds a second row per
-    pruned model with the output projection refitted on the calibration tokens (column compensation; "none" for the
-    plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting scores already computed with
-    the same settings (e.g. the report's importance step), instead of computing them again.
-    tasks: lm-eval tasks (headlab.runtimes.lm_eval_bridge) run on every pruned model too, as "task/metric" columns; at most
-    task_limit documents each; include_path holds local task YAMLs.
+    also work); scores come from its calibration split (`calibration_tokens`), importance by `plan.method`,
+    perplexity from its eval split (`eval_tokens`). compensate ("ridge" or "bias", headlab.recovery.compensate) adds
+    a second row per pruned model with the output projection refitted on the calibration tokens (column
+    compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
+    scores already computed with the same settings (e.g. the report's importance step), instead of computing them
+    again. tasks: lm-eval tasks (a TaskSpec, headlab.runtimes.lm_eval_bridge) run on every pruned model too, as
+    "task/metric" columns.
     journal (headlab.core.fsio.StepJournal): each (order, seed) is recorded there when done, and one already recorded by
     an interrupted run of the same sweep is read back instead of run again (`headlab sweep` resumes this way).
     """
-
-    # More than 12 parameters: the Python face of every `headlab sweep` option (API compatibility).
     check_compensation(loaded, compensate)
-    fractions = sorted(set(float(f) for f in fractions))
-    orders, seeds = list(dict.fromkeys(orders)), list(dict.fromkeys(seeds))
-    mode, manager = _check_sweep_options(loaded, fractions, orders, seeds, unit, mode, text, tasks, include_path)
+    fractions = sorted(set(float(f) for f in plan.fractions))
+    orders, seeds = list(dict.fromkeys(plan.orders)), list(dict.fromkeys(plan.seeds))
+    unit, per_layer, method = plan.unit, plan.per_layer, plan.method
+    tasks = tasks if tasks is not None and tasks.tasks else None  # no task names: no lm-eval
+    mode, manager = _check_sweep_options(loaded, fractions, orders, seeds, unit, plan.mode, text, tasks)
     text = text.resolved()  # one corpus for every score and perplexity pass
     request = ScoreRequest(text.but(split="calibration", max_tokens=calibration_tokens), progress)
     evaluation = text.but(split="eval", max_tokens=eval_tokens)
@@ -100,8 +135,8 @@ def sweep(
         grams = output_statistics(loaded, compensation_batches(loaded, text=request.text), progress=progress)
     measure = _Measure(loaded, mode, grams, evaluation)
     if tasks:  # lm-eval's metrics of each pruned model, beside its perplexity
-        measure.extra = lambda: _task_values(loaded, tasks, include_path, task_limit, text.batch_size, manager)
-    spec = PruneSpec(per_layer=per_layer, unit=unit, allow_empty_layer=allow_empty_layer)
+        measure.extra = lambda: _task_values(loaded, tasks, text.batch_size, manager)
+    spec = PruneSpec(per_layer=per_layer, unit=unit, allow_empty_layer=plan.allow_empty_layer)
     total_heads = sum(layer.num_heads for layer in loaded.layers)
     start = time.perf_counter()
     runs = [(order, seed) for order in orders for seed in (seeds if order == "random" else [None])]
@@ -128,7 +163,7 @@ def sweep(
         "calibration": {"data": name, "split": "calibration", "max_tokens": calibration_tokens},
         "eval": {"data": name, "split": "eval", **_eval_settings(evaluation)},
         "total_heads": total_heads,
-        "tasks": {"names": list(tasks), "include_path": include_path, "limit": task_limit} if tasks else None,
+        "tasks": tasks.record() if tasks else None,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
     }
@@ -159,17 +194,17 @@ def _sweep_rows(steps: dict, measure, compensations: list, total_heads: int, bar
         yield from rows
 
 
-def _check_sweep_options(loaded, fractions, orders, seeds, unit, mode, text, tasks, include_path):
+def _check_sweep_options(loaded, fractions, orders, seeds, unit, mode, text, tasks: TaskSpec | None):
     """Every sweep option check that needs no forward pass; (the mode the sweep runs in, the lm-eval task manager)."""
     check_sweep(fractions, orders, seeds)
     check_unit(loaded.layers, unit)
     if loaded.max_positions is not None and text.seq_len > loaded.max_positions:  # before the first score pass
-        raise HeadlabError(f"--seq-len {text.seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
+        raise HeadlabError(f"seq_len={text.seq_len} exceeds the model's maximum positions ({loaded.max_positions})")
     manager = None
     if tasks:  # unknown names, bad YAMLs and a missing lm-eval fail here, before the first score pass
-        manager = task_manager(list(tasks), include_path)
+        manager = task_manager(list(tasks.tasks), tasks.include_path)
     if mode not in MODES:
-        raise HeadlabError(f"unknown --mode {mode!r}; use mask or physical")
+        raise HeadlabError(f"unknown mode={mode!r}; use mask or physical")
     if mode == "physical" and loaded.adapter.norm_spans_heads:
         mode = "mask"  # physical is approximate here; the sweep reports exact masked perplexity instead
     return mode, manager
@@ -270,17 +305,17 @@ class _Measure:
         }
 
 
-def _task_values(loaded, tasks, include_path, limit, batch_size, manager) -> dict:
+def _task_values(loaded, tasks: TaskSpec | None, batch_size, manager) -> dict:
     """lm-eval task metrics of the model as it is now (pruned in place), as sweep columns; {} without tasks."""
     if not tasks:
         return {}
     # bootstrap_iters 1000: stderr of perplexity-type metrics by bootstrap, bounded (lm-eval's CLI default is 1e5).
     result = run_tasks(
         loaded,
-        list(tasks),
-        include_path=include_path,
+        list(tasks.tasks),
+        include_path=tasks.include_path,
         batch_size=batch_size,
-        limit=limit,
+        limit=tasks.limit,
         bootstrap_iters=1000,
         manager=manager,
     )

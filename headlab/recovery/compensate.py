@@ -29,8 +29,8 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.mechanisms.hooks import hooks
 from headlab.mechanisms.restore import restoring
+from headlab.recovery.choices import COMPENSATIONS
 
-COMPENSATIONS = ("ridge", "bias")
 ALPHAS = (1e-4, 1e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0, 3.0, 10.0)
 
 
@@ -40,11 +40,11 @@ def check_compensation(loaded: LoadedModel, method: str | None) -> None:
         return
     check_resident(loaded, "compensation")
     if method not in COMPENSATIONS:
-        raise HeadlabError(f"unknown --compensate {method!r}; use one of {', '.join(COMPENSATIONS)}")
+        raise HeadlabError(f"unknown compensate={method!r}; use one of {', '.join(COMPENSATIONS)}")
     if method == "bias" and loaded.adapter.read(loaded.layers[0]).o_bias is None:
         raise HeadlabError(
             f"{loaded.model.config.model_type}'s output projection has no bias, so bias-only (FLAP) compensation "
-            "is n/a; use --compensate ridge"
+            "is n/a; use compensate='ridge'"
         )
 
 

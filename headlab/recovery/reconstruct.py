@@ -55,7 +55,7 @@ class LocalSpec:
         if self.targets not in TARGETS:
             raise HeadlabError(f"unknown local targets {self.targets!r}; use one of {', '.join(TARGETS)}")
         if self.minutes is not None and not (0 < self.minutes <= 10_000):
-            raise HeadlabError(f"--recover-minutes must be in (0, 10000], got {self.minutes}")
+            raise HeadlabError(f"minutes={self.minutes} must be in (0, 10000]")
 
 
 def check_pair(student: LoadedModel, teacher: LoadedModel) -> None:

@@ -23,10 +23,10 @@ from headlab.core.data import Corpus, calibration_batches, load_corpus
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident, from_model
 from headlab.core.tables import write_run
+from headlab.recovery.choices import STAGES
 from headlab.recovery.reconstruct import LocalSpec, check_pair, reconstruct, summary
 from headlab.recovery.uptrain import UptrainConfig, uptrain
 
-STAGES = ("local", "uptrain")
 RECOVERY_DIR = "recovery"  # inside a saved checkpoint: local.csv, curve.csv (+ .parquet), curve.png, meta.json
 LOCAL_SHARE = 1 / 3  # of the minutes cap, at most, for local reconstruction when uptraining follows
 
@@ -38,7 +38,7 @@ def parse_stages(text: str | None) -> list[str]:
     names = [part.strip() for part in text.split(",") if part.strip()]
     unknown = [n for n in names if n not in STAGES]
     if unknown or len(set(names)) != len(names):
-        raise HeadlabError(f"--recover: unknown or repeated stages {names}; use some of {', '.join(STAGES)}")
+        raise HeadlabError(f"stages={text!r} has unknown or repeated stages {names}; use some of {', '.join(STAGES)}")
     return [s for s in STAGES if s in names]
 
 
@@ -56,9 +56,9 @@ class RecoverySpec:
 
     def check(self) -> None:
         if not self.stages:
-            raise HeadlabError("no recovery stage given; use --recover local, uptrain or local,uptrain")
+            raise HeadlabError(f"no recovery stage given; give stages= one or more of {', '.join(STAGES)}")
         if self.minutes is not None and not (0 < self.minutes <= 10_000):
-            raise HeadlabError(f"--recover-minutes must be in (0, 10000], got {self.minutes}")
+            raise HeadlabError(f"minutes={self.minutes} must be in (0, 10000]")
         if self.local_tokens < 1:
             raise HeadlabError(f"local reconstruction needs calibration tokens, got {self.local_tokens}")
         self.local.check()

@@ -31,6 +31,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.recompute import activation_checkpointing
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED
 from headlab.recovery.reconstruct import check_pair, dead_heads_kept
 
 
@@ -65,15 +66,6 @@ def distillation_loss(student_logits, teacher_logits, valid) -> torch.Tensor:
     return kl[valid.to(kl.device)].mean()
 
 
-TRAINED = ("attention", "norms", "all")
-OBJECTIVES = ("kl", "ce", "mixed")
-# Chosen by measurement on held-out calibration text (never the eval split); the evidence is in docs/recovery.md.
-DEFAULT_LR = 3e-5
-# The default budget: 64 steps of 4 x 256 tokens (65,536 tokens), about what the former 10-minute default trained on a
-# 2-core CPU. A step budget trains the same model on any machine.
-DEFAULT_STEPS = 64
-
-
 @dataclass
 class UptrainConfig:
     """The uptraining recipe: AdamW, linear warmup then cosine decay to zero, gradient clipping, accumulation."""
@@ -101,31 +93,31 @@ class UptrainConfig:
     def check(self) -> None:
         """Bad settings fail before any work, each as one line."""
         if self.steps is None or not (0 <= self.steps <= 10_000_000):
-            raise HeadlabError(f"--steps must be in 0..10000000, got {self.steps}")
+            raise HeadlabError(f"steps={self.steps} must be in 0..10000000")
         if self.minutes is not None and not (0 < self.minutes <= 10_000):
-            raise HeadlabError(f"--minutes must be in (0, 10000], got {self.minutes}")
+            raise HeadlabError(f"minutes={self.minutes} must be in (0, 10000]")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise HeadlabError(f"--lr must be a positive number, got {self.lr}")
+            raise HeadlabError(f"lr={self.lr} must be a positive number")
         if not (0 <= self.warmup < 1):
-            raise HeadlabError(f"--warmup must be a fraction in [0, 1), got {self.warmup}")
+            raise HeadlabError(f"warmup={self.warmup} must be a fraction in [0, 1)")
         if not (self.clip >= 0 and math.isfinite(self.clip)):
-            raise HeadlabError(f"--clip must be >= 0, got {self.clip}")
+            raise HeadlabError(f"clip={self.clip} must be >= 0")
         for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len"):
             if getattr(self, name) < 1:
-                raise HeadlabError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise HeadlabError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("heldout_every", "eval_every"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise HeadlabError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+                raise HeadlabError(f"{name}={getattr(self, name)} must be >= 1")
         if self.eval_tokens is not None and self.eval_tokens < 0:
-            raise HeadlabError(f"--eval-tokens must be >= 0, got {self.eval_tokens}")
+            raise HeadlabError(f"eval_tokens={self.eval_tokens} must be >= 0")
         if self.seq_len < 2:
-            raise HeadlabError(f"--seq-len must be >= 2, got {self.seq_len}")
+            raise HeadlabError(f"seq_len={self.seq_len} must be >= 2")
         if self.trained not in TRAINED:
-            raise HeadlabError(f"unknown --train {self.trained!r}; use one of {', '.join(TRAINED)}")
+            raise HeadlabError(f"unknown trained={self.trained!r}; use one of {', '.join(TRAINED)}")
         if self.objective not in OBJECTIVES:
-            raise HeadlabError(f"unknown --objective {self.objective!r}; use one of {', '.join(OBJECTIVES)}")
+            raise HeadlabError(f"unknown objective={self.objective!r}; use one of {', '.join(OBJECTIVES)}")
         if not (0 <= self.ce_weight <= 1):
-            raise HeadlabError(f"--ce-weight must be in [0, 1], got {self.ce_weight}")
+            raise HeadlabError(f"ce_weight={self.ce_weight} must be in [0, 1]")
 
 
 def check_uptrain(steps: int, lr: float, eval_every: int | None = None, **more) -> UptrainConfig:
@@ -212,7 +204,7 @@ def stream_batches(tokenizer, text: str, config: UptrainConfig, pad_id: int, chu
                 produced += 1
                 yield input_ids, attention_mask, epoch
         if not produced:
-            raise HeadlabError(f"the calibration text is too short for --seq-len {config.seq_len}")
+            raise HeadlabError(f"the calibration text is too short for seq_len={config.seq_len}")
         epoch += 1
 
 
@@ -254,7 +246,9 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
         kl, ce = token_losses(logits, teacher_logits, ids, mask.bool())
         loss = objective_value(kl, ce, config)
         if not torch.isfinite(loss):
-            raise HeadlabError(f"the {config.objective} loss is not finite at step {step} (lr {lr:.3g}); lower --lr")
+            raise HeadlabError(
+                f"the {config.objective} loss is not finite at step {step} (lr {lr:.3g}); lower the learning rate (lr=)"
+            )
         # KL exactly 0: the student reproduces the teacher on this batch, and the gradient is rounding noise that
         # Adam's per-parameter normalisation would blow up into a real step. Nothing to learn from it.
         if not (config.objective == "kl" and float(loss.detach()) == 0.0):
@@ -281,9 +275,7 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
     held-out tail; the eval part is never touched here."""
     tokenizer = student.tokenizer
     if student.max_positions is not None and config.seq_len > student.max_positions:
-        raise HeadlabError(
-            f"--seq-len {config.seq_len} exceeds the model's maximum positions ({student.max_positions})"
-        )
+        raise HeadlabError(f"seq_len={config.seq_len} exceeds the model's maximum positions ({student.max_positions})")
     part = split_text(corpus, "calibration")
     train_text, heldout_ids = heldout_split(tokenizer, part.text, config.heldout_tokens)
     require_tokens(heldout_ids, f"the held-out calibration text of {corpus.spec!r}")

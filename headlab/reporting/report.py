@@ -22,17 +22,19 @@ import torch
 from headlab.core.data import calibration_batches, load_corpus
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import StepJournal, resumable_directory, write_json
-from headlab.core.loading import DEFAULT_MODEL, LoadedModel
+from headlab.core.loading import LoadedModel
+from headlab.core.model_names import DEFAULT_MODEL
 from headlab.core.tables import versions, write_run
 from headlab.core.units import human_bytes
-from headlab.kv import gqa, grouping, ladder
+from headlab.kv import gqa, ladder
+from headlab.kv import grouping as kv_grouping
 from headlab.measure.costs import model_info
 from headlab.measure.evaluate import perplexity
 from headlab.measure.importance import head_importance
 from headlab.measure.stats import _frame_tokens, head_statistics, write_statistics
 from headlab.mechanisms.capture import capture_attention
 from headlab.pruning.scores import read_scores
-from headlab.pruning.sweep import sweep, write_sweep
+from headlab.pruning.sweep import SweepPlan, TaskSpec, sweep, write_sweep
 from headlab.recovery.reconstruct import LocalSpec
 from headlab.recovery.recover import RecoverySpec, recover, teacher_copy, write_recovery
 from headlab.recovery.uptrain import UptrainConfig
@@ -41,7 +43,6 @@ from headlab.runtimes.speed import SpeedSpec, measure_model, relative_to_first
 from headlab.viz import plots
 
 SAMPLE_SENTENCE = "The cat sat on the mat because it was tired, and then it slept."
-DEMO_OUT = Path("runs/demo")
 DEMO_MARKER = "headlab demo"  # meta.json "command" of a demo run: `headlab demo` may replace such a directory
 
 
@@ -189,8 +190,8 @@ def grouping_table(loaded: LoadedModel, target: int, similarity: dict | None, gr
 
     groups, methods = gqa.plan_groups(loaded, target, grouping, similarity)
     rows = []
-    for layer in grouping.gqa_layers(loaded):
-        new_of = {kv: g for g, members in enumerate(grouping.canonical(groups[layer.index])) for kv in members}
+    for layer in kv_grouping.gqa_layers(loaded):
+        new_of = {kv: g for g, members in enumerate(kv_grouping.canonical(groups[layer.index])) for kv in members}
         for head in range(layer.num_heads):
             kv = layer.kv_head_of(head)
             rows.append((layer.index, head, kv, new_of[kv], grouping, methods[layer.index]))
@@ -377,7 +378,7 @@ def check_report_out(out: Path, overwrite: bool, demo: bool = False) -> None:
         return
     if demo and is_demo_run(out):
         return
-    raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+    raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
 
 
 # What a report directory holds at its top level; a demo replaces a directory only if it holds nothing else.
@@ -440,7 +441,7 @@ class ReportRun:
     common: dict  # data, text_column, seq_len, batch_size, progress
     sentence: str
     target: int | None  # KV heads the grouping step pools to (None: no grouping step)
-    tasks: dict = field(default_factory=dict)  # lm-eval tasks for the sweep: {"tasks": [...], "include_path": DIR}
+    tasks: TaskSpec | None = None  # lm-eval tasks the sweep also runs on every pruned model
     info: dict = field(default_factory=dict)
     importance_table: pd.DataFrame | None = None
     sweep_table: pd.DataFrame | None = None
@@ -480,15 +481,13 @@ def _sweep_step(run: ReportRun) -> None:
     s = run.s
     result = sweep(
         run.loaded,
+        SweepPlan(fractions=s.fractions, orders=s.orders, seeds=s.seeds),
         # The importance order starts from the scores just computed with the same settings (same numbers as
         # `headlab sweep` recomputing them, without the second gradient pass).
         scores={"importance": read_scores(run.importance_table, run.loaded.layers)},
-        fractions=s.fractions,
-        orders=s.orders,
-        seeds=s.seeds,
         calibration_tokens=s.importance_tokens,
         eval_tokens=s.eval_tokens,
-        **run.tasks,
+        tasks=run.tasks,
         **run.common,
     )
     write_sweep(result, run.tmp / "sweep")
@@ -523,11 +522,11 @@ def _gqa_step(run: ReportRun) -> None:
         text_column=text_column,
         max_positions=loaded.max_positions,
     )
-    similarity = grouping.kv_similarity(loaded, batches, progress=run.common["progress"])
+    similarity = kv_grouping.kv_similarity(loaded, batches, progress=run.common["progress"])
     groups = grouping_table(loaded, run.target, similarity, "similarity")
     write_run(
         run.tmp / "gqa_groups",
-        {"gqa_groups": groups, "kv_similarity": grouping.similarity_table(similarity)},
+        {"gqa_groups": groups, "kv_similarity": kv_grouping.similarity_table(similarity)},
         {**loaded.describe(), "kv_heads_after": run.target, "calibration": batches.meta},
     )
 
@@ -606,8 +605,9 @@ class ReportPlan:
     model_flag: str | None  # --model as a user would type it (None for the embedded default)
 
 
-def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, tasks, include_path) -> ReportPlan:
-    """Which steps run on this model and with which settings (`s` already fitted to its positions)."""
+def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, tasks: TaskSpec | None) -> ReportPlan:
+    """Which steps run on this model and with which settings (`s` already fitted to its positions); `tasks`: the
+    lm-eval tasks the sweep also runs (their flags join the sweep's command)."""
     layers = loaded.layers
     G = layers[0].num_kv_heads
     can_gqa = loaded.adapter.supports_gqa and len({(la.num_heads, la.num_kv_heads) for la in layers}) == 1
@@ -622,8 +622,8 @@ def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, 
         s = replace(s, mla_budgets=())  # no MLA rung for an attention deepseek_v3 cannot express
     model_flag = None if loaded.spec == DEFAULT_MODEL else loaded.spec
     commands = step_commands(model_flag, data, text_column, s, out, target)
-    if tasks:  # the sweep ran lm-eval tasks too
-        commands["sweep"] += " " + _flags(tasks=tasks, include_path=include_path)
+    if tasks and tasks.tasks:  # the sweep ran lm-eval tasks too
+        commands["sweep"] += " " + _flags(tasks=tasks.tasks, include_path=tasks.include_path, task_limit=tasks.limit)
     recovering = target is not None and s.recovery_steps > 0
     skipped = {"gqa": not can_gqa, "recovery": not recovering}
     steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
@@ -733,8 +733,8 @@ def _write_documents(tmp: Path, meta: dict, info: dict, fmt: str) -> None:
     (tmp / "report.html").write_text(render_html(sections, meta, tmp))
 
 
-# 13 parameters: one per `headlab report` option, so the Python API mirrors the command (and `headlab demo` reuses
-# it with its own `command`); the steps themselves take the ReportPlan and ReportRun bundles.
+# One parameter per `headlab report` option, so the Python API mirrors the command (and `headlab demo` reuses it with
+# its own `command`); the steps themselves take the ReportPlan and ReportRun bundles.
 def run_report(
     loaded: LoadedModel,
     out,
@@ -748,12 +748,12 @@ def run_report(
     command: str = "headlab report",
     sentence: str = SAMPLE_SENTENCE,
     fmt: str = "png",
-    tasks: list[str] | None = None,
-    include_path: str | None = None,
+    tasks: TaskSpec | None = None,
 ) -> Report:
     """Run every analysis on `loaded`, write each step's tables under `out`, draw every figure and write
     report.md and report.html (figures embedded as base64). Written atomically: `out` appears complete or not at all.
-    tasks: lm-eval tasks the pruning sweep also runs on every pruned model (accuracy against heads pruned).
+    tasks: lm-eval tasks the pruning sweep also runs on every pruned model (accuracy against heads pruned; a
+    TaskSpec: names, local task YAMLs, documents per task).
     """
 
     out = Path(out)
@@ -762,14 +762,17 @@ def run_report(
         raise HeadlabError(f"unknown figure format {fmt!r}; use one of {', '.join(plots.FORMATS)}")
     check_report_out(out, overwrite, demo=command == DEMO_MARKER)
     load_corpus(data, text_column)  # a bad --data fails here, before any model work
-    plan = plan_report(loaded, s, data, text_column, out, tasks, include_path)
+    tasks = tasks if tasks is not None and tasks.tasks else None  # no task names: no lm-eval
+    plan = plan_report(loaded, s, data, text_column, out, tasks)
     s = plan.settings
     report = Report(out)
     started = time.perf_counter()
     common = dict(data=data, text_column=text_column, seq_len=s.seq_len, batch_size=s.batch_size, progress=progress)
     # A previous demo may be replaced without --overwrite; anything else that appears meanwhile is not replaced.
     replaceable = is_demo_run if command == DEMO_MARKER else None
-    task_options = {"tasks": tasks, "include_path": include_path} if tasks else {}
+    task_options = {"tasks": tasks.tasks, "include_path": tasks.include_path} if tasks else {}
+    if tasks and tasks.limit is not None:
+        task_options["limit"] = tasks.limit
     # The steps' results depend on these alone: a rerun with the same key resumes after the last completed step.
     key = dict(command=command, model=loaded.describe(), data=data, text_column=text_column, settings=asdict(s))
     key.update(sentence=sentence, fmt=fmt, tasks=task_options)
@@ -777,7 +780,7 @@ def run_report(
         tmp = journal.staging
         if journal.resumed:
             _say(progress, f"resuming from {tmp}: {', '.join(journal.resumed)} already done")
-        run = ReportRun(loaded, s, tmp, common, sentence, plan.target, task_options)
+        run = ReportRun(loaded, s, tmp, common, sentence, plan.target, tasks)
         steps = plan.steps + [("figures", lambda run: _figures_step(run, fmt))]
         report.seconds = _run_steps(run, steps, progress, journal)
         report.figures = run.figures

@@ -36,10 +36,10 @@ from tqdm.auto import tqdm
 
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
+from headlab.runtimes.choices import DEFAULT_TYPE
 
 # Tensor types: the float ones are written by numpy; any other ggml type only if gguf.quants can quantize it.
 FLOAT_TYPES = ("f32", "f16", "bf16")
-DEFAULT_TYPE = "f16"
 
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -338,7 +338,7 @@ def check_type(outtype: str) -> str:
         return outtype
     choices = writable_types()
     if outtype not in choices:
-        raise HeadlabError(f"--outtype {outtype}: the gguf package cannot write it; use one of {', '.join(choices)}")
+        raise HeadlabError(f"outtype={outtype!r}: the gguf package cannot write it; use one of {', '.join(choices)}")
     return outtype
 
 
@@ -547,7 +547,7 @@ def export_gguf(
     """
     out = Path(out)
     if out.exists() and not overwrite:
-        raise HeadlabError(f"{out} already exists; pass --overwrite to replace it")
+        raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
     if out.is_dir():
         raise HeadlabError(f"{out} is a directory; export-gguf writes one .gguf file")
     outtype = check_type(outtype)

@@ -68,7 +68,7 @@ def require_lm_eval():
         import lm_eval
         import lm_eval.tasks  # noqa: F401
     except ImportError:
-        raise HeadlabError(f"--tasks needs lm-eval, which is not installed; {INSTALL_HINT}") from None
+        raise HeadlabError(f"tasks= needs lm-eval, which is not installed; {INSTALL_HINT}") from None
     # lm-eval logs warnings (a model object passed as `pretrained`, task overrides) meant for its own CLI.
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     return lm_eval
@@ -112,12 +112,12 @@ def task_manager(tasks: list[str], include_path: str | Path | None = None):
     close matches."""
     require_lm_eval()
     if not tasks:
-        raise HeadlabError("--tasks is empty; give one or more comma-separated lm-eval task names")
+        raise HeadlabError("tasks= is empty; give one or more lm-eval task names")
     local = None
     if include_path is not None:
         path = Path(include_path).expanduser()
         if not path.is_dir():
-            raise HeadlabError(f"--include-path {include_path} is not a directory")
+            raise HeadlabError(f"include_path={include_path} is not a directory")
         _check_yamls(path)
         local = _task_manager(str(path.resolve()), False)
         if all(name in local.all_tasks for name in tasks):
@@ -161,7 +161,7 @@ def load_tasks(manager, tasks: list[str]) -> list:
         loaded = manager.load(list(tasks))
     except Exception as error:  # datasets/huggingface_hub raise many types for "not reachable"/"not found"
         reason = " ".join(str(error).split())[:200]
-        where = "" if online else "; without network only local tasks (--include-path) can run"
+        where = "" if online else "; without network only local tasks (include_path) can run"
         raise HeadlabError(f"cannot load lm-eval task(s) {', '.join(tasks)}: {reason}{where}") from None
     built = []
     for name in tasks:  # the top-level objects, so groups aggregate as in lm-eval's own CLI

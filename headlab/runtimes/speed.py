@@ -21,13 +21,13 @@ from transformers import DynamicCache
 
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out
-from headlab.core.loading import DEFAULT_MODEL, LoadedModel, load_model, local_checkpoint
+from headlab.core.loading import LoadedModel, load_model, local_checkpoint
+from headlab.core.model_names import DEFAULT_MODEL
 from headlab.core.tables import write_run
+from headlab.runtimes.choices import RUNTIMES
 from headlab.runtimes.gguf_export import export_gguf
 from headlab.runtimes.llamacpp import Sequences, unavailable
 from headlab.viz.plots import figure_bytes, plot_speed
-
-RUNTIMES = ("transformers", "llama.cpp")
 
 
 @dataclass
@@ -40,7 +40,7 @@ class SpeedSpec:
     batches: tuple[int, ...] = (1, 8)
     decode_tokens: int = 16
     prefill_limit: int = 16384
-    runtimes: tuple[str, ...] = ("transformers", "llama.cpp")
+    runtimes: tuple[str, ...] = RUNTIMES
     gguf_type: str = "f32"  # the llama.cpp copy is written in this type (f32 matches transformers' CPU weights)
     seed: int = 0
 
@@ -198,11 +198,11 @@ def check_contexts(limit: int | None, spec: SpeedSpec, label: str) -> None:
     """One line when a context exceeds the model's positions, or leaves no prefill before the decoded tokens."""
     if limit is not None and max(spec.contexts) > limit:
         raise HeadlabError(
-            f"context {max(spec.contexts)} exceeds {label}'s maximum positions ({limit}); pass shorter --contexts"
+            f"context {max(spec.contexts)} exceeds {label}'s maximum positions ({limit}); pass shorter contexts="
         )
     if min(spec.contexts) <= spec.decode_tokens:
         raise HeadlabError(
-            f"context {min(spec.contexts)} must exceed --decode-tokens {spec.decode_tokens} (the cache ends at the "
+            f"context {min(spec.contexts)} must exceed decode_tokens={spec.decode_tokens} (the cache ends at the "
             "context length)"
         )
 

@@ -21,8 +21,8 @@ from matplotlib.figure import Figure
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_write_bytes
 from headlab.measure.stats import STATISTICS
+from headlab.viz.choices import FORMATS
 
-FORMATS = ("png", "svg", "pdf")
 DPI = 120
 # Statistic -> axis/colour-bar label (with units). Columns not listed are labelled by their name.
 LABELS = {
@@ -298,7 +298,7 @@ def plot_sweep_tasks(table: pd.DataFrame, title: str | None = None):
     per metric, one line per order (random: mean over seeds, band +-1 sd)."""
     metrics = [c for c in table.columns if "/" in str(c) and not str(c).endswith("_stderr")]
     if not metrics:
-        raise HeadlabError("this sweep has no task metrics (run sweep --tasks)")
+        raise HeadlabError("this sweep has no task metrics (run the sweep with lm-eval tasks)")
     _theme()
     fig, axes = _subplots(1, len(metrics), figsize=(4.5 * len(metrics) + 2, 4), squeeze=False)
     for ax, metric in zip(axes[0], metrics, strict=True):

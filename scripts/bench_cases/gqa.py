@@ -12,7 +12,8 @@ def run(args) -> dict:
 
     from headlab.core.data import load_corpus
     from headlab.core.loading import load_model
-    from headlab.kv import gqa, grouping
+    from headlab.kv import gqa
+    from headlab.kv import grouping as kv_grouping
 
     loaded = load_model(None, device=args.device)
     corpus = load_corpus(None)
@@ -33,7 +34,7 @@ def run(args) -> dict:
     # 3. expanded, then KV heads shuffled (function unchanged): contiguous groups now mix unrelated heads, while
     #    similarity grouping should find the copies again
     order = torch.randperm(9, generator=torch.Generator().manual_seed(0)).tolist()
-    grouping.permute_heads(loaded, [order] * len(loaded.layers))
+    kv_grouping.permute_heads(loaded, [order] * len(loaded.layers))
     frame, _ = gqa.gqa_sweep(loaded, [9, 3], pools=("mean",), **common)
     add(frame, f"expanded, KV order shuffled {order}")
     return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS, "rows": rows}
