@@ -62,7 +62,7 @@ def main(argv=None) -> Path:
             loaded,
             groupings=groupings,
             pools=pools,
-            corpus=args.data,
+            data=args.data,
             max_tokens=args.eval_tokens,
             seq_len=args.seq_len,
             batch_size=args.batch_size,

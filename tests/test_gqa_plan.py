@@ -75,8 +75,8 @@ def test_expand_keep_and_svd_plans():
     [
         (dict(kv_heads=3), HeadlabError, "does not divide"),
         (dict(kv_heads=2, method="pca"), HeadlabError, "unknown method="),
-        (dict(kv_heads=2, pool="max"), HeadlabError, "unknown --pool"),
-        (dict(kv_heads=2, grouping="random"), HeadlabError, "unknown --grouping"),
+        (dict(kv_heads=2, pool="max"), HeadlabError, "unknown pool="),
+        (dict(kv_heads=2, grouping="random"), HeadlabError, "unknown grouping="),
         (dict(kv_heads=2, grouping="similarity"), ValueError, "needs kv_similarity"),
     ],
 )

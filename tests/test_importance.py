@@ -174,7 +174,7 @@ def test_bertology_compat_adds_cumulative_gradients():
         torch.testing.assert_close(got, want)
         assert not torch.allclose(got, other)
     assert "run_bertology" in compat.meta["definition"]
-    with pytest.raises(HeadlabError, match="grad only"):
+    with pytest.raises(HeadlabError, match="method=.grad. only"):
         head_importance(loaded, batches, method="taylor", accumulate="bertology", progress=False)
 
 

@@ -180,7 +180,7 @@ def test_gqa_layouts(name):
 def test_emptied_layer_keeps_a_zero_head(name):
     loaded = _loaded(name)
     pruned = [set(range(4)) if layer.index == len(loaded.layers) - 1 else {2} for layer in loaded.layers]
-    with pytest.raises(HeadlabError, match="allow-empty-layer"):
+    with pytest.raises(HeadlabError, match="allow_empty_layer=True"):
         P.check_not_empty(loaded.layers, pruned, False)
     reference = _gated(loaded, pruned, name)
     with P.pruned_in_place(loaded, pruned, "physical") as layout:

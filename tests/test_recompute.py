@@ -107,7 +107,7 @@ def test_no_grad_forward_inside_is_plain_eval():
 
 
 def test_ablation_refuses_checkpointing_and_cli_records_it(tmp_path, capsys):
-    with pytest.raises(HeadlabError, match="ablation runs no backward"):
+    with pytest.raises(HeadlabError, match="backward pass, not method=.ablation."):
         head_importance(_loaded("llama"), _batches("llama"), method="ablation", gradient_checkpointing=True)
     model_dir = save_tiny("llama", tmp_path / "model")
     corpus = tmp_path / "corpus.txt"

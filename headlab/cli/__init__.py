@@ -58,7 +58,7 @@ class LazyGroup(click.Group):
         every command would import torch and transformers, seconds before the list appears."""
         names = self.list_commands(ctx)
         limit = formatter.width - 6 - max(len(name) for name in names)
-        rows = [(name, click.utils.make_default_short_help(_docstring(name), limit)) for name in names]
+        rows = [(name, click.Command(name, help=_docstring(name)).get_short_help_str(limit)) for name in names]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

@@ -74,9 +74,7 @@ def parse_heads(spec: str, layers: list[AttentionLayer]) -> list[set[int]]:
             )
         for head in (int(h) for h in match.group(2).split(",")):
             if head >= layers[layer].num_heads:
-                raise HeadlabError(
-                    f"heads= names head {head} of layer {layer}, which has {layers[layer].num_heads} heads"
-                )
+                raise HeadlabError(f"layer {layer} has no head {head} ({layers[layer].num_heads} heads) in heads=")
             pruned[layer].add(head)
     if not any(pruned):
         raise HeadlabError("heads= names no head")

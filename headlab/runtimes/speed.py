@@ -264,11 +264,12 @@ def relative_to_first(table: pd.DataFrame) -> pd.DataFrame:
     same runtime, context and batch."""
     first = table["model"].iloc[0]
     keys = ["runtime", "context", "batch"]
-    reference = table[table["model"] == first].set_index(keys)[["decode_tokens_per_s", "kv_cache_bytes"]]
-    joined = table.join(reference, on=keys, rsuffix="_reference")
+    reference = table[table["model"] == first][[*keys, "decode_tokens_per_s", "kv_cache_bytes"]]
+    joined = table.merge(reference, on=keys, how="left", suffixes=("", "_reference"))
     table = table.copy()
-    table["decode_speedup"] = joined["decode_tokens_per_s"] / joined["decode_tokens_per_s_reference"]
-    table["kv_ratio"] = joined["kv_cache_bytes"] / joined["kv_cache_bytes_reference"]
+    # a left merge keeps the table's row order (not its index): assign by position
+    table["decode_speedup"] = (joined["decode_tokens_per_s"] / joined["decode_tokens_per_s_reference"]).to_numpy()
+    table["kv_ratio"] = (joined["kv_cache_bytes"] / joined["kv_cache_bytes_reference"]).to_numpy()
     return table
 
 

@@ -17,7 +17,7 @@ def run(args) -> dict:
 
     loaded = load_model(None, device=args.device)
     corpus = load_corpus(None)
-    common = dict(corpus=corpus, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN, calib_tokens=CALIB_TOKENS, progress=False)
+    common = dict(data=corpus, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN, calibration_tokens=CALIB_TOKENS, progress=False)
     rows = []
 
     def add(frame, source):

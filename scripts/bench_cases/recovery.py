@@ -84,7 +84,7 @@ def _stage(student, teacher, corpus, stages, device):
     spec = RecoverySpec(stages=stages, uptrain=UptrainConfig(**UPTRAIN), **LOCAL)
     start = time.perf_counter()
     with PeakMemory(device) as memory:
-        record = recover(student, teacher, spec, corpus=corpus, progress=False)
+        record = recover(student, teacher, spec, data=corpus, progress=False)
     out = {"seconds": time.perf_counter() - start, "peak_extra_bytes": memory.extra}
     if "uptrain" in record:
         up = record["uptrain"]
@@ -116,7 +116,7 @@ def run(args) -> dict:
 
     def ppl(loaded):
         return perplexity(
-            loaded, corpus, part="eval", seq_len=SEQ_LEN, batch_size=4, max_tokens=EVAL_TOKENS, progress=False
+            loaded, corpus, split="eval", seq_len=SEQ_LEN, batch_size=4, max_tokens=EVAL_TOKENS, progress=False
         ).perplexity
 
     teacher = load_model(None, device=args.device)

@@ -42,7 +42,7 @@ def run(args) -> dict:
             up = uptrain(
                 student,
                 teacher,
-                corpus=corpus,
+                data=corpus,
                 steps=STEPS,
                 lr=lr,
                 warmup=warmup,
