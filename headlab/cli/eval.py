@@ -6,10 +6,9 @@ import json
 
 import click
 
-from headlab.cli.options import data_options, model_options, out_option, task_options
+from headlab.cli.options import data_options, guard, model_options, out_option, task_options
 from headlab.cli.parsing import parse_list
 from headlab.core.errors import HeadlabError
-from headlab.core.fsio import check_out
 from headlab.core.units import human_bytes
 
 
@@ -100,7 +99,8 @@ def _run_tasks(load, tasks, include_path, max_length, batch_size, limit, num_few
 
     names = parse_list(tasks, str, "tasks")
     manager = task_manager(names, include_path)
-    check_out(out, overwrite)
+    if out is not None:
+        guard(out, overwrite, {"model": load.spec}, **{"include-path": include_path})
     loaded = load()
     result = run_tasks(
         loaded,

@@ -38,24 +38,32 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
     with its own head counts)."""
     # start-up: torch and gguf load when the command runs, not for --help
     from headlab.runtimes.gguf_export import check_type, export_gguf
-    from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable
+    from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable, window_length
 
     # the one output guard: never onto, around or inside the model or the corpus it reads (symlinks resolved)
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
+    if out.is_dir():  # before loading: a folder is never replaced by a file
+        raise HeadlabError(f"--out {out} is a directory; export-gguf writes one .gguf file")
     outtype = check_type(outtype)
     missing = unavailable()
     if verify and missing:
         raise HeadlabError(f"--verify needs llama.cpp: {missing}")
     verify = not missing if verify is None else verify
     loaded = load()
-    check = None
+    check, notes = None, []
     if verify:
         windows = eval_windows(loaded, text=text)
+        if window_length(loaded, text.seq_len) < text.seq_len:
+            notes.append(
+                f"verified in windows of {window_length(loaded, text.seq_len)} tokens, the model's max positions "
+                f"(not --seq-len {text.seq_len})"
+            )
 
         def check(path):
             return compare_logprobs(loaded, path, windows, progress=not as_json)
 
     record = export_gguf(loaded, out, outtype=outtype, overwrite=overwrite, progress=not as_json, verify=check)
+    record["notes"] = record["notes"] + notes
     if as_json:
         click.echo(json.dumps(record, indent=2))
         return

@@ -54,12 +54,14 @@ def describe_check(check: dict) -> str:
 
 
 def check_checkpoint_out(out: Path, overwrite: bool, source: str | Path | None = None) -> None:
-    """Fail before any work when --out exists without --overwrite, or when it would replace the source itself."""
-    check_out(out, overwrite)
+    """Fail before any work when `out` would replace or nest inside the source itself, exists without overwrite, or
+    is something overwrite may not replace (fsio.check_replaceable: only a previous headlab output or an empty
+    folder)."""
     if source is not None and Path(source).expanduser().exists():
         target, origin = Path(out).expanduser().resolve(), Path(source).expanduser().resolve()
         if target == origin or origin.is_relative_to(target) or target.is_relative_to(origin):
             raise HeadlabError(f"out={out} would overwrite or nest inside the source model {source}; choose another")
+    check_out(out, overwrite)
 
 
 def _special_ids(config) -> set[int]:

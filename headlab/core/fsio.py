@@ -10,7 +10,10 @@ import ctypes
 import errno
 import json
 import os
+import re
 import shutil
+import socket
+import stat
 import sys
 import tempfile
 import time
@@ -20,10 +23,83 @@ from headlab import __version__
 from headlab.core.errors import HeadlabError
 
 
-def check_out(out: Path | None, overwrite: bool) -> None:
-    """Fail before any work when the output directory exists and --overwrite was not given."""
-    if out is not None and Path(out).exists() and not overwrite:
+def check_out(out: Path | None, overwrite: bool, option: str = "out") -> None:
+    """Fail before any work when the output exists and --overwrite was not given, or when it is something headlab
+    must not replace even with --overwrite (`check_replaceable`)."""
+    if out is None or not os.path.lexists(Path(out)):
+        return
+    if not overwrite:
         raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
+    check_replaceable(out, option)
+
+
+# ---- what --overwrite may replace: a previous headlab output, or an empty folder ---------------------------------
+
+# The record every headlab output directory carries at its top level: meta.json (run directories, reports, demos),
+# headlab.json (checkpoints), headlab_source.json (the embedded model's converted copy in the cache).
+RECORD_FILES = ("meta.json", "headlab.json", "headlab_source.json")
+GGUF_MARK = "headlab.version"  # the metadata key export-gguf writes into every GGUF file (right after the architecture)
+_GGUF_HEAD = 64 * 1024  # the mark lies within the first KiB of a file headlab wrote; read at most this much
+
+
+def _headlab_record(folder: Path) -> str | None:
+    """The record file (a JSON object) that marks `folder` as a headlab output, or None."""
+    for name in RECORD_FILES:
+        try:
+            if isinstance(json.loads((folder / name).read_text()), dict):
+                return name
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _headlab_gguf(path: Path) -> bool:
+    """A GGUF file export-gguf wrote: the GGUF magic, and headlab's metadata key among the first key-value pairs."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(_GGUF_HEAD)
+    except OSError:
+        return False
+    return head.startswith(b"GGUF") and GGUF_MARK.encode() in head
+
+
+def replace_refusal(path) -> str | None:
+    """Why an existing `path` must not be replaced even with overwrite (None: it may be): headlab replaces only what
+    it wrote itself (a folder holding a headlab record, a GGUF file with headlab's mark) or an empty folder. A user's
+    file, a folder of other files, a FIFO, a device, a socket or a mount point is never deleted. A symbolic link is
+    judged by what it points to (publishing replaces the link, never its target)."""
+    path = Path(path).expanduser()
+    if not os.path.lexists(path):
+        return None
+    try:
+        info = os.stat(path)
+    except OSError:  # a dangling link: replacing it loses nothing
+        return None
+    if os.path.ismount(real(path)):
+        return "is a mount point"
+    if stat.S_ISDIR(info.st_mode):
+        try:
+            empty = not any(os.scandir(path))
+        except OSError as error:
+            return f"cannot be read ({error.strerror})"
+        if empty or _headlab_record(path):
+            return None
+        return f"holds files headlab did not write (no {' or '.join(RECORD_FILES[:2])})"
+    if stat.S_ISREG(info.st_mode):
+        return None if _headlab_gguf(path) else "is a file headlab did not write"
+    kind = {stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+            stat.S_IFSOCK: "a socket"}.get(stat.S_IFMT(info.st_mode), "not a regular file or folder")  # fmt: skip
+    return f"is {kind}"
+
+
+def check_replaceable(out, option: str = "out") -> None:
+    """Refuse, in one line, to replace an existing `out` that headlab did not write (see `replace_refusal`)."""
+    reason = replace_refusal(out)
+    if reason is not None:
+        raise HeadlabError(
+            f"{_named(option, out)} {reason}; overwrite=True replaces only a previous headlab output or an empty folder: "
+            "move it away or choose another"
+        )
 
 
 # ---- the output guard: one check, before any work, for every command that writes -------------------------------
@@ -68,6 +144,7 @@ def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str
     path and the input."""
     if out is None:
         return
+    check_output_name(out, option)
     target = real(out)
     here = real(Path.cwd())
     if _relation(target, here) in ("is", "contains"):
@@ -86,9 +163,31 @@ def guard_output(out, overwrite: bool, inputs: dict[str, object], *, option: str
     for label, source in inputs.items():
         if source is not None and os.path.exists(Path(source).expanduser()):
             check_readable(label, Path(source).expanduser())
-    if os.path.lexists(Path(out).expanduser()) and not overwrite and not (replaceable and replaceable(Path(out))):
-        raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
+    if os.path.lexists(Path(out)):
+        if not overwrite and not (replaceable and replaceable(Path(out))):
+            raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
+        if not os.path.isdir(out):  # a file, FIFO or device: never headlab's unless a GGUF it wrote
+            check_replaceable(out, option)
+        # An existing folder is checked by check_free_space (every command that replaces a whole folder calls it
+        # right after this guard): `plot` also passes here, and writes its figures into a folder it does not replace.
     check_writable(out, option)
+
+
+def check_output_name(out, option: str = "out") -> None:
+    """An output path headlab writes exactly where it says: not starting with a `~` the shell did not expand (a
+    quoted '~/x': writing a folder named `~` would surprise; expanding it would differ from what the shell does),
+    and valid UTF-8 (the name is printed and recorded in meta.json)."""
+    text = str(out)
+    if text.startswith("~"):
+        raise HeadlabError(
+            f"{_named(option, out)} starts with a ~ the shell did not expand (was it quoted?); write the path out, "
+            f"e.g. {Path(text).expanduser()}"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(text).decode("utf-8", "backslashreplace")
+        raise HeadlabError(f"{_named(option, shown)}: the path is not valid UTF-8; choose a UTF-8 name") from None
 
 
 def _resolved_parts(source: Path, most: int = 100_000) -> list[Path]:
@@ -132,7 +231,11 @@ def check_writable(out, option: str = "out") -> None:
 
 def check_free_space(out, needed: int, how: str, option: str = "out") -> None:
     """Free space where `out` will be written is at least `needed` bytes (`how`: how that was estimated). With
-    --overwrite the old output stays until the new one is in place, so nothing it holds counts as free."""
+    --overwrite the old output stays until the new one is in place, so nothing it holds counts as free; and it is
+    replaced only if headlab wrote it (`check_replaceable`: every command that replaces a whole output calls this
+    right after guard_output, before any work)."""
+    if os.path.lexists(Path(out)):
+        check_replaceable(out, option)
     parent = existing_ancestor(Path(out).expanduser().parent)
     free = shutil.disk_usage(parent).free
     if free < needed:
@@ -176,20 +279,116 @@ def _renameat2(src: Path, dst: Path, flags: int) -> bool:
     raise OSError(code, os.strerror(code), str(dst))
 
 
+def _lock(path: Path, wait: bool):
+    """An open file holding an exclusive flock on `path` (created if missing), or None when another process holds it
+    and `wait` is False. The lock is taken again when `path` was removed or replaced meanwhile (a finished run, or
+    `remove_stale`, unlinks it), so two holders never lock two different files of one name."""
+    import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
+
+    while True:
+        handle = open(path, "a")  # noqa: SIM115 - returned to the caller, who closes it
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            handle.close()
+            return None
+        try:
+            same = os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return handle
+        handle.close()
+
+
 @contextlib.contextmanager
 def _publish_lock(target: Path):
     """Where renameat2 is missing: an exclusive lock beside `target`, held from the existence check to the rename,
     so two headlab runs cannot both publish (other programs are not bound by it)."""
-    import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
-
     lock = target.parent / f".{target.name}{_LOCK_SUFFIX}"
-    with open(lock, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            lock.unlink(missing_ok=True)
+    handle = _lock(lock, wait=True)
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        handle.close()
+
+
+# ---- temporary names that say whose they are, and removing those of dead runs ----------------------------------
+
+TMP_SUFFIX = ".headlab-tmp"  # every temporary file or folder headlab makes beside an output: .NAME.PID.HOST.xxxx + this
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname()) or "host"
+
+
+def _tmp_prefix(target: Path) -> str:
+    """`.NAME.PID.HOST.`: the temporary's owner, so that a later run can tell a dead run's leftover from a live one's
+    (tempfile appends random letters, digits and _, then TMP_SUFFIX)."""
+    return f".{target.name}.{os.getpid()}.{_host()}."
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: another user's live process
+        return True
+    return True
+
+
+def remove_stale(folder: Path) -> list[Path]:
+    """Remove what killed headlab runs left in `folder` (SIGKILL, power loss: no handler ran): temporary files and
+    folders whose owner process, recorded in the name, is gone on this host, and lock files nobody holds. A
+    temporary of a live process, of another host (a shared file system) or of unknown origin is kept. Returns what
+    was removed. Visible `NAME.partial` folders are kept: they hold a resumable run's completed steps."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    host = _host()
+    for entry in entries:
+        name = entry.name
+        if not name.startswith("."):
+            continue
+        path = Path(entry.path)
+        if name.endswith(TMP_SUFFIX):
+            parts = name[1 : -len(TMP_SUFFIX)].rsplit(".", 3)  # NAME, PID, HOST, random
+            if len(parts) != 4 or not parts[1].isdigit() or parts[2] != host or _alive(int(parts[1])):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+            removed.append(path)
+        elif name.endswith(_LOCK_SUFFIX) and entry.is_file(follow_symlinks=False):
+            try:
+                handle = _lock(path, wait=False)
+            except OSError:
+                continue
+            if handle is not None:  # nobody holds it: a leftover
+                path.unlink(missing_ok=True)
+                handle.close()
+                removed.append(path)
+    return removed
+
+
+def _unrenameable(target: Path, kind: str) -> str | None:
+    """Why an existing `target` cannot be swapped for a new `kind` ("folder" or "file") output by a rename at all,
+    whatever the caller allows: a mount point (EBUSY), a FIFO, device or socket, or the other kind of entry."""
+    try:
+        info = os.stat(target)
+    except OSError:
+        return None  # absent, or a dangling link
+    if os.path.ismount(real(target)):
+        return "is a mount point"
+    wanted = stat.S_ISDIR if kind == "folder" else stat.S_ISREG
+    if not wanted(info.st_mode):
+        return f"is not a {kind} ({replace_refusal(target) or 'another kind of entry'})"
+    return None
 
 
 def _umask() -> int:
@@ -260,13 +459,17 @@ def _publish_existing(tmp: Path, target: Path, overwrite: bool, replaceable) -> 
             f"{target} appeared while this command ran (another run writing there?) and was not replaced; the "
             f"finished result is in {kept}: move it into place, or rerun with overwrite=True"
         )
+    problem = _unrenameable(target, "folder" if tmp.is_dir() else "file")
+    if problem is not None:  # what is there now (it may have changed since the start) cannot be swapped
+        kept = _keep(tmp, target)
+        raise HeadlabError(f"{target} {problem} and was not replaced; the finished result is in {kept}")
     if _renameat2(tmp, target, _RENAME_EXCHANGE):  # `tmp` now holds the old output
         if tmp.is_dir() and not tmp.is_symlink():
             shutil.rmtree(tmp, ignore_errors=True)
         else:
             tmp.unlink()
         return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
+    old = Path(tempfile.mkdtemp(prefix=_tmp_prefix(target), suffix=TMP_SUFFIX, dir=target.parent))
     os.replace(target, old / target.name)
     try:
         os.rename(tmp, target)
@@ -294,6 +497,17 @@ def _write_failure(error: BaseException) -> str | None:
     return None
 
 
+def _check_existing(target: Path, overwrite: bool, replaceable, kind: str) -> None:
+    """An existing `target` needs overwrite (or `replaceable(target)`), and must be something a rename can swap."""
+    if not os.path.lexists(target):
+        return
+    if not overwrite and not (replaceable and replaceable(target)):
+        raise HeadlabError(f"{target} already exists; pass overwrite=True to replace it")
+    problem = _unrenameable(target, kind)
+    if problem is not None:
+        raise HeadlabError(f"{target} {problem}; it cannot be replaced: move it away or choose another")
+
+
 @contextlib.contextmanager
 def atomic_directory(target: Path, overwrite: bool = False, replaceable=None):
     """Yield a temporary directory beside `target` and publish it (see `publish`) only if the block succeeds.
@@ -306,11 +520,11 @@ def atomic_directory(target: Path, overwrite: bool = False, replaceable=None):
     target = Path(target)
     if _relation(real(target), real(Path.cwd())) in ("is", "contains"):  # renaming it would fail with EBUSY
         raise HeadlabError(f"{target} is the working directory or holds it; name a new directory")
-    if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
-        raise HeadlabError(f"{target} already exists; pass overwrite=True to replace it")
+    _check_existing(target, overwrite, replaceable, "folder")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        remove_stale(target.parent)
+        tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(target), suffix=TMP_SUFFIX, dir=target.parent))
     except OSError as error:
         raise HeadlabError(f"cannot create {target}: {_write_failure(error) or error.strerror}") from None
     try:
@@ -336,9 +550,13 @@ def atomic_write_bytes(path: Path, content: bytes) -> Path:
     """Write `content` to `path` through a temporary file beside it and a rename, so readers never see half a file:
     on a full disk the previous file stays whole (one-line error). The file gets the umask's permissions."""
     path = Path(path)
+    problem = _unrenameable(path, "file")
+    if problem is not None:  # renaming onto a folder fails; onto a FIFO or device it would delete the user's entry
+        raise HeadlabError(f"cannot write {path}: it {problem}; move it away or choose another")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        remove_stale(path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=_tmp_prefix(path), suffix=TMP_SUFFIX, dir=path.parent)
     except OSError as error:
         raise HeadlabError(f"cannot write {path}: {_write_failure(error) or error.strerror}") from None
     try:
@@ -431,8 +649,7 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
     target = Path(target)
     if _relation(real(target), real(Path.cwd())) in ("is", "contains"):  # renaming it would fail with EBUSY
         raise HeadlabError(f"{target} is the working directory or holds it; name a new directory")
-    if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
-        raise HeadlabError(f"{target} already exists; pass overwrite=True to replace it")
+    _check_existing(target, overwrite, replaceable, "folder")
     staging = partial_path(target)
     with _staging_lock(target, staging):
         journal = _open_journal(staging, {**key, "headlab": __version__})  # another version: start afresh
@@ -455,23 +672,61 @@ def resumable_directory(target: Path, key: dict, overwrite: bool = False, replac
 @contextlib.contextmanager
 def _staging_lock(target: Path, staging: Path):
     """An exclusive lock beside `staging` for the whole run: a second run writing the same output is refused."""
-    import fcntl  # platform: fcntl exists on POSIX systems only, and fsio must import everywhere
+    with _writer_lock(target, f".{staging.name}{_LOCK_SUFFIX}", f" (it holds {staging})"):
+        yield
 
-    path = target.parent / f".{staging.name}{_LOCK_SUFFIX}"
+
+@contextlib.contextmanager
+def _writer_lock(target: Path, name: str, holding: str = ""):
+    """An exclusive lock file `name` beside `target` for a whole run: a second run writing the same output is refused
+    in one line. Leftovers of killed runs beside `target` are removed first (`remove_stale`)."""
+    path = target.parent / name
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a")  # noqa: SIM115 - closed by the with below
+        remove_stale(target.parent)
+        handle = _lock(path, wait=False)
     except OSError as error:
         raise HeadlabError(f"cannot create {target}: {_write_failure(error) or error.strerror}") from None
-    with handle:
+    if handle is None:  # the other run's lock file stays
+        raise HeadlabError(f"another headlab run is writing {target}{holding}; wait for it")
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        handle.close()
+
+
+@contextlib.contextmanager
+def atomic_file(target: Path, overwrite: bool = False, replaceable=None):
+    """Yield a temporary file path beside `target` and publish it (see `publish`) only if the block succeeds: one
+    output file, written all or nothing, with the umask's permissions. For the whole block a lock file beside it
+    (`.NAME.writer.headlab-lock`) refuses a second headlab run writing the same file, so two runs never both report
+    success for one file. An existing target needs overwrite and must be a file headlab may replace
+    (`check_replaceable`). A write failure of the environment (full disk, read-only file system) removes the
+    temporary file and is one line; the previous file is untouched."""
+    target = Path(target)
+    if os.path.lexists(target) and not overwrite and not (replaceable and replaceable(target)):
+        raise HeadlabError(f"{target} already exists; pass overwrite=True to replace it")
+    if os.path.lexists(target) and not (replaceable and replaceable(target)):
+        check_replaceable(target)
+    with _writer_lock(target, f".{target.name}.writer{_LOCK_SUFFIX}"):
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # the other run's lock file stays
-            raise HeadlabError(f"another headlab run is writing {target} (it holds {staging}); wait for it") from None
+            handle, name = tempfile.mkstemp(prefix=_tmp_prefix(target), suffix=TMP_SUFFIX, dir=target.parent)
+            os.close(handle)
+        except OSError as error:
+            raise HeadlabError(f"cannot write {target}: {_write_failure(error) or error.strerror}") from None
+        tmp = Path(name)
         try:
-            yield
-        finally:
-            path.unlink(missing_ok=True)
+            yield tmp
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
+            publish(tmp, target, overwrite, replaceable)
+        except BaseException as error:
+            tmp.unlink(missing_ok=True)
+            reason = _write_failure(error)
+            if reason is not None:
+                state = "the previous file is untouched" if os.path.lexists(target) else "nothing was written"
+                raise HeadlabError(f"writing {target} failed: {reason}; {state}") from None
+            raise
 
 
 def _open_journal(staging: Path, key: dict) -> StepJournal:

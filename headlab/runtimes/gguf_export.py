@@ -20,12 +20,10 @@ Which llama.cpp architecture runs which layout (read from llama.cpp's loader, sr
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +32,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from headlab import __version__
 from headlab.core.errors import HeadlabError
+from headlab.core.fsio import GGUF_MARK, atomic_file, check_out, check_output_name
 from headlab.core.loading import LoadedModel
 from headlab.runtimes.choices import DEFAULT_TYPE
 
@@ -491,20 +491,6 @@ def _converted(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torc
     return data.numpy()
 
 
-@contextlib.contextmanager
-def _temporary_beside(out: Path):
-    """A temporary file in `out`'s directory (so the final rename is atomic), removed if the block fails."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(handle)
-    tmp = Path(tmp_name)
-    try:
-        yield tmp
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def _file_type(outtype: str) -> int:
     """GGUF's general.file_type code for the output type (llama.cpp's LLAMA_FTYPE; 0 for a type it has none for)."""
     file_type = {"f32": 0, "f16": 1, "bf16": 32}.get(outtype)
@@ -539,17 +525,19 @@ def export_gguf(
     progress: bool = True,
     verify=None,
 ) -> dict:
-    """Write `loaded` as a GGUF file at `out` atomically (a temporary file beside it, renamed at the end).
+    """Write `loaded` as a GGUF file at `out` atomically (a temporary file beside it, renamed at the end; see
+    headlab.core.fsio.atomic_file: a second run writing `out` meanwhile is refused, and overwrite replaces only a GGUF
+    file headlab wrote, recognised by its `headlab.version` metadata key).
 
     Tensors stream one at a time (header and tensor index first, then each tensor converted and written), so the
     export holds the model plus one converted tensor. `verify(path)` (optional) runs on the finished temporary file
     before it is published; its result goes into the returned record. Returns what was written.
     """
     out = Path(out)
-    if out.exists() and not overwrite:
-        raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
-    if out.is_dir():
-        raise HeadlabError(f"{out} is a directory; export-gguf writes one .gguf file")
+    check_output_name(out)
+    if os.path.isdir(out):
+        raise HeadlabError(f"out={out} is a directory; export-gguf writes one .gguf file")
+    check_out(out, overwrite)  # before the work; atomic_file checks again when it starts writing
     outtype = check_type(outtype)
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
@@ -562,8 +550,11 @@ def export_gguf(
     types = {name: _tensor_type(outtype, name, tuple(t.shape)) for name, _, t in items}
     file_type = _file_type(outtype)
 
-    with _temporary_beside(out) as tmp:
+    # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
+    # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
+    with atomic_file(out, overwrite=overwrite) as tmp:
         writer = gguf.GGUFWriter(tmp, plan.target.arch)
+        writer.add_string(GGUF_MARK, __version__)  # what lets a later --overwrite recognise the file as headlab's
         _hparams(writer, plan, config, loaded, file_type)
         _add_tokenizer(writer, tokens)
         _add_tensor_infos(writer, items, types)
@@ -592,5 +583,4 @@ def export_gguf(
         }
         if verify is not None:
             record["verification"] = verify(tmp)
-        os.replace(tmp, out)
     return record

@@ -188,17 +188,27 @@ def compare_logprobs(loaded: LoadedModel, gguf_path: Path, windows: list[torch.T
     }
 
 
+def window_length(loaded: LoadedModel, seq_len: int) -> int:
+    """The verification window: `seq_len` tokens, capped at the model's max positions (config
+    max_position_embeddings) when it has them."""
+    limit = loaded.max_positions
+    return min(seq_len, int(limit)) if limit else seq_len
+
+
 @takes_text(split="eval", max_tokens=512, seq_len=256)
 def eval_windows(loaded: LoadedModel, data=None, *, text: TextSpec) -> list[torch.Tensor]:
     """Consecutive windows of the text's token ids (`data`, when given, is its corpus), each starting with the
-    prefix token (BOS, else EOS) as in headlab's perplexity, so every text token is scored once."""
+    prefix token (BOS, else EOS) as in headlab's perplexity, so every text token is scored once. A window is at most
+    the model's positions long (`window_length`): past them neither runtime computes what the model was made for."""
     if data is not None:
         text = text.but(data=data)
     corpus = text.corpus
     ids, _ = tokenize(loaded.tokenizer, split_text(corpus, text.split).text, text.max_tokens)
     require_tokens(ids, f"the {text.split} part of corpus {corpus.spec!r}")
     prefix = _prefix_token(loaded.tokenizer)
-    body = text.seq_len - (prefix is not None)
+    body = window_length(loaded, text.seq_len) - (prefix is not None)
+    if body < 1:
+        raise HeadlabError(f"seq_len={text.seq_len}: a window needs at least 2 tokens (the prefix token and one more)")
     windows = []
     for start in range(0, len(ids), body):
         chunk = ids[start : start + body]
