@@ -65,6 +65,7 @@ def write_run_files(directory: Path, tables: dict[str, pd.DataFrame], meta: dict
     (directory / "meta.json").write_text(json_text({**meta, "versions": versions()}))
     for name, content in (extra_files or {}).items():
         mode = "wb" if isinstance(content, bytes) else "w"
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)  # names may hold subfolders (figures/x.png)
         with open(directory / name, mode) as handle:
             handle.write(content)
 

@@ -86,6 +86,82 @@ def write_rolling_task(directory: Path, texts: list[str], name: str = ROLLING_TA
     return directory
 
 
+# Long-context retrieval tasks (headlab.measure.long_tasks) as lm-eval generate_until tasks, one per (task, length),
+# all tagged LONG_TAG: the same prompts, the same greedy decode cut at the first newline, the same scoring.
+LONG_TAG = "headlab_long"
+_LONG_YAML = """task: {name}
+tag: {tag}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: generate_until
+test_split: test
+doc_to_text: prompt
+doc_to_target: answer
+generation_kwargs:
+  until:
+    - "\\n"
+  max_gen_toks: {max_new_tokens}
+  do_sample: false
+process_results: !function {metrics}.process_results
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+  - metric: recall
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+
+
+def long_task_name(task: str, length: int) -> str:
+    return f"{LONG_TAG}_{task}_{length}"
+
+
+def long_task_files(prompts, data_root: Path) -> dict[str, str]:
+    """lm-eval task files for long-context prompts (LongPrompt list), by file name: one generate_until task per
+    (task, length) whose YAML reads its jsonl from `data_root` (where the files will lie), and a metrics module
+    whose process_results is headlab's own scoring (the source of headlab.measure.long_tasks.score, so lm-eval
+    needs no headlab import)."""
+    import inspect  # start-up: only writing task files reads a function's source
+
+    from headlab.measure.long_tasks import score  # start-up: the long-context tasks only when their files are written
+
+    metrics = f"{LONG_TAG}_metrics"
+    files = {
+        f"{metrics}.py": "import re\n\n\n"
+        + inspect.getsource(score)
+        + "\n\ndef process_results(doc, results):\n"
+        + "    correct, recall = score(doc['task'], results[0].split('\\n', 1)[0], doc['answers'])\n"
+        + "    return {'exact_match': float(correct), 'recall': recall}\n"
+    }
+    groups: dict[tuple, list] = {}
+    for prompt in prompts:
+        groups.setdefault((prompt.task, prompt.length), []).append(prompt)
+    for (task, length), group in groups.items():
+        name = long_task_name(task, length)
+        rows = [{**p.record(), "answer": " ".join(p.answers)} for p in group]
+        files[f"{name}.jsonl"] = "".join(json.dumps(row) + "\n" for row in rows)
+        data = json.dumps(str(Path(data_root).resolve() / f"{name}.jsonl"))
+        files[f"{name}.yaml"] = _LONG_YAML.format(
+            name=name, tag=LONG_TAG, data=data, max_new_tokens=group[0].max_new_tokens, metrics=metrics
+        )
+    return files
+
+
+def write_long_tasks(directory: Path, prompts) -> list[str]:
+    """Write long_task_files into `directory` (usable with --include-path); returns the task names."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    files = long_task_files(prompts, directory)
+    for name, content in files.items():
+        (directory / name).write_text(content)
+    return sorted(name.removesuffix(".yaml") for name in files if name.endswith(".yaml"))
+
+
 def _check_yamls(include_path: Path) -> None:
     """lm-eval skips a task YAML that does not parse without a word; say which one and why instead."""
     from lm_eval.tasks._yaml_loader import load_yaml  # optional: the lmeval extra

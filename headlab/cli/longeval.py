@@ -1,0 +1,179 @@
+"""`headlab longeval`: long-context retrieval accuracy (passkey, RULER-style needles) and NLL by position, with the
+needle heatmap, the position curve and the same prompts as lm-eval task files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from headlab.cli.options import guard, model_options, out_option
+from headlab.cli.parsing import parse_list
+from headlab.core.data import PARTS, TextSpec
+from headlab.core.errors import HeadlabError
+from headlab.measure.long_tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, LONG_TASKS
+
+DEFAULT_OUT = Path("runs/longeval")
+RUNTIMES = ("transformers", "llamacpp")
+
+
+def _length(text: str) -> int:
+    """'2048' or '2k' (k = 1024 tokens) -> 2048."""
+    text = text.lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
+@click.command("longeval")
+@model_options
+@click.option(
+    "--data",
+    default=None,
+    metavar="SPEC",
+    help="haystack text: .txt/.jsonl/.csv/.parquet file, datasets directory or hub 'name:config:split' "
+    "[default: embedded Python reference text]",
+)
+@click.option("--text-column", default=None, help="text column of a table corpus [default: text]")
+@click.option(
+    "--split",
+    "part",
+    type=click.Choice(PARTS),
+    default="eval",
+    show_default=True,
+    help="which part of the corpus the haystacks and the NLL-by-position sequences come from",
+)
+@click.option(
+    "--tasks",
+    default=",".join(DEFAULT_TASKS),
+    show_default=True,
+    help="comma-separated tasks: " + "; ".join(f"{name}: {task.help}" for name, task in LONG_TASKS.items()),
+)
+@click.option(
+    "--lengths",
+    default=None,
+    metavar="N,N",
+    help="context lengths in tokens, prompt and answer together (2k = 2048) [default: 1k,2k,4k,8k on a GPU, 1k,2k "
+    "on a CPU (an 8k prompt of a 135M model is about a minute of 2 CPU cores); capped by the model's positions]",
+)
+@click.option(
+    "--depths",
+    default=",".join(f"{d:g}" for d in DEFAULT_DEPTHS),
+    show_default=True,
+    help="needle depths in [0, 1]: 0 before the haystack, 1 after it",
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="prompts per (task, length, depth) cell; the cost is one prefill each",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="seed of the needles and the haystack offsets")
+@click.option(
+    "--position-sequences",
+    type=click.IntRange(min=0),
+    default=1,
+    show_default=True,
+    help="sequences of the longest length scored for NLL by position (one forward each; 0: none)",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="equal-length prompts per forward pass",
+)
+@click.option(
+    "--runtime",
+    type=click.Choice(RUNTIMES),
+    default="transformers",
+    show_default=True,
+    help="llamacpp: decode a .gguf --model through llama.cpp (same prompts, same greedy decode; needs the "
+    "llamacpp extra)",
+)
+@out_option(required=False, help_text=f"output directory, written atomically [default: {DEFAULT_OUT}]")
+@click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
+def command(  # click passes every option as a parameter
+    load,
+    data,
+    text_column,
+    part,
+    tasks,
+    lengths,
+    depths,
+    samples,
+    seed,
+    position_sequences,
+    batch_size,
+    runtime,
+    out,
+    overwrite,
+    as_json,
+):
+    """Long-context retrieval (passkey and RULER-style needles in real text; greedy decode, exact match, 95%
+    intervals per length x depth) and NLL by position: tables, figures and lm-eval task files of the same
+    prompts (docs/long-context.md)."""
+    names = parse_list(tasks, str, "tasks", allowed=tuple(LONG_TASKS))
+    length_list = parse_list(lengths, _length, "lengths") if lengths is not None else None
+    depth_list = parse_list(depths, float, "depths")
+    gguf = Path(load.spec) if load.spec and str(load.spec).lower().endswith(".gguf") else None
+    if runtime == "llamacpp" and gguf is None:
+        raise HeadlabError("--runtime llamacpp decodes a .gguf file: give --model FILE.gguf")
+    out = out or DEFAULT_OUT
+    guard(out, overwrite, {"model": load.spec}, data=data)
+    # start-up: torch, pandas and seaborn load when the command runs, not for --help
+    from headlab.core.tables import write_run
+    from headlab.measure.longctx import long_context
+    from headlab.runtimes.lm_eval_bridge import long_task_files
+    from headlab.viz.long_context import plot_needle_heatmap, plot_position_nll
+    from headlab.viz.plots import figure_bytes
+
+    loaded = load()
+    generate = None
+    if runtime == "llamacpp":
+        from headlab.runtimes.long_context import llamacpp_generate  # start-up: llama.cpp only when asked for
+
+        generate = llamacpp_generate(loaded, gguf)
+    text = TextSpec(data, text_column, part, max_tokens=None)
+    result = long_context(
+        loaded,
+        text=text,
+        tasks=names,
+        lengths=length_list,
+        depths=depth_list,
+        samples=samples,
+        seed=seed,
+        position_sequences_count=position_sequences,
+        batch_size=batch_size,
+        generate=generate,
+        progress=not as_json,
+    )
+    result.meta["runtime"] = runtime
+    model_name = loaded.spec or "model"
+    figures = {
+        "figures/needle_heatmap.png": figure_bytes(plot_needle_heatmap(result.cells, f"{model_name}: retrieval"))
+    }
+    if not result.curve.empty:
+        figures["figures/position_nll.png"] = figure_bytes(
+            plot_position_nll(result.curve, f"{model_name}: NLL by position")
+        )
+    # The YAMLs name their jsonl by absolute path (lm-eval resolves data files from its working directory): the
+    # path the run directory will have once published.
+    task_files = long_task_files(result.prompt_list, Path(out).resolve() / "lm_eval_tasks")
+    extra = {f"lm_eval_tasks/{name}": content for name, content in task_files.items()}
+    write_run(out, result.tables(), result.meta, overwrite=overwrite, extra_files={**figures, **extra})
+    if as_json:
+        click.echo(json.dumps({**result.meta, "lengths_table": result.lengths.to_dict("records"),
+                               "positions_table": result.positions.to_dict("records")}, indent=2, default=str))  # fmt: skip
+        return
+    shown = result.lengths.assign(
+        accuracy=[
+            f"{a:.0%} [{lo:.0%}, {hi:.0%}]"
+            for a, lo, hi in result.lengths[["accuracy", "ci_low", "ci_high"]].to_numpy()
+        ]
+    )
+    click.echo(shown[["task", "length", "prompts", "correct", "accuracy", "recall"]].to_string(index=False))
+    if not result.positions.empty:
+        click.echo("")
+        click.echo(result.positions.to_string(index=False, float_format="{:.4f}".format))
+    click.echo(f"\nwrote {out}: cells, lengths, prompts, positions, figures/, lm_eval_tasks/ (--include-path)")
