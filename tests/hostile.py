@@ -72,6 +72,32 @@ def damaged_checkpoints(healthy: Path, root: Path) -> dict[str, Path]:
     _edit_config(made["zerolayers"], num_hidden_layers=0)
     made["hiddennotdividing"] = _copy(healthy, root / "hiddennotdividing")
     _edit_config(made["hiddennotdividing"], num_attention_heads=5, num_key_value_heads=5, head_dim=None)
+    made.update(contradicting_checkpoints(healthy, root))
+    return made
+
+
+def contradicting_checkpoints(healthy: Path, root: Path) -> dict[str, Path]:
+    """Copies of `healthy` (2 layers, intermediate 128, vocabulary 128) whose config or tokenizer contradicts the
+    tensors, or names what transformers does not know: each loaded silently wrong or failed with a traceback."""
+    made = {}
+    for name, fields in (
+        ("fewerlayers", {"num_hidden_layers": 1}),  # transformers loaded the first layer only
+        ("morelayers", {"num_hidden_layers": 3}),
+        ("wrongshape", {"intermediate_size": 96}),  # "look at the above report", a report never shown
+        ("unknownact", {"hidden_act": "swishy"}),
+        ("unknownrope", {"rope_parameters": {"rope_type": "wobbly", "rope_theta": 10000.0}}),
+    ):
+        made[name] = _copy(healthy, root / name)
+        _edit_config(made[name], **fields)
+    # a tokenizer whose ids run past the 128 embedding rows (the first forward pass: "index out of range")
+    made["bigtokenizer"] = _copy(healthy, root / "bigtokenizer")
+    tokenizer = json.loads((healthy / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"] = {
+        token: i + 200 if len(token) == 1 else i for token, i in tokenizer["model"]["vocab"].items()
+    }
+    (made["bigtokenizer"] / "tokenizer.json").write_text(json.dumps(tokenizer))
+    made["brokentokenizer"] = _copy(healthy, root / "brokentokenizer")
+    (made["brokentokenizer"] / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "WordLevel", "vo')
     return made
 
 
@@ -125,6 +151,26 @@ def corpora(root: Path, text: str) -> dict[str, Path]:
     made["numbercells"].write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": 1984}) + "\n")
     made["listcells"].write_text(json.dumps({"text": text}) + "\n" + json.dumps({"text": ["a", "b"]}) + "\n")
     os.mkfifo(made["fifo"])
+    return made
+
+
+def plot_runs(root: Path, layers: int = 2, heads: int = 4) -> dict[str, Path]:
+    """Run folders `plot` must refuse: a header-only table, text where numbers belong, a file where the figures
+    folder goes, and a (layer, head) listed twice with other values (prune refuses the same table)."""
+    good = "layer,head,importance\n" + "".join(f"{a},{b},{a + b}\n" for a in range(layers) for b in range(heads))
+    contents = {
+        "headeronly": "layer,head,importance\n",
+        "textcolumn": "layer,head,importance\n"
+        + "".join(f"{a},{b},{'abcdefgh'[a * heads + b]}\n" for a in range(layers) for b in range(heads)),
+        "figuresfile": good,
+        "duprun": good + "0,1,9\n",
+    }
+    made = {}
+    for name, table in contents.items():
+        made[name] = root / f"plot-{name}"
+        made[name].mkdir()
+        (made[name] / "importance.csv").write_text(table)
+    (made["figuresfile"] / "figures").write_text("a file where plot writes its figures")
     return made
 
 

@@ -320,7 +320,10 @@ CASES = [
     # ---- issue 29: a model whose files are links (the hub cache's layout), and commands that lacked the guard ----
     (["stats", "--model", "{snapshot}", *M, *DATA, "--out", "{blobs}", "--overwrite"], "(through the link to"),
     (["prune", "--model", "{snapshot}", *M, *DATA, "--heads", "0:0", "--out", "{blobs}", "--overwrite"], "contains"),
-    (["export-gguf", "--model", "{snapshot}", *M, "--out", "{snapshot}/x.gguf", "--no-verify"], "lies inside the model"),
+    (
+        ["export-gguf", "--model", "{snapshot}", *M, "--out", "{snapshot}/x.gguf", "--no-verify"],
+        "lies inside the model",
+    ),
     (["export-gguf", "--model", "{llama}", *M, "--out", "{llama}/model.safetensors", "--overwrite"], "lies inside"),
     (["export-gguf", "--model", "{llama}", *M, *DATA, "--out", "{text}", "--overwrite"], "is the corpus"),
     (["speed", "{llama}", "--device", "cpu", "--out", "{llama}", "--overwrite"], "is the model"),
@@ -364,6 +367,33 @@ CASES = [
     (["eval", "--model", "{llama}", *M, "--data", "{listcells}", "--seq-len", "32"], "line 2"),
     (["eval", "--model", "{llama}", *M, "--data", "{fifo}", "--seq-len", "32"], "not a regular file"),
     (["plot", "{infrun}"], "no finite value"),
+    # ---- issue 29: configs that contradict the tensors, names transformers does not know, tokenizers ----
+    (["info", "--model", "{fewerlayers}", *M], "config field num_hidden_layers = 1 builds 1"),
+    (["eval", "--model", "{morelayers}", *M, *DATA], "the checkpoint has no model.layers.2"),
+    (["info", "--model", "{wrongshape}", *M], "intermediate_size = 96"),
+    (["info", "--model", "{unknownact}", *M], "hidden_act = 'swishy'"),
+    (["info", "--model", "{unknownrope}", *M], "rope_parameters.rope_type = 'wobbly'"),
+    (["eval", "--model", "{bigtokenizer}", *M, *DATA], "token id"),
+    (["info", "--model", "{brokentokenizer}", *M], "tokenizer.json"),
+    # ---- issue 29: text that is not text, plot's tables, misleading messages ----
+    (["eval", "--model", "{llama}", *M, "--data", "{randombytes}", "--seq-len", "32"], "not UTF-8 text"),
+    (["eval", "--model", "{llama}", *M, "--data", "{controlchars}", "--seq-len", "32"], "is not text"),
+    (["plot", "{headeronly}"], "no rows"),
+    (["plot", "{textcolumn}"], "column 'importance' holds 'a' (line 2), not a number"),
+    (["plot", "{figuresfile}"], "is a file, not a folder"),
+    (["plot", "{duprun}"], "layer 0 head 1 more than once"),
+    (["plot", "{fifo}"], "not a regular file or folder"),
+    (["info", "--model", "{uppergguf}", *M], "GGUF"),
+    (["info", "--model", "{fifo}", *M], "not a regular file or folder"),
+    (["info", "--model", "{llama}/model.safetensors", *M], "not a .gguf"),
+    (
+        ["prune", "--model", "{llama}", *M, *DATA, "--scores", "{fifo}", "--fraction", "0.25", "--out", "p"],
+        "not a regular file or folder",
+    ),
+    (
+        ["sweep", "--model", "{llama}", *M, *DATA, "--fractions", "0.99", "--orders", "random", "--out", "w"],
+        "pass --allow-empty-layer",
+    ),
 ]
 
 # lm-eval tasks (the lmeval extra); without lm-eval every --tasks line says how to install it (tests/test_lm_eval.py).
@@ -450,6 +480,13 @@ def _hostile(paths: dict, root: Path) -> None:
     paths["duplicates"] = hostile.duplicate_scores(root)
     paths.update(hostile.corpora(root, SAMPLE_TEXT))
     paths["infrun"] = hostile.infinite_run(root)
+    paths.update(hostile.plot_runs(root))
+    paths["randombytes"] = root / "random.txt"
+    paths["randombytes"].write_bytes(bytes(range(256)) * 16)
+    paths["controlchars"] = root / "controls.txt"
+    paths["controlchars"].write_text(SAMPLE_TEXT[:100] + "\x00\x1b" * 200)
+    paths["uppergguf"] = root / "model.GGUF"
+    paths["uppergguf"].write_bytes(b"not a gguf file")
 
 
 def _hub_cache_layout(checkpoint: Path, cache: Path) -> tuple[Path, Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -207,7 +208,7 @@ def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corp
         if path.is_file():
             suffix = path.suffix.lower()
             if suffix == ".txt":
-                documents = [path.read_text(encoding="utf-8", errors="replace")]
+                documents = [_read_text_file(path)]
             elif suffix in (".jsonl", ".csv", ".parquet"):
                 documents = _read_table(path, text_column)
             else:
@@ -224,7 +225,43 @@ def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corp
     documents = [doc for doc in documents if doc.strip()]
     if not documents:
         raise HeadlabError(f"corpus {spec!r} has no text")
+    check_text(documents, f"corpus {spec!r}")
     return Corpus(spec, documents, meta)
+
+
+# Control characters other than tab, line feed, vertical tab, form feed and carriage return (C0, DEL, C1), and the
+# replacement character U+FFFD that a lossy decoding upstream leaves: text has almost none of them, bytes many.
+_NOT_TEXT = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f\ufffd]")
+MAX_NOT_TEXT_SHARE = 0.01  # above 1% of a corpus's characters, it is refused as not text
+
+
+def _read_text_file(path: Path) -> str:
+    """A .txt corpus as UTF-8 (a byte-order mark is dropped); bytes that are not UTF-8 are refused with their offset
+    instead of being replaced by U+FFFD and scored as if they were text."""
+    try:
+        raw = path.read_bytes()
+    except OSError as error:
+        raise HeadlabError(f"cannot read {path}: {error.strerror or error}") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        raise HeadlabError(
+            f"{path} is not UTF-8 text: byte {raw[error.start]:#04x} at offset {error.start} is invalid UTF-8 "
+            "(convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8)"
+        ) from None
+
+
+def check_text(documents: list[str], where: str) -> None:
+    """Refuse a corpus more than MAX_NOT_TEXT_SHARE of whose characters are control characters (other than tab,
+    line and page breaks) or U+FFFD: binary data saved as text, or text a lossy decoding already damaged."""
+    total = sum(len(doc) for doc in documents)
+    bad = sum(len(_NOT_TEXT.findall(doc)) for doc in documents)
+    if total and bad > MAX_NOT_TEXT_SHARE * total:
+        first = next(match.group() for doc in documents for match in [_NOT_TEXT.search(doc)] if match)
+        raise HeadlabError(
+            f"{where} is not text: {bad} of its {total} characters ({bad / total:.0%}) are control or replacement "
+            f"characters (e.g. {first!r}); at most {MAX_NOT_TEXT_SHARE:.0%} are accepted"
+        )
 
 
 def _load_saved_dataset(path: Path, text_column: str | None) -> list[str]:

@@ -82,6 +82,34 @@ def cache_dir() -> Path:
     return Path(os.environ.get("HEADLAB_CACHE") or Path.home() / ".cache" / "headlab")
 
 
+def checked_cache_dir() -> Path:
+    """cache_dir(), refused in one line when it cannot hold the embedded model's copy: it (or a folder on its way)
+    is a file, or it does not exist yet and the nearest existing folder above it is not writable. Checked where the
+    embedded model is located, which the output guard does before any work."""
+    path = cache_dir()
+    where = "HEADLAB_CACHE" if os.environ.get("HEADLAB_CACHE") else "the cache folder"
+    existing = path
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        kind = "a file" if existing.is_file() else "not a folder"
+        at = "" if existing == path else f" ({existing} is {kind})"
+        raise HeadlabError(
+            f"{where} {path} cannot be a folder{at}" if at else f"{where} {path} is {kind}, not a folder"
+        )
+    if existing != path and not os.access(existing, os.W_OK | os.X_OK):
+        raise HeadlabError(f"{where} {path} cannot be created: {existing} is not writable")
+    return path
+
+
+def _fingerprint_cache() -> Path | None:
+    """The fingerprint cache file, where the cache folder is usable (a cache is an optimisation, never a refusal)."""
+    try:
+        return checked_cache_dir() / "fingerprints.json"
+    except HeadlabError:
+        return None
+
+
 def resolve_device(device: str | None) -> torch.device:
     """cpu, cuda, cuda:N or auto (CUDA when present, else CPU); CUDA without a GPU is a user error."""
     name = (device or "auto").strip().lower()
@@ -125,7 +153,7 @@ def embedded_gguf_path() -> Path:
 
 def embedded_checkpoint() -> Path:
     """A safetensors copy of the embedded GGUF model under the cache, made atomically on first use."""
-    target = cache_dir() / DEFAULT_MODEL
+    target = checked_cache_dir() / DEFAULT_MODEL
     if (target / "config.json").is_file():
         return target
     gguf = embedded_gguf_path()
@@ -160,8 +188,25 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+def _is_gguf_name(spec: str) -> bool:
+    return spec.lower().endswith(".gguf")  # M.GGUF is as much a GGUF file as m.gguf
+
+
 def _looks_like_path(spec: str) -> bool:
-    return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1) or spec.endswith(".gguf")
+    return spec.startswith((".", "/", "~")) or os.sep in spec.strip("/").replace("/", "", 1) or _is_gguf_name(spec)
+
+
+def check_model_path(spec: str) -> None:
+    """A model spec naming something that exists but is no checkpoint folder or .gguf file: a FIFO, a device, or a
+    single weight file; refused as what it is rather than as missing (or looked up on the hub)."""
+    path = Path(spec).expanduser()
+    if not os.path.lexists(path) or path.is_dir() or (path.is_file() and _is_gguf_name(spec)):
+        return
+    if path.is_file():
+        raise HeadlabError(f"model {spec} is a file but not a .gguf; give the checkpoint folder that holds it")
+    if path.is_symlink() and not path.exists():
+        raise HeadlabError(f"model {spec} is a broken link (to {os.readlink(path)})")
+    raise HeadlabError(f"model {spec} is not a regular file or folder (a FIFO or device?)")
 
 
 def load_model(
@@ -189,9 +234,11 @@ def load_model(
         raise HeadlabError(f"unknown device_map={device_map!r}; only 'auto' is supported")
 
     load_kwargs: dict = {}
+    if spec != DEFAULT_MODEL:
+        check_model_path(spec)
     if spec == DEFAULT_MODEL:
         source = str(embedded_checkpoint())
-    elif Path(spec).expanduser().is_file() and spec.endswith(".gguf"):
+    elif Path(spec).expanduser().is_file() and _is_gguf_name(spec):
         gguf = Path(spec).expanduser()
         source, load_kwargs = str(gguf.parent), {"gguf_file": gguf.name}
     elif Path(spec).expanduser().is_dir():
@@ -213,10 +260,16 @@ def load_model(
 
     if (Path(source) / "config.json").is_file():
         validate.check_config_file(Path(source) / "config.json", spec)  # before transformers' own validators
+    verbosity = hf_logging.get_verbosity()
+    # transformers logs config oddities (an unknown rope_type) as warnings on stderr, beside headlab's one line; an
+    # unknown value is refused by name when the model is built (_load_weights)
+    hf_logging.set_verbosity_error()
     try:
         config = AutoConfig.from_pretrained(source, **load_kwargs)
     except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input
         raise HeadlabError(f"cannot load a model config from {spec!r}: {validate.error_line(error)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     adapter = adapter_for(config)
     validate.check_config_heads(config, adapter, spec)
     if Path(source).is_dir():
@@ -238,7 +291,8 @@ def load_model(
     model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""))
+    validate.check_tokenizer_fits(model, tokenizer, spec)
+    fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""), _fingerprint_cache())
     meta = {"fingerprint": fingerprint} if fingerprint else {}
     return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype, meta)
 
@@ -246,8 +300,6 @@ def load_model(
 def _load_weights(spec: str, source: str, config, adapter: Adapter, kwargs: dict, load_kwargs: dict):
     """Model and tokenizer from a validated config; every loading failure is one HeadlabError line, and
     transformers' own load report is summarised there instead of printed."""
-    from transformers import AutoTokenizer  # start-up: the tokenizer registry loads on the first model load only
-
     layout = getattr(config, HEAD_LAYOUT_KEY, None)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
@@ -255,35 +307,57 @@ def _load_weights(spec: str, source: str, config, adapter: Adapter, kwargs: dict
         if layout is not None:
             model = load_pruned(source, config, adapter, **kwargs)  # non-uniform: rebuilt layer by layer
         else:
-            model, info = auto_class(adapter).from_pretrained(source, output_loading_info=True, **kwargs)
-            _refuse_missing_weights(spec, info)
-        tokenizer = AutoTokenizer.from_pretrained(source, **load_kwargs)
+            # ignore_mismatched_sizes: transformers then lists a tensor whose shape the config does not give it
+            # instead of raising "look at the above report" about a report it never printed (it is captured); the
+            # load report below refuses it by name, so no re-initialised weight is ever used.
+            model, info = auto_class(adapter).from_pretrained(
+                source, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
+            validate.check_load_report(model, info, config, spec, adapter.blocks_path)
     except pickle.UnpicklingError as error:
         raise validate.pickle_refusal(source, error) from None
+    except KeyError as error:
+        # building modules looks config values up in transformers' registries (ACT2FN, ROPE_INIT_FUNCTIONS)
+        refusal = validate.unknown_config_value(config.to_dict(), error, spec)
+        if refusal is None:
+            raise
+        raise refusal from None
     except (OSError, RuntimeError, ValueError, TypeError, ZeroDivisionError) as error:
-        # transformers raises these for checkpoints whose weights do not fit their config (e.g. an edited head
-        # count: "size mismatch") or for configs it cannot build a model from: user input, not a headlab bug.
-        raise HeadlabError(f"cannot load {spec!r}: {validate.error_line(error)}") from None
+        # transformers raises these for checkpoints whose weights do not fit their config or for configs it cannot
+        # build a model from: user input, not a headlab bug.
+        line = validate.error_line(error)
+        if "above report" in line:  # the report it points to was captured, not printed: say what it is about
+            line = "transformers could not convert its stored weights to the layout of this model class"
+        raise HeadlabError(f"cannot load {spec!r}: {line}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    return model, tokenizer
+    return model, _load_tokenizer(spec, source, load_kwargs)
 
 
-def _refuse_missing_weights(spec: str, info: dict) -> None:
-    """transformers initialises weights missing from a checkpoint at random and only logs it: refuse instead."""
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
+def _load_tokenizer(spec: str, source: str, load_kwargs: dict):
+    """The checkpoint's tokenizer; a damaged tokenizer file is one line naming the tokenizer files."""
+    from transformers import AutoTokenizer  # start-up: the tokenizer registry loads on the first model load only
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(source, **load_kwargs)
+    except Exception as error:  # noqa: BLE001 - tokenizers and transformers raise KeyError, AttributeError,
+        # JSON and Rust errors for a damaged tokenizer.json / tokenizer_config.json: all bad input
+        files = sorted(p.name for p in Path(source).glob("tokenizer*")) if Path(source).is_dir() else []
+        named = f" ({', '.join(files)})" if files else ""
         raise HeadlabError(
-            f"cannot load {spec!r}: {len(missing)} weight(s) missing from the checkpoint would be random "
-            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
-        )
+            f"cannot load the tokenizer of {spec!r}{named}: {type(error).__name__}: {validate.error_line(error)}"
+        ) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
 
 
 def model_location(spec: str | None) -> Path | None:
     """Where a model spec's files are, without loading or downloading anything: the embedded model's cache
     directory, a local directory or .gguf file, or a hub id's folder in the hub cache; for the output guard."""
     if spec is None or spec == DEFAULT_MODEL:
-        return cache_dir() / DEFAULT_MODEL
+        return checked_cache_dir() / DEFAULT_MODEL
     path = Path(spec).expanduser()
     if os.path.lexists(path) or _looks_like_path(spec):
         return path

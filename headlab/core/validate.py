@@ -12,10 +12,10 @@ import re
 import struct
 from pathlib import Path
 
-import torch
-
-from headlab.core.arch import ADAPTERS
 from headlab.core.errors import HeadlabError
+
+# torch and headlab.core.arch (transformers) are imported inside the checks that need them: `headlab plot` uses
+# check_unique_heads and reads saved tables only, without seconds of torch import.
 
 # safetensors element sizes by dtype tag (https://github.com/huggingface/safetensors, "Format")
 SAFETENSORS_DTYPE_BYTES = {
@@ -25,7 +25,11 @@ SAFETENSORS_DTYPE_BYTES = {
     "I64": 8, "U64": 8, "F64": 8, "C64": 8,
 }  # fmt: skip
 MAX_SAFETENSORS_HEADER = 100_000_000  # the format's own limit on the JSON header (bytes)
-FINGERPRINT_SAMPLES = 8  # 4 KiB blocks read per weight file for a model's fingerprint
+FINGERPRINT_CACHE_ENTRIES = 256  # weight files whose sha256 the fingerprint cache keeps (the most recent)
+FINGERPRINT_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "vocab.txt", "added_tokens.json",
+)  # fmt: skip
 
 
 # ---- config ---------------------------------------------------------------------------------------------------
@@ -88,6 +92,8 @@ class _RawConfig:
 def check_config_file(path, where: str) -> None:
     """check_config_heads on a checkpoint's config.json as stored, for model types headlab has an adapter for."""
     from transformers import CONFIG_MAPPING  # here, not at the top: importing transformers costs start-up time
+
+    from headlab.core.arch import ADAPTERS  # start-up: the adapters import transformers' model classes
 
     try:
         raw = json.loads(Path(path).read_text())
@@ -186,6 +192,8 @@ def check_finite_weights(model, where: str) -> None:
     """Every floating-point parameter is finite; the first that is not is named with its count of nan/inf.
     One read of each weight and no temporary tensor: a nan/inf anywhere makes its float64 sum non-finite (finite
     float32/bf16 values cannot overflow a float64 sum), and only then are the elements counted."""
+    import torch  # start-up: the file validators run before torch is needed (CLI checks)
+
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if not parameter.is_floating_point() or parameter.device.type == "meta":
@@ -197,6 +205,150 @@ def check_finite_weights(model, where: str) -> None:
                 f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {parameter.numel()}; "
                 "the checkpoint is damaged (check_weights=False loads it anyway)"
             )
+
+
+def config_fields_holding(raw, value, prefix: str = "") -> list[str]:
+    """Dotted paths of the config.json fields (nested dicts included) whose value is `value`: which field a value
+    transformers failed on came from (a KeyError 'wobbly' -> rope_parameters.rope_type)."""
+    found = []
+    for name, item in raw.items() if isinstance(raw, dict) else ():
+        path = f"{prefix}{name}"
+        if isinstance(item, dict):
+            found += config_fields_holding(item, value, f"{path}.")
+        elif type(item) is type(value) and item == value:
+            found.append(path)
+    return found
+
+
+def unknown_config_value(raw: dict, error: KeyError, where: str) -> HeadlabError | None:
+    """One line for a KeyError transformers raised while building a model from a config: a config value it has no
+    implementation for (an activation in ACT2FN, a RoPE type in ROPE_INIT_FUNCTIONS), named by its field; None when
+    the missing key is no config value (then it is not the user's config and stays a bug)."""
+    if len(error.args) != 1 or not isinstance(error.args[0], str):
+        return None
+    value = error.args[0]
+    fields = config_fields_holding(raw, value)
+    if not fields:
+        return None
+    field = fields[0]
+    known = ""
+    try:  # the registries transformers looks these values up in, for the list of what it knows
+        if field.endswith(("rope_type", ".type")):
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # start-up: only for a RoPE field
+
+            known = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
+        elif "act" in field.rsplit(".", 1)[-1]:
+            from transformers.activations import ACT2FN  # start-up: only for an activation field
+
+            known = ", ".join(sorted(ACT2FN))
+    except ImportError:
+        pass
+    from transformers import __version__ as transformers_version  # start-up: transformers loads with the model
+
+    return HeadlabError(
+        f"{where}: config field {field} = {value!r} is not known to transformers {transformers_version}"
+        + (f" (known: {known})" if known else "")
+    )
+
+
+_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def _blocks(names, model_names: set[str]) -> dict[str, set[int]]:
+    """Indexed containers (`model.layers`) -> indices, for names whose index position holds a real block of the
+    model, recognised by the same name with index 0 being one of the model's own tensors."""
+    found: dict[str, set[int]] = {}
+    for name in names:
+        for match in _INDEX.finditer(name):
+            if f"{name[: match.start()]}.0.{name[match.end() :]}" in model_names:
+                found.setdefault(name[: match.start()], set()).add(int(match.group(1)))
+                break
+    return found
+
+
+def _count_field(config, container: str, blocks_path) -> str:
+    """How the config sets the size of an indexed container: num_hidden_layers (as config.json spells it) for the
+    blocks, else the container itself."""
+    if container.rsplit(".", 1)[-1] in blocks_path:
+        text = config.get_text_config()
+        return f"config field {_field(text, 'num_hidden_layers')} = {getattr(text, 'num_hidden_layers', None)}"
+    return f"the config's {container}"
+
+
+def check_load_report(model, info: dict, config, where: str, blocks_path=("layers",)) -> None:
+    """transformers' loading info (from_pretrained(output_loading_info=True, ignore_mismatched_sizes=True)) as one
+    line: a tensor whose shape the config does not give it, layers the checkpoint holds beyond the config's count
+    (transformers would drop them: the first layers of a deeper model would load as if whole), layers the config
+    has that the checkpoint lacks, and any other missing weight (transformers would initialise it at random)."""
+    mismatched = sorted(info.get("mismatched_keys") or (), key=lambda m: str(m[0]))
+    if mismatched:
+        name, stored, expected = mismatched[0]
+        stored, expected = tuple(int(d) for d in stored), tuple(int(d) for d in expected)
+        text = config.get_text_config()
+        # config fields equal to a dimension that differs: e.g. intermediate_size = 96 for a 128-row weight
+        hints = sorted(
+            {
+                f"{_field(text, k)} = {v}"
+                for a, b in zip(stored, expected)
+                if a != b
+                for k, v in vars(text).items()
+                if isinstance(v, int) and not isinstance(v, bool) and v == b and not k.startswith("_")
+            }
+        )
+        hint = f" (config field {', '.join(hints)})" if hints else ""
+        more = f"; {len(mismatched) - 1} more tensor(s) disagree" if len(mismatched) > 1 else ""
+        raise HeadlabError(
+            f"{where}: tensor {name} has shape {list(stored)} in the checkpoint, the config makes it "
+            f"{list(expected)}{hint}{more}"
+        )
+    model_names = set(model.state_dict())
+    extra = _blocks(info.get("unexpected_keys") or (), model_names)
+    for container, indices in sorted(extra.items()):
+        try:
+            built = len(model.get_submodule(container))
+        except (AttributeError, TypeError):
+            built = "fewer"
+        raise HeadlabError(
+            f"{where}: the checkpoint holds {container}.0 to {container}.{max(indices)}, "
+            f"{_count_field(config, container, blocks_path)} builds {built}; the other weights would be ignored"
+        )
+    missing = sorted(info.get("missing_keys") or ())
+    absent = _blocks(missing, model_names)
+    for container, indices in sorted(absent.items()):
+        # blocks none of whose tensors the checkpoint holds: the config asks for more than there is
+        loaded = model_names - set(missing)
+        whole = sorted(i for i in indices if not any(n.startswith(f"{container}.{i}.") for n in loaded))
+        if whole:
+            raise HeadlabError(
+                f"{where}: {_count_field(config, container, blocks_path)} builds {container}.0 to "
+                f"{container}.{max(indices)}, the checkpoint has no {container}.{whole[0]}"
+                + (f" onwards ({len(whole)} missing)" if len(whole) > 1 else "")
+            )
+    if missing:
+        raise HeadlabError(
+            f"cannot load {where!r}: {len(missing)} weight(s) missing from the checkpoint would be random "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+        )
+
+
+def check_tokenizer_fits(model, tokenizer, where: str) -> None:
+    """Every token id the tokenizer can produce has a row in the input embeddings: an id beyond them fails inside
+    the embedding lookup ("index out of range") at the first forward pass."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return
+    rows = getattr(embeddings, "num_embeddings", None)
+    if not isinstance(rows, int) or tokenizer is None:
+        return
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    top = max(vocab.values(), default=-1)
+    if top >= rows:
+        token = next(t for t, i in vocab.items() if i == top)
+        raise HeadlabError(
+            f"{where}: the tokenizer has token id {top} ({token!r}), the model's input embeddings have {rows} rows "
+            f"(ids 0..{rows - 1}); the tokenizer does not belong to this model"
+        )
 
 
 # ---- head layout records --------------------------------------------------------------------------------------
@@ -257,11 +409,75 @@ def check_layout_record(record, where: str, num_layers: int | None = None) -> No
 # ---- where a table came from ----------------------------------------------------------------------------------
 
 
-def model_fingerprint(directory) -> str | None:
-    """sha256 over config.json, headlab.json, and every weight file's size and FINGERPRINT_SAMPLES evenly spaced
-    4 KiB blocks: two checkpoints share it only if they very probably hold the same model. None for a non-directory
-    (a hub id); a single file (GGUF) is fingerprinted as its own weight file. Reads a few hundred KiB at most,
-    whatever the model's size."""
+def check_unique_heads(pairs, what: str) -> None:
+    """A per-head table lists each (layer, head) once: of two rows for one head neither can be chosen silently
+    (plot would draw the first, a score reader keep the last). `what` names the table ("score table scores.csv");
+    the message is the one headlab.pruning.scores.read_scores gives."""
+    pairs = [tuple(pair) for pair in pairs]
+    seen, twice = set(), set()
+    for pair in pairs:
+        (twice if pair in seen else seen).add(pair)
+    if twice:
+        listed = ", ".join(f"layer {a} head {b}" for a, b in sorted(twice, key=str)[:3])
+        raise HeadlabError(f"{what} lists {listed}{', ...' if len(twice) > 3 else ''} more than once")
+
+
+def _file_key(path: Path) -> dict:
+    """What identifies one version of a file without reading it: an in-place edit changes size, mtime or ctime (ctime
+    cannot be set back by a user), a copy has another inode."""
+    info = path.stat()
+    return {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "ctime_ns": info.st_ctime_ns, "inode": info.st_ino,
+            "device": info.st_dev}  # fmt: skip
+
+
+def _read_fingerprint_cache(cache: Path | None) -> dict:
+    if cache is None or not cache.is_file():
+        return {}
+    try:
+        entries = json.loads(cache.read_text())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}  # a damaged cache only costs a recomputation
+    return entries if isinstance(entries, dict) else {}
+
+
+def _write_fingerprint_cache(cache: Path | None, entries: dict) -> None:
+    """Best effort: the cache saves a full read of the weights next time, and a cache that cannot be written (read-only
+    home, full disk) must not fail a run that has everything it needs."""
+    from headlab.core.fsio import atomic_write_bytes  # start-up: fsio is not needed by the other validators
+
+    if cache is None:
+        return
+    live = {name: entry for name, entry in entries.items() if Path(name).is_file()}  # forget deleted checkpoints
+    try:
+        atomic_write_bytes(cache, json.dumps(dict(list(live.items())[-FINGERPRINT_CACHE_ENTRIES:])).encode())
+    except (HeadlabError, OSError):
+        pass
+
+
+def file_sha256(path: Path, cache: dict | None = None) -> str:
+    """sha256 of every byte of a file, reused from `cache` (resolved path -> _file_key + sha256) while the file's
+    size, mtime, ctime and inode are unchanged; the cache is updated in place."""
+    path = Path(path)
+    name, key = str(path.resolve()), _file_key(path)
+    entry = (cache or {}).get(name)
+    if isinstance(entry, dict) and {k: entry.get(k) for k in key} == key and isinstance(entry.get("sha256"), str):
+        return entry["sha256"]
+    with open(path, "rb") as handle:
+        digest = hashlib.file_digest(handle, "sha256").hexdigest()
+    if cache is not None:
+        cache.pop(name, None)  # re-inserted last: the newest entries survive the size bound
+        cache[name] = {**key, "sha256": digest}
+    return digest
+
+
+def model_fingerprint(directory, cache: Path | None = None) -> str | None:
+    """sha256 over config.json, headlab.json, the tokenizer files and every byte of every weight file: two
+    checkpoints share it only if they hold the same model, so a score table of a model edited in place (one weight
+    changed, same size) is not taken for the edited one. None for a non-directory (a hub id); a single file (GGUF) is
+    fingerprinted as its own weight file.
+
+    Reading the weights costs about a second per 500 MB (docs/reliability.md): `cache`, a JSON file, keeps each weight
+    file's sha256 with its size, mtime, ctime and inode, so a model loaded again unchanged is not read again."""
     directory = Path(directory)
     if directory.is_file():
         files = [directory]
@@ -270,16 +486,17 @@ def model_fingerprint(directory) -> str | None:
     else:
         return None
     digest = hashlib.sha256()
-    for name in ("config.json", "headlab.json"):
-        if directory.is_dir() and (directory / name).is_file():
-            digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+    if directory.is_dir():
+        # the tokenizer decides which tokens a score run saw: part of what a score table depends on
+        for name in ("config.json", "headlab.json", *FINGERPRINT_TOKENIZER_FILES):
+            if (directory / name).is_file():
+                digest.update(name.encode() + b"\0" + (directory / name).read_bytes())
+    entries = _read_fingerprint_cache(cache)
+    before = json.dumps(entries)
     for path in files:
-        size = path.stat().st_size
-        digest.update(f"{path.name}\0{size}\0".encode())
-        with open(path, "rb") as handle:
-            for k in range(FINGERPRINT_SAMPLES):
-                handle.seek(size * k // FINGERPRINT_SAMPLES)
-                digest.update(handle.read(4096))
+        digest.update(f"{path.name}\0{path.stat().st_size}\0{file_sha256(path, entries)}\0".encode())
+    if json.dumps(entries) != before:
+        _write_fingerprint_cache(cache, entries)
     return digest.hexdigest()
 
 

@@ -114,9 +114,7 @@ def rolling_nll(loaded: LoadedModel, ids: torch.Tensor, max_length: int, stride:
 def check_max_length(loaded: LoadedModel, max_length: int) -> None:
     """Refuse a window longer than the model's positions (a one-line error instead of an index error)."""
     if loaded.max_positions is not None and max_length > loaded.max_positions:
-        raise HeadlabError(
-            f"max_length={max_length} exceeds the model's maximum positions ({loaded.max_positions})"
-        )
+        raise HeadlabError(f"max_length={max_length} exceeds the model's maximum positions ({loaded.max_positions})")
 
 
 @takes_text(split="eval", seq_len=512, max_tokens=4096)
@@ -237,4 +235,3 @@ def _masked_lm_loss(loaded, text, seq_len, batch_size, max_tokens, progress) -> 
         len(rows),
         "masked-LM windows of max_length tokens ([CLS] and [SEP] included)",
     )
-

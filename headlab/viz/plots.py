@@ -20,6 +20,7 @@ from matplotlib.figure import Figure
 
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_write_bytes
+from headlab.core.validate import check_unique_heads
 from headlab.measure.stats import STATISTICS
 from headlab.viz.choices import FORMATS
 
@@ -144,6 +145,9 @@ def plot_head_heatmap(table: pd.DataFrame, value: str, *, title: str | None = No
     for column in ("layer", "head", value):
         if column not in table:
             raise HeadlabError(f"the table has no {column!r} column")
+    if table.empty:  # a 0 x 0 grid has no size to lay out
+        raise HeadlabError("the table has no rows: nothing to draw")
+    check_unique_heads(zip(table["layer"], table["head"]), "the table")  # pivot_table would keep the first silently
     grid = table.pivot_table(index="layer", columns="head", values=value, aggfunc="first", dropna=False)
     grid = grid.sort_index().sort_index(axis=1)
     layers, heads = grid.shape
@@ -544,6 +548,12 @@ def plot_speed(table: pd.DataFrame, title: str = ""):
     return grid.figure
 
 
+# Columns each saved table must hold as numbers where present (a text cell would fail deep inside seaborn).
+HEAD_COLUMNS = ("layer", "head", "kv_head")
+IMPORTANCE_COLUMNS = (*HEAD_COLUMNS, "importance", "importance_raw")
+SWEEP_COLUMNS = ("fraction", "fraction_pruned", "perplexity", "pruned_heads", "seed", "kv_heads", "kv_bytes_per_token")
+
+
 def _find(run_dir: Path, name: str) -> Path | None:
     """`name` in run_dir or one level below (a report keeps each step in its own subdirectory)."""
     for candidate in [run_dir / name, *sorted(run_dir.glob(f"*/{name}"))]:
@@ -552,14 +562,34 @@ def _find(run_dir: Path, name: str) -> Path | None:
     return None
 
 
-def _read(path: Path | None) -> pd.DataFrame | None:
+def _read(
+    path: Path | None, numeric: tuple[str, ...] = (), *, rows: bool = False, per_head: bool = False
+) -> pd.DataFrame | None:
+    """A saved table (its .parquet twin when there is one), checked before anything is drawn from it: `numeric`
+    columns (where present) hold numbers, `rows` asks for at least one row (a header-only table would draw an empty
+    or broken figure), `per_head` asks for each (layer, head) once (the check prune's score reader makes)."""
     if path is None:
         return None
     parquet = path.with_suffix(".parquet")
+    read = parquet if parquet.is_file() else path
     try:
-        return pd.read_parquet(parquet) if parquet.is_file() else pd.read_csv(path)
+        table = pd.read_parquet(read) if read is parquet else pd.read_csv(path)
     except (ValueError, OSError, UnicodeDecodeError) as error:
-        raise HeadlabError(f"cannot read table {path}: {str(error).splitlines()[0]}") from None
+        raise HeadlabError(f"cannot read table {read}: {str(error).splitlines()[0]}") from None
+    if rows and table.empty:
+        raise HeadlabError(f"table {read} has no rows (a header only): nothing to draw")
+    for column in (c for c in numeric if c in table.columns):
+        values = table[column]
+        if pd.api.types.is_numeric_dtype(values):
+            continue
+        bad = values[pd.to_numeric(values, errors="coerce").isna() & values.notna()]
+        if len(bad):
+            # a CSV line counts the header as line 1; a parquet file has rows from 0
+            where = f"line {bad.index[0] + 2}" if read is path else f"row {bad.index[0]}"
+            raise HeadlabError(f"table {read}: column {column!r} holds {bad.iloc[0]!r} ({where}), not a number")
+    if per_head and {"layer", "head"} <= set(table.columns):
+        check_unique_heads(zip(table["layer"], table["head"]), f"table {read}")
+    return table
 
 
 def _model_name(run_dir: Path) -> str:
@@ -577,8 +607,8 @@ def run_figures(run_dir) -> dict[str, Figure]:
     if not run_dir.is_dir():
         raise HeadlabError(f"no such run directory: {run_dir}")
     model = _model_name(run_dir)
-    wide = _read(_find(run_dir, "stats_wide.csv"))
-    importance = _read(_find(run_dir, "importance.csv"))
+    wide = _read(_find(run_dir, "stats_wide.csv"), (*HEAD_COLUMNS, *STATISTICS), rows=True, per_head=True)
+    importance = _read(_find(run_dir, "importance.csv"), IMPORTANCE_COLUMNS, rows=True, per_head=True)
     figures: dict[str, Figure] = {}
     if wide is not None:
         figures.update(plot_statistic_heatmaps(wide, model))
@@ -590,7 +620,7 @@ def run_figures(run_dir) -> dict[str, Figure]:
                 figures[f"importance_vs_{statistic}"] = plot_importance_scatter(importance, wide, statistic, model)
     sweeps = [run_dir / "sweep.csv", *sorted(run_dir.glob("*/sweep.csv"))]
     for path in sweeps:
-        table = _read(path) if path.is_file() else None
+        table = _read(path, SWEEP_COLUMNS, rows=True) if path.is_file() else None
         if table is None:
             continue
         if "order" in table:
@@ -600,13 +630,13 @@ def run_figures(run_dir) -> dict[str, Figure]:
                 figures["sweep_tasks"] = plot_sweep_tasks(table, title)
         elif "kv_heads" in table:
             figures["gqa_sweep"] = plot_gqa_sweep(table, f"{model}: perplexity against KV-cache size" if model else "")
-    maps = _read(_find(run_dir, "attention_maps.csv"))
+    maps = _read(_find(run_dir, "attention_maps.csv"), (*HEAD_COLUMNS, "query", "key", "weight", "importance"))
     if maps is not None and len(maps):
         figures["attention_gallery"] = plot_attention_gallery(maps, f"{model}: attention patterns" if model else "")
-    speed = _read(_find(run_dir, "speed.csv"))
+    speed = _read(_find(run_dir, "speed.csv"), ("context", "decode_tokens_per_s", "batch"))
     if speed is not None and len(speed):
         figures["speed"] = plot_speed(speed, f"{model}: decode speed with a KV cache" if model else "")
-    groups = _read(_find(run_dir, "gqa_groups.csv"))
+    groups = _read(_find(run_dir, "gqa_groups.csv"), (*HEAD_COLUMNS, "new_kv_head"))
     if groups is not None and len(groups):
         label = ""
         if "grouping" in groups:
@@ -614,7 +644,7 @@ def run_figures(run_dir) -> dict[str, Figure]:
         figures["gqa_grouping"] = plot_grouping(
             groups, title=f"{model}: query heads sharing KV heads", after_label=label
         )
-    curve = _read(_find(run_dir, "curve.csv"))
+    curve = _read(_find(run_dir, "curve.csv"), ("step", "heldout_perplexity", "perplexity", "loss"))
     if curve is not None and "heldout_perplexity" in curve:
         figures["recovery_curve"] = plot_recovery_curve(curve, f"{model}: recovery (uptraining)" if model else "")
     if not figures:
