@@ -338,6 +338,10 @@ def test_longeval_command_writes_tables_figures_and_lm_eval_tasks(checkpoint, co
     rows = (out / "lm_eval_tasks" / "headlab_long_passkey_500.jsonl").read_text().splitlines()
     assert len(rows) == 2 and json.loads(rows[0])["task"] == "passkey"
     assert "passkey" in stdout and "niah_single" in stdout
+    redrawn = tmp_path / "redrawn"
+    code, _, stderr = run_cli(["plot", out, "--out", redrawn], capsys)  # the figures come back from the tables alone
+    assert code == 0, stderr
+    assert {p.name for p in redrawn.iterdir()} >= {"needle_heatmap.png", "position_nll.png"}
 
 
 @pytest.mark.parametrize(

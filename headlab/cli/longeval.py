@@ -125,8 +125,7 @@ def command(  # click passes every option as a parameter
     from headlab.core.tables import write_run
     from headlab.measure.longctx import long_context
     from headlab.runtimes.lm_eval_bridge import long_task_files
-    from headlab.viz.long_context import plot_needle_heatmap, plot_position_nll
-    from headlab.viz.plots import figure_bytes
+    from headlab.viz.plots import figure_bytes, plot_needle_heatmap, plot_position_nll
 
     loaded = load()
     generate = None

@@ -517,6 +517,50 @@ def plot_recovery_curve(curve: pd.DataFrame, title: str = "") -> Figure:
     return fig
 
 
+# ---- long context (headlab.measure.longctx tables) ------------------------------------------------------------
+
+
+def plot_needle_heatmap(cells: pd.DataFrame, title: str = "") -> Figure:
+    """Accuracy (share of prompts answered exactly) per length (rows) x depth (columns), one panel per task; each
+    cell is annotated "correct/prompts"."""
+    if cells.empty or not {"task", "length", "depth", "accuracy"} <= set(cells.columns):
+        raise HeadlabError("the cells table needs task, length, depth and accuracy columns and at least one row")
+    tasks = list(dict.fromkeys(cells["task"]))
+    _theme()
+    fig, axes = _subplots(1, len(tasks), figsize=(1.2 + 4.2 * len(tasks), 3.6), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        part = cells[cells["task"] == task]
+        grid = part.pivot_table(index="length", columns="depth", values="accuracy", aggfunc="mean")
+        notes = part.assign(
+            note=part["correct"].astype(int).astype(str) + "/" + part["prompts"].astype(int).astype(str)
+        )
+        labels = notes.pivot_table(index="length", columns="depth", values="note", aggfunc="first")
+        sns.heatmap(grid, vmin=0, vmax=1, cmap="RdYlGn", annot=labels.loc[grid.index, grid.columns].to_numpy(),
+                    fmt="", cbar=ax is axes[0][-1], cbar_kws={"label": "accuracy"}, ax=ax, linewidths=0.5)  # fmt: skip
+        ax.set_xticklabels([f"{float(t.get_text()):.0%}" for t in ax.get_xticklabels()])
+        ax.set_xlabel("needle depth")
+        ax.set_ylabel("context length (tokens)")
+        ax.set_title(task)
+    fig.suptitle(title or "long-context retrieval (exact match)")
+    fig.tight_layout()
+    return fig
+
+
+def plot_position_nll(curve: pd.DataFrame, title: str = "") -> Figure:
+    """Mean NLL of the tokens at each position bin (x: the bin's first position), one line per `model` when the
+    table has that column: how well each model uses context further back."""
+    if curve.empty or not {"start", "nll"} <= set(curve.columns):
+        raise HeadlabError("the position curve needs start and nll columns and at least one row")
+    _theme()
+    fig, ax = _subplots(figsize=(7, 4.2))
+    hue = "model" if "model" in curve and curve["model"].nunique() > 1 else None
+    sns.lineplot(data=curve, x="start", y="nll", hue=hue, marker="." if len(curve) < 200 else None, ax=ax)
+    ax.set_xlabel("position in the sequence (tokens)")
+    ax.set_ylabel("mean NLL (nats / token)")
+    ax.set_title(title or "NLL by position")
+    return fig
+
+
 # ---- a whole run directory -------------------------------------------------------------------------------------
 
 
@@ -644,12 +688,19 @@ def run_figures(run_dir) -> dict[str, Figure]:
         figures["gqa_grouping"] = plot_grouping(
             groups, title=f"{model}: query heads sharing KV heads", after_label=label
         )
+    cells = _read(_find(run_dir, "cells.csv"), ("length", "depth", "accuracy", "correct", "prompts"))
+    if cells is not None and "depth" in cells and len(cells):
+        figures["needle_heatmap"] = plot_needle_heatmap(cells, f"{model}: retrieval" if model else "")
+    positions = _read(_find(run_dir, "position_curve.csv"), ("start", "nll"))
+    if positions is not None and len(positions):
+        figures["position_nll"] = plot_position_nll(positions, f"{model}: NLL by position" if model else "")
     curve = _read(_find(run_dir, "curve.csv"), ("step", "heldout_perplexity", "perplexity", "loss"))
     if curve is not None and "heldout_perplexity" in curve:
         figures["recovery_curve"] = plot_recovery_curve(curve, f"{model}: recovery (uptraining)" if model else "")
     if not figures:
         raise HeadlabError(
-            f"{run_dir} holds no table headlab can draw (stats_wide, importance, sweep, attention_maps, gqa_groups)"
+            f"{run_dir} holds no table headlab can draw (stats_wide, importance, sweep, attention_maps, gqa_groups, "
+            "cells, position_curve)"
         )
     return figures
 
