@@ -10,6 +10,10 @@ and five depths. HEADLAB_BENCH_LONG_LENGTHS, _DEPTHS, _SAMPLES, _MODELS override
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recovery case builds the same rungs: reuse it
 
 TITLE = "Long-context retrieval and NLL by position of the compressed models (`headlab longeval`)"
 TASKS = ("passkey", "niah_multikey")
