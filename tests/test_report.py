@@ -267,9 +267,10 @@ def test_report_on_a_much_slower_machine_finishes_with_the_same_numbers(tiny_run
     code, _, err = run_cli(args, capsys)
     assert code == 0, err
     assert (out / "report.html").is_file() and (out / "report.md").is_file()
-    assert json.loads((out / "meta.json").read_text())["figures"] == json.loads(
-        (tiny_run["out"] / "meta.json").read_text()
-    )["figures"]
+    assert (
+        json.loads((out / "meta.json").read_text())["figures"]
+        == json.loads((tiny_run["out"] / "meta.json").read_text())["figures"]
+    )
     _same_tables(out, tiny_run["out"])
     recovery = json.loads((out / "recovery" / "meta.json").read_text())
     assert not recovery["stopped_on_time"] and recovery["uptrain"]["stopped_by"] == "the step budget"
@@ -341,3 +342,30 @@ def test_a_rerun_with_other_options_starts_afresh(tiny_run, tmp_path, monkeypatc
     assert code == 0, err
     assert calls == [n for n, _ in original]  # every step ran again
     assert json.loads((out / "meta.json").read_text())["data"] == str(other)
+
+
+def test_long_context_section_compares_the_original_and_the_merge(tmp_path, capsys):
+    """`report --long-context`: retrieval and NLL by position of the original and the svd merge, as a section with
+    its tables, both figures and the longeval command, which on its own gives the original's rows again."""
+    checkpoint = save_tiny("llama", tmp_path / "ckpt", max_position_embeddings=1024)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 6)
+    out = tmp_path / "report"
+    args = ["report", "--model", checkpoint, "--data", corpus, "--quick", "--long-context", "600", "--out", out]
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    markdown = (out / "report.md").read_text()
+    sections = [line[3:] for line in markdown.splitlines() if line.startswith("## ")]
+    assert sections == SECTIONS[:-1] + ["Long context", "Speed"]
+    lengths = pd.read_csv(out / "long_context" / "lengths.csv")
+    assert lengths["model"].tolist() == ["original", "1 KV heads, svd merge"] and set(lengths["length"]) == {600}
+    assert "(figures/needle_heatmap.png)" in markdown and "(figures/position_nll.png)" in markdown
+    command = json.loads((out / "meta.json").read_text())["commands"]["long"]
+    assert command.startswith("headlab longeval") and "--lengths 600" in command
+    args = shlex.split(command)[1:]
+    args[args.index("--out") + 1] = str(tmp_path / "alone")
+    code, _, err = run_cli(args, capsys)
+    assert code == 0, err
+    alone = pd.read_csv(tmp_path / "alone" / "lengths.csv")
+    original = lengths[lengths["model"] == "original"].drop(columns="model").reset_index(drop=True)
+    pd.testing.assert_frame_equal(alone, original)

@@ -9,19 +9,13 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import guard, model_options, out_option
-from headlab.cli.parsing import parse_list
+from headlab.cli.parsing import parse_list, token_count
 from headlab.core.data import PARTS, TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.measure.long_tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, LONG_TASKS
 
 DEFAULT_OUT = Path("runs/longeval")
 RUNTIMES = ("transformers", "llamacpp")
-
-
-def _length(text: str) -> int:
-    """'2048' or '2k' (k = 1024 tokens) -> 2048."""
-    text = text.lower()
-    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
 @click.command("longeval")
@@ -114,7 +108,7 @@ def command(  # click passes every option as a parameter
     intervals per length x depth) and NLL by position: tables, figures and lm-eval task files of the same
     prompts (docs/long-context.md)."""
     names = parse_list(tasks, str, "tasks", allowed=tuple(LONG_TASKS))
-    length_list = parse_list(lengths, _length, "lengths") if lengths is not None else None
+    length_list = parse_list(lengths, token_count, "lengths") if lengths is not None else None
     depth_list = parse_list(depths, float, "depths")
     gguf = Path(load.spec) if load.spec and str(load.spec).lower().endswith(".gguf") else None
     if runtime == "llamacpp" and gguf is None:

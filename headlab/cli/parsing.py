@@ -23,6 +23,12 @@ def parse_list(text: str, cast, name: str, allowed=None) -> list:
     return values
 
 
+def token_count(text: str) -> int:
+    """A length in tokens: '2048' or '2k' (k = 1024 tokens) -> 2048; for parse_list."""
+    text = text.strip().lower()
+    return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
+
+
 def parse_bytes(text: str, name: str) -> int:
     """A size as transformers' max_shard_size writes it: '5GB' -> 5 * 10^9, '512MiB' -> 512 * 2^20, '1000' -> 1000."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())

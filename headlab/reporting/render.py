@@ -41,7 +41,7 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
     sections = [Section("Summary", [f"- {line}" for line in meta["summary"]]), _model_section(info, meta["commands"])]
     for build in (_stats_section, _importance_section, _gallery_section, _sweep_section):
         sections.append(build(run, meta, figure))
-    for build in (_gqa_sections, _recovery_sections, _speed_sections):  # each empty where its step did not run
+    for build in (_gqa_sections, _recovery_sections, _long_sections, _speed_sections):  # empty where not run
         sections += build(run, meta, figure)
     return sections
 
@@ -61,6 +61,37 @@ def _recovery_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
     )
     figures = [figure["recovery_curve"]] if "recovery_curve" in figure else []
     return [Section("Recovery", [text], [("before and after", _round(table))], figures, meta["commands"]["recovery"])]
+
+
+def _long_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
+    lengths = _table(run / "long_context" / "lengths.csv")
+    if lengths is None:
+        return []
+    settings = meta["settings"]
+    accuracy = (
+        lengths.assign(
+            cell=lengths["task"] + " @ " + lengths["length"].map("{:,}".format),
+            value=[
+                f"{c}/{n} [{lo:.0%}, {hi:.0%}]"
+                for c, n, lo, hi in lengths[["correct", "prompts", "ci_low", "ci_high"]].to_numpy()
+            ],
+        )
+        .pivot_table(index="model", columns="cell", values="value", aggfunc="first", sort=False)
+        .reset_index()
+    )
+    positions = _table(run / "long_context" / "positions.csv")
+    tables = [("retrieval: correct/prompts [95% interval]", accuracy)]
+    if positions is not None and len(positions):
+        bucket = positions["start"].map("{:,}".format) + "-" + positions["end"].map("{:,}".format)
+        nll = positions.assign(bucket=bucket).pivot_table(index="model", columns="bucket", values="nll", sort=False)
+        tables.append(("mean NLL by position (nats / token)", _round(nll.reset_index())))
+    text = (
+        "Retrieval from far back, where KV compression pays and breaks: passkey prompts in eval-split text at depths "
+        f"{', '.join(f'{d:g}' for d in settings['long_depths'])} ({settings['long_samples']} prompts each), greedy "
+        "decoding, exact match (docs/long-context.md); and the NLL of tokens by their position in one long sequence."
+    )
+    figures = [figure[name] for name in ("needle_heatmap", "position_nll") if name in figure]
+    return [Section("Long context", [text], tables, figures, meta["commands"].get("long"))]
 
 
 def _speed_sections(run: Path, meta: dict, figure: dict) -> list[Section]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from headlab.core.data import calibration_batches, load_corpus
+from headlab.core.data import TextSpec, calibration_batches, load_corpus
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import StepJournal, resumable_directory, write_json
 from headlab.core.loading import LoadedModel
@@ -31,6 +31,7 @@ from headlab.kv import grouping as kv_grouping
 from headlab.measure.costs import model_info
 from headlab.measure.evaluate import perplexity
 from headlab.measure.importance import head_importance
+from headlab.measure.longctx import long_context
 from headlab.measure.stats import _frame_tokens, head_statistics, write_statistics
 from headlab.mechanisms.capture import capture_attention
 from headlab.pruning.scores import read_scores
@@ -79,6 +80,12 @@ class Settings:
     speed_batches: tuple[int, ...] = (1, 8)
     speed_decode_tokens: int = 4
     speed_prefill_limit: int = 2048
+    # long-context retrieval (headlab longeval) of the original and the svd merge to the grouping target, at these
+    # lengths (prompt and answer; capped by the model's positions); () leaves the step out: a 2k prompt costs a
+    # 135M model about 15 s of 2 CPU cores, so it is asked for (`report --long-context 1k,2k`)
+    long_lengths: tuple[int, ...] = ()
+    long_depths: tuple[float, ...] = (0.0, 0.5, 1.0)
+    long_samples: int = 2
 
 
 PRESETS = {
@@ -351,6 +358,11 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             **dict(contexts=s.speed_contexts, batches=s.speed_batches, decode_tokens=s.speed_decode_tokens),
             **dict(prefill_limit=s.speed_prefill_limit, runtime="transformers", out="runs/speed"),
         ),
+        "long": _command(
+            "longeval",
+            **common,
+            **dict(lengths=s.long_lengths, depths=s.long_depths, samples=s.long_samples, out="runs/longeval"),
+        ),
         "plot": f"headlab plot {shlex.quote(str(out))}",
     }
 
@@ -368,6 +380,7 @@ def fit_settings(s: Settings, max_positions: int | None) -> Settings:
         seq_len=min(s.seq_len, max_positions),
         induction_len=min(s.induction_len, max(2, (max_positions - 2) // 2)),
         speed_contexts=contexts,
+        long_lengths=tuple(n for n in s.long_lengths if n <= max_positions),
     )
 
 
@@ -564,6 +577,29 @@ def _recovery_step(run: ReportRun) -> None:
     write_recovery(run.tmp / "recovery", record, f"recovery of the {run.target}-KV-head svd merge")
 
 
+def _long_step(run: ReportRun) -> None:
+    """Long-context retrieval and NLL by position (headlab.measure.longctx) of the original and, where KV heads can
+    pool, of the svd merge to the grouping target (made on a copy): the trade the perplexity tables cannot show."""
+    s, loaded = run.s, run.loaded
+    text = TextSpec(run.common["data"], run.common["text_column"], "eval", max_tokens=None)
+    rungs = [("original", loaded)]
+    if run.target is not None:
+        merged = teacher_copy(loaded)
+        batches = calibration_batches(merged.tokenizer, text.corpus, seq_len=s.seq_len, batch_size=s.batch_size,
+                                      max_tokens=s.calibration_tokens)  # fmt: skip
+        gqa.convert(merged, run.target, method="svd", batches=batches)
+        rungs.append((f"{run.target} KV heads, svd merge", merged))
+    tables: dict[str, list[pd.DataFrame]] = {}
+    meta = {}
+    for label, model in rungs:
+        result = long_context(model, text=text, lengths=s.long_lengths, depths=s.long_depths, samples=s.long_samples,
+                              progress=run.common["progress"])  # fmt: skip
+        for name, frame in result.tables().items():
+            tables.setdefault(name, []).append(frame.assign(model=label))
+        meta = {key: value for key, value in result.meta.items() if not key.endswith("seconds")}
+    write_run(run.tmp / "long_context", {name: pd.concat(frames) for name, frames in tables.items()}, meta)
+
+
 def _figures_step(run: ReportRun, fmt: str) -> None:
     figures = plots.run_figures(run.tmp)
     for name, fig in figures.items():
@@ -587,6 +623,7 @@ REPORT_STEPS = [
     ("sweep", _sweep_step),
     ("gqa", _gqa_step),
     ("recovery", _recovery_step),
+    ("long", _long_step),
     ("speed", _speed_step),
 ]
 
@@ -625,7 +662,7 @@ def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, 
     if tasks and tasks.tasks:  # the sweep ran lm-eval tasks too
         commands["sweep"] += " " + _flags(tasks=tasks.tasks, include_path=tasks.include_path, task_limit=tasks.limit)
     recovering = target is not None and s.recovery_steps > 0
-    skipped = {"gqa": not can_gqa, "recovery": not recovering}
+    skipped = {"gqa": not can_gqa, "recovery": not recovering, "long": not s.long_lengths or loaded.adapter.is_encoder}
     steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
     return ReportPlan(s, can_gqa, target, recovering, steps, commands, model_flag)
 
@@ -639,6 +676,7 @@ STEP_OUTPUTS = {
     "sweep": ("sweep",),
     "gqa": ("gqa_sweep", "gqa_groups"),
     "recovery": ("recovery",),
+    "long": ("long_context",),
     "speed": ("speed",),
     "figures": ("figures",),
 }

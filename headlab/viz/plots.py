@@ -525,11 +525,13 @@ def plot_needle_heatmap(cells: pd.DataFrame, title: str = "") -> Figure:
     cell is annotated "correct/prompts"."""
     if cells.empty or not {"task", "length", "depth", "accuracy"} <= set(cells.columns):
         raise HeadlabError("the cells table needs task, length, depth and accuracy columns and at least one row")
-    tasks = list(dict.fromkeys(cells["task"]))
+    # One panel per task, and per model when the table holds several (a report's original and compressed rungs).
+    keys = ["model", "task"] if "model" in cells and cells["model"].nunique() > 1 else ["task"]
+    panels = list(dict.fromkeys(map(tuple, cells[keys].to_numpy())))
     _theme()
-    fig, axes = _subplots(1, len(tasks), figsize=(1.2 + 4.2 * len(tasks), 3.6), squeeze=False)
-    for ax, task in zip(axes[0], tasks):
-        part = cells[cells["task"] == task]
+    fig, axes = _subplots(1, len(panels), figsize=(1.2 + 4.2 * len(panels), 3.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        part = cells[np.logical_and.reduce([cells[key] == value for key, value in zip(keys, panel)])]
         grid = part.pivot_table(index="length", columns="depth", values="accuracy", aggfunc="mean")
         notes = part.assign(
             note=part["correct"].astype(int).astype(str) + "/" + part["prompts"].astype(int).astype(str)
@@ -540,7 +542,7 @@ def plot_needle_heatmap(cells: pd.DataFrame, title: str = "") -> Figure:
         ax.set_xticklabels([f"{float(t.get_text()):.0%}" for t in ax.get_xticklabels()])
         ax.set_xlabel("needle depth")
         ax.set_ylabel("context length (tokens)")
-        ax.set_title(task)
+        ax.set_title(": ".join(str(k) for k in panel))
     fig.suptitle(title or "long-context retrieval (exact match)")
     fig.tight_layout()
     return fig
