@@ -370,3 +370,28 @@ def test_longeval_refuses_an_encoder(tmp_path, capsys):
     code, _, stderr = run_cli(["longeval", "--model", model, "--lengths", "32", "--out", tmp_path / "run"], capsys)
     assert code == 2 and "causal language model" in stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "command", [["convert-gqa", "--kv-heads", "1", "--no-eval"], ["convert-mla", "--budget", "gqa", "--no-eval"]]
+)
+def test_conversions_record_long_context_before_and_after(checkpoint, corpus, tmp_path, capsys, command):
+    out = tmp_path / "converted"
+    args = [*command, "--model", checkpoint, "--data", corpus, "--calibration-tokens", "256", "--long-context", "600",
+            "--out", out]  # fmt: skip
+    code, stdout, stderr = run_cli(args, capsys)
+    assert code == 0, stderr
+    table = __import__("pandas").read_csv(out / "long_context.csv")
+    assert table["model"].tolist() == ["before", "after"] and set(table["length"]) == {600}
+    assert set(table["prompts"]) == {6}  # 3 depths x 2 prompts
+    positions = __import__("pandas").read_csv(out / "long_context_positions.csv")
+    assert set(positions["model"]) == {"before", "after"}
+    assert "passkey @ 600:" in stdout and "before" in stdout
+    assert (out / "headlab.json").is_file()  # the checkpoint itself is unchanged in kind
+
+
+def test_streaming_conversion_cannot_measure_long_context(checkpoint, tmp_path, capsys):
+    args = ["convert-gqa", "--model", checkpoint, "--kv-heads", "1", "--streaming", "--long-context", "600", "--out",
+            tmp_path / "out"]  # fmt: skip
+    code, _, stderr = run_cli(args, capsys)
+    assert code == 2 and "cannot measure --long-context" in stderr and not (tmp_path / "out").exists()

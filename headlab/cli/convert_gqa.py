@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from headlab.cli._long_context import lengths_of, long_context_option, measure, record_trade
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     calibration_tokens_option,
@@ -165,6 +166,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-gqa]")
 @streaming_options
 @recovery_options
+@long_context_option
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
 def command(  # click passes every option as a parameter
     load,
@@ -181,6 +183,7 @@ def command(  # click passes every option as a parameter
     streaming,
     max_shard_size,
     recovery_options,
+    long_lengths,
     as_json,
 ):
     """Pool groups of KV heads into one (MHA -> GQA, GQA -> fewer groups or MQA) and save a checkpoint."""
@@ -189,7 +192,10 @@ def command(  # click passes every option as a parameter
     out = Path(out) if out is not None else Path("headlab-gqa")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     recovery = recovery_spec(recovery_options)
+    lengths = lengths_of(long_lengths)
     if streaming:
+        if lengths is not None:
+            raise HeadlabError("--streaming never runs the model, so it cannot measure --long-context")
         if recovery is not None:
             raise HeadlabError("--streaming never runs the model, so it cannot --recover; convert in memory")
         if method != "mean" or grouping != "contiguous":
@@ -210,6 +216,7 @@ def command(  # click passes every option as a parameter
         )
     loaded = load()
     guard_checkpoint_space(out, loaded)
+    before = measure(loaded, text, lengths, not as_json) if lengths else None  # before the conversion edits it
     record = convert_checkpoint(
         loaded,
         kv_heads,
@@ -223,3 +230,6 @@ def command(  # click passes every option as a parameter
         recovery=recovery_for(recovery, loaded, text, not as_json),
     )
     show(record, as_json)
+    if before is not None:
+        for line in record_trade(out, before, load, lengths, text, not as_json):
+            click.echo(line)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from headlab.cli._long_context import lengths_of, long_context_option, measure, record_trade
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     calibration_tokens_option,
@@ -90,9 +91,21 @@ def print_summary(record: dict) -> None:
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=1)
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-mla]")
 @recovery_options
+@long_context_option
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
-def command(
-    load, budget, kv_lora_rank, rope_dim, calibration_tokens, no_eval, text, out, overwrite, recovery_options, as_json
+def command(  # click passes every option as a parameter
+    load,
+    budget,
+    kv_lora_rank,
+    rope_dim,
+    calibration_tokens,
+    no_eval,
+    text,
+    out,
+    overwrite,
+    recovery_options,
+    long_lengths,
+    as_json,
 ):
     """Convert GQA/MHA attention to multi-head latent attention (a deepseek_v3 checkpoint) at a KV budget.
 
@@ -101,6 +114,7 @@ def command(
     from headlab.kv.mla import convert_mla_checkpoint  # start-up: torch loads when the command runs, not for --help
 
     recovery = recovery_spec(recovery_options)
+    lengths = lengths_of(long_lengths)
     out = Path(out) if out is not None else Path("headlab-mla")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     if budget is None and kv_lora_rank is None:
@@ -111,6 +125,7 @@ def command(
         )
     loaded = load()
     guard_checkpoint_space(out, loaded)
+    before = measure(loaded, text, lengths, not as_json) if lengths else None
     record = convert_mla_checkpoint(
         loaded,
         out,
@@ -129,3 +144,6 @@ def command(
         click.echo(json.dumps(record, indent=2, default=str))
     else:
         print_summary(record)
+    if before is not None:
+        for line in record_trade(out, before, load, lengths, text, not as_json):
+            click.echo(line)

@@ -77,4 +77,3 @@ def read_run(path: Path) -> tuple[dict[str, pd.DataFrame], dict]:
     meta_path = path / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     return tables, meta
-
