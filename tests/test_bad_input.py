@@ -385,6 +385,7 @@ CASES = [
     (["plot", "{fifo}"], "not a regular file or folder"),
     (["info", "--model", "{uppergguf}", *M], "GGUF"),
     (["info", "--model", "{fifo}", *M], "not a regular file or folder"),
+    (["importance", "--model", "{llama}", *M, *DATA, "--mask", "{fifo}", "--out", "i"], "not a regular file or folder"),
     (["info", "--model", "{llama}/model.safetensors", *M], "not a .gguf"),
     (
         ["prune", "--model", "{llama}", *M, *DATA, "--scores", "{fifo}", "--fraction", "0.25", "--out", "p"],

@@ -78,7 +78,7 @@ def command(
         raise HeadlabError("--bertology-compat applies to --method grad only")
     if gradient_checkpointing and not IMPORTANCE_METHODS[method].backward:
         raise HeadlabError("--gradient-checkpointing applies to grad and taylor (ablation runs no backward pass)")
-    if mask is not None and not mask.is_file():
+    if mask is not None and (mask.is_dir() or not (mask.exists() or mask.is_symlink())):  # a FIFO: the guard names it
         raise HeadlabError(f"no such mask file: {mask}")
     # start-up: torch and pandas load when the command runs, not for --help
     from headlab.core.tables import write_run
