@@ -214,6 +214,8 @@ with contextlib.redirect_stdout(help_text):
 heavy = sorted({k.split('.')[0] for k in sys.modules if k.split('.')[0] in sys.argv[2].split(',')})
 print(json.dumps({'heavy': heavy, 'help': help_text.getvalue()}))
 """
+
+
 def _commands():
     from headlab.cli import cli
 

@@ -72,3 +72,47 @@ def test_importance_one_row_per_pass_with_checkpointing_equals_whole_batches(tmp
     assert rows.meta["scored_tokens"] == whole.meta["scored_tokens"]
     for a, b in zip(whole.raw, rows.raw):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_the_low_memory_mode_is_chosen_by_the_memory_available(tmp_path, monkeypatch):
+    """Whole batches without recomputation where the estimate fits the memory available, one sequence per pass with
+    recomputed blocks where it does not; the scores are the same either way."""
+    from headlab.core.data import TextSpec
+    from headlab.measure import importance
+    from headlab.pruning.scores import ScoreRequest, resolved_low_memory, score_heads
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    loaded = from_model(tiny_model("llama"), tiny_tokenizer())
+    request = ScoreRequest(TextSpec(str(corpus), None, "calibration", 32, 4, 256), progress=False)
+    estimate = importance.gradient_pass_bytes(loaded, 4, 32)
+    assert estimate > 0
+    assert importance.gradient_pass_bytes(loaded, 8, 32) == 2 * estimate  # linear in the rows of a pass
+    passes = []
+    real = importance.head_importance
+
+    def recording(*args, **kwargs):
+        passes.append((kwargs["max_rows"], kwargs["gradient_checkpointing"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("headlab.pruning.scores.head_importance", recording)
+    scores = {}
+    for available, low in ((100 * estimate, False), (estimate, True)):
+        monkeypatch.setattr(importance, "available_memory", lambda device, b=available: b)
+        assert importance.choose_low_memory(loaded, 4, 32) is low
+        assert resolved_low_memory(loaded, request) is low
+        scores[low] = score_heads("grad", loaded, request)
+    assert passes == [(None, False), (1, True)]
+    for a, b in zip(scores[False], scores[True]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    # Asked for, either mode holds whatever the memory; unreadable memory means the low-memory mode.
+    assert resolved_low_memory(loaded, ScoreRequest(request.text, low_memory=False)) is False
+    monkeypatch.setattr(importance, "available_memory", lambda device: None)
+    assert importance.choose_low_memory(loaded, 4, 32) is True
+    assert importance.choose_low_memory(loaded, 4, 32, available=100 * estimate) is False
+
+
+def test_available_memory_reads_the_host():
+    from headlab.measure.importance import available_memory
+
+    assert available_memory("cpu") > 0

@@ -446,6 +446,21 @@ def test_the_cli_and_the_python_api_share_the_calibration_default():
     command = cli.get_command(click.Context(cli), "prune")
     option = next(p for p in command.params if p.name == "calibration_tokens")
     assert option.default == DEFAULT_CALIBRATION_TOKENS
+    assert Selection().low_memory is None  # chosen by the memory available in both faces
+    assert next(p for p in command.params if p.name == "low_memory").default is None
+
+
+@pytest.mark.parametrize("name", ["prune", "sweep"])
+def test_help_says_what_each_token_budget_bounds_and_costs(name, capsys):
+    """--max-tokens bounds the eval text, --calibration-tokens the calibration text, each with its cost."""
+    code, out, _ = run_cli([name, "--help"], capsys)
+    assert code == 0
+    text = " ".join(out.split())
+    assert "--max-tokens INTEGER RANGE eval-split tokens" in text
+    assert "bounded by --calibration-tokens" in text
+    assert "--calibration-tokens INTEGER RANGE calibration-split tokens" in text
+    assert "s per 1,024 tokens" in text and "3x that with --low-memory" in text
+    assert "bound on the tokens processed" not in text
 
 
 @pytest.mark.parametrize("mode", ["mask", "physical"])

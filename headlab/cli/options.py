@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import click
 
 from headlab.core.data import PARTS, TextSpec
-from headlab.core.fsio import RUN_DIR_BYTES, check_free_space, guard_output
+from headlab.core.errors import HeadlabError
+from headlab.core.fsio import RUN_DIR_BYTES, check_free_space, check_replaceable, guard_output
 from headlab.core.model_names import DEFAULT_MODEL, DEVICE_MAPS, DTYPE_NAMES
 
 
@@ -74,10 +76,18 @@ def model_options(function):
 
 
 def data_options(
-    default_split: str, max_tokens: int | None, seq_len: int, batch_size: int, perplexity_windows: bool = False
+    default_split: str,
+    max_tokens: int | None,
+    seq_len: int,
+    batch_size: int,
+    perplexity_windows: bool = False,
+    max_tokens_help: str = "bound on the tokens processed",
 ):
     """--data, --text-column, --split, --max-tokens, --seq-len, --batch-size with a command's own defaults; the
     command receives them as one `text: TextSpec` (headlab.core.data).
+
+    max_tokens_help: what --max-tokens bounds in this command, where it is not every token the command reads (prune
+    and sweep read calibration text under --calibration-tokens besides the eval text --max-tokens bounds).
 
     perplexity_windows: the window option is --max-length (lm-eval's name and meaning: model input tokens per
     window, each scoring as many predictions) with --seq-len kept as the same option, since both count the tokens
@@ -112,7 +122,7 @@ def data_options(
             type=click.IntRange(min=1),
             default=max_tokens,
             show_default=True,
-            help="bound on the tokens processed",
+            help=max_tokens_help,
         )
         @click.option(*window_names, type=click.IntRange(min=1), default=seq_len, show_default=True, help=window_help)
         @click.option(
@@ -148,6 +158,16 @@ def _local(spec) -> Path | None:
     return None if spec is None else Path(spec).expanduser()
 
 
+def check_input_kind(path: Path | None, label: str) -> None:
+    """An input that exists but is neither a regular file nor a folder (a FIFO, a device, a broken link): refused as
+    what it is; each reader would otherwise call it missing ("no such score table") or block reading a FIFO."""
+    if path is None or not os.path.lexists(path) or path.is_file() or path.is_dir():
+        return
+    if path.is_symlink() and not path.exists():
+        raise HeadlabError(f"{label} {path} is a broken link (to {os.readlink(path)})")
+    raise HeadlabError(f"{label} {path} is not a regular file or folder (a FIFO or device?)")
+
+
 def guard(out, overwrite: bool, models: dict, *, data=None, run_dir_bytes: bool = True, **tables) -> None:
     """The output guard of a writing command (headlab.core.fsio.guard_output), before anything is loaded: `out` is not,
     does not contain and does not lie inside a model, the corpus or a table the command reads.
@@ -158,7 +178,11 @@ def guard(out, overwrite: bool, models: dict, *, data=None, run_dir_bytes: bool 
     inputs = {label: model_location(spec) for label, spec in models.items()}
     inputs["corpus (--data)"] = _local(data)
     inputs.update({f"table (--{name})": _local(path) for name, path in tables.items()})
+    for label, path in inputs.items():
+        check_input_kind(path, label)
     guard_output(out, overwrite, inputs)
+    if overwrite and out is not None and os.path.lexists(out):
+        check_replaceable(out)  # only a previous headlab output or an empty folder is replaced, whatever follows
     if run_dir_bytes:
         check_free_space(out, RUN_DIR_BYTES, "tables, figures and metadata, assumed at most 16 MiB")
 
@@ -181,10 +205,21 @@ def allow_foreign_option(function):
 
 
 def calibration_tokens_option(default: int, help_text: str):
-    """--calibration-tokens (one name in every command)."""
+    """--calibration-tokens (one name in every command); `help_text` says what the budget bounds and what it costs."""
     return click.option(
         "--calibration-tokens", type=click.IntRange(min=1), default=default, show_default=True, help=help_text
     )
+
+
+def low_memory_option(function):
+    """--low-memory/--no-low-memory for commands whose gradient pass chooses by the memory available (None)."""
+    return click.option(
+        "--low-memory/--no-low-memory",
+        default=None,
+        help="gradient scores one sequence per backward pass with recomputed blocks: the same scores in a fraction "
+        "of the memory, about 3x the time on a CPU [default: only when whole batches would not fit in the memory "
+        "available]",
+    )(function)
 
 
 def task_options(help_text: str):

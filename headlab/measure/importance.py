@@ -17,6 +17,7 @@ masked-LM encoders the NLL of the fixed-seed 15% masked tokens, as in headlab.me
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -133,6 +134,71 @@ def frozen(model):
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
+
+
+# ---- low-memory mode, chosen by the memory available ------------------------------------------------------------
+
+# Activations a gradient pass keeps per token and block, in elements of the model's dtype: so many hidden-size and
+# MLP-width vectors, and 2 attention rows per head (eager or sdpa's math path keep the weights; flash kernels keep
+# less). On the embedded model (30 blocks, width 576, MLP 1536, 4 x 256 tokens, parameters frozen) whole batches
+# peak at over 5x the model's bytes against 2.5x in the low-memory mode (headlab.pruning.scores.ScoreRequest), about
+# 1.3 GiB of activations; this formula says 1.9 GiB, so it errs high.
+ACTIVATION_HIDDEN_VECTORS = 8
+ACTIVATION_MLP_VECTORS = 4
+# Whole-batch passes are chosen when the estimate is at most this share of the memory available, leaving the rest
+# for the logit chunks, the allocator's slack and other processes.
+BATCH_MEMORY_SHARE = 0.5
+
+
+def available_memory(device) -> int | None:
+    """Bytes the device can still give: CUDA's free memory, or the host's MemAvailable (/proc/meminfo, which counts
+    reclaimable caches; os.sysconf's free pages where there is no /proc). None when it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gradient_pass_bytes(loaded: LoadedModel, rows: int, seq_len: int) -> int:
+    """Estimated activation bytes of one whole-batch gradient pass without recomputation: `rows` windows of `seq_len`
+    tokens through every block (ACTIVATION_HIDDEN_VECTORS and friends above; deliberately high)."""
+    config = loaded.model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = loaded.layers
+    hidden = getattr(config, "hidden_size", None) or max(la.num_heads * la.head_dim for la in layers)
+    mlp = getattr(config, "intermediate_size", None) or 4 * hidden
+    heads = max(la.num_heads for la in layers)
+    per_token = ACTIVATION_HIDDEN_VECTORS * hidden + ACTIVATION_MLP_VECTORS * mlp + 2 * heads * seq_len
+    element = torch.finfo(loaded.dtype).bits // 8
+    return rows * seq_len * len(layers) * per_token * element
+
+
+def choose_low_memory(loaded: LoadedModel, rows: int, seq_len: int, *, available: int | None = None) -> bool:
+    """Whether a gradient pass should run one sequence at a time with recomputed blocks (the low-memory mode).
+
+    That mode gives the same scores in a fraction of the memory but about 3x the time on a CPU (BENCHMARKS.md,
+    "Calibration budget"), so it is chosen only when the whole-batch estimate (gradient_pass_bytes) exceeds
+    BATCH_MEMORY_SHARE of the memory available (available_memory), when that memory cannot be read, and for
+    models spread over several devices by a device map. `available`: bytes, instead of asking the device."""
+    if len(set(getattr(loaded.model, "hf_device_map", {}).values())) > 1:
+        return True  # a model that needs several devices has no memory to spare for whole batches
+    if available is None:
+        available = available_memory(loaded.device)
+    if available is None:
+        return True
+    return gradient_pass_bytes(loaded, rows, seq_len) > BATCH_MEMORY_SHARE * available
 
 
 def _accumulator_dtype(loaded: LoadedModel) -> torch.dtype:

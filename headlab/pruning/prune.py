@@ -266,7 +266,8 @@ class Selection:
     calibration_tokens: calibration tokens for the scores, the OBS statistics and the compensate refit
     search_tokens: calibration tokens each budget-search measurement runs on
     low_memory: importance runs one sequence per backward pass with activation checkpointing (same scores, a
-        fraction of the memory)
+        fraction of the memory, about 3x the time on a CPU); None: only when whole batches would not fit in the
+        memory available (headlab.measure.importance.choose_low_memory)
     """
 
     heads: str | None = None
@@ -278,7 +279,7 @@ class Selection:
     seed: int = 0
     calibration_tokens: int = DEFAULT_CALIBRATION_TOKENS
     search_tokens: int = 512
-    low_memory: bool = True
+    low_memory: bool | None = None
 
 
 def plan(

@@ -17,7 +17,7 @@ from headlab.core.arch import AttentionLayer
 from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
-from headlab.measure.importance import fisher_statistics, head_importance
+from headlab.measure.importance import choose_low_memory, fisher_statistics, head_importance
 from headlab.measure.importance_methods import IMPORTANCE_METHODS
 from headlab.measure.stats import head_statistics
 from headlab.mechanisms.gates import gates_from_pruned
@@ -124,22 +124,32 @@ class ScoreRequest:
     pruned: list[set[int]] | None = None
     table: object = None  # DataFrame, CSV/Parquet path or importance run directory
     grams: object = None  # headlab.recovery.compensate output statistics already computed (obs reuses them)
-    # Gradient scores one sequence per backward pass with blocks recomputed: the same per-sequence sums, with the
-    # peak memory about 2.5x the model's bytes (whole process) instead of over 5x (BENCHMARKS.md, memory).
-    low_memory: bool = True
+    # True: gradient scores one sequence per backward pass with blocks recomputed, the same per-sequence sums with
+    # the peak memory about 2.5x the model's bytes (whole process) instead of over 5x (BENCHMARKS.md, memory), at
+    # about 3x the time on a CPU. None: chosen by the memory available (headlab.measure.importance.choose_low_memory).
+    low_memory: bool | None = None
+
+
+def resolved_low_memory(loaded: LoadedModel, request: ScoreRequest) -> bool:
+    """The request's low-memory mode, or the one the memory available calls for (windows of its text, batch_size
+    rows per pass)."""
+    if request.low_memory is not None:
+        return request.low_memory
+    return choose_low_memory(loaded, request.text.batch_size, request.text.seq_len)
 
 
 def importance_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
     """An importance method (headlab.measure.importance_methods) as a score source, with the pruned heads masked."""
     backward = IMPORTANCE_METHODS[name].backward
+    low_memory = resolved_low_memory(loaded, request)
     return importance_scores(
         loaded,
         request.pruned,
         method=name,
         text=request.text,
         progress=request.progress,
-        max_rows=1 if request.low_memory else None,
-        gradient_checkpointing=request.low_memory and backward,
+        max_rows=1 if low_memory else None,
+        gradient_checkpointing=low_memory and backward,
     )
 
 

@@ -104,6 +104,7 @@ def sweep(
     tasks: TaskSpec | None = None,
     progress: bool = True,
     journal=None,
+    low_memory: bool | None = None,
 ) -> SweepResult:
     """Perplexity (eval split) of the model with the lowest fraction f of heads pruned, for every f and order.
 
@@ -118,6 +119,8 @@ def sweep(
     scores already computed with the same settings (e.g. the report's importance step), instead of computing them
     again. tasks: lm-eval tasks (a TaskSpec, headlab.runtimes.lm_eval_bridge) run on every pruned model too, as
     "task/metric" columns.
+    low_memory: score gradients one sequence per backward pass with recomputed blocks (True), in whole batches
+    (False), or as the memory available allows (None; headlab.measure.importance.choose_low_memory).
     journal (headlab.core.fsio.StepJournal): each (order, seed) is recorded there when done, and one already recorded by
     an interrupted run of the same sweep is read back instead of run again (`headlab sweep` resumes this way).
     """
@@ -128,7 +131,9 @@ def sweep(
     tasks = tasks if tasks is not None and tasks.tasks else None  # no task names: no lm-eval
     mode, manager = _check_sweep_options(loaded, fractions, orders, seeds, unit, plan.mode, text, tasks)
     text = text.resolved()  # one corpus for every score and perplexity pass
-    request = ScoreRequest(text.but(split="calibration", max_tokens=calibration_tokens), progress)
+    request = ScoreRequest(
+        text.but(split="calibration", max_tokens=calibration_tokens), progress, low_memory=low_memory
+    )
     evaluation = text.but(split="eval", max_tokens=eval_tokens)
     grams = None
     if compensate is not None or "obs" in orders:  # obs selects from the Grams the refit uses
