@@ -84,6 +84,7 @@ def run(args) -> dict:
                                     position_sequences_count=1, progress=False)  # fmt: skip
             row = {"model": name + suffix, "build_seconds": build, "seconds": time.perf_counter() - start,
                    "lengths": measured.lengths.to_dict("records"), "positions": measured.positions.to_dict("records"),
+                   "cells": measured.cells.to_dict("records"),
                    "per_prompt_seconds": float(measured.prompts["seconds"].median())}  # fmt: skip
             result["rows"].append(row)
             print(

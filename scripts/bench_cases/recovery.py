@@ -18,7 +18,9 @@ MODELS = ("svd", "mean", "pruned", "mla")
 # the previous results file, marked as carried over with their own load averages.
 RERUN = tuple(m for m in os.environ.get("HEADLAB_BENCH_RECOVERY_MODELS", ",".join(MODELS)).split(",") if m)
 LOCAL = dict(local_tokens=1024, local_seq_len=256, local_batch_size=4)
-UPTRAIN = dict(steps=UPTRAIN_STEPS, seq_len=128, batch_size=4, heldout_tokens=1024, eval_tokens=0, gradient_checkpointing=False)
+UPTRAIN = dict(
+    steps=UPTRAIN_STEPS, seq_len=128, batch_size=4, heldout_tokens=1024, eval_tokens=0, gradient_checkpointing=False
+)
 COMMANDS = {
     "svd": "headlab convert-gqa --kv-heads 1 --method svd --calibration-tokens 2048",
     "mean": "headlab convert-gqa --kv-heads 1",
