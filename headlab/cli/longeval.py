@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import guard, model_options, out_option
+from headlab.cli.options import corpus_options, guard, model_options, out_option
 from headlab.cli.parsing import parse_list, token_count
-from headlab.core.data import PARTS, TextSpec
+from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.measure.long_tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, LONG_TASKS
 
@@ -20,21 +20,10 @@ RUNTIMES = ("transformers", "llamacpp")
 
 @click.command("longeval")
 @model_options
-@click.option(
-    "--data",
-    default=None,
-    metavar="SPEC",
-    help="haystack text: .txt/.jsonl/.csv/.parquet file, datasets directory or hub 'name:config:split' "
-    "[default: embedded Python reference text]",
-)
-@click.option("--text-column", default=None, help="text column of a table corpus [default: text]")
-@click.option(
-    "--split",
-    "part",
-    type=click.Choice(PARTS),
-    default="eval",
-    show_default=True,
-    help="which part of the corpus the haystacks and the NLL-by-position sequences come from",
+@corpus_options(
+    "eval",
+    split_help="which part of the corpus the haystacks and the NLL-by-position sequences come from",
+    data_help="haystack text",
 )
 @click.option(
     "--tasks",

@@ -75,6 +75,32 @@ def model_options(function):
     return wrapper
 
 
+def corpus_options(
+    default_split: str,
+    split_help: str = "which part of the corpus to use (calibration and eval are disjoint)",
+    data_help: str = "corpus",
+):
+    """--data, --text-column, --split: the corpus a command reads and its part; the command receives data,
+    text_column and part (data_options builds a TextSpec from them)."""
+
+    def decorate(function):
+        function = click.option(
+            "--split", "part", type=click.Choice(PARTS), default=default_split, show_default=True, help=split_help
+        )(function)
+        function = click.option("--text-column", default=None, help="text column of a table corpus [default: text]")(
+            function
+        )
+        return click.option(
+            "--data",
+            default=None,
+            metavar="SPEC",
+            help=f"{data_help}: .txt/.jsonl/.csv/.parquet file, datasets directory or hub 'name:config:split' "
+            "[default: embedded Python reference text]",
+        )(function)
+
+    return decorate
+
+
 def data_options(
     default_split: str,
     max_tokens: int | None,
@@ -101,22 +127,7 @@ def data_options(
     )
 
     def decorate(function):
-        @click.option(
-            "--data",
-            default=None,
-            metavar="SPEC",
-            help="corpus: .txt/.jsonl/.csv/.parquet file, datasets directory or hub 'name:config:split' "
-            "[default: embedded Python reference text]",
-        )
-        @click.option("--text-column", default=None, help="text column of a table corpus [default: text]")
-        @click.option(
-            "--split",
-            "part",
-            type=click.Choice(PARTS),
-            default=default_split,
-            show_default=True,
-            help="which part of the corpus to use (calibration and eval are disjoint)",
-        )
+        @corpus_options(default_split)
         @click.option(
             "--max-tokens",
             type=click.IntRange(min=1),
