@@ -373,7 +373,12 @@ def test_longeval_refuses_an_encoder(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "command", [["convert-gqa", "--kv-heads", "1", "--no-eval"], ["convert-mla", "--budget", "gqa", "--no-eval"]]
+    "command",
+    [
+        ["convert-gqa", "--kv-heads", "1", "--no-eval"],
+        ["convert-mla", "--budget", "gqa", "--no-eval"],
+        ["prune", "--count", "4", "--uniform", "--mode", "physical", "--max-tokens", "256", "--seq-len", "64"],
+    ],
 )
 def test_conversions_record_long_context_before_and_after(checkpoint, corpus, tmp_path, capsys, command):
     out = tmp_path / "converted"

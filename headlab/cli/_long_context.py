@@ -1,4 +1,4 @@
-"""--long-context N,N of the commands that write a compressed checkpoint (convert-gqa, convert-mla): long-context
+"""--long-context N,N of the commands that write a compressed checkpoint (prune, convert-gqa, convert-mla): long-context
 retrieval and NLL by position of the model before the change and of the checkpoint written, side by side
 (headlab.measure.longctx), saved beside the checkpoint as long_context.csv and long_context_positions.csv."""
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from headlab.cli._long_context import lengths_of, long_context_option, measure, record_trade
 from headlab.cli._recovery import recovery_for, recovery_options, recovery_spec
 from headlab.cli.options import (
     allow_foreign_option,
@@ -95,6 +96,7 @@ from headlab.recovery.choices import COMPENSATIONS
     "held-out-chosen ridge; --compensate bias: FLAP-style, o_proj bias only)",
 )
 @recovery_options
+@long_context_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 @allow_foreign_option
 def command(  # click passes every option as a parameter
@@ -121,6 +123,7 @@ def command(  # click passes every option as a parameter
     low_memory,
     compensate,
     recovery_options,
+    long_lengths,
     as_json,
     allow_foreign_scores,
 ):
@@ -136,10 +139,12 @@ def command(  # click passes every option as a parameter
     out = Path(out) if out is not None else Path("headlab-pruned")
     guard(out, overwrite, {"model": load.spec}, data=text.data, scores=scores, run_dir_bytes=False)  # before loading
     recovery = recovery_spec(recovery_options)
+    lengths = lengths_of(long_lengths)
     loaded = load()
     text = text.resolved()  # one corpus for scoring, compensation, perplexity and recovery
     guard_checkpoint_space(out, loaded)
     check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
+    before = measure(loaded, text, lengths, not as_json) if lengths else None  # before pruning edits it
     spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
     selection = Selection(
         heads=heads,
@@ -170,6 +175,9 @@ def command(  # click passes every option as a parameter
         click.echo(json.dumps(result.meta | {"out": str(result.out), "verification": result.verification}, indent=2))
     else:
         _show(result, mode)
+    if before is not None:
+        for line in record_trade(out, before, load, lengths, text, not as_json):
+            click.echo(line)
 
 
 def _show(result, mode: str) -> None:
