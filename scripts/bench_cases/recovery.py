@@ -50,6 +50,8 @@ def _edited(name, teacher, corpus, device):
     from headlab.core.loading import from_model
     from headlab.kv import gqa
     from headlab.pruning import prune as P
+    from headlab.pruning.scores import importance_scores
+    from headlab.pruning.selection import select_heads
     from headlab.recovery.compensate import apply_compensation, compensation_batches, output_statistics
 
     if name == "mla":  # a new deepseek_v3 model beside the teacher, latent norms off (as recovery trains it)
@@ -64,10 +66,10 @@ def _edited(name, teacher, corpus, device):
     elif name == "mean":
         gqa.convert(student, 1)
     else:
-        scores = P.importance_scores(
+        scores = importance_scores(
             student, data=corpus, seq_len=SEQ_LEN, batch_size=4, max_tokens=CALIB_TOKENS, progress=False
         )
-        pruned = P.select_heads(student.layers, scores, count=90, uniform=True)
+        pruned = select_heads(student.layers, scores, count=90, uniform=True)
         batches = compensation_batches(student, corpus, seq_len=SEQ_LEN, max_tokens=CALIB_TOKENS)
         apply_compensation(student, pruned, output_statistics(student, batches, progress=False), "ridge")
         P.apply_mask(student, pruned)
