@@ -35,8 +35,8 @@ RUNTIMES = ("transformers", "llamacpp")
     "--lengths",
     default=None,
     metavar="N,N",
-    help="context lengths in tokens, prompt and answer together (2k = 2048) [default: 1k,2k,4k,8k on a GPU, 1k,2k "
-    "on a CPU (an 8k prompt of a 135M model takes about 100 s of 2 CPU cores); capped by the model's positions]",
+    help="context lengths in tokens, prompt and answer together (2k = 2048) [default: 1k,2k,4k,8k on a GPU, 1k on "
+    "a CPU (an 8k prompt of a 135M model takes about 100 s of 2 CPU cores); capped by the model's positions]",
 )
 @click.option(
     "--depths",
