@@ -221,9 +221,9 @@ class LongContext:
 
 
 def default_lengths(loaded: LoadedModel) -> tuple[int, ...]:
-    """1k, 2k, 4k, 8k on an accelerator; 1k on a CPU, so that a first run (10 prompts, 250 s of CPU time) takes about 2 minutes
-    on 2 cores: one 8k prefill of a 135M model takes about 100 s of 2 cores (docs/long-context.md). Capped by the model's
-    maximum positions either way."""
+    """1k, 2k, 4k, 8k on an accelerator; 1k on a CPU, so that a first run (10 prompts, 250 s of CPU time) takes
+    about 2 minutes on 2 cores: one 8k prefill of a 135M model takes about 100 s there (docs/long-context.md).
+    Capped by the model's maximum positions either way."""
     lengths = (1024, 2048, 4096, 8192) if loaded.device.type != "cpu" else (1024,)
     limit = loaded.max_positions
     kept = tuple(n for n in lengths if limit is None or n <= limit)
