@@ -339,13 +339,12 @@ def build_prompt(haystack: Haystack, task: str, length: int, depth: float, sampl
     text, first_at, ids, start = _settle(
         haystack, start, count, target, lambda first, n: _assemble(haystack, first, n, needles, depths)
     )
-    measured = target
     _check_round_trip(tokenizer, ids["input_ids"], needles)
     needle_token = next(i for i, (_, end) in enumerate(ids["offset_mapping"]) if end > first_at)
     # Haystack tokens before the first fact (less the header and any fact placed earlier) over all haystack tokens.
     earlier = [f for f, d in zip(needles.facts[1:], depths[1:]) if d < depths[0]]
     placed = needle_token - _count(tokenizer, HEADER) - sum(_count(tokenizer, f) for f in earlier)
-    depth_actual = min(1.0, max(0.0, placed / max(1, measured - overhead)))
+    depth_actual = min(1.0, max(0.0, placed / max(1, target - overhead)))
     return LongPrompt(
         task=task,
         length=length,

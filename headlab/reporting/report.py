@@ -544,6 +544,17 @@ def _gqa_step(run: ReportRun) -> None:
     )
 
 
+def _svd_merge(run: ReportRun, corpus) -> LoadedModel:
+    """A copy of the report's model with its KV heads merged (svd, calibration split) to the grouping target; the
+    recovery and long-context steps both compare this rung with the original."""
+    s, merged = run.s, teacher_copy(run.loaded)
+    batches = calibration_batches(
+        merged.tokenizer, corpus, seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.calibration_tokens
+    )
+    gqa.convert(merged, run.target, method="svd", batches=batches)
+    return merged
+
+
 def _recovery_step(run: ReportRun) -> None:
     """The svd merge to the grouping target, recovered (local reconstruction, then Settings.recovery_steps of
     uptraining: token budgets, so any machine gets the same model); eval perplexity of the original, the merge and
@@ -552,11 +563,7 @@ def _recovery_step(run: ReportRun) -> None:
     if run.target is None or s.recovery_steps <= 0:
         return
     corpus = load_corpus(run.common["data"], run.common["text_column"])
-    student = teacher_copy(loaded)  # here the copy is the student; `loaded` is the original (teacher)
-    batches = calibration_batches(
-        student.tokenizer, corpus, seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.calibration_tokens
-    )
-    gqa.convert(student, run.target, method="svd", batches=batches)
+    student = _svd_merge(run, corpus)  # the copy is the student; `loaded` is the original (teacher)
     eval_args = dict(split="eval", seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.eval_tokens, progress=False)
     rows = [{"model": "original", "perplexity": perplexity(loaded, corpus, **eval_args).perplexity, "seconds": 0.0}]
     merged = f"{run.target} KV heads, svd merge"
@@ -584,10 +591,7 @@ def _long_step(run: ReportRun) -> None:
     text = TextSpec(run.common["data"], run.common["text_column"], "eval", max_tokens=None)
     rungs = [("original", loaded)]
     if run.target is not None:
-        merged = teacher_copy(loaded)
-        batches = calibration_batches(merged.tokenizer, text.corpus, seq_len=s.seq_len, batch_size=s.batch_size,
-                                      max_tokens=s.calibration_tokens)  # fmt: skip
-        gqa.convert(merged, run.target, method="svd", batches=batches)
+        merged = _svd_merge(run, text.corpus)
         rungs.append((f"{run.target} KV heads, svd merge", merged))
     tables: dict[str, list[pd.DataFrame]] = {}
     meta = {}
