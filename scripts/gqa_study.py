@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 
 from headlab.cli.parsing import parse_list
+from headlab.core.data import DEFAULT_CORPUS
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
 from headlab.kv import gqa
@@ -98,7 +99,7 @@ def main(argv=None) -> Path:
     meta = {
         "models": args.models,
         "skipped": measured.skipped,
-        "data": args.data or "pydoc-topics",
+        "data": args.data or DEFAULT_CORPUS,
         "groupings": groupings,
         "pools": pools,
         "eval_tokens": args.eval_tokens,

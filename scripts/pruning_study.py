@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from headlab.cli.parsing import parse_list
+from headlab.core.data import DEFAULT_CORPUS
 from headlab.pruning.sweep import DEFAULT_FRACTIONS, SweepPlan, check_sweep, sweep, write_sweep
 from headlab.viz.plots import plot_study
 
@@ -76,7 +77,7 @@ def main(argv=None) -> Path:
     )
     meta = {
         "models": args.models,
-        "data": args.data or "pydoc-topics",
+        "data": args.data or DEFAULT_CORPUS,
         "fractions": fractions,
         "orders": orders,
         "seeds": seeds,

@@ -22,8 +22,8 @@ from headlab.core.data import (
 from headlab.core.errors import HeadlabError
 
 
-def test_embedded_corpus_is_the_python_reference():
-    corpus = load_corpus(None)
+def test_the_python_reference_stays_available_by_name():
+    corpus = load_corpus("pydoc-topics")
     from pydoc_data.topics import topics
 
     assert len(corpus.documents) == len([t for t in topics.values() if t.strip()])

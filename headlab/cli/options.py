@@ -94,8 +94,9 @@ def corpus_options(
             "--data",
             default=None,
             metavar="SPEC",
-            help=f"{data_help}: .txt/.jsonl/.csv/.parquet file, datasets directory or hub 'name:config:split' "
-            "[default: embedded Python reference text]",
+            help=f"{data_help}: a built-in corpus (broad; prose, dialogue, code, docs, speeches, encyclopedia, "
+            "poetry; pydoc-topics), a .txt/.jsonl/.csv/.parquet file, a datasets directory or a hub "
+            "'name:config:split' [default: broad, prose + dialogue + code + docs]",
         )(function)
 
     return decorate

@@ -1,8 +1,9 @@
 """Corpora, the deterministic calibration/evaluation split, and the token windows every command runs on.
 
 A corpus is a list of documents joined with blank lines. The joined text is cut once, at the first line break at
-or after `calibration_fraction` of its characters: calibration text (statistics, importance) comes before the
-cut, evaluation text (perplexity) after it, so the two never share a character.
+or after `calibration_fraction` of its characters (or at a cut the corpus records, as the built-in `broad` does):
+calibration text (statistics, importance) comes before the cut, evaluation text (perplexity) after it, so the two
+never share a character. The built-in corpora are in headlab.core.corpora.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from headlab.core.errors import HeadlabError
 if TYPE_CHECKING:  # annotations only; torch itself loads inside the functions that make tensors
     import torch
 
-DEFAULT_CORPUS = "pydoc-topics"
+DEFAULT_CORPUS = "broad"  # headlab.core.corpora: prose, dialogue, code and docs, interleaved
+EMBEDDED_CORPUS = "pydoc-topics"  # the Python language reference alone (the default before the broad corpus)
 PARTS = ("calibration", "eval", "all")
 CALIBRATION_FRACTION = 0.5
 # Fewer tokens than this make a perplexity or a statistic meaningless: such a corpus part is refused as too short.
@@ -37,6 +39,8 @@ class Corpus:
     spec: str
     documents: list[str]
     meta: dict = field(default_factory=dict)
+    cut: int | None = None  # where evaluation text starts (None: the first line break after CALIBRATION_FRACTION)
+    document_domains: list[str] | None = None  # the domain of each document (built-in `broad`), else None
 
     @property
     def text(self) -> str:
@@ -197,11 +201,37 @@ def _column(table: dict, text_column: str | None, where: str, first_row: int = 0
     return texts
 
 
+def _builtin_corpus(spec: str) -> Corpus:
+    """`broad` (the default) or one shipped domain (headlab.core.corpora), with its sources, licences and hashes."""
+    from headlab.core import corpora
+
+    if spec == corpora.BROAD:
+        calibration, evaluation, record = corpora.broad_documents(CALIBRATION_FRACTION)
+        cut = len(DOCUMENT_SEPARATOR.join(piece for _, piece in calibration))
+        domains = ", ".join(corpora.BROAD_DOMAINS)
+        meta = {"source": f"headlab built-in corpus broad ({domains})", "cut": cut, **record}
+        pairs = calibration + evaluation
+        return Corpus(spec, [piece for _, piece in pairs], meta, cut=cut, document_domains=[d for d, _ in pairs])
+    entry = corpora.sources()["domains"][spec]
+    meta = {
+        "source": f"headlab built-in domain {spec}: {corpora.DOMAINS[spec].description}",
+        "sha256": entry["sha256"],
+        "licence": corpora.licences()[spec],
+        "in_broad": corpora.DOMAINS[spec].in_broad,
+    }
+    return Corpus(spec, [corpora.domain_text(spec)], meta)
+
+
 def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corpus:
-    """The embedded corpus (None or "pydoc-topics"), a local .txt/.jsonl/.csv/.parquet file, a directory saved by
-    `datasets`, or a hub spec "name[:config[:split]]" such as "wikitext:wikitext-2-raw-v1:test"."""
+    """A built-in corpus (None or "broad", one of its domains such as "prose" or "speeches", or "pydoc-topics"; a
+    local file or folder of such a name is read as ./NAME), a local .txt/.jsonl/.csv/.parquet file, a directory saved by `datasets`, or a hub spec "name[:config[:split]]" such
+    as "wikitext:wikitext-2-raw-v1:test"."""
+    from headlab.core.corpora import BUILTIN
+
     spec = spec or DEFAULT_CORPUS
-    if spec == DEFAULT_CORPUS:
+    if spec in BUILTIN:  # a bare built-in name is the built-in corpus; ./NAME is a local file or folder of that name
+        return _builtin_corpus(spec)
+    if spec == EMBEDDED_CORPUS:
         documents, meta = _embedded_documents(), {"source": "pydoc_data.topics (CPython)"}
     else:
         path = Path(spec).expanduser()
@@ -292,15 +322,17 @@ def _load_hub_dataset(spec: str, text_column: str | None) -> list[str]:
 
 
 def split_text(corpus: Corpus, split: str = "calibration") -> TextPart:
-    """The calibration part, the evaluation part or all of a corpus (see the module docstring for the cut)."""
+    """The calibration part, the evaluation part or all of a corpus (see the module docstring for the cut; a corpus
+    with a recorded cut, such as `broad`, is cut there)."""
     part = split
     if part not in PARTS:
         raise HeadlabError(f"unknown split {part!r}; use one of {', '.join(PARTS)}")
+    from headlab.core.corpora import half_cut
+
     text = corpus.text
     if part == "all":
         return TextPart(text, part, 0, len(text), corpus.spec)
-    cut = text.find("\n", int(len(text) * CALIBRATION_FRACTION))
-    cut = cut if cut > 0 else int(len(text) * CALIBRATION_FRACTION)
+    cut = half_cut(text, CALIBRATION_FRACTION) if corpus.cut is None else corpus.cut
     start, end = (0, cut) if part == "calibration" else (cut, len(text))
     if not text[start:end].strip():
         raise HeadlabError(f"the {part} part of corpus {corpus.spec!r} is empty; the corpus is too short")

@@ -5,7 +5,9 @@ Budget: tokens and steps (local: `local_tokens` calibration tokens, LocalSpec.st
 UptrainConfig.steps), so the same command gives the same model on a fast, slow or busy machine. `minutes` is only an
 optional cap: with both stages local reconstruction gets at most a third of it and uptraining the rest; a stage that
 reaches it stops cleanly with its best state, and the record says so. Both stages only keep changes that help on
-held-out calibration text.
+held-out calibration text, and neither leaves any held-out calibration domain worse than it found it: local
+reconstruction is undone as a whole if one got worse, uptraining keeps only states no worse on any (the record says
+which were refused).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pandas as pd
+import torch
 
 from headlab.core.checkpoint import save_with_record
 from headlab.core.data import Corpus, calibration_batches, load_corpus
@@ -25,7 +28,14 @@ from headlab.core.loading import LoadedModel, check_resident, from_model
 from headlab.core.tables import write_run
 from headlab.recovery.choices import STAGES
 from headlab.recovery.reconstruct import LocalSpec, check_pair, reconstruct, summary
-from headlab.recovery.uptrain import UptrainConfig, uptrain
+from headlab.recovery.uptrain import (
+    UptrainConfig,
+    attention_parameters,
+    domain_perplexities,
+    heldout_batches,
+    heldout_sets,
+    uptrain,
+)
 
 RECOVERY_DIR = "recovery"  # inside a saved checkpoint: local.csv, curve.csv (+ .parquet), curve.png, meta.json
 LOCAL_SHARE = 1 / 3  # of the minutes cap, at most, for local reconstruction when uptraining follows
@@ -110,8 +120,9 @@ def recover(
             max_tokens=spec.local_tokens,
             max_positions=student.max_positions,
         )
+        gate = _StageGate(student, corpus, spec.uptrain)
         tables["local"] = reconstruct(student, teacher, batches, local, progress=progress)
-        record["local"] = summary(tables["local"], local, batches.meta)
+        record["local"] = {**summary(tables["local"], local, batches.meta), **gate.verdict()}
     if "uptrain" in spec.stages:
         config = spec.uptrain
         left = None if budget is None else budget - (time.perf_counter() - start)
@@ -128,6 +139,36 @@ def recover(
     record["seconds"] = time.perf_counter() - start
     record["tables"] = tables
     return record
+
+
+class _StageGate:
+    """Keeps a stage only if no held-out calibration domain got worse: measures each domain's held-out perplexity
+    (uptraining's held-out sets, never trained on) before the stage, with a copy of the attention parameters it may
+    change; `verdict` measures again and puts the copy back when any domain's perplexity rose."""
+
+    def __init__(self, student: LoadedModel, corpus: Corpus, config: UptrainConfig):
+        _, sets = heldout_sets(student.tokenizer, corpus, config.heldout_tokens)
+        self.student = student
+        self.batches = heldout_batches(student, sets, config.seq_len, config.batch_size)
+        self.params = attention_parameters(student)
+        self.saved = [p.detach().clone() for p in self.params]
+        self.before = domain_perplexities(student, self.batches)
+
+    def verdict(self) -> dict:
+        after = domain_perplexities(self.student, self.batches)
+        worse = [name for name, value in after.items() if not value <= self.before[name]]
+        if worse:
+            with torch.no_grad():
+                for p, saved in zip(self.params, self.saved):
+                    p.copy_(saved)
+        self.saved = []
+        return {
+            "heldout_domains_before": self.before,
+            "heldout_domains_after": self.before if worse else after,
+            "kept": not worse,
+            "not_kept_because": f"held-out perplexity rose on {', '.join(worse)}" if worse else None,
+            "heldout_domains_of_the_stage": after,
+        }
 
 
 def _stopped_on_time(record: dict) -> bool:

@@ -7,8 +7,9 @@ uptrain with), or mixed = (1 - w) kl + w ce. Recipe: AdamW, linear warmup over 1
 global-norm clipping 1.0, gradient accumulation; trained groups attention (default: every attention module and its
 output projection), norms (plus every norm) or all. The default lr was chosen by held-out calibration perplexity
 (docs/recovery.md); lr 1e-4 without warmup made a merged model worse before it got better.
-Held-out: the calibration part's last tokens, never trained on; the state with the lowest held-out perplexity (the
-start included) is the one returned. The eval split only reports the curve.
+Held-out: per domain of the calibration corpus (one for most corpora; four for the built-in `broad`), the last tokens
+of its calibration text, never trained on; the state returned has the lowest held-out perplexity (exp of the mean
+over domains of ln perplexity) among the states no worse than the start on any domain, the start included. The eval split only reports the curve.
 Budget: `steps` (tokens = steps x accumulation x batch_size x seq_len), so one command trains the same model on any
 machine; `minutes` is only a cap, which ends the run cleanly with the best state so far and says so in the record.
 """
@@ -26,7 +27,16 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab.core import distributed
-from headlab.core.data import Corpus, batch_windows, chunk_windows, load_corpus, require_tokens, split_text, tokenize
+from headlab.core.data import (
+    DOCUMENT_SEPARATOR,
+    Corpus,
+    batch_windows,
+    chunk_windows,
+    load_corpus,
+    require_tokens,
+    split_text,
+    tokenize,
+)
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.measure.evaluate import perplexity
@@ -270,49 +280,120 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
     return {**sums, "lr": lr, "grad_norm": float(grad_norm), "tokens": tokens, "epoch": epoch}
 
 
+def heldout_sets(tokenizer, corpus: Corpus, tokens: int) -> tuple[str, dict[str, torch.Tensor]]:
+    """(training text, held-out ids per domain) of the calibration part. A corpus of one domain holds out its last
+    `tokens` tokens (heldout_split). A multi-domain corpus (built-in `broad`) holds out, per domain, the last
+    tokens // domains tokens of that domain's last calibration chunks; training streams from the other chunks, so
+    the held-out text mixes every domain in equal shares and is never trained on."""
+    part = split_text(corpus, "calibration")
+    if corpus.document_domains is None:
+        train_text, ids = heldout_split(tokenizer, part.text, tokens)
+        return train_text, {corpus.spec: ids}
+    calibration = _calibration_documents(corpus)
+    order = list(corpus.meta.get("domains", {}))  # the corpus's own domain order, then any other by name
+    names = sorted({d for d, _ in calibration}, key=lambda d: (order.index(d) if d in order else len(order), d))
+    share = max(1, tokens // len(names))
+    held, sets = set(), {}
+    for name in names:
+        chosen = []
+        for index in reversed([i for i, (domain, _) in enumerate(calibration) if domain == name]):
+            chosen.insert(0, index)
+            ids, _ = tokenize(tokenizer, DOCUMENT_SEPARATOR.join(calibration[i][1] for i in chosen))
+            if len(ids) >= share or len(chosen) * 4 >= sum(d == name for d, _ in calibration):
+                break  # enough tokens, or a quarter of the domain's chunks already (a short corpus keeps most)
+        held.update(chosen)
+        sets[name] = ids[-share:]
+    train = [piece for i, (_, piece) in enumerate(calibration) if i not in held]
+    return DOCUMENT_SEPARATOR.join(train), sets
+
+
+def _calibration_documents(corpus: Corpus) -> list[tuple[str, str]]:
+    """(domain, document) of the documents before the corpus's cut (its calibration part)."""
+    documents, end = [], 0
+    for domain, document in zip(corpus.document_domains, corpus.documents):
+        end += len(document)
+        if end > corpus.cut:
+            break
+        documents.append((domain, document))
+        end += len(DOCUMENT_SEPARATOR)
+    return documents
+
+
+def heldout_batches(student: LoadedModel, sets: dict[str, torch.Tensor], seq_len: int, batch_size: int) -> dict:
+    """Per domain, its held-out ids as padded seq_len windows."""
+    tokenizer = student.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return {
+        name: list(batch_windows(ids, chunk_windows(len(ids), seq_len), batch_size, pad_id))
+        for name, ids in sets.items()
+    }
+
+
 def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
-    """(training stream, held-out batches, record): training windows stream from the calibration part up to its
-    held-out tail; the eval part is never touched here."""
+    """(training stream, held-out batches per domain, record): training windows stream from the calibration part
+    without its held-out text (heldout_sets); the eval part is never touched here."""
     tokenizer = student.tokenizer
     if student.max_positions is not None and config.seq_len > student.max_positions:
         raise HeadlabError(f"seq_len={config.seq_len} exceeds the model's maximum positions ({student.max_positions})")
     part = split_text(corpus, "calibration")
-    train_text, heldout_ids = heldout_split(tokenizer, part.text, config.heldout_tokens)
-    require_tokens(heldout_ids, f"the held-out calibration text of {corpus.spec!r}")
+    train_text, sets = heldout_sets(tokenizer, corpus, config.heldout_tokens)
+    for name, ids in sets.items():
+        require_tokens(ids, f"the held-out calibration text of {corpus.spec!r} ({name})")
     if not train_text.strip():
         raise HeadlabError(
             f"the calibration part of {corpus.spec!r} is too short to hold out {config.heldout_tokens} tokens"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    heldout = list(
-        batch_windows(heldout_ids, chunk_windows(len(heldout_ids), config.seq_len), config.batch_size, pad_id)
-    )
+    heldout = heldout_batches(student, sets, config.seq_len, config.batch_size)
     record = {
         **part.describe(),
         "training_characters": len(train_text),
-        "heldout_tokens": int(len(heldout_ids)),
-        "heldout": "the calibration part's last tokens; training streams from the text before them",
+        "heldout_tokens": int(sum(len(ids) for ids in sets.values())),
+        "heldout_domains": {name: int(len(ids)) for name, ids in sets.items()},
+        "heldout": "per domain, the last tokens of its calibration text; training streams from the rest",
     }
     return stream_batches(tokenizer, train_text, config, pad_id), heldout, record
 
 
+def domain_perplexities(student: LoadedModel, heldout: dict, bf16: bool = False) -> dict[str, float]:
+    """Held-out perplexity of each domain (heldout_perplexity on its batches)."""
+    return {name: heldout_perplexity(student, batches, bf16) for name, batches in heldout.items()}
+
+
+def combined(perplexities: dict[str, float]) -> float:
+    """The held-out perplexity that ranks states: exp(mean over domains of ln perplexity), each domain weighted
+    equally (one domain: its perplexity)."""
+    return math.exp(sum(math.log(p) for p in perplexities.values()) / len(perplexities))
+
+
 @dataclass
 class _Best:
-    """The trained parameters' state with the lowest held-out calibration perplexity so far (the start included):
-    what uptrain hands back."""
+    """The trained parameters' state with the lowest combined held-out perplexity so far among the states no worse
+    than the start on any held-out domain (the start included): what uptrain hands back."""
 
-    perplexity: float
+    perplexity: float  # combined() of `domains`
     step: int
     state: list[torch.Tensor]
+    domains: dict[str, float] = field(default_factory=dict)
+    start: dict[str, float] = field(default_factory=dict)
+    refused: list[dict] = field(default_factory=list)  # better overall but worse on a domain: not kept
 
     @classmethod
-    def of(cls, params: list[torch.nn.Parameter], perplexity: float, step: int = 0) -> _Best:
-        return cls(perplexity, step, [p.detach().clone() for p in params])
+    def of(cls, params: list[torch.nn.Parameter], domains: dict[str, float], step: int = 0) -> _Best:
+        return cls(combined(domains), step, [p.detach().clone() for p in params], dict(domains), dict(domains))
 
-    def offer(self, params: list[torch.nn.Parameter], perplexity: float, step: int) -> None:
-        """Keep the current state when it is better (strictly lower held-out perplexity)."""
-        if perplexity < self.perplexity:
-            self.perplexity, self.step, self.state = perplexity, step, [p.detach().clone() for p in params]
+    def offer(self, params: list[torch.nn.Parameter], domains: dict[str, float], step: int) -> None:
+        """Keep the current state when it is better (strictly lower combined held-out perplexity) and no domain's
+        held-out perplexity is above the start's."""
+        value = combined(domains)
+        if not value < self.perplexity:
+            return
+        worse = [name for name, p in domains.items() if not p <= self.start[name]]
+        if worse:
+            self.refused.append({"step": step, "worse_domains": worse})
+            return
+        self.perplexity, self.step, self.domains = value, step, dict(domains)
+        self.state = [p.detach().clone() for p in params]
 
     @torch.no_grad()
     def restore(self, params: list[torch.nn.Parameter]) -> None:
@@ -329,7 +410,7 @@ class _Run:
     config: UptrainConfig
     corpus: Corpus
     stream: Iterator  # training batches (stream_batches)
-    heldout: list  # held-out calibration batches
+    heldout: dict  # held-out calibration batches per domain
     data_record: dict
     bf16: bool
     params: list[torch.nn.Parameter]  # the trained ones
@@ -343,8 +424,8 @@ class _Run:
         self.student.model.eval()
         return perplexity(self.student, self.corpus, progress=False, **self.eval_args).perplexity
 
-    def heldout_perplexity(self) -> float:
-        return heldout_perplexity(self.student, self.heldout, self.bf16)
+    def heldout_perplexities(self) -> dict[str, float]:
+        return domain_perplexities(self.student, self.heldout, self.bf16)
 
 
 def uptrain(
@@ -376,8 +457,10 @@ def uptrain(
     )
     run = _Run(student, teacher, config, corpus, stream, heldout, data_record, bf16, params, optimizer, eval_args)
     start = time.perf_counter()
-    best = _Best.of(params, run.heldout_perplexity())
+    best = _Best.of(params, run.heldout_perplexities())
     rows = [_first_row(best.perplexity, run.evaluate())]
+    if len(best.start) > 1:
+        rows[0].update({f"heldout_{name}": value for name, value in best.start.items()})
     loop = _train(run, best, rows, start, progress)
     curve = pd.DataFrame(rows)
     final = curve["perplexity"].iloc[-1] if best.step == loop["steps_run"] else run.evaluate()
@@ -471,8 +554,11 @@ def _checkpoints(run: _Run, best: _Best, row: dict, total: int, last: bool) -> N
     config, step = run.config, row["step"]
     every = config.heldout_every or max(1, total // 8)
     if step % every == 0 or last:
-        row["heldout_perplexity"] = run.heldout_perplexity()
-        best.offer(run.params, row["heldout_perplexity"], step)
+        domains = run.heldout_perplexities()
+        row["heldout_perplexity"] = combined(domains)
+        if len(domains) > 1:
+            row.update({f"heldout_{name}": value for name, value in domains.items()})
+        best.offer(run.params, domains, step)
     if (config.eval_every and step % config.eval_every == 0) or last:
         row["perplexity"] = run.evaluate()
 
@@ -500,6 +586,9 @@ def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, 
         "kept_step": best.step,
         "heldout_perplexity_before": rows[0]["heldout_perplexity"],
         "heldout_perplexity_after": best.perplexity,
+        "heldout_domains_before": best.start,
+        "heldout_domains_after": best.domains,
+        "refused_worse_on_a_domain": best.refused,
         "perplexity_before": rows[0]["perplexity"],
         "perplexity_after": final,
         "gradient_checkpointing": loop["gradient_checkpointing"],
