@@ -44,6 +44,7 @@ CASES = [
     (["eval", "--model", "{llama}", "--device", "cuda:7", *DATA], "cuda"),
     (["eval", "--model", "{llama}", *M, *TEXT, "--max-length", "65"], "maximum positions"),
     (["eval", "--model", "{llama}", *M, *DATA, "--out", "o"], "--tasks"),
+    (["eval", "--model", "{llama}", *M, *DATA, "--domains", "speeches,wikipedia"], "wikipedia"),
     # stats
     (["stats", *NO_MODEL, *DATA, "--out", "s"], "{missing}"),
     (["stats", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),

@@ -121,3 +121,20 @@ def test_a_local_stage_that_helps_is_kept():
     after, start = local["heldout_domains_after"], local["heldout_domains_before"]
     assert all(after[d] <= start[d] for d in start)
     assert local["kept"] == (local["heldout_domains_of_the_stage"] == after)
+
+
+def test_long_windows_join_the_mix_every_nth_step():
+    teacher, student = _pair()
+    corpus = load_corpus("broad")
+    result = uptrain(
+        student, teacher, data=corpus, steps=4, lr=1e-3, long_seq_len=64, long_every=2, progress=False, **SMALL
+    )
+    tokens = result.curve["tokens"].diff().iloc[1:].tolist()  # tokens per step: 4 x 32 short, 1 x 64 long
+    assert tokens == [128, 64, 128, 64]
+    assert result.meta["calibration"]["long_windows"] == {"seq_len": 64, "every": 2}
+
+
+def test_long_windows_past_the_models_positions_fail_before_work():
+    teacher, student = _pair()
+    with pytest.raises(Exception, match="long_seq_len=128 exceeds the model's maximum positions"):
+        uptrain(student, teacher, data=load_corpus("broad"), steps=1, long_seq_len=128, progress=False, **SMALL)

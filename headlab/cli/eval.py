@@ -8,6 +8,7 @@ import click
 
 from headlab.cli.options import data_options, guard, model_options, out_option, task_options
 from headlab.cli.parsing import parse_list
+from headlab.core.corpora import DEFAULT_EVAL_DOMAINS, DOMAINS
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 
@@ -29,11 +30,20 @@ from headlab.core.units import human_bytes
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="at most this many documents per task")
 @click.option("--num-fewshot", type=click.IntRange(min=0), default=None, help="few-shot examples per task")
 @out_option(required=False, help_text="with --tasks: write tasks.csv/.parquet and meta.json here (atomically)")
+@click.option(
+    "--domains",
+    default=",".join(DEFAULT_EVAL_DOMAINS),
+    show_default=True,
+    metavar="LIST",
+    help=f"comma-separated built-in text domains ({', '.join(DOMAINS)}) whose eval split is also scored, one "
+    "perplexity run each, in a table after the corpus's; none: no domains",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(  # click passes every option as a parameter
     load,
     text,
     stride,
+    domains,
     tasks,
     include_path,
     limit,
@@ -43,9 +53,13 @@ def command(  # click passes every option as a parameter
     as_json,
 ):
     """Perplexity, NLL, bits per token, word perplexity and bits per byte (lm-evaluation-harness definitions and
-    windows: docs/evaluation.md), or lm-eval tasks (--tasks) on the model as loaded."""
+    windows: docs/evaluation.md), then the perplexity of built-in text domains (--domains), or lm-eval tasks
+    (--tasks) on the model as loaded."""
+    context = click.get_current_context()
     if tasks is not None:
-        explicit = click.get_current_context().get_parameter_source("seq_len").name != "DEFAULT"
+        if context.get_parameter_source("domains").name != "DEFAULT":
+            raise HeadlabError("--domains goes with perplexity, not with --tasks")
+        explicit = context.get_parameter_source("seq_len").name != "DEFAULT"
         _run_tasks(
             load,
             tasks,
@@ -61,17 +75,21 @@ def command(  # click passes every option as a parameter
         return
     if out is not None or include_path is not None:
         raise HeadlabError("--out and --include-path go with --tasks")
-    from headlab.measure.evaluate import perplexity  # start-up: torch loads when the command runs, not for --help
+    names = () if domains.strip().lower() == "none" else parse_list(domains, str, "domains", allowed=tuple(DOMAINS))
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.measure.evaluate import domain_perplexities, perplexity
 
     loaded = load()
     result = perplexity(loaded, text=text, stride=stride, progress=not as_json)
+    table = None
+    if names:  # the corpus's row is the result above where it is the eval split (the default), else measured again
+        reuse = result if text.split == "eval" else None
+        table = domain_perplexities(loaded, names, text=text, stride=stride, progress=not as_json, measured=reuse)
     if as_json:
-        click.echo(
-            json.dumps(
-                {**loaded.describe(), "data": text.data or "pydoc-topics", "split": text.split, **result.to_dict()},
-                indent=2,
-            )
-        )
+        record = {**loaded.describe(), "data": text.corpus_name, "split": text.split, **result.to_dict()}
+        if table is not None:
+            record["domains"] = table.to_dict("records")
+        click.echo(json.dumps(record, indent=2))
         return
     rows = [
         ("objective", result.objective),
@@ -89,6 +107,23 @@ def command(  # click passes every option as a parameter
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         click.echo(f"{name:<{width}}  {value}")
+    if table is not None:
+        click.echo("\neval split of each text (docs/evaluation.md, Out-of-domain perplexity):")
+        _echo_domains(table)
+
+
+def _echo_domains(table) -> None:
+    """One line per text: domain, role, perplexity, bits per byte, scored tokens."""
+    cells = [("domain", "role", "perplexity", "bits per byte", "tokens")]
+    cells += [
+        (r.domain, r.role, f"{r.perplexity:.4f}", f"{r.bits_per_byte:.5f}", f"{r.scored_tokens:,}")
+        for r in table.itertuples()
+    ]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    for row in cells:
+        left = [f"{cell:<{w}}" for cell, w in zip(row[:2], widths[:2])]
+        right = [f"{cell:>{w}}" for cell, w in zip(row[2:], widths[2:])]
+        click.echo("  ".join(left + right).rstrip())
 
 
 def _run_tasks(load, tasks, include_path, max_length, batch_size, limit, num_fewshot, out, overwrite, as_json):

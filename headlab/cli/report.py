@@ -28,8 +28,8 @@ def report_options(function):
         "--data",
         default=None,
         metavar="SPEC",
-        help="corpus: .txt/.jsonl/.csv/.parquet file, datasets directory or hub 'name:config:split' "
-        "[default: embedded Python reference text]",
+        help="corpus: a built-in corpus (broad, a domain such as prose or speeches, pydoc-topics), a "
+        ".txt/.jsonl/.csv/.parquet file, a datasets directory or a hub 'name:config:split' [default: broad]",
     )(function)
 
 

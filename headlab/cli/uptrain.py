@@ -40,6 +40,16 @@ def training_options(function):
         click.option("--ce-weight", type=float, default=0.5, show_default=True, help="CE share of --objective mixed"),
         click.option("--seq-len", type=int, default=256, show_default=True, help="tokens per training window"),
         click.option("--batch-size", type=int, default=4, show_default=True, help="windows per micro-batch"),
+        click.option(
+            "--long-seq-len",
+            type=int,
+            default=0,
+            show_default=True,
+            help="tokens of the long windows mixed into training (0: none); one window per micro-batch",
+        ),
+        click.option(
+            "--long-every", type=int, default=4, show_default=True, help="every N-th step trains on long windows"
+        ),
         click.option("--heldout-tokens", type=int, default=2048, show_default=True, help="held-out calibration"),
         click.option("--eval-every", type=int, default=None, help="steps between eval-split perplexities"),
         click.option("--eval-tokens", type=int, default=1024, show_default=True, help="eval-split tokens"),
@@ -60,7 +70,7 @@ def training_options(function):
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, cuda:N or auto")
 @click.option("--device-map", type=click.Choice(["auto"]), default=None, help="spread each model over the devices")
 @click.option("--dtype", type=click.Choice(DTYPE_NAMES), default="float32", show_default=True, help="weights dtype")
-@click.option("--data", default=None, metavar="SPEC", help="corpus [default: embedded Python reference text]")
+@click.option("--data", default=None, metavar="SPEC", help="corpus [default: broad]")
 @click.option("--text-column", default=None, help="text column of a table corpus [default: text]")
 @training_options
 @click.option(
@@ -102,7 +112,7 @@ def command(
     guard(out, overwrite, {"student model": student, "teacher": teacher}, data=data, run_dir_bytes=False)
     student_model = load_model(student, device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
     most = student_model.max_positions
-    for name in ("seq_len", "eval_seq_len"):
+    for name in ("seq_len", "eval_seq_len", "long_seq_len"):
         if most is not None and recipe[name] > most:
             option = "--" + name.replace("_", "-")
             raise HeadlabError(f"{option} {recipe[name]} exceeds the model's maximum positions ({most})")

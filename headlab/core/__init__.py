@@ -5,6 +5,7 @@ layouts, validation, tables and atomic files, data parallelism, the one error ty
 __all__ = [
     "arch",
     "checkpoint",
+    "corpora",
     "data",
     "distributed",
     "errors",

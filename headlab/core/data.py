@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from headlab.core import corpora
 from headlab.core.errors import HeadlabError
 
 if TYPE_CHECKING:  # annotations only; torch itself loads inside the functions that make tensors
@@ -203,8 +204,6 @@ def _column(table: dict, text_column: str | None, where: str, first_row: int = 0
 
 def _builtin_corpus(spec: str) -> Corpus:
     """`broad` (the default) or one shipped domain (headlab.core.corpora), with its sources, licences and hashes."""
-    from headlab.core import corpora
-
     if spec == corpora.BROAD:
         calibration, evaluation, record = corpora.broad_documents(CALIBRATION_FRACTION)
         cut = len(DOCUMENT_SEPARATOR.join(piece for _, piece in calibration))
@@ -226,10 +225,8 @@ def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corp
     """A built-in corpus (None or "broad", one of its domains such as "prose" or "speeches", or "pydoc-topics"; a
     local file or folder of such a name is read as ./NAME), a local .txt/.jsonl/.csv/.parquet file, a directory saved by `datasets`, or a hub spec "name[:config[:split]]" such
     as "wikitext:wikitext-2-raw-v1:test"."""
-    from headlab.core.corpora import BUILTIN
-
     spec = spec or DEFAULT_CORPUS
-    if spec in BUILTIN:  # a bare built-in name is the built-in corpus; ./NAME is a local file or folder of that name
+    if spec in corpora.BUILTIN:  # a bare built-in name is the built-in corpus; ./NAME is a local file or folder of that name
         return _builtin_corpus(spec)
     if spec == EMBEDDED_CORPUS:
         documents, meta = _embedded_documents(), {"source": "pydoc_data.topics (CPython)"}
@@ -327,12 +324,10 @@ def split_text(corpus: Corpus, split: str = "calibration") -> TextPart:
     part = split
     if part not in PARTS:
         raise HeadlabError(f"unknown split {part!r}; use one of {', '.join(PARTS)}")
-    from headlab.core.corpora import half_cut
-
     text = corpus.text
     if part == "all":
         return TextPart(text, part, 0, len(text), corpus.spec)
-    cut = half_cut(text, CALIBRATION_FRACTION) if corpus.cut is None else corpus.cut
+    cut = corpora.half_cut(text, CALIBRATION_FRACTION) if corpus.cut is None else corpus.cut
     start, end = (0, cut) if part == "calibration" else (cut, len(text))
     if not text[start:end].strip():
         raise HeadlabError(f"the {part} part of corpus {corpus.spec!r} is empty; the corpus is too short")

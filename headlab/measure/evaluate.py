@@ -13,17 +13,21 @@ import math
 import re
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm.auto import tqdm
 
-from headlab.core import distributed
+from headlab.core import corpora, distributed
+from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
 from headlab.core.data import (
     MLM_SEED,
     Corpus,
     TextSpec,
     batch_windows,
+    load_corpus,
     masked_lm_batch,
     require_tokens,
     rolling_windows,
@@ -35,6 +39,9 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
 from headlab.measure.costs import peak_memory
 from headlab.mechanisms.losses import final_states, picked_log_probs
+
+if TYPE_CHECKING:  # annotations only
+    import pandas as pd
 
 WINDOW_CONVENTION = "lm-eval loglikelihood_rolling (prefix token; max_length inputs; full-context last window)"
 
@@ -180,6 +187,62 @@ def perplexity(
         prefix_token=prefix,
         windows=len(windows),
     )
+
+
+def domain_perplexities(
+    loaded: LoadedModel,
+    domains: Sequence[str] | str | None = DEFAULT_EVAL_DOMAINS,
+    *,
+    text: TextSpec,
+    stride: int | None = None,
+    progress: bool = True,
+    measured: Perplexity | None = None,
+) -> pd.DataFrame:
+    """Eval-split perplexity of `text`'s own corpus, then of each named built-in domain, in the same windows.
+
+    One row per text: `perplexity` (see `perplexity`) of the eval split of text's corpus (role "calibration
+    corpus"), then of each domain of `domains` (headlab.core.corpora.DOMAINS; a list or a comma-separated string;
+    None or empty: none) with text's seq_len, batch_size, max_tokens and `stride`. A domain's role is "in
+    calibration" where the calibration corpus is `broad` and the domain one of its BROAD_DOMAINS, else "held out"; a
+    domain that is text's corpus itself is not repeated. Columns: domain (the corpus spec), role, perplexity, nll,
+    bits_per_byte, scored_tokens. `measured`: the perplexity of text's eval split when already computed (e.g. by
+    `headlab eval`), reused as the first row. Costs one perplexity run per domain (plus one for the corpus).
+    """
+    import pandas as pd  # start-up: as elsewhere in headlab, pandas loads with the first table
+
+    names = check_domains(domains)  # before any model work
+    text = text.but(split="eval").resolved()
+    own = text.corpus_name
+    calibrated_on_broad = own == corpora.BROAD
+    if measured is None:
+        measured = perplexity(loaded, text=text, stride=stride, progress=progress)
+    results = [(own, "calibration corpus", measured)]
+    for name in names:
+        if name == own:
+            continue
+        role = "in calibration" if calibrated_on_broad and name in corpora.BROAD_DOMAINS else "held out"
+        domain = text.but(data=load_corpus(name), text_column=None)
+        results.append((name, role, perplexity(loaded, text=domain, stride=stride, progress=progress)))
+    return pd.DataFrame(
+        [
+            {"domain": name, "role": role, "perplexity": r.perplexity, "nll": r.nll,
+             "bits_per_byte": r.bits_per_byte, "scored_tokens": r.scored_tokens}
+            for name, role, r in results
+        ]
+    )  # fmt: skip
+
+
+def check_domains(domains: Sequence[str] | str | None) -> tuple[str, ...]:
+    """The domain names of `domains` (a list, or a comma-separated string; None: none), without repeats; an unknown
+    name is refused with the choices."""
+    if domains is None:
+        return ()
+    names = [d.strip() for d in domains.split(",")] if isinstance(domains, str) else list(domains)
+    names = [name for name in dict.fromkeys(names) if name]
+    unknown = [name for name in names if name not in corpora.DOMAINS]
+    if unknown:
+        raise HeadlabError(f"unknown domain {unknown[0]!r}; use some of {', '.join(corpora.DOMAINS)}")
+    return tuple(names)
 
 
 def exp_or_inf(x: float) -> float:

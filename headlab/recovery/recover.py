@@ -104,7 +104,12 @@ def recover(
     if student.max_positions is not None:  # windows no longer than the model takes (tiny test models: 64)
         spec = replace(spec, local_seq_len=min(spec.local_seq_len, student.max_positions))
         up, most = spec.uptrain, student.max_positions
-        spec.uptrain = replace(up, seq_len=min(up.seq_len, most), eval_seq_len=min(up.eval_seq_len, most))
+        spec.uptrain = replace(
+            up,
+            seq_len=min(up.seq_len, most),
+            eval_seq_len=min(up.eval_seq_len, most),
+            long_seq_len=min(up.long_seq_len, most),
+        )
     start = time.perf_counter()
     budget = None if spec.minutes is None else spec.minutes * 60
     record, tables = {"stages": spec.stages, "minutes_cap": spec.minutes}, {}

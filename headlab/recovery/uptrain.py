@@ -88,6 +88,10 @@ class UptrainConfig:
     accumulation: int = 1  # micro-batches per optimiser step
     seq_len: int = 256
     batch_size: int = 4
+    # Long windows in the mix (0: none): every long_every-th step trains on windows of long_seq_len tokens, one per
+    # micro-batch, so what recovery restores includes attention over long distances (retrieval), not only 256 tokens.
+    long_seq_len: int = 0
+    long_every: int = 4
     trained: str = "attention"  # attention | norms (attention + every norm) | all
     objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed
     ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
@@ -112,7 +116,9 @@ class UptrainConfig:
             raise HeadlabError(f"warmup={self.warmup} must be a fraction in [0, 1)")
         if not (self.clip >= 0 and math.isfinite(self.clip)):
             raise HeadlabError(f"clip={self.clip} must be >= 0")
-        for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len"):
+        if self.long_seq_len and self.long_seq_len < 2:
+            raise HeadlabError(f"long_seq_len={self.long_seq_len} must be 0 (no long windows) or >= 2")
+        for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len", "long_every"):
             if getattr(self, name) < 1:
                 raise HeadlabError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("heldout_every", "eval_every"):
@@ -333,8 +339,11 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
     """(training stream, held-out batches per domain, record): training windows stream from the calibration part
     without its held-out text (heldout_sets); the eval part is never touched here."""
     tokenizer = student.tokenizer
-    if student.max_positions is not None and config.seq_len > student.max_positions:
-        raise HeadlabError(f"seq_len={config.seq_len} exceeds the model's maximum positions ({student.max_positions})")
+    for name in ("seq_len", "long_seq_len"):
+        if student.max_positions is not None and getattr(config, name) > student.max_positions:
+            raise HeadlabError(
+                f"{name}={getattr(config, name)} exceeds the model's maximum positions ({student.max_positions})"
+            )
     part = split_text(corpus, "calibration")
     train_text, sets = heldout_sets(tokenizer, corpus, config.heldout_tokens)
     for name, ids in sets.items():
@@ -352,7 +361,16 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
         "heldout_domains": {name: int(len(ids)) for name, ids in sets.items()},
         "heldout": "per domain, the last tokens of its calibration text; training streams from the rest",
     }
-    return stream_batches(tokenizer, train_text, config, pad_id), heldout, record
+    if config.long_seq_len:
+        long = replace(config, seq_len=config.long_seq_len, batch_size=1, seed=config.seed + 1)
+        record["long_windows"] = {"seq_len": config.long_seq_len, "every": config.long_every}
+        streams = (
+            stream_batches(tokenizer, train_text, config, pad_id),
+            stream_batches(tokenizer, train_text, long, pad_id),
+        )
+    else:
+        streams = (stream_batches(tokenizer, train_text, config, pad_id), None)
+    return streams, heldout, record
 
 
 def domain_perplexities(student: LoadedModel, heldout: dict, bf16: bool = False) -> dict[str, float]:
@@ -409,13 +427,18 @@ class _Run:
     teacher: LoadedModel | None
     config: UptrainConfig
     corpus: Corpus
-    stream: Iterator  # training batches (stream_batches)
+    streams: tuple[Iterator, Iterator | None]  # training batches (stream_batches): short windows, long windows
     heldout: dict  # held-out calibration batches per domain
     data_record: dict
     bf16: bool
     params: list[torch.nn.Parameter]  # the trained ones
     optimizer: torch.optim.Optimizer
     eval_args: dict = field(default_factory=dict)
+
+    def stream(self, step: int) -> Iterator:
+        """The batches of this step: long windows every long_every-th step when configured, else short ones."""
+        short, long = self.streams
+        return long if long is not None and step % self.config.long_every == 0 else short
 
     def evaluate(self) -> float:
         """Eval-split perplexity for the curve (NaN with --eval-tokens 0)."""
@@ -448,14 +471,14 @@ def uptrain(
     keep the best state (`_train`), the record (`_record`)."""
     config = replace(config or UptrainConfig(), **settings)
     corpus = _check(student, teacher, data, text_column, config)
-    stream, heldout, data_record = _data(student, corpus, config)
+    streams, heldout, data_record = _data(student, corpus, config)
     bf16 = student.device.type == "cuda" if config.bf16 is None else config.bf16
     params, optimizer = _optimiser(student, config)
     torch.manual_seed(config.seed)
     eval_args = dict(
         split="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
     )
-    run = _Run(student, teacher, config, corpus, stream, heldout, data_record, bf16, params, optimizer, eval_args)
+    run = _Run(student, teacher, config, corpus, streams, heldout, data_record, bf16, params, optimizer, eval_args)
     start = time.perf_counter()
     best = _Best.of(params, run.heldout_perplexities())
     rows = [_first_row(best.perplexity, run.evaluate())]
@@ -520,7 +543,7 @@ def _train(run: _Run, best: _Best, rows: list[dict], start: float, progress: boo
             step += 1
             lr = learning_rate(step, total, config)
             row = _train_step(
-                run.student, run.teacher, run.stream, run.optimizer, run.params, step, lr, config, run.bf16
+                run.student, run.teacher, run.stream(step), run.optimizer, run.params, step, lr, config, run.bf16
             )
             tokens_seen += row["tokens"]
             row.update(step=step, tokens=tokens_seen, heldout_perplexity=math.nan, perplexity=math.nan)

@@ -19,7 +19,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from headlab.core.data import TextSpec, calibration_batches, load_corpus
+from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
+from headlab.core.data import DEFAULT_CORPUS, TextSpec, calibration_batches, load_corpus
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import StepJournal, resumable_directory, write_json
 from headlab.core.loading import LoadedModel
@@ -29,7 +30,7 @@ from headlab.core.units import human_bytes
 from headlab.kv import gqa, ladder
 from headlab.kv import grouping as kv_grouping
 from headlab.measure.costs import model_info
-from headlab.measure.evaluate import perplexity
+from headlab.measure.evaluate import domain_perplexities
 from headlab.measure.importance import head_importance
 from headlab.measure.longctx import long_context
 from headlab.measure.stats import _frame_tokens, head_statistics, write_statistics
@@ -558,16 +559,24 @@ def _svd_merge(run: ReportRun, corpus) -> LoadedModel:
 def _recovery_step(run: ReportRun) -> None:
     """The svd merge to the grouping target, recovered (local reconstruction, then Settings.recovery_steps of
     uptraining: token budgets, so any machine gets the same model); eval perplexity of the original, the merge and
-    the recovered merge. The report's model is never changed: the merge is made on a copy."""
+    the recovered merge, on the corpus and on each DEFAULT_EVAL_DOMAINS domain (columns perplexity_<domain>). The
+    report's model is never changed: the merge is made on a copy."""
     s, loaded = run.s, run.loaded
     if run.target is None or s.recovery_steps <= 0:
         return
     corpus = load_corpus(run.common["data"], run.common["text_column"])
     student = _svd_merge(run, corpus)  # the copy is the student; `loaded` is the original (teacher)
-    eval_args = dict(split="eval", seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.eval_tokens, progress=False)
-    rows = [{"model": "original", "perplexity": perplexity(loaded, corpus, **eval_args).perplexity, "seconds": 0.0}]
+    text = TextSpec(corpus, split="eval", seq_len=s.seq_len, batch_size=s.batch_size, max_tokens=s.eval_tokens)
+
+    def measured(model) -> dict:
+        """Eval perplexity of the corpus, then of each DEFAULT_EVAL_DOMAINS domain (perplexity_<domain>) alike."""
+        frame = domain_perplexities(model, DEFAULT_EVAL_DOMAINS, text=text, progress=False)
+        values = frame.set_index("domain")["perplexity"]  # a domain that is the corpus itself: the corpus's row
+        return {"perplexity": values.iloc[0], **{f"perplexity_{name}": values[name] for name in DEFAULT_EVAL_DOMAINS}}
+
+    rows = [{"model": "original", **measured(loaded), "seconds": 0.0}]
     merged = f"{run.target} KV heads, svd merge"
-    rows.append({"model": merged, "perplexity": perplexity(student, corpus, **eval_args).perplexity, "seconds": 0.0})
+    rows.append({"model": merged, **measured(student), "seconds": 0.0})
     config = UptrainConfig(steps=s.recovery_steps, seq_len=min(s.recovery_seq_len, s.seq_len), heldout_tokens=512)
     # eval_tokens 0: the eval split is measured below, once; no activation checkpointing: 4 windows of 128 tokens
     # of a report-sized model fit in memory, and recomputing them would cost a quarter of the step
@@ -577,8 +586,7 @@ def _recovery_step(run: ReportRun) -> None:
     spec = RecoverySpec(uptrain=config, local=local, local_tokens=s.calibration_tokens)
     spec.local_seq_len = s.seq_len
     record = recover(student, loaded, spec, data=corpus, progress=run.common["progress"])
-    after = perplexity(student, corpus, **eval_args).perplexity
-    rows.append({"model": f"{merged} + local + uptrain", "perplexity": after, "seconds": record["seconds"]})
+    rows.append({"model": f"{merged} + local + uptrain", **measured(student), "seconds": record["seconds"]})
     record["tables"]["before_after"] = pd.DataFrame(rows)
     record["kv_heads"] = run.target
     write_recovery(run.tmp / "recovery", record, f"recovery of the {run.target}-KV-head svd merge")
@@ -750,7 +758,7 @@ def _report_meta(loaded: LoadedModel, plan: ReportPlan, report: Report, options:
     return {
         **loaded.describe(),
         "command": options["command"],
-        "data": data or "pydoc-topics",
+        "data": data or DEFAULT_CORPUS,
         "quick": options["quick"],
         "settings": {k: getattr(s, k) for k in s.__dataclass_fields__},
         "seconds": report.seconds,

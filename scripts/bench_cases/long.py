@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the recovery case builds the same rungs: reuse it
+sys.path.append(str(Path(__file__).resolve().parent))  # the recovery case builds the same rungs: reuse it
 
 TITLE = "Long-context retrieval and NLL by position of the compressed models (`headlab longeval`)"
 TASKS = ("passkey", "niah_multikey")

@@ -14,6 +14,7 @@ def run(args) -> dict:
 
     import torch
 
+    from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
     from headlab.core.data import TextSpec, load_corpus
     from headlab.core.loading import load_model
     from headlab.kv import gqa, mla
@@ -21,14 +22,21 @@ def run(args) -> dict:
 
     corpus = load_corpus(None)
     text = TextSpec(data=corpus, split="eval", seq_len=SEQ_LEN, batch_size=1, max_tokens=EVAL_TOKENS)
+    domains = {name: text.but(data=load_corpus(name)) for name in DEFAULT_EVAL_DOMAINS}
 
-    def ppl(loaded):
+    def ppl(loaded, text=text):
         return perplexity(loaded, text=text, progress=False).perplexity
+
+    def domain_ppl(loaded) -> dict:
+        """Eval perplexity of each out-of-domain text (DEFAULT_EVAL_DOMAINS), with ppl's settings."""
+        return {name: ppl(loaded, domain) for name, domain in domains.items()}
 
     source = load_model(None, device=args.device)
     result = {"eval_tokens": EVAL_TOKENS, "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS,
               "threads": torch.get_num_threads(), "dtype": str(source.dtype), "shared_machine": True}  # fmt: skip
+    result["domains"] = list(DEFAULT_EVAL_DOMAINS)
     result["original"] = ppl(source)
+    result["original_domains"] = domain_ppl(source)
     batches = text.but(split="calibration", max_tokens=CALIB_TOKENS, batch_size=4).batches(source.tokenizer)
     start = time.perf_counter()
     grams = mla.input_grams(source, batches, progress=False)
@@ -44,7 +52,7 @@ def run(args) -> dict:
         points.append({"budget": budget, "kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim,
                        "numbers": plan.cache_numbers, "build_seconds": seconds,
                        "calibration_nll": mla.calibration_nll(converted.model, batches, source.device),
-                       "perplexity": ppl(converted)})  # fmt: skip
+                       "perplexity": ppl(converted), "domains": domain_ppl(converted)})  # fmt: skip
         del converted
     mqa = [p for p in points if p["budget"] == "mqa"]
     result["mqa_rule_pick"] = min(mqa, key=lambda p: p["calibration_nll"])["rope_dim"]  # what --budget mqa picks
@@ -55,31 +63,47 @@ def run(args) -> dict:
         gqa.convert(merged, 1, method=method, batches=batches if method == "svd" else None)
         result[f"gqa_{method}_seconds"] = time.perf_counter() - start
         result[f"gqa_{method}"] = ppl(merged)
+        result[f"gqa_{method}_domains"] = domain_ppl(merged)
         del merged
     return result
 
 
 def markdown(r: dict) -> str:
+    names = r.get("domains", [])  # results from before the out-of-domain columns have none
+
+    def cells(values) -> str:
+        """The out-of-domain perplexities of one model as table cells."""
+        return "".join(f"{values[name]:.2f} | " for name in names)
+
     lines = [
         f"Embedded SmolLM2-135M ({r['dtype'].removeprefix('torch.')}, {r['threads']} threads, on a machine shared with "
         f"other jobs: wall times are indicative), eval split, first {r['eval_tokens']:,} tokens at seq-len "
         f"{r['seq_len']}; calibration split, {r['calib_tokens']:,} tokens (one input-Gram pass and one "
-        f"attention pass for the RoPE phases, {r['calibration_seconds']:.0f} s, shared by every MLA point).",
+        f"attention pass for the RoPE phases, {r['calibration_seconds']:.0f} s, shared by every MLA point)."
+        + (
+            f" Columns {', '.join(names)}: eval-split perplexity of those built-in held-out domains, same settings "
+            "(docs/evaluation.md, Out-of-domain perplexity)."
+            if names
+            else ""
+        ),
         "",
-        "| model | KV numbers / token / layer | perplexity | calibration NLL | build (s) |",
-        "|---|---|---|---|---|",
-        f"| original GQA, 3 KV heads | 384 | {r['original']:.2f} | | |",
+        "| model | KV numbers / token / layer | perplexity | "
+        + "".join(f"{name} | " for name in names)
+        + "calibration NLL | build (s) |",
+        "|---|---|---|" + "---|" * len(names) + "---|---|",
+        f"| original GQA, 3 KV heads | 384 | {r['original']:.2f} | {cells(r.get('original_domains'))}| |",
     ]
     for p in r["mla"]:
         pick = " (rule's pick)" if p["budget"] == "mqa" and p["rope_dim"] == r["mqa_rule_pick"] else ""
         lines.append(
             f"| MLA {p['kv_lora_rank']} + {p['rope_dim']}, {p['budget'].upper()} budget{pick} | {p['numbers']} | "
-            f"{p['perplexity']:.2f} | {p['calibration_nll']:.4f} | {p['build_seconds']:.0f} |"
+            f"{p['perplexity']:.2f} | {cells(p.get('domains'))}{p['calibration_nll']:.4f} | {p['build_seconds']:.0f} |"
         )
     lines += [
-        f"| MQA, svd merge (`convert-gqa --kv-heads 1 --method svd`) | 128 | {r['gqa_svd']:.2f} | | "
-        f"{r['gqa_svd_seconds']:.0f} |",
-        f"| MQA, mean pool (`convert-gqa --kv-heads 1`) | 128 | {r['gqa_mean']:.2f} | | {r['gqa_mean_seconds']:.0f} |",
+        f"| MQA, svd merge (`convert-gqa --kv-heads 1 --method svd`) | 128 | {r['gqa_svd']:.2f} | "
+        f"{cells(r.get('gqa_svd_domains'))}| {r['gqa_svd_seconds']:.0f} |",
+        f"| MQA, mean pool (`convert-gqa --kv-heads 1`) | 128 | {r['gqa_mean']:.2f} | "
+        f"{cells(r.get('gqa_mean_domains'))}| {r['gqa_mean_seconds']:.0f} |",
         "",
         "`--budget mqa` picks the split with the lowest calibration NLL (never the eval split); its pick is marked. "
         "Reproduce: `python scripts/benchmark.py --case mla`.",

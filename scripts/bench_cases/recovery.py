@@ -111,23 +111,34 @@ def run(args) -> dict:
 
     import torch
 
+    from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
     from headlab.core.data import load_corpus
     from headlab.core.loading import from_model, load_model
     from headlab.measure.evaluate import perplexity
 
     corpus = load_corpus(None)
+    domains = {name: load_corpus(name) for name in DEFAULT_EVAL_DOMAINS}
     device = torch.device(args.device)
 
-    def ppl(loaded):
+    def ppl(loaded, data=corpus):
         return perplexity(
-            loaded, corpus, split="eval", seq_len=SEQ_LEN, batch_size=4, max_tokens=EVAL_TOKENS, progress=False
+            loaded, data, split="eval", seq_len=SEQ_LEN, batch_size=4, max_tokens=EVAL_TOKENS, progress=False
         ).perplexity
+
+    def ppls(loaded) -> dict:
+        """perplexity (the corpus) and perplexity_<domain> (each out-of-domain text), the same eval settings."""
+        return {
+            "perplexity": ppl(loaded),
+            **{f"perplexity_{name}": ppl(loaded, text) for name, text in domains.items()},
+        }
 
     teacher = load_model(None, device=args.device)
     result = {"eval_tokens": EVAL_TOKENS, "seq_len": SEQ_LEN, "threads": torch.get_num_threads(), "models": {}}
-    result.update(uptrain_steps=UPTRAIN_STEPS, local=LOCAL, uptrain=UPTRAIN)
+    result.update(uptrain_steps=UPTRAIN_STEPS, local=LOCAL, uptrain=UPTRAIN, domains=list(DEFAULT_EVAL_DOMAINS))
     result["load_average_start"] = list(os.getloadavg())  # the machine is shared: how busy it was, per model below
-    result["original"] = ppl(teacher)
+    original = ppls(teacher)
+    result["original"] = original.pop("perplexity")
+    result["original_domains"] = {name: original[f"perplexity_{name}"] for name in DEFAULT_EVAL_DOMAINS}
     result["unfinished"] = list(RERUN)
     previous = _previous() if set(RERUN) != set(MODELS) else {}
     for name in MODELS:
@@ -138,17 +149,17 @@ def run(args) -> dict:
                 result.setdefault("carried_over", []).append(name)
             continue
         edited = _edited(name, teacher, corpus, device)
-        rows = {"none": {"perplexity": ppl(edited), "seconds": 0.0, "tokens": 0, "peak_extra_bytes": 0}}
+        rows = {"none": {**ppls(edited), "seconds": 0.0, "tokens": 0, "peak_extra_bytes": 0}}
         local = from_model(copy.deepcopy(edited.model), edited.tokenizer, spec=name)
         rows["local"] = _stage(local, teacher, corpus, ["local"], device)
-        rows["local"]["perplexity"] = ppl(local)
+        rows["local"].update(ppls(local))
         up = from_model(copy.deepcopy(edited.model), edited.tokenizer, spec=name)
         rows["uptrain"] = _stage(up, teacher, corpus, ["uptrain"], device)
-        rows["uptrain"]["perplexity"] = ppl(up)
+        rows["uptrain"].update(ppls(up))
         del up, edited
         # local then uptrain: the local row's model uptrained (the pipeline's order; local is not run twice)
         both = _stage(local, teacher, corpus, ["uptrain"], device)
-        both["perplexity"] = ppl(local)
+        both.update(ppls(local))
         both["seconds"] += rows["local"]["seconds"]
         both["peak_extra_bytes"] = max(both["peak_extra_bytes"], rows["local"]["peak_extra_bytes"])
         both["local_tokens"] = rows["local"].get("local_tokens", 0)
@@ -234,6 +245,22 @@ def _command(r: dict, name: str, kind: str) -> str:
     return COMMANDS[name] + RECOVER_MINUTES[kind].format(**minutes)
 
 
+def _domains_note(r: dict) -> list[str]:
+    """The out-of-domain columns explained, with the original's values (results from before them have none)."""
+    original = ", ".join(f"{name} {r['original_domains'][name]:.2f}" for name in r["domains"])
+    return [
+        "",
+        f"Columns {', '.join(r['domains'])}: eval-split perplexity of those built-in held-out domains "
+        f"(docs/evaluation.md, Out-of-domain perplexity), same settings; original: {original}.",
+    ]
+
+
+def _domain_cells(r: dict, row: dict) -> str:
+    """The row's out-of-domain perplexities as table cells ('-' where a carried-over row has none)."""
+    values = [row.get(f"perplexity_{name}") for name in r.get("domains", [])]
+    return "".join(f"{v:,.2f} | " if v is not None else "- | " for v in values)
+
+
 def markdown(r: dict) -> str:
     lines = [
         f"Embedded SmolLM2-135M (float32, {r['threads']} torch threads, CPU shared with other jobs), eval split, first "
@@ -257,9 +284,12 @@ def markdown(r: dict) -> str:
             if r.get("carried_over")
             else []
         ),  # fmt: skip
+        *(_domains_note(r) if r.get("domains") else []),
         "",
-        "| model | recovery | perplexity | wall time | tokens seen | peak memory (extra) | goal floor / aim | command |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | recovery | perplexity | "
+        + "".join(f"{name} | " for name in r.get("domains", []))
+        + "wall time | tokens seen | peak memory (extra) | goal floor / aim | command |",
+        "|---|---|---|" + "---|" * len(r.get("domains", [])) + "---|---|---|---|---|",
     ]
     for name, rows in r["models"].items():
         _, floor, aim = GOALS[name]
@@ -267,7 +297,8 @@ def markdown(r: dict) -> str:
             command = _command(r, name, kind)
             tokens = row.get("tokens", 0) + row.get("local_tokens", 0)
             lines.append(
-                f"| {LABELS[name]} | {kind} | {row['perplexity']:,.2f} | {row['seconds']:.0f} s | {tokens:,} | "
+                f"| {LABELS[name]} | {kind} | {row['perplexity']:,.2f} | {_domain_cells(r, row)}"
+                f"{row['seconds']:.0f} s | {tokens:,} | "
                 f"{row['peak_extra_bytes'] / 2**20:,.0f} MiB | <= {floor:g} / <= {aim:g} | `{command}` |"
             )
     lines += [

@@ -6,7 +6,8 @@ Calibration split only for every choice (scores, Grams, Fisher); the eval split 
 Calibration: `headlab prune`'s default (headlab.pruning.prune.DEFAULT_CALIBRATION_TOKENS) for every method, and the
 earlier default of 2,048 tokens for obs and grad beside it. Every compensated row is also evaluated on text from
 outside the embedded corpus: the package descriptions of the installed distributions (importlib.metadata, sorted by
-name, those over 2,000 characters), whose eval split is read the same way.
+name, those over 2,000 characters), whose eval split is read the same way; and every row, the original too, on the
+eval split of each built-in out-of-domain text (headlab.core.corpora.DEFAULT_EVAL_DOMAINS), read the same way.
 Partial results are kept in ~/.cache/headlab/bench-selection-partial-<tokens>.json, so an interrupted run resumes.
 Environment: HEADLAB_SELECTION_METHODS (comma list, default all), HEADLAB_SELECTION_ABLATION=0 skips the
 ablation reference (270 forward-pass sets on 512 tokens), HEADLAB_SELECTION_COMPARE=0 skips the 2,048-token rows.
@@ -134,7 +135,8 @@ def _select(loaded, method, prepared, grams, data_kw):
 
 
 def _ppl(loaded, pruned, grams, compensate, data=None):
-    """Eval-split perplexity of the embedded corpus (data None) or of the text file `data`, pruned as masks."""
+    """Eval-split perplexity of the default corpus (data None), of the text file `data` or of the built-in domain
+    `data`, pruned as masks."""
     from headlab.measure.evaluate import perplexity
     from headlab.pruning.prune import pruned_in_place
     from headlab.recovery.compensate import compensated
@@ -222,6 +224,11 @@ def run(args) -> dict:
         key: store.get(key) if partial_only else main_work.original(key, data)
         for key, data in (("original", None), ("original_outside", None if partial_only else str(outside_text())))
     }
+    domains = eval_domains()
+    original_domains = {
+        name: store.get(f"original_{name}") if partial_only else main_work.original(f"original_{name}", name)
+        for name in domains
+    }
     spearman_rows, ablation_seconds = {}, None
     scores = store.get("spearman_scores") if partial_only else _spearman_part(loaded, store, methods)[0]
     ablation = store.get("ablation") or {}
@@ -246,6 +253,8 @@ def run(args) -> dict:
         "spearman_setting": {"tokens": SPEARMAN_TOKENS, "seq_len": SPEARMAN_SEQ},
         "original": original["original"],
         "original_outside": original["original_outside"],
+        "domains": list(domains),
+        "original_domains": original_domains,
         "rows": rows,
         "spearman": spearman_rows,
         "ablation_seconds": ablation_seconds,
@@ -256,8 +265,16 @@ def run(args) -> dict:
     }
 
 
+def eval_domains() -> tuple[str, ...]:
+    """The built-in out-of-domain texts every row is also evaluated on."""
+    from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
+
+    return DEFAULT_EVAL_DOMAINS
+
+
 def _rows(store, work, methods, tokens, partial_only) -> list[dict]:
-    """Compensated rows of every method first (the goals), then the plain ones; compensated ones also outside."""
+    """Compensated rows of every method first (the goals), then the plain ones; compensated ones also outside; every
+    row also on each out-of-domain text (perplexity_<domain>)."""
     rows = []
     for compensate, method in [(c, m) for c in (True, False) for m in methods]:
         record = store.get(f"select:{method}") if partial_only else work.select(method)
@@ -271,9 +288,15 @@ def _rows(store, work, methods, tokens, partial_only) -> list[dict]:
             if compensate:
                 key = f"outside:{method}:{setting}"
                 outside = store.get(key) if partial_only else work.ppl(key, pruned, True, str(outside_text()))
+            domains = {}
+            for name in eval_domains():
+                key = f"domain:{name}:{method}:{setting}:{compensate}"
+                domains[f"perplexity_{name}"] = (
+                    store.get(key) if partial_only else work.ppl(key, pruned, compensate, name)
+                )
             rows.append(
                 {"method": method, "setting": setting, "compensation": compensate, "perplexity": value,
-                 "perplexity_outside": outside, "calibration_tokens": tokens,
+                 "perplexity_outside": outside, **domains, "calibration_tokens": tokens,
                  "pruned": sum(len(p) for p in pruned), "seconds": record["seconds"]}
             )  # fmt: skip
             print(rows[-1], flush=True)
@@ -316,6 +339,37 @@ class _Work:
         return value
 
 
+def _domain_lines(result: dict) -> list[str]:
+    """Every row on the corpus and on each out-of-domain text, side by side (none for results from before)."""
+    names = result.get("domains") or []
+    if not names:
+        return []
+
+    def f(value) -> str:
+        return f"{value:.2f}" if value is not None and value == value else "-"
+
+    original = result.get("original_domains") or {}
+    lines = [
+        "",
+        f"Out of domain: eval-split perplexity of the built-in held-out texts {', '.join(names)} (docs/evaluation.md, "
+        "Out-of-domain perplexity), same settings, beside the corpus's. Original: "
+        + ", ".join(f"{name} **{f(original.get(name))}**" for name in names)
+        + ".",
+        "",
+        "| method | calibration tokens | setting | compensation | perplexity | " + " | ".join(names) + " |",
+        "|---|---|---|---|---|" + "---|" * len(names),
+    ]
+    for row in result["rows"]:
+        cells = [f(row.get(f"perplexity_{name}")) for name in names]
+        lines.append(
+            f"| {row['method']} | {row.get('calibration_tokens', result['calibration']['tokens']):,} | "
+            f"{row['setting']} | {'ridge' if row['compensation'] else '-'} | {f(row['perplexity'])} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return lines
+
+
 def markdown(result: dict) -> str:
     import pandas as pd
 
@@ -354,6 +408,7 @@ def markdown(result: dict) -> str:
             f"{f(('90 uniform', 'outside'))} | {f(('135 global', False))} | {f(('135 global', True))} | "
             f"{f(('135 global', 'outside'))} | {part['seconds'].iloc[0]:.0f} |"
         )
+    lines += _domain_lines(result)
     if result["spearman"]:
         lines += [
             "",
