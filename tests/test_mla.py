@@ -336,7 +336,8 @@ def test_recovery_trains_the_norm_free_model_and_the_saved_checkpoint_holds_it(t
     )  # fmt: skip
     local = record["recovery"]["local"]
     assert local["error_after"] < local["error_before"]  # each layer's held-out reconstruction error went down
-    assert local["layers_changed"] > 0 and not torch.equal(seen["logits"], seen["before"])
+    # the stage gate keeps the stage only if no held-out domain got worse (on a tiny random model it may be undone)
+    assert local["layers_changed"] > 0 and local["kept"] == (not torch.equal(seen["logits"], seen["before"]))
     assert (tmp_path / "o" / "recovery" / "local.csv").is_file()
     assert "tables" not in json.loads((tmp_path / "o" / "headlab.json").read_text())["recovery"]
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o").eval()
