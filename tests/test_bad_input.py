@@ -99,6 +99,8 @@ CASES = [
     (["sweep", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
     (["sweep", "--model", "{llama}", *M, *DATA, "--seq-len", "999", "--out", "w"], "999"),
     (["sweep", "--model", "{llama}", *M, *DATA, "--orders", "obs,oracle", "--out", "w"], "oracle"),
+    (["sweep", "--model", "{llama}", *M, *DATA, "--long-context", "96", "--out", "w"], "maximum positions (64)"),
+    (["sweep", "--model", "{llama}", *M, *DATA, "--long-context", "2k,two", "--out", "w"], "cannot read '2k,two'"),
     # convert-gqa
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "3", "--out", "c"], "3"),
     (["convert-gqa", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "2", "--out", "c"], "gpt2"),
@@ -200,6 +202,8 @@ CASES = [
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--grouping", "contiguous,random"], "random"),
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--method", "mean,pca"], "pca"),
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--kv-heads", "0"], "at least 1"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--long-context", "96"], "maximum positions (64)"),
+    (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--long-context", "1,,x"], "cannot read '1,,x'"),
     (["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "0", "--out", "c"], "at least 1"),
     # uptrain
     (

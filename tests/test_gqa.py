@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from models import GQA_TYPES, HYBRID_TYPES, tiny_inputs, tiny_model
-from tiny_text import run_cli, save_tiny
+from tiny_text import SAMPLE_TEXT, parity_generate, run_cli, save_tiny, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 from headlab.core.arch import HeadWeights
@@ -18,7 +18,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
 from headlab.kv import gqa
 from headlab.kv import grouping as kv_grouping
-from headlab.measure import costs
+from headlab.measure import costs, longctx
 from headlab.measure.costs import model_info
 
 NO_GQA = ["gpt2", "gpt_neox", "opt", "bert", "roberta"]
@@ -446,6 +446,56 @@ def test_cli_sweep_resumes_after_a_failed_variant(tiny_checkpoint, tmp_path, cap
     whole, resumed = pd.read_csv(tmp_path / "whole" / "sweep.csv"), pd.read_csv(out / "sweep.csv")
     pd.testing.assert_frame_equal(whole, resumed)
     assert not (tmp_path / "resumed.partial").exists()
+
+
+def test_sweep_long_context_columns_measure_each_variant(tmp_path, monkeypatch):
+    """gqa_sweep's long_context columns: the unchanged (keep) row is passkey retrieval of the model itself, a pooled
+    row that of the pooled model, a reused row copies them (decoding stood in for by a model-dependent answer)."""
+    from headlab.measure.long_tasks import TRADE_DEPTHS, TRADE_SAMPLES
+    from headlab.mechanisms.restore import restoring
+
+    monkeypatch.setattr(longctx, "transformers_generate", parity_generate)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    loaded = from_model(tiny_model("llama", max_position_embeddings=512), tiny_tokenizer(), spec="llama")
+    common = dict(data=corpus, seq_len=32, max_tokens=64, calibration_tokens=128, progress=False)
+    frame, meta = gqa.gqa_sweep(loaded, [2, 1], pools=("mean",), long_context=(300,), **common)
+    rows = frame.set_index("variant")
+    assert rows["passkey_300"].between(0, 1).all() and set(rows["passkey_prompts"]) == {6}
+    assert meta["long_context"]["lengths"] == [300] and meta["long_context"]["task"] == "passkey"
+
+    def direct():
+        return longctx.long_context(loaded, data=corpus, split="eval", tasks=("passkey",), lengths=[300],
+                                    depths=TRADE_DEPTHS, samples=TRADE_SAMPLES, position_sequences_count=0,
+                                    progress=False).accuracy("passkey", 300)  # fmt: skip
+
+    assert rows.loc["2/keep/-", "passkey_300"] == direct()
+    with restoring(loaded):
+        gqa.convert(loaded, 1, pool="mean")
+        assert rows.loc["1/contiguous/mean", "passkey_300"] == direct()
+    assert rows.loc["1/contiguous/mean", "passkey_300"] != rows.loc["2/keep/-", "passkey_300"]  # told apart
+    assert rows.loc["1/similarity/mean", "same_as"] == "1/contiguous/mean"
+    assert rows.loc["1/similarity/mean", "passkey_300"] == rows.loc["1/contiguous/mean", "passkey_300"]
+    with pytest.raises(HeadlabError, match="exceeds the model's maximum positions"):
+        gqa.gqa_sweep(loaded, [1], long_context=(600,), **common)
+
+
+def test_cli_sweep_long_context_writes_passkey_columns(tmp_path, capsys):
+    """gqa-sweep --long-context decodes for real on every variant and prints and writes its passkey columns."""
+    import pandas as pd
+
+    source = save_tiny("llama", tmp_path / "src", max_position_embeddings=512)
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    args = ["gqa-sweep", "--model", source, "--data", corpus, "--seq-len", "32", "--max-tokens", "64", "--kv-heads",
+            "2,1", "--pool", "mean", "--grouping", "contiguous", "--calibration-tokens", "128", "--long-context", "300"]  # fmt: skip
+    code, out, err = run_cli([*args, "--out", tmp_path / "sweep"], capsys)
+    assert code == 0, err
+    frame = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
+    assert frame["variant"].tolist() == ["2/keep/-", "1/contiguous/mean"]
+    assert frame["passkey_300"].between(0, 1).all() and set(frame["passkey_prompts"]) == {6}
+    assert "passkey@300" in out
+    assert json.loads((tmp_path / "sweep" / "meta.json").read_text())["long_context"]["lengths"] == [300]
 
 
 # ---- the embedded model ----------------------------------------------------------------------------------------

@@ -57,3 +57,18 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
         main([str(a) for a in args])
     captured = capsys.readouterr()
     return exit_info.value.code, captured.out, captured.err
+
+
+def parity_generate(loaded, prompts, max_new_tokens: int) -> list[str]:
+    """A stand-in for headlab.measure.longctx.transformers_generate that depends on the model as it is now: the right
+    answer when the model's next-token choice after the prompt is even, nothing otherwise (a random tiny model never
+    decodes a pass key, so real decoding scores 0 everywhere)."""
+    import torch  # start-up: the tokenizer helpers above do not need torch
+
+    texts = []
+    for prompt in prompts:
+        ids = torch.tensor([loaded.tokenizer(prompt.text, add_special_tokens=False)["input_ids"]])
+        with torch.no_grad():
+            token = int(loaded.model(input_ids=ids).logits[0, -1].argmax())
+        texts.append(prompt.answers[0] if token % 2 == 0 else "")
+    return texts

@@ -1,6 +1,7 @@
 """--long-context N,N of the commands that write a compressed checkpoint (prune, convert-gqa, convert-mla): long-context
 retrieval and NLL by position of the model before the change and of the checkpoint written, side by side
-(headlab.measure.longctx), saved beside the checkpoint as long_context.csv and long_context_positions.csv."""
+(headlab.measure.longctx), saved beside the checkpoint as long_context.csv and long_context_positions.csv. The sweeps
+(sweep, gqa-sweep) take the option too, with their own help: passkey columns on every model they measure."""
 
 from __future__ import annotations
 
@@ -10,21 +11,29 @@ from pathlib import Path
 import click
 
 from headlab.cli.parsing import parse_list, token_count
+from headlab.measure.long_tasks import TRADE_DEPTHS, TRADE_SAMPLES
 
-# A cell is 3 depths x 2 prompts: enough to see a rung lose retrieval, cheap enough to ask for (docs/long-context.md).
-DEPTHS, SAMPLES = (0.0, 0.5, 1.0), 2
+TRADE_HELP = (
+    "also measure passkey retrieval (depths 0, 0.5, 1; 2 prompts each) and NLL by position at these lengths "
+    "(2k = 2048), before the change and on the checkpoint written; a 2k prompt of a 135M model is about 15 s of "
+    "2 CPU cores [default: off]"
+)
 
 
-def long_context_option(function):
-    return click.option(
-        "--long-context",
-        "long_lengths",
-        default=None,
-        metavar="N,N",
-        help="also measure passkey retrieval (depths 0, 0.5, 1; 2 prompts each) and NLL by position at these lengths "
-        "(2k = 2048), before the change and on the checkpoint written; a 2k prompt of a 135M model is about 15 s of "
-        "2 CPU cores [default: off]",
-    )(function)
+def sweep_help(measured: str) -> str:
+    """The --long-context help of a sweep whose measured models are `measured` (with their count by default)."""
+    return (
+        "also measure passkey retrieval (depths 0, 0.5, 1; 2 prompts each: 6 prompts per length) at these lengths "
+        f"(2k = 2048) on {measured}, as columns passkey_N (accuracy) and passkey_prompts. Slow: a 2k prompt of a "
+        "135M model is about 15 s of 2 CPU cores, so about 90 s per 2k length per model measured [default: off]"
+    )
+
+
+def long_context_option(function=None, *, help_text: str = TRADE_HELP):
+    """The --long-context N,N option (as `long_lengths`); `@long_context_option` or, with another help text,
+    `@long_context_option(help_text=...)`."""
+    option = click.option("--long-context", "long_lengths", default=None, metavar="N,N", help=help_text)
+    return option if function is None else option(function)
 
 
 def lengths_of(long_lengths: str | None) -> list[int] | None:
@@ -36,8 +45,8 @@ def measure(loaded, text, lengths, progress: bool):
     """Retrieval and NLL by position of `loaded` on the eval part of the command's text."""
     from headlab.measure.longctx import long_context  # start-up: torch loads when the command runs
 
-    return long_context(loaded, text=text.but(split="eval", max_tokens=None), lengths=lengths, depths=DEPTHS,
-                        samples=SAMPLES, progress=progress)  # fmt: skip
+    return long_context(loaded, text=text.but(split="eval", max_tokens=None), lengths=lengths,
+                        depths=TRADE_DEPTHS, samples=TRADE_SAMPLES, progress=progress)  # fmt: skip
 
 
 def record_trade(out: Path, before, load, lengths, text, progress: bool) -> list[str]:

@@ -31,7 +31,10 @@ def print_summary(record: dict) -> None:
     from headlab.core.checkpoint import describe_check
     from headlab.recovery.recover import describe_stop
 
-    rows = [("KV heads", f"{record['kv_heads_before']} -> {record['kv_heads_after']}")]
+    conversion = record["conversion"]
+    per_layer = conversion.get("kv_heads_per_layer")
+    after = record["kv_heads_after"] if per_layer is None else ",".join(map(str, per_layer)) + " (per layer)"
+    rows = [("KV heads", f"{record['kv_heads_before']} -> {after}")]
     before, after = record.get("perplexity_before"), record.get("perplexity_after")
     if before and after:
         rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))
@@ -48,8 +51,10 @@ def print_summary(record: dict) -> None:
     else:  # layer-by-layer conversion never runs the model
         before, after, how = record["kv_bytes_per_token_before"], record["kv_bytes_per_token_after"], "arithmetic"
     rows.append(("KV cache per token", f"{human_bytes(before)} -> {human_bytes(after)} ({how})"))
-    conversion = record["conversion"]
-    if conversion["action"] == "pool":
+    if per_layer is not None:
+        rows.append(("KV budget", f"{conversion['fraction']:g} of the cache, {conversion['method']} per layer, "
+                                  f"predicted loss increase {record['predicted_loss_increase']:.4f} nats"))  # fmt: skip
+    elif conversion["action"] == "pool":
         methods = sorted(set(conversion["methods"]))
         how = conversion["pool"]
         if conversion.get("method") == "svd":
@@ -139,7 +144,23 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 
 @click.command("convert-gqa")
 @model_options
-@click.option("--kv-heads", type=int, required=True, help="KV heads after conversion; must divide the current count")
+@click.option("--kv-heads", type=int, default=None, help="KV heads after conversion; must divide the current count")
+@click.option(
+    "--kv-budget",
+    type=float,
+    default=None,
+    metavar="FRACTION",
+    help="instead of --kv-heads: keep this fraction of the KV cache, each layer its own KV-head count (a divisor of "
+    "its count), placed by measured per-layer costs (one forward pass over --search-tokens per layer and count; "
+    "about 1 s each on the embedded 135M model, 2 CPU cores); layers that differ load with headlab's loader",
+)
+@click.option(
+    "--search-tokens",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="with --kv-budget: calibration tokens each per-layer cost is measured on",
+)
 @click.option(
     "--method",
     type=click.Choice(tuple(KV_METHODS)),
@@ -171,6 +192,8 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 def command(  # click passes every option as a parameter
     load,
     kv_heads,
+    kv_budget,
+    search_tokens,
     method,
     pool,
     grouping,
@@ -193,6 +216,15 @@ def command(  # click passes every option as a parameter
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     recovery = recovery_spec(recovery_options)
     lengths = lengths_of(long_lengths)
+    if (kv_heads is None) == (kv_budget is None):
+        raise HeadlabError("give --kv-heads N (every layer) or --kv-budget FRACTION (per layer), one of them")
+    if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading; the layers' floor is checked after
+        raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the original KV cache in (0, 1]")
+    if kv_budget is not None and (streaming or grouping != "contiguous"):
+        raise HeadlabError(
+            "--kv-budget measures each layer's options on the model and pools contiguous groups: drop --streaming "
+            "and --grouping similarity"
+        )
     if streaming:
         if lengths is not None:
             raise HeadlabError("--streaming never runs the model, so it cannot measure --long-context")
@@ -216,7 +248,31 @@ def command(  # click passes every option as a parameter
         )
     loaded = load()
     guard_checkpoint_space(out, loaded)
+    if kv_budget is not None:
+        from headlab.kv.budget import BudgetSpec, check_budget_spec  # start-up: torch loads when the command runs
+
+        budget = BudgetSpec(kv_budget, method=method, pool=pool, seed=seed, search_tokens=search_tokens)
+        check_budget_spec(loaded, budget)  # before the long-context measurement
     before = measure(loaded, text, lengths, not as_json) if lengths else None  # before the conversion edits it
+    if kv_budget is not None:
+        from headlab.kv.gqa import convert_budget_checkpoint  # start-up: torch loads when the command runs
+
+        record = convert_budget_checkpoint(
+            loaded,
+            budget,
+            out,
+            text=text,
+            calibration_tokens=calibration_tokens,
+            evaluate=not no_eval,
+            overwrite=overwrite,
+            progress=not as_json,
+            recovery=recovery_for(recovery, loaded, text, not as_json),
+        )
+        show(record, as_json)
+        if before is not None:
+            for line in record_trade(out, before, load, lengths, text, not as_json):
+                click.echo(line)
+        return
     record = convert_checkpoint(
         loaded,
         kv_heads,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from headlab.cli._long_context import lengths_of, long_context_option, sweep_help
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
 from headlab.cli.parsing import parse_list
 from headlab.core.units import human_bytes
@@ -42,6 +43,8 @@ from headlab.kv.methods import GROUPINGS, KV_METHODS, MLA_BUDGETS, POOLS
 )
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")
+@long_context_option(help_text=sweep_help("every variant measured (and each --mla row; a row reusing another's "
+                                          "weights is not measured again)"))  # fmt: skip
 def command(
     load,
     kv_heads,
@@ -54,18 +57,24 @@ def command(
     text,
     out,
     overwrite,
+    long_lengths,
 ):
     """Perplexity and KV-cache bytes per token for each KV-head count x grouping x pool (and MLA budget), with a plot."""
     # start-up: torch, pandas and matplotlib load when the command runs, not for --help
     from headlab.kv.gqa import run_sweep
     from headlab.kv.ladder import run_ladder
+    from headlab.measure.longctx import check_passkey_lengths
 
     out = out or Path("gqa-sweep")
     guard(out, overwrite, {"model": load.spec}, data=text.data)
     budgets = tuple(parse_list(mla, str, "mla", MLA_BUDGETS)) if mla else ()
+    lengths = lengths_of(long_lengths)
     run = run_ladder if budgets else run_sweep
+    loaded = load()
+    if lengths:  # an encoder or a length beyond the model's positions fails before the first conversion
+        check_passkey_lengths(loaded, lengths)
     frame, _ = run(
-        load(),
+        loaded,
         out,
         overwrite=overwrite,
         **({"mla": budgets} if budgets else {}),
@@ -76,10 +85,14 @@ def command(
         text=text,
         calibration_tokens=calibration_tokens,
         seed=seed,
+        # in the resumable run's key only when asked for: runs without --long-context resume as before
+        **({"long_context": tuple(lengths)} if lengths else {}),
     )
     for row in frame.itertuples():
         same = f"  (= {row.same_as})" if isinstance(row.same_as, str) else ""
+        passkey = "".join(f"   passkey@{n:,} {getattr(row, f'passkey_{n}'):4.0%}" for n in dict.fromkeys(lengths or ()))
         click.echo(
-            f"{row.variant:<22} perplexity {row.perplexity:10.4f}   KV {human_bytes(row.kv_bytes_per_token):>10}/token{same}"
+            f"{row.variant:<22} perplexity {row.perplexity:10.4f}   KV {human_bytes(row.kv_bytes_per_token):>10}/token"
+            f"{passkey}{same}"
         )
     click.echo(f"written: {out}/sweep.csv, sweep.parquet, meta.json, gqa_sweep.png")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from headlab.cli._long_context import lengths_of, long_context_option, sweep_help
 from headlab.cli.options import (
     calibration_tokens_option,
     compensate_option,
@@ -86,6 +87,7 @@ from headlab.recovery.choices import COMPENSATIONS
     "the lmeval extra)"
 )
 @click.option("--task-limit", type=click.IntRange(min=1), default=None, help="at most this many documents per task")
+@long_context_option(help_text=sweep_help("every pruned model (26 by default; fraction 0 is the model before pruning)"))
 def command(  # click passes every option as a parameter
     load,
     text,
@@ -105,6 +107,7 @@ def command(  # click passes every option as a parameter
     tasks,
     include_path,
     task_limit,
+    long_lengths,
 ):
     """Prune the lowest fraction of heads in each order, measure perplexity (eval split), parameters, KV bytes and
     tokens/s, and write the table and a plot (perplexity against fraction pruned, one line per order)."""
@@ -122,13 +125,17 @@ def command(  # click passes every option as a parameter
     if any(o not in ORDERS for o in order_list):
         raise HeadlabError(f"unknown order; use {', '.join(ORDERS)}")
     task_list = parse_list(tasks, str, "tasks") if tasks is not None else None
+    lengths = lengths_of(long_lengths)
     if task_list:  # names, YAMLs and lm-eval itself are checked before the model loads
         task_manager(task_list, include_path)
     out = Path(out) if out is not None else Path("headlab-sweep")
     guard(out, overwrite, {"model": load.spec}, data=text.data)
     loaded = load()
+    from headlab.measure.longctx import check_passkey_lengths  # start-up: torch loads when the command runs
     from headlab.pruning.selection import check_budget  # start-up: torch loads when the command runs
 
+    if lengths:  # an encoder or a length beyond the model's positions fails before the first score pass
+        check_passkey_lengths(loaded, lengths)
     for fraction in fraction_list:  # a fraction that would empty a layer fails before the first score is computed
         budget = "per-layer" if per_layer else "global"
         check_budget(
@@ -139,7 +146,7 @@ def command(  # click passes every option as a parameter
     options = dict(fractions=fraction_list, orders=order_list, seeds=seed_list, unit=unit, per_layer=per_layer)
     options.update(allow_empty_layer=allow_empty_layer)
     options.update(mode=mode, calibration_tokens=calibration_tokens, method=method, compensate=compensate)
-    options.update(tasks=task_list, include_path=include_path, task_limit=task_limit)
+    options.update(tasks=task_list, include_path=include_path, task_limit=task_limit, long_context=lengths)
     key = {"command": "headlab sweep", "model": loaded.describe(), "options": options, "text": repr(text)}
     plan = SweepPlan(fraction_list, order_list, seed_list, unit, per_layer, allow_empty_layer, mode=mode, method=method)
     task_spec = TaskSpec(task_list, include_path, task_limit) if task_list else None
@@ -154,6 +161,7 @@ def command(  # click passes every option as a parameter
             eval_tokens=text.max_tokens,
             compensate=compensate,
             tasks=task_spec,
+            long_context=lengths,
             journal=journal,
             low_memory=low_memory,
         )
@@ -162,7 +170,7 @@ def command(  # click passes every option as a parameter
 
 
 def _print(result, out: Path) -> None:
-    """The sweep's summary table (and task metrics) on standard output."""
+    """The sweep's summary table (and task metrics, passkey accuracy) on standard output."""
     from headlab.runtimes.lm_eval_bridge import metric_columns  # start-up: pandas loads with the run
 
     summary = (
@@ -171,9 +179,11 @@ def _print(result, out: Path) -> None:
         .reset_index()
     )
     metrics = metric_columns(result.table)
-    if metrics:  # sweep --tasks: the task metrics beside perplexity
-        means = result.table.groupby(["order", "compensation", "fraction"], sort=False)[metrics].mean().reset_index()
-        summary = summary.merge(means, on=["order", "compensation", "fraction"])
+    passkey = [c for c in result.table.columns if str(c).startswith("passkey_") and c != "passkey_prompts"]
+    if metrics or passkey:  # sweep --tasks, --long-context: the task metrics and passkey accuracy beside perplexity
+        by = ["order", "compensation", "fraction"]
+        means = result.table.groupby(by, sort=False)[metrics + passkey].mean().reset_index()
+        summary = summary.merge(means, on=by)
     click.echo(summary.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
     figures = "sweep.png" + (", sweep_tasks.png" if metrics else "")
     click.echo(f"\nwrote {out}/sweep.csv, sweep.parquet, meta.json, {figures} ({result.meta['mode']} mode)")

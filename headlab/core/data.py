@@ -226,7 +226,9 @@ def load_corpus(spec: str | None = None, text_column: str | None = None) -> Corp
     local file or folder of such a name is read as ./NAME), a local .txt/.jsonl/.csv/.parquet file, a directory saved by `datasets`, or a hub spec "name[:config[:split]]" such
     as "wikitext:wikitext-2-raw-v1:test"."""
     spec = spec or DEFAULT_CORPUS
-    if spec in corpora.BUILTIN:  # a bare built-in name is the built-in corpus; ./NAME is a local file or folder of that name
+    if (
+        spec in corpora.BUILTIN
+    ):  # a bare built-in name is the built-in corpus; ./NAME is a local file or folder of that name
         return _builtin_corpus(spec)
     if spec == EMBEDDED_CORPUS:
         documents, meta = _embedded_documents(), {"source": "pydoc_data.topics (CPython)"}

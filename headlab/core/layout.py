@@ -38,6 +38,9 @@ class LayerLayout:
     original_heads: int
     original_kv_heads: int
     padding: list[int] = field(default_factory=list)
+    # Per kept KV head, the original KV heads pooled or merged into it (per-layer KV budgets, headlab.kv.budget);
+    # None when each kept KV head is the original kv_heads[i] itself (pruning).
+    kv_groups: list[list[int]] | None = None
 
     @property
     def zeroed(self) -> bool:
@@ -62,6 +65,7 @@ class LayerLayout:
             "original_heads": self.original_heads,
             "original_kv_heads": self.original_kv_heads,
             "padding_heads": self.padding,
+            **({"kv_groups": self.kv_groups} if self.kv_groups is not None else {}),
         }
 
 
@@ -117,6 +121,16 @@ def compose(config, layout: list[LayerLayout]) -> list[LayerLayout]:
         padding = sorted({old["heads"][h] for h in lay.padding} | (set(heads) & set(old.get("padding_heads", []))))
         out.append(LayerLayout(lay.layer, heads, kv, old["original_heads"], old["original_kv_heads"], padding))
     return out
+
+
+def layout_record(config, layout: list[LayerLayout], approximate: bool) -> dict:
+    """The config record (HEAD_LAYOUT_KEY) of a per-layer layout, in the original model's indices (compose);
+    `approximate`: the layout was cut through a norm spanning heads (recorded, not exact)."""
+    return {
+        "version": LAYOUT_VERSION,
+        "approximate": bool(approximate),
+        "layers": [lay.to_dict() for lay in compose(config, layout)],
+    }
 
 
 def auto_class(adapter: Adapter):

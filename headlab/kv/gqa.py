@@ -24,6 +24,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out, resumable_directory
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.core.tables import write_run, write_run_files
+from headlab.kv.budget import BudgetSpec, allocation, apply_counts, check_budget_spec, layer_costs
 from headlab.kv.grouping import (
     ConversionPlan,
     check_direction,
@@ -39,8 +40,12 @@ from headlab.kv.grouping import (
 from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
 from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
+from headlab.measure.longctx import check_passkey_lengths, passkey_columns, passkey_record
 from headlab.mechanisms.restore import restoring
 from headlab.recovery.recover import save_recovered
+
+# The folder of a --kv-budget checkpoint that holds the per-layer cost table and the chosen counts.
+BUDGET_DIR = "kv_budget"
 
 
 @dataclass
@@ -292,6 +297,53 @@ def convert_checkpoint(
     return record
 
 
+@takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
+def convert_budget_checkpoint(
+    loaded: LoadedModel,
+    budget: BudgetSpec,
+    out,
+    *,
+    text: TextSpec,
+    calibration_tokens: int = 2048,
+    evaluate: bool = True,
+    overwrite: bool = False,
+    progress: bool = True,
+    recovery=None,
+) -> dict:
+    """`headlab convert-gqa --kv-budget F`: per-layer KV-head counts that keep `budget.fraction` of the KV bytes
+    (headlab.kv.budget: measured per-layer costs, exact allocation), converted in place and saved to `out`
+    verified by a reload (headlab's loader when the layers differ). Records the cost table beside the checkpoint
+    (kv_budget.csv). Bad input fails before any work; the source is never touched.
+
+    text: the eval text; the costs and the svd merge read its calibration split (`budget.search_tokens` and
+    `calibration_tokens` tokens)."""
+    check_checkpoint_out(out, overwrite, loaded.source)
+    check_budget_spec(loaded, budget)
+    text = text.resolved()  # one corpus for the perplexities, the costs and the merge
+    score = _scorer(loaded, text if evaluate else None, progress)
+    layers = gqa_layers(loaded)
+    record = {"model": loaded.spec, "source": loaded.source, "kv_heads_before": layers[0].num_kv_heads}
+    record.update(_measured(loaded, "before", score))
+    calibration = text.but(split="calibration", max_tokens=calibration_tokens)
+    merge_batches = _merge_batches(loaded, calibration) if KV_METHODS[budget.method].calibrated else None
+    search = text.but(split="calibration", max_tokens=budget.search_tokens)
+    search_batches = search.batches(loaded.tokenizer, max_positions=loaded.max_positions)
+    costs = layer_costs(loaded, budget, merge_batches, search_batches, progress=progress)
+    counts = allocation(loaded, costs, budget.fraction)
+    costs["chosen"] = [count == counts[layer] for layer, count in zip(costs.layer, costs.kv_heads)]
+    record["conversion"] = apply_counts(loaded, counts, budget, merge_batches, progress=progress)
+    record["conversion"].update(fraction=budget.fraction, search_tokens=search_batches.meta)
+    record["kv_heads_after"] = sorted(set(counts)) if len(set(counts)) > 1 else counts[0]
+    record["predicted_loss_increase"] = float(costs.loss_increase[costs.chosen].sum())
+    record.update(_measured(loaded, "after", score))
+    if evaluate:
+        record["eval"] = _eval_record(text)
+    extras = {BUDGET_DIR: ({"costs": costs}, {"fraction": budget.fraction, **record["conversion"]})}
+    record.update(_recover_and_save(loaded, out, record, recovery, score, overwrite, extras))
+    record["out"] = str(out)
+    return record
+
+
 def _check_conversion(loaded, kv_heads, out, overwrite, direction, pool, grouping, method) -> str:
     """convert_checkpoint's checks before any work (--out, target, direction, choices); returns the action."""
     check_checkpoint_out(out, overwrite, loaded.source)
@@ -336,15 +388,23 @@ def _calibration(loaded, calibration: TextSpec, pooling: bool, groupings, method
     return similarity, batches, record
 
 
-def _recover_and_save(loaded: LoadedModel, out, record: dict, recovery, score, overwrite: bool) -> dict:
+def _recover_and_save(loaded: LoadedModel, out, record: dict, recovery, score, overwrite: bool, extras=None) -> dict:
     """Run `recovery` (if any) on the converted model, score it, and save with the record; returns what the record
-    gains (perplexity_recovered, verification, recovery)."""
+    gains (perplexity_recovered, verification, recovery). extras: {folder: (tables, meta)} written into the
+    checkpoint beside it (headlab.core.tables.write_run_files)."""
+
+    def write_extras(staging) -> None:
+        for folder, (tables, meta) in (extras or {}).items():
+            (staging / folder).mkdir()
+            write_run_files(staging / folder, tables, meta)
+
     if recovery is None:
-        return {"verification": save_with_record(loaded, out, record, overwrite=overwrite)}
+        return {"verification": save_with_record(loaded, out, record, write_extras, overwrite=overwrite)}
     recovered = recovery(loaded)
     gained = {} if score is None else {"perplexity_recovered": score()}
     record = {**record, **gained}
-    gained["verification"] = save_recovered(loaded, out, recovered, record, overwrite=overwrite)
+    gained["verification"] = save_recovered(loaded, out, recovered, record, overwrite=overwrite,
+                                            write_extras=write_extras)  # fmt: skip
     gained["recovery"] = {k: v for k, v in recovered.items() if k != "tables"}
     return gained
 
@@ -360,6 +420,7 @@ def gqa_sweep(
     text: TextSpec,
     calibration_tokens: int = 2048,
     seed: int = 0,
+    long_context: tuple[int, ...] | None = None,
     progress: bool = True,
     journal=None,
 ) -> tuple[pd.DataFrame, dict]:
@@ -372,6 +433,9 @@ def gqa_sweep(
     method and pool say which (pool empty for a merge).
     text: the eval text (a TextSpec, or the loose keywords corpus/data, text_column, part/split, max_tokens, seq_len,
     batch_size); calibration reads its calibration split, `calibration_tokens` tokens.
+    long_context: lengths in tokens at which each variant's passkey retrieval is measured too
+    (headlab.measure.longctx.passkey_columns: columns passkey_<length>, the fraction of prompts correct, and
+    passkey_prompts; haystack from the eval split); None or empty: not measured. Slow: 6 prompts per length per variant.
     journal (headlab.core.fsio.StepJournal): each variant's row is recorded there, and one an interrupted run of the same
     sweep recorded is read back instead of converted and measured again.
     """
@@ -381,8 +445,13 @@ def gqa_sweep(
         kv_heads = [g for g in range(H, 0, -1) if (G % g == 0) or (H % g == 0 and g % G == 0)]
     actions = {g: check_kv_heads(H, G, g) for g in kv_heads}  # validate every target before any work
     _check_choices(groupings, pools, methods)
+    long_context = tuple(dict.fromkeys(long_context)) if long_context else None  # none asked: not measured
+    if long_context:
+        check_passkey_lengths(loaded, long_context)
     text = text.resolved()  # one corpus for every row and the calibration
     meta = {"model": loaded.spec, "source": loaded.source, "eval": _eval_record(text), "seed": seed}
+    if long_context:
+        meta["long_context"] = passkey_record(long_context)
     pooling = any(a == "pool" for a in actions.values())
     calibration = text.but(split="calibration", max_tokens=calibration_tokens)
     similarity, batches, calibrated = _calibration(loaded, calibration, pooling, groupings, methods, progress)
@@ -406,6 +475,8 @@ def gqa_sweep(
                 row = {"variant": label, "kv_heads": g, "action": conversion.action, "grouping": grouping}
                 row.update(method=method, pool=pool)
                 row.update(_variant_numbers(loaded, text, conversion))
+                if long_context:  # the converted model's passkey retrieval, beside its perplexity
+                    row.update(passkey_columns(loaded, text, long_context))
             if journal is not None:
                 journal.finish(label, {"row": row})
         rows.append(row)

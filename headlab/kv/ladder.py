@@ -18,6 +18,7 @@ from headlab.kv.methods import MLA_BUDGETS
 from headlab.kv.mla import convert_to_mla, input_grams, plan_mla, rope_phases
 from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
+from headlab.measure.longctx import passkey_columns
 
 
 def check_mla_budgets(loaded: LoadedModel, budgets) -> list:
@@ -38,9 +39,12 @@ def mla_refusal(loaded: LoadedModel) -> str | None:
     return None
 
 
-def mla_rows(loaded: LoadedModel, plans, text: TextSpec, calibration_tokens: int, progress: bool) -> pd.DataFrame:
+def mla_rows(
+    loaded: LoadedModel, plans, text: TextSpec, calibration_tokens: int, progress: bool, long_context=None
+) -> pd.DataFrame:
     """One sweep row per MLA plan: converted from `loaded` (left untouched) on the calibration split, scored on
-    `text` like the KV-head rows. The input Grams and RoPE phases are gathered once for every plan."""
+    `text` like the KV-head rows (passkey columns too at the `long_context` lengths). The input Grams and RoPE phases
+    are gathered once for every plan."""
     calibration = text.but(split="calibration", max_tokens=calibration_tokens, batch_size=4)
     batches = calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
     grams = input_grams(loaded, batches, progress) if plans else None
@@ -70,6 +74,7 @@ def mla_rows(loaded: LoadedModel, plans, text: TextSpec, calibration_tokens: int
                 "kv_lora_rank": done["kv_lora_rank"],
                 "rope_dim": done["rope_dim"],
                 "calibration_nll": record["calibration_nll_after"],
+                **(passkey_columns(mla, text, long_context) if long_context else {}),
             }
         )
         del mla
@@ -91,7 +96,7 @@ def ladder(
         if journal is not None and journal.done("mla"):  # an interrupted run of the same ladder measured them
             rows = pd.DataFrame(journal.records["mla"]["rows"])
         else:
-            rows = mla_rows(loaded, plans, text, calibration_tokens, progress)
+            rows = mla_rows(loaded, plans, text, calibration_tokens, progress, sweep.get("long_context"))
             if journal is not None:
                 journal.finish("mla", {"rows": rows.to_dict("records")})
         rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)

@@ -389,9 +389,29 @@ def merge_kv_heads(
         loaded, kv_heads, batches, value_weighting=value_weighting, keys=keys == "svd", progress=progress
     )
     for layer, layer_stats in zip(layers, stats):
-        weights = _cpu(adapter.read(layer))  # the algebra runs in float64 on the CPU; write puts it back in place
-        rotary = adapter.rotary_dim(layer, config)
-        merged = merge_weights(weights, kv_heads, layer_stats, rotary, keys=keys, values=plan["values"])
-        adapter.write(layer, merged)
+        adapter.write(layer, _merged(loaded, layer, kv_heads, layer_stats, keys, plan["values"]))
     adapter.set_config_heads(config, H, kv_heads, D)
     return {**plan, "value_weighting": value_weighting, "passes": passes, "calibration_tokens": stats[0].tokens}
+
+
+def _merged(loaded: LoadedModel, layer, kv_heads: int, stats: LayerStats, keys: str, values: str) -> HeadWeights:
+    """One layer's weights merged to `kv_heads` KV heads from its statistics (nothing written)."""
+    weights = _cpu(loaded.adapter.read(layer))  # the algebra runs in float64 on the CPU; write puts it back in place
+    rotary = loaded.adapter.rotary_dim(layer, loaded.model.config)
+    return merge_weights(weights, kv_heads, stats, rotary, keys=keys, values=values)
+
+
+@torch.no_grad()
+def layer_merges(loaded: LoadedModel, targets: dict[int, int], batches, *, progress: bool = True) -> dict:
+    """Per-layer merges for per-layer KV budgets (headlab.kv.budget): {layer index: merged HeadWeights} for each
+    layer of `targets` ({layer index: KV heads}, each a divisor of its G below G), all calibrated on the original
+    model (one statistics pass per distinct target count, before anything is written). Nothing is written."""
+    plan = merge_plan(loaded)
+    layers = {layer.index: layer for layer in gqa_layers(loaded)}
+    merged = {}
+    for kv_heads in sorted(set(targets.values())):
+        stats = merge_statistics(loaded, kv_heads, batches, keys=plan["keys"] == "svd", progress=progress)
+        for layer, layer_stats in zip(layers.values(), stats):
+            if targets.get(layer.index) == kv_heads:
+                merged[layer.index] = _merged(loaded, layer, kv_heads, layer_stats, plan["keys"], plan["values"])
+    return merged

@@ -18,13 +18,16 @@ MLA_BUDGETS = ("gqa", "mqa")  # KV budgets of the MLA conversion, as rungs of th
 @dataclass(frozen=True)
 class KVMethod:
     """One way to turn each group of KV heads into one. A pooling method pools every group by the `pool` rule; any
-    other merges after the groups are made contiguous: merge(loaded, kv_heads, batches, *, progress) -> record."""
+    other merges after the groups are made contiguous: merge(loaded, kv_heads, batches, *, progress) -> record, and,
+    for per-layer budgets (headlab.kv.budget), layer_merge(loaded, {layer: kv_heads}, batches, *, progress) ->
+    {layer: merged HeadWeights} without writing them."""
 
     name: str
     help: str
     calibrated: bool  # needs calibration windows (activations), so the conversion reads calibration text
     pools: bool  # pooled by the `pool` rule; False: `merge` decides every new head
     merge: Lazy | None = None
+    layer_merge: Lazy | None = None
 
 
 KV_METHODS: Registry[KVMethod] = Registry(
@@ -38,6 +41,7 @@ KV_METHODS: Registry[KVMethod] = Registry(
             calibrated=True,
             pools=False,
             merge=Lazy("headlab.kv.merge:merge_kv_heads"),
+            layer_merge=Lazy("headlab.kv.merge:layer_merges"),
         ),
     ],
 )

@@ -181,6 +181,9 @@ LONG_TASKS: Registry[LongTask] = Registry(
 DEFAULT_TASKS = ("passkey",)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+# The grid of --long-context (prune, convert-gqa, convert-mla, sweep, gqa-sweep): a cell is 3 depths x 2 prompts,
+# enough to see a rung lose retrieval, cheap enough to ask for (docs/long-context.md).
+TRADE_DEPTHS, TRADE_SAMPLES = (0.0, 0.5, 1.0), 2
 
 
 @dataclass(frozen=True)
@@ -406,6 +409,8 @@ __all__ = [
     "LONG_TASKS",
     "LongPrompt",
     "LongTask",
+    "TRADE_DEPTHS",
+    "TRADE_SAMPLES",
     "build_prompt",
     "check_grid",
     "make_prompts",

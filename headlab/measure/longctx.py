@@ -25,6 +25,8 @@ from headlab.measure.long_tasks import (
     DEFAULT_DEPTHS,
     DEFAULT_TASKS,
     LONG_TASKS,
+    TRADE_DEPTHS,
+    TRADE_SAMPLES,
     Haystack,
     LongPrompt,
     check_grid,
@@ -302,13 +304,48 @@ def long_context(
     )
 
 
+def check_passkey_lengths(loaded: LoadedModel, lengths) -> None:
+    """Refuse passkey_columns' lengths before any work: an encoder, or a length beyond the model's positions."""
+    if loaded.adapter.is_encoder:
+        raise HeadlabError("long-context tasks need a causal language model; this one is an encoder (masked LM)")
+    check_grid(lengths, TRADE_DEPTHS, loaded.max_positions)
+
+
+def passkey_columns(loaded: LoadedModel, text: TextSpec, lengths) -> dict:
+    """Passkey retrieval of `loaded` as it is now, on the trade grid (TRADE_DEPTHS x TRADE_SAMPLES prompts per length,
+    haystack from the eval part of `text`), as table columns: `passkey_<length>` the fraction of prompts answered
+    correctly at that length, `passkey_prompts` the prompts per length (what the sweeps add with --long-context)."""
+    lengths = tuple(dict.fromkeys(lengths))  # a length given twice is measured once
+    result = long_context(
+        loaded,
+        text=text.but(split="eval", max_tokens=None),
+        tasks=("passkey",),
+        lengths=lengths,
+        depths=TRADE_DEPTHS,
+        samples=TRADE_SAMPLES,
+        position_sequences_count=0,
+        progress=False,
+    )
+    columns = {f"passkey_{length}": result.accuracy("passkey", length) for length in lengths}
+    return {**columns, "passkey_prompts": int(result.lengths["prompts"].max())}
+
+
+def passkey_record(lengths) -> dict:
+    """What passkey_columns measured, for a sweep's meta.json `long_context` entry."""
+    return {"lengths": list(lengths), "depths": list(TRADE_DEPTHS), "samples": TRADE_SAMPLES, "task": "passkey",
+            "columns": "passkey_<length>: fraction of prompts correct; passkey_prompts: prompts per length"}  # fmt: skip
+
+
 __all__ = [
     "LongContext",
     "accuracy_table",
     "answer_prompts",
+    "check_passkey_lengths",
     "cut_answer",
     "default_lengths",
     "long_context",
+    "passkey_columns",
+    "passkey_record",
     "position_nll",
     "position_sequences",
     "position_tables",

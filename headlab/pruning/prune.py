@@ -23,11 +23,10 @@ from headlab.core.data import TextSpec, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.layout import (
     HEAD_LAYOUT_KEY,
-    LAYOUT_VERSION,
     LayerLayout,
-    compose,
     group_heads,
     is_uniform,
+    layout_record,
     physical_layout,
 )
 from headlab.core.loading import LoadedModel, check_resident
@@ -160,14 +159,6 @@ def pruned_in_place(loaded: LoadedModel, pruned: list[set[int]], mode: str = "ph
 # ---- saving and loading -------------------------------------------------------------------------------------------
 
 
-def layout_record(loaded: LoadedModel, layout: list[LayerLayout]) -> dict:
-    return {
-        "version": LAYOUT_VERSION,
-        "approximate": bool(loaded.adapter.norm_spans_heads),
-        "layers": [lay.to_dict() for lay in compose(loaded.model.config, layout)],
-    }
-
-
 def prepare_config(loaded: LoadedModel, layout: list[LayerLayout] | None) -> str:
     """Write the pruned layout into the model's config before saving; returns "vanilla" or "headlab" (the loader).
 
@@ -183,7 +174,7 @@ def prepare_config(loaded: LoadedModel, layout: list[LayerLayout] | None) -> str
         if hasattr(config, HEAD_LAYOUT_KEY):
             delattr(config, HEAD_LAYOUT_KEY)
         return "vanilla"
-    setattr(config, HEAD_LAYOUT_KEY, layout_record(loaded, layout))
+    setattr(config, HEAD_LAYOUT_KEY, layout_record(config, layout, loaded.adapter.norm_spans_heads))
     return "headlab"
 
 

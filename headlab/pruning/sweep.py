@@ -2,6 +2,8 @@
 (Michel et al. 2019, Fig. 3-style curves), as a tidy table and a plot.
 
 Each pruned model is made in memory (prune.pruned_in_place) and restored afterwards; no checkpoint is written.
+With long_context lengths each pruned model's passkey retrieval is measured as well (headlab.measure.longctx's
+passkey_columns); the fraction-0 row is the model before pruning.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from headlab.core.loading import LoadedModel
 from headlab.core.tables import write_run
 from headlab.measure.costs import costs
 from headlab.measure.evaluate import perplexity
+from headlab.measure.longctx import check_passkey_lengths, passkey_columns, passkey_record
 from headlab.pruning.choices import DEFAULT_FRACTIONS
 from headlab.pruning.prune import MODES, PruneSpec, plan, pruned_in_place
 from headlab.pruning.score_sources import DEFAULT_ORDERS, JOINT_ORDERS, ORDER_HELP, ORDERS
@@ -102,6 +105,7 @@ def sweep(
     compensate: str | None = None,
     scores: dict | None = None,
     tasks: TaskSpec | None = None,
+    long_context: Sequence[int] | None = None,
     progress: bool = True,
     journal=None,
     low_memory: bool | None = None,
@@ -118,7 +122,9 @@ def sweep(
     compensation; "none" for the plain rows). `scores` ({order: per-layer [H_l] tensors}) gives an order's starting
     scores already computed with the same settings (e.g. the report's importance step), instead of computing them
     again. tasks: lm-eval tasks (a TaskSpec, headlab.runtimes.lm_eval_bridge) run on every pruned model too, as
-    "task/metric" columns.
+    "task/metric" columns. long_context: lengths in tokens at which every pruned model's passkey retrieval is measured
+    too (headlab.measure.longctx.passkey_columns: columns passkey_<length>, the fraction of prompts correct, and
+    passkey_prompts; haystack from the eval split); None or empty: not measured. Slow: 6 prompts per length per model.
     low_memory: score gradients one sequence per backward pass with recomputed blocks (True), in whole batches
     (False), or as the memory available allows (None; headlab.measure.importance.choose_low_memory).
     journal (headlab.core.fsio.StepJournal): each (order, seed) is recorded there when done, and one already recorded by
@@ -129,7 +135,10 @@ def sweep(
     orders, seeds = list(dict.fromkeys(plan.orders)), list(dict.fromkeys(plan.seeds))
     unit, per_layer, method = plan.unit, plan.per_layer, plan.method
     tasks = tasks if tasks is not None and tasks.tasks else None  # no task names: no lm-eval
+    long_context = tuple(dict.fromkeys(long_context)) if long_context else None  # none asked: not measured
     mode, manager = _check_sweep_options(loaded, fractions, orders, seeds, unit, plan.mode, text, tasks)
+    if long_context:  # an encoder or a length beyond the model's positions fails before the first score pass
+        check_passkey_lengths(loaded, long_context)
     text = text.resolved()  # one corpus for every score and perplexity pass
     request = ScoreRequest(
         text.but(split="calibration", max_tokens=calibration_tokens), progress, low_memory=low_memory
@@ -140,7 +149,9 @@ def sweep(
         grams = output_statistics(loaded, compensation_batches(loaded, text=request.text), progress=progress)
     measure = _Measure(loaded, mode, grams, evaluation)
     if tasks:  # lm-eval's metrics of each pruned model, beside its perplexity
-        measure.extra = lambda: _task_values(loaded, tasks, text.batch_size, manager)
+        measure.extras.append(lambda: _task_values(loaded, tasks, text.batch_size, manager))
+    if long_context:  # passkey retrieval of each pruned model, beside its perplexity
+        measure.extras.append(lambda: passkey_columns(loaded, text, long_context))
     spec = PruneSpec(per_layer=per_layer, unit=unit, allow_empty_layer=plan.allow_empty_layer)
     total_heads = sum(layer.num_heads for layer in loaded.layers)
     start = time.perf_counter()
@@ -169,6 +180,7 @@ def sweep(
         "eval": {"data": name, "split": "eval", **_eval_settings(evaluation)},
         "total_heads": total_heads,
         "tasks": tasks.record() if tasks else None,
+        "long_context": passkey_record(long_context) if long_context else None,
         "seconds": time.perf_counter() - start,
         "threads": torch.get_num_threads(),
     }
@@ -271,13 +283,13 @@ def _order_request(order: str, seed: int, request):
 
 
 class _Measure:
-    """Perplexity, costs and speed of the model with a set of heads pruned (and compensated), made in memory and
+    """Perplexity, costs and speed (and the `extras`' columns) of the model with a set of heads pruned (and compensated), made in memory and
     restored afterwards; cached by (heads, compensation) since random seeds and orders often agree."""
 
     def __init__(self, loaded, mode, grams, evaluation: TextSpec):
         self.loaded, self.mode, self.grams, self.evaluation = loaded, mode, grams, evaluation
         self.cache: dict[tuple, dict] = {}
-        self.extra = dict  # more columns measured on the pruned model (sweep --tasks); none by default
+        self.extras: list = []  # functions () -> more columns measured on the pruned model (--tasks, --long-context)
 
     def __call__(self, pruned, compensation=None) -> dict:
         key = (tuple(tuple(sorted(p)) for p in pruned), compensation)
@@ -291,7 +303,7 @@ class _Measure:
         with refit, pruned_in_place(loaded, pruned, self.mode) as layout:
             result = perplexity(loaded, text=self.evaluation, progress=False)
             size = costs(loaded, context=seq_len)
-            extra = self.extra()
+            extra = {name: value for source in self.extras for name, value in source().items()}
         if self.mode == "mask":  # the model kept its shapes: report what the physical prune would cost
             with pruned_in_place(loaded, pruned, "physical") as layout:
                 size = costs(loaded, context=seq_len)

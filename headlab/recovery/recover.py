@@ -212,12 +212,17 @@ def write_recovery(directory: Path, record: dict, title: str = "") -> dict:
     return meta
 
 
-def save_recovered(student: LoadedModel, out, record: dict, meta: dict, *, overwrite: bool = False) -> dict | None:
-    """Save the recovered checkpoint, verified by a reload (headlab.core.checkpoint), with recovery/ beside it, atomically."""
+def save_recovered(
+    student: LoadedModel, out, record: dict, meta: dict, *, overwrite: bool = False, write_extras=None
+) -> dict | None:
+    """Save the recovered checkpoint, verified by a reload (headlab.core.checkpoint), with recovery/ beside it, atomically;
+    `write_extras(staging)` adds the command's own record files."""
     plain = {k: v for k, v in record.items() if k != "tables"}
 
     def write_record(staging: Path) -> None:
         write_recovery(staging / RECOVERY_DIR, record, f"recovery of {student.spec}")
+        if write_extras is not None:
+            write_extras(staging)
 
     return save_with_record(student, Path(out), {**meta, "recovery": plain}, write_record, overwrite=overwrite)
 

@@ -1,0 +1,208 @@
+"""Per-layer KV-head counts under one KV-cache budget (`convert-gqa --kv-budget`): every softmax-attention layer
+keeps its own number of KV heads, a divisor of its G, placed where fewer heads cost least.
+
+Costs: c_l(g) = mean calibration NLL with layer l alone converted to g KV heads (pooled, or merged as the method
+merges), minus the original model's; c_l(G) = 0. Allocation: the g_l minimising sum_l c_l(g_l) subject to
+sum_l g_l D_l <= budget (KV bytes per token are proportional to sum_l g_l D_l), solved exactly by dynamic
+programming over the layers (a multiple-choice knapsack). The costs are taken as additive over layers, as prune's
+budget search takes them; Puzzle (Bercovich et al. 2024, Nemotron-51B) scores per-layer variants alone and
+combines them the same way.
+
+A layout whose layers differ is saved with headlab's per-layer head record (headlab.core.layout, loaded by
+headlab.core.loading.load_model) and exports to llama.cpp's `deci` architecture, which reads n_head_kv per layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import pandas as pd
+import torch
+from tqdm.auto import tqdm
+
+from headlab.core.errors import HeadlabError
+from headlab.core.layout import HEAD_LAYOUT_KEY, LayerLayout, layout_record
+from headlab.core.loading import LoadedModel, check_resident
+from headlab.kv.grouping import gqa_layers, pool_weights
+from headlab.kv.methods import KV_METHODS, POOLS
+from headlab.measure.importance import scoring_batches, sequence_nll
+
+
+def kv_choices(num_kv_heads: int) -> list[int]:
+    """The KV-head counts a layer of G KV heads can be pooled to: the divisors of G, largest first (G keeps it)."""
+    return [g for g in range(num_kv_heads, 0, -1) if num_kv_heads % g == 0]
+
+
+def budget_units(layers, fraction: float) -> int:
+    """The budget in KV-head-dimension units, sum_l g_l D_l <= floor(fraction x sum_l G_l D_l); a fraction outside
+    (0, 1] or below one KV head per layer is a one-line error."""
+    if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0 < fraction <= 1):
+        raise HeadlabError(f"--kv-budget {fraction} must be a fraction of the original KV cache in (0, 1]")
+    total = sum(layer.num_kv_heads * layer.head_dim for layer in layers)
+    least = sum(layer.head_dim for layer in layers)  # one KV head in every layer
+    units = math.floor(fraction * total + 1e-9)
+    if units < least:
+        raise HeadlabError(
+            f"--kv-budget {fraction} is below one KV head per layer ({least / total:.4g} of the original KV cache); "
+            "ask for at least that"
+        )
+    return units
+
+
+def allocate_kv(costs: list[dict[int, float]], widths: list[int], budget: int) -> list[int]:
+    """The per-layer counts g_l (keys of costs[l]) minimising sum_l costs[l][g_l] with sum_l g_l widths[l] <= budget:
+    exact dynamic programming over the total width used (ties: the first layer option in each dict's order)."""
+    best = {0: (0.0, [])}  # width used -> (least total cost, counts so far)
+    for layer_costs, width in zip(costs, widths):
+        new: dict[int, tuple[float, list[int]]] = {}
+        for used, (total, counts) in best.items():
+            for g, cost in layer_costs.items():
+                after = used + g * width
+                if after > budget:
+                    continue
+                value = total + cost
+                if after not in new or value < new[after][0]:
+                    new[after] = (value, counts + [g])
+        if not new:
+            raise HeadlabError(f"no per-layer layout fits a budget of {budget} KV-head dimensions")
+        best = new
+    return min(best.values(), key=lambda entry: entry[0])[1]
+
+
+@dataclass(frozen=True)
+class BudgetSpec:
+    """How convert-gqa --kv-budget converts: the fraction of the original KV bytes kept, the method (KV_METHODS) and
+    pool of each layer's conversion, and the calibration tokens each cost measurement runs on."""
+
+    fraction: float
+    method: str = "mean"
+    pool: str = "mean"
+    seed: int = 0
+    search_tokens: int = 1024
+
+
+def _layer_options(loaded: LoadedModel, method: str, pool: str, seed: int, kv_heads: int, batches, progress):
+    """{layer index: that layer's weights converted alone to `kv_heads` KV heads}, nothing written; layers whose G
+    `kv_heads` does not divide below G are left out."""
+    layers = [layer for layer in gqa_layers(loaded) if layer.num_kv_heads % kv_heads == 0 < kv_heads]
+    layers = [layer for layer in layers if kv_heads < layer.num_kv_heads]
+    chosen = KV_METHODS[method]
+    if chosen.pools:
+        return {
+            layer.index: pool_weights(loaded.adapter.read(layer), kv_heads, pool, seed=seed + layer.index)
+            for layer in layers
+        }
+    return chosen.layer_merge(loaded, {layer.index: kv_heads for layer in layers}, batches, progress=progress)
+
+
+@torch.no_grad()
+def layer_costs(loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_batches, progress: bool = True):
+    """The table of c_l(g): one row per (layer, KV heads) with the calibration NLL increase of converting that layer
+    alone (0 for its own G), and its KV numbers per token (2 g D)."""
+    check_resident(loaded, "the per-layer KV budget")
+    layers = gqa_layers(loaded)
+    scored = scoring_batches(loaded, search_batches)
+    tokens = float(sum(b.scored for b in scored))
+    if not tokens:
+        raise HeadlabError("no calibration tokens to measure the per-layer costs on")
+
+    def loss() -> float:
+        return sum(float(sequence_nll(loaded.model, b, loaded.device).double().sum()) for b in scored) / tokens
+
+    reference = loss()
+    rows = [dict(layer=layer.index, kv_heads=layer.num_kv_heads, loss_increase=0.0) for layer in layers]
+    counts = sorted({g for layer in layers for g in kv_choices(layer.num_kv_heads) if g < layer.num_kv_heads})
+    total = sum(len(kv_choices(layer.num_kv_heads)) - 1 for layer in layers)
+    bar = tqdm(total=total, desc="per-layer KV costs", disable=not progress, unit="model")
+    adapter = loaded.adapter
+    for g in counts:
+        options = _layer_options(loaded, spec.method, spec.pool, spec.seed, g, merge_batches, progress=False)
+        for layer in layers:
+            if layer.index not in options:
+                continue
+            original = adapter.read(layer)
+            adapter.write(layer, options[layer.index])
+            try:
+                rows.append(dict(layer=layer.index, kv_heads=g, loss_increase=loss() - reference))
+            finally:
+                adapter.write(layer, original)
+            bar.update()
+    bar.close()
+    width = {layer.index: layer.head_dim for layer in layers}
+    frame = pd.DataFrame(rows).sort_values(["layer", "kv_heads"], ascending=[True, False], ignore_index=True)
+    frame["kv_numbers_per_token"] = 2 * frame["kv_heads"] * frame["layer"].map(width)
+    return frame
+
+
+def allocation(loaded: LoadedModel, costs: pd.DataFrame, fraction: float) -> list[int]:
+    """The per-layer KV-head counts of `costs` (layer_costs) that fit `fraction` of the original KV bytes at least
+    total cost."""
+    layers = gqa_layers(loaded)
+    per_layer = [
+        {int(r.kv_heads): float(r.loss_increase) for r in costs[costs.layer == layer.index].itertuples()}
+        for layer in layers
+    ]
+    return allocate_kv(per_layer, [layer.head_dim for layer in layers], budget_units(layers, fraction))
+
+
+def apply_counts(loaded: LoadedModel, counts: list[int], spec: BudgetSpec, batches, progress: bool = True) -> dict:
+    """Convert every layer to its count (contiguous groups, pooled or merged by spec.method) in place, and record
+    the layout in the config: the head counts when every layer agrees (vanilla transformers loads it), else
+    headlab's per-layer head record. Returns the conversion record."""
+    layers = gqa_layers(loaded)
+    if len(counts) != len(layers):
+        raise HeadlabError(f"{len(counts)} per-layer KV-head counts for {len(layers)} attention layers")
+    converted = {}
+    for g in sorted(set(counts)):
+        targets = {layer.index for layer, count in zip(layers, counts) if count == g < layer.num_kv_heads}
+        if targets:
+            options = _layer_options(loaded, spec.method, spec.pool, spec.seed, g, batches, progress)
+            converted.update({index: options[index] for index in targets})
+    layout = []
+    for layer, g in zip(layers, counts):
+        if g not in kv_choices(layer.num_kv_heads):
+            raise HeadlabError(f"layer {layer.index}: {g} KV heads is not a divisor of its {layer.num_kv_heads}")
+        size = layer.num_kv_heads // g
+        groups = [list(range(i * size, (i + 1) * size)) for i in range(g)]
+        layout.append(
+            LayerLayout(
+                layer.index,
+                list(range(layer.num_heads)),
+                [group[0] for group in groups],
+                layer.num_heads,
+                layer.num_kv_heads,
+                kv_groups=groups,
+            )  # fmt: skip
+        )
+    for layer in layers:
+        if layer.index in converted:
+            loaded.adapter.write(layer, converted[layer.index])
+    config = loaded.model.config.get_text_config()
+    H, D = layers[0].num_heads, layers[0].head_dim
+    if len(set(counts)) == 1:
+        loaded.adapter.set_config_heads(config, H, counts[0], D)
+    else:
+        setattr(config, HEAD_LAYOUT_KEY, layout_record(config, layout, approximate=False))
+    return {
+        "kv_heads_per_layer": list(counts),
+        "method": spec.method,
+        "pool": spec.pool if KV_METHODS[spec.method].pools else None,
+        "seed": spec.seed,
+        "loader": "vanilla" if len(set(counts)) == 1 else "headlab",
+    }
+
+
+def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
+    """Every --kv-budget choice that needs no forward pass: the method, pool, budget and search tokens."""
+    KV_METHODS[spec.method]  # an unknown name lists the registry
+    if spec.pool not in POOLS:
+        raise HeadlabError(f"unknown pool={spec.pool!r}; use one of {', '.join(POOLS)}")
+    if spec.search_tokens < 1:
+        raise HeadlabError(f"search_tokens={spec.search_tokens} must be at least 1")
+    budget_units(gqa_layers(loaded), spec.fraction)
+
+
+def with_fraction(spec: BudgetSpec, fraction: float) -> BudgetSpec:
+    """The same spec at another budget (the costs do not depend on it: one cost table serves every budget)."""
+    return replace(spec, fraction=fraction)

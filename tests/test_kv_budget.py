@@ -1,0 +1,205 @@
+"""Per-layer KV budgets (headlab.kv.budget, `convert-gqa --kv-budget`): the allocation against enumeration, the
+budget arithmetic, exact per-layer conversions, the measured costs against a slow recomputation, the checkpoint
+that reloads with the same logits, and the command's refusals."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import random
+import re
+
+import pytest
+import torch
+from models import tiny_inputs, tiny_model
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
+
+from headlab.core.data import TextSpec
+from headlab.core.errors import HeadlabError
+from headlab.core.loading import from_model, load_model
+from headlab.kv import budget as B
+from headlab.kv import gqa
+from headlab.kv.grouping import expand_weights, pool_weights
+from headlab.measure.costs import kv_bytes_per_token
+from headlab.measure.importance import scoring_batches, sequence_nll
+
+
+def _wide(**overrides):
+    """A tiny Llama with 8 query and 4 KV heads in 3 layers: per-layer options 4, 2, 1."""
+    kwargs = dict(num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3) | overrides
+    return from_model(tiny_model("llama", **kwargs), None)
+
+
+def _logits(loaded, name="llama"):
+    with torch.no_grad():
+        return loaded.model(**tiny_inputs(name)).logits
+
+
+# ---- the allocation ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_optimal_against_enumeration(seed):
+    rng = random.Random(seed)
+    widths = [rng.choice([16, 32]) for _ in range(4)]
+    costs = [{4: 0.0, 2: rng.random(), 1: rng.random() * 3} for _ in widths]
+    for layer in costs:
+        layer[1] = max(layer[1], layer[2])  # fewer heads cost at least as much, as a measured curve usually does
+    budget = rng.randint(sum(widths), 4 * sum(widths))
+    chosen = B.allocate_kv(costs, widths, budget)
+    assert sum(g * w for g, w in zip(chosen, widths)) <= budget
+    feasible = [
+        combo
+        for combo in itertools.product(*(list(c) for c in costs))
+        if sum(g * w for g, w in zip(combo, widths)) <= budget
+    ]
+    best = min(sum(c[g] for c, g in zip(costs, combo)) for combo in feasible)
+    assert sum(c[g] for c, g in zip(costs, chosen)) == pytest.approx(best, abs=1e-12)
+
+
+def test_allocation_by_hand():
+    # Two layers of width 1, budget 5 heads of 8: layer 0 cheap to cut, layer 1 expensive -> (1, 4).
+    costs = [{4: 0.0, 2: 0.1, 1: 0.2}, {4: 0.0, 2: 1.0, 1: 5.0}]
+    assert B.allocate_kv(costs, [1, 1], 5) == [1, 4]
+    assert B.allocate_kv(costs, [1, 1], 4) == [2, 2]  # 0.1 + 1.0 beats (1, 2) at 0.2 + 1.0; 3 is no option
+    with pytest.raises(HeadlabError, match="no per-layer layout fits"):
+        B.allocate_kv(costs, [1, 1], 1)
+
+
+def test_kv_choices_are_the_divisors():
+    assert B.kv_choices(4) == [4, 2, 1] and B.kv_choices(3) == [3, 1] and B.kv_choices(6) == [6, 3, 2, 1]
+
+
+def test_budget_units_and_refusals():
+    layers = _wide().layers  # 3 layers x 4 KV heads x head_dim
+    D = layers[0].head_dim
+    assert B.budget_units(layers, 1.0) == 12 * D
+    assert B.budget_units(layers, 0.5) == 6 * D
+    assert B.budget_units(layers, 0.25) == 3 * D  # one head per layer: the floor
+    for bad, match in ((0.2, "below one KV head per layer"), (1.5, r"in \(0, 1\]"), (0.0, r"in \(0, 1\]"),
+                       (float("nan"), r"in \(0, 1\]")):  # fmt: skip
+        with pytest.raises(HeadlabError, match=match):
+            B.budget_units(layers, bad)
+
+
+# ---- conversions -------------------------------------------------------------------------------------------------
+
+
+def test_counts_equal_to_the_original_change_nothing():
+    loaded = _wide()
+    before = _logits(loaded)
+    record = B.apply_counts(loaded, [4, 4, 4], B.BudgetSpec(1.0), None)
+    assert record["loader"] == "vanilla" and torch.equal(_logits(loaded), before)
+
+
+def test_per_layer_pooling_of_copied_heads_is_exact():
+    # Expand a 2-KV-head model to 4 by copying each head; pooling pairs back per layer restores its function exactly.
+    loaded = _wide(num_key_value_heads=2)
+    before = _logits(loaded)
+    for layer in loaded.layers:
+        loaded.adapter.write(layer, expand_weights(loaded.adapter.read(layer), 4))
+    loaded.adapter.set_config_heads(loaded.model.config, 8, 4, loaded.layers[0].head_dim)
+    record = B.apply_counts(loaded, [2, 4, 2], B.BudgetSpec(0.7), None)
+    assert [layer.num_kv_heads for layer in loaded.layers] == [2, 4, 2] and record["loader"] == "headlab"
+    torch.testing.assert_close(_logits(loaded), before, atol=1e-5, rtol=0)
+
+
+def test_apply_counts_pools_each_layer_as_pool_weights_does():
+    loaded = _wide()
+    reference = copy.deepcopy(loaded.model)
+    B.apply_counts(loaded, [1, 4, 2], B.BudgetSpec(0.6), None)
+    expected = from_model(reference, None)
+    for layer, g in zip(expected.layers, [1, 4, 2]):
+        if g < 4:
+            expected.adapter.write(layer, pool_weights(expected.adapter.read(layer), g, "mean", seed=layer.index))
+    torch.testing.assert_close(_logits(loaded), _logits(expected), atol=0, rtol=0)
+    assert kv_bytes_per_token(loaded) == kv_bytes_per_token(expected)
+
+
+def test_layer_costs_match_a_slow_recomputation(tmp_path):
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 10)
+    loaded = load_model(str(src), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="calibration", max_tokens=128, seq_len=32).resolved()
+    batches = text.batches(loaded.tokenizer)
+    costs = B.layer_costs(loaded, B.BudgetSpec(0.5), None, batches, progress=False)
+    assert sorted(zip(costs.layer, costs.kv_heads)) == sorted((i, g) for i in range(3) for g in (4, 2, 1))
+
+    def nll(model) -> float:
+        scored = scoring_batches(loaded, batches)
+        total = sum(float(sequence_nll(model, b, "cpu").double().sum()) for b in scored)
+        return total / sum(b.scored for b in scored)
+
+    original = nll(loaded.model)
+    for layer_index, g in ((0, 1), (2, 2)):
+        model = copy.deepcopy(loaded.model)
+        by_hand = from_model(model, loaded.tokenizer)
+        layer = by_hand.layers[layer_index]
+        by_hand.adapter.write(layer, pool_weights(by_hand.adapter.read(layer), g, "mean", seed=layer_index))
+        row = costs[(costs.layer == layer_index) & (costs.kv_heads == g)].iloc[0]
+        assert row.loss_increase == pytest.approx(nll(model) - original, abs=1e-6)
+        assert row.kv_numbers_per_token == 2 * g * layer.head_dim
+    assert (costs[costs.kv_heads == 4].loss_increase == 0).all()
+    torch.testing.assert_close(nll(loaded.model), original, atol=0, rtol=0)  # every layer restored
+
+
+@pytest.mark.parametrize("method", ["mean", "svd"])
+def test_budget_checkpoint_reloads_with_the_same_logits(tmp_path, method):
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 10)
+    loaded = load_model(str(src), device="cpu")
+    spec = B.BudgetSpec(0.5, method=method, search_tokens=128)
+    record = gqa.convert_budget_checkpoint(loaded, spec, tmp_path / "out", data=str(tmp_path / "t.txt"),
+                                           max_tokens=128, seq_len=32, calibration_tokens=128,
+                                           progress=False)  # fmt: skip
+    counts = record["conversion"]["kv_heads_per_layer"]
+    assert sum(counts) <= 6 and all(g in (1, 2, 4) for g in counts)
+    assert record["measured_kv_bytes_per_token_after"] == record["kv_bytes_per_token_after"]
+    assert record["kv_bytes_per_token_after"] <= record["kv_bytes_per_token_before"] // 2
+    assert record["verification"]["max_abs_diff"] <= 1e-4
+    back = load_model(str(tmp_path / "out"), device="cpu")
+    assert [layer.num_kv_heads for layer in back.layers] == counts
+    torch.testing.assert_close(_logits(back), _logits(loaded), atol=1e-5, rtol=0)
+    table = (tmp_path / "out" / "kv_budget" / "costs.csv").read_text().splitlines()
+    assert table[0].startswith("layer,kv_heads,loss_increase") and len(table) == 1 + 3 * 3
+    meta = json.loads((tmp_path / "out" / "kv_budget" / "meta.json").read_text())
+    assert meta["kv_heads_per_layer"] == counts and meta["fraction"] == 0.5
+
+
+# ---- the command -------------------------------------------------------------------------------------------------
+
+
+def _command(tmp_path, *extra):
+    src = tmp_path / "src"
+    if not src.exists():
+        save_tiny("llama", src, num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+        (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 10)
+    return ["convert-gqa", "--model", src, "--data", tmp_path / "t.txt", "--max-tokens", "128", "--seq-len", "32",
+            "--calibration-tokens", "128", "--search-tokens", "128", "--out", tmp_path / "out", *extra]  # fmt: skip
+
+
+def test_cli_kv_budget_writes_a_per_layer_checkpoint(tmp_path, capsys):
+    code, out, err = run_cli(_command(tmp_path, "--kv-budget", "0.5", "--json"), capsys)
+    assert code == 0, err
+    record = json.loads(out)
+    counts = record["conversion"]["kv_heads_per_layer"]
+    assert [layer.num_kv_heads for layer in load_model(str(tmp_path / "out"), device="cpu").layers] == counts
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--kv-budget", "1.5"], r"in \(0, 1\]"),
+        (["--kv-budget", "0.1"], "below one KV head per layer"),
+        (["--kv-budget", "0.5", "--kv-heads", "2"], "one of them"),
+        ([], "one of them"),
+        (["--kv-budget", "0.5", "--streaming"], "drop --streaming"),
+        (["--kv-budget", "0.5", "--grouping", "similarity"], "--grouping similarity"),
+    ],
+)
+def test_cli_kv_budget_refusals(tmp_path, capsys, extra, message):
+    code, out, err = run_cli(_command(tmp_path, *extra), capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+    assert not (tmp_path / "out").exists()
