@@ -62,6 +62,14 @@ def kv_converted(loaded, kv_heads=1):
     return from_model(loaded.model, loaded.tokenizer)
 
 
+def kv_per_layer(loaded, counts=(1, 2)):
+    """Per-layer KV-head counts (convert-gqa --kv-budget's layout), mean-pooled."""
+    from headlab.kv.budget import BudgetSpec, apply_counts
+
+    apply_counts(loaded, list(counts), BudgetSpec(1.0), None)
+    return from_model(loaded.model, loaded.tokenizer)
+
+
 def read(path):
     reader = gguf.GGUFReader(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
@@ -172,6 +180,17 @@ def test_non_uniform_prune_goes_to_deci_with_per_layer_arrays(tmp_path):
     )
 
 
+def test_per_layer_kv_budget_goes_to_deci_with_per_layer_kv_counts(tmp_path):
+    loaded = kv_per_layer(tiny())
+    plan = plan_export(loaded)
+    assert plan.target.arch == "deci" and plan.heads == [4, 4] and plan.kv_heads == [1, 2]
+    export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    fields, tensors = read(tmp_path / "m.gguf")
+    assert list(fields["deci.attention.head_count_kv"]) == [1, 2]
+    assert tensor_of(tensors["blk.0.attn_k.weight"]).shape == (16, 64)
+    assert tensor_of(tensors["blk.1.attn_k.weight"]).shape == (2 * 16, 64)
+
+
 def test_qwen2_uniform_stays_qwen2_unpermuted_and_a_pruned_qwen2_needs_deci(tmp_path):
     loaded = tiny("qwen2")
     assert plan_export(loaded).target.arch == "qwen2"
@@ -236,7 +255,7 @@ def _windows(loaded, n=2, length=48):
 @needs_llamacpp
 @pytest.mark.parametrize(
     "variant",
-    ["original", "uniform", "non_uniform", "kv_3_to_1", "qwen2_non_uniform", "qwen3", "mistral"],
+    ["original", "uniform", "non_uniform", "kv_3_to_1", "kv_per_layer", "qwen2_non_uniform", "qwen3", "mistral"],
 )
 def test_llamacpp_log_probs_match_transformers(tmp_path, variant):
     makers = {
@@ -244,6 +263,7 @@ def test_llamacpp_log_probs_match_transformers(tmp_path, variant):
         "uniform": lambda: pruned(tiny(), [{0, 2}, {1, 3}]),
         "non_uniform": lambda: pruned(tiny(), [{0, 1}, {3}]),
         "kv_3_to_1": lambda: kv_converted(tiny()),
+        "kv_per_layer": lambda: kv_per_layer(tiny()),
         "qwen2_non_uniform": lambda: pruned(tiny("qwen2"), [{0, 1}, set()]),
         "qwen3": lambda: tiny("qwen3"),
         "mistral": lambda: tiny("mistral", sliding_window=None),

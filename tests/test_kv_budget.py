@@ -126,6 +126,7 @@ def test_layer_costs_match_a_slow_recomputation(tmp_path):
     costs = B.layer_costs(loaded, B.BudgetSpec(0.5), None, batches, progress=False)
     assert sorted(zip(costs.layer, costs.kv_heads)) == sorted((i, g) for i in range(3) for g in (4, 2, 1))
 
+    @torch.no_grad()
     def nll(model) -> float:
         scored = scoring_batches(loaded, batches)
         total = sum(float(sequence_nll(model, b, "cpu").double().sum()) for b in scored)
@@ -203,3 +204,49 @@ def test_cli_kv_budget_refusals(tmp_path, capsys, extra, message):
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert re.search(message, err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_info_prices_a_per_layer_budget(tmp_path, capsys):
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    code, out, err = run_cli(["info", "--model", src, "--kv-budget", "0.5", "--json"], capsys)
+    assert code == 0, err
+    budget = json.loads(out)["kv_budget"]
+    D = 16  # the tiny Llama's head_dim (tests/models.py)
+    assert budget["kv_heads"] == 6 and budget["total_kv_heads"] == 12 and budget["choices_per_layer"] == [[4, 2, 1]]
+    assert budget["kv_bytes_per_token"] == 2 * 6 * D * 4  # keys and values, float32
+    code, out, err = run_cli(["info", "--model", src, "--kv-budget", "2"], capsys)
+    assert code == 2 and "(0, 1]" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ladder_budget_rows_match_a_direct_conversion_and_restore_the_model(tmp_path):
+    from headlab.kv.ladder import budget_rows
+    from headlab.measure.evaluate import perplexity
+
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 10)
+    loaded = load_model(str(src), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="eval", max_tokens=128, seq_len=32).resolved()
+    before = _logits(loaded)
+    rows = budget_rows(loaded, (0.5, 0.75), text, 128, "mean", progress=False, search_tokens=128)
+    assert torch.equal(_logits(loaded), before) and not hasattr(loaded.model.config, "headlab_head_layout")
+    search = text.but(split="calibration", max_tokens=128, batch_size=4).batches(loaded.tokenizer)
+    costs = B.layer_costs(loaded, B.BudgetSpec(1.0, search_tokens=128), None, search, progress=False)
+    for row in rows.itertuples():
+        counts = B.allocation(loaded, costs, row.budget)
+        assert row.kv_heads_per_layer == ",".join(map(str, counts)) and row.action == "kv-budget"
+        fresh = load_model(str(src), device="cpu")
+        B.apply_counts(fresh, counts, B.BudgetSpec(row.budget), None)
+        assert row.perplexity == pytest.approx(perplexity(fresh, text=text, progress=False).perplexity, rel=1e-6)
+        assert row.kv_bytes_per_token == kv_bytes_per_token(fresh)
+
+
+def test_cli_gqa_sweep_kv_budgets(tmp_path, capsys):
+    _command(tmp_path)  # writes the tiny model and text
+    args = ["gqa-sweep", "--model", tmp_path / "src", "--data", tmp_path / "t.txt", "--max-tokens", "128",
+            "--seq-len", "32", "--calibration-tokens", "128", "--kv-heads", "4,1", "--pool", "mean",
+            "--grouping", "contiguous", "--kv-budgets", "0.5", "--out", tmp_path / "sweep"]  # fmt: skip
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    assert "budget 0.5" in out and (tmp_path / "sweep" / "gqa_sweep.png").exists()
+    code, out, err = run_cli([*args[:-2], "--kv-budgets", "0.1", "--out", tmp_path / "bad"], capsys)
+    assert code == 2 and "below one KV head per layer" in err and not (tmp_path / "bad").exists()

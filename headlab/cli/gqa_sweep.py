@@ -10,6 +10,7 @@ import click
 from headlab.cli._long_context import lengths_of, long_context_option, sweep_help
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
 from headlab.cli.parsing import parse_list
+from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.kv.methods import GROUPINGS, KV_METHODS, MLA_BUDGETS, POOLS
 
@@ -41,6 +42,14 @@ from headlab.kv.methods import GROUPINGS, KV_METHODS, MLA_BUDGETS, POOLS
     help=f"comma list of {', '.join(MLA_BUDGETS)}: add the training-free MLA conversion (convert-mla) at each rung's "
     "KV budget to the table and the plot: the ladder MHA -> GQA -> MQA -> MLA",
 )
+@click.option(
+    "--kv-budgets",
+    default=None,
+    metavar="F,F",
+    help="comma list of fractions of the KV cache: add a per-layer KV-budget row for each (convert-gqa --kv-budget; "
+    "svd merge when --method includes svd, else mean pooling); the per-layer costs are measured once, one forward "
+    "pass over 1,024 calibration tokens per layer and smaller count",
+)
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")
 @long_context_option(help_text=sweep_help("every variant measured (and each --mla row; a row reusing another's "
@@ -54,6 +63,7 @@ def command(
     calibration_tokens,
     seed,
     mla,
+    kv_budgets,
     text,
     out,
     overwrite,
@@ -69,7 +79,11 @@ def command(
     guard(out, overwrite, {"model": load.spec}, data=text.data)
     budgets = tuple(parse_list(mla, str, "mla", MLA_BUDGETS)) if mla else ()
     lengths = lengths_of(long_lengths)
-    run = run_ladder if budgets else run_sweep
+    fractions = tuple(parse_list(kv_budgets, float, "kv-budgets")) if kv_budgets else ()
+    for fraction in fractions:  # before loading; the floor of one KV head per layer is checked by the ladder
+        if not 0 < fraction <= 1:
+            raise HeadlabError(f"--kv-budgets {fraction} must be a fraction of the KV cache in (0, 1]")
+    run = run_ladder if budgets or fractions else run_sweep
     loaded = load()
     if lengths:  # an encoder or a length beyond the model's positions fails before the first conversion
         check_passkey_lengths(loaded, lengths)
@@ -77,7 +91,8 @@ def command(
         loaded,
         out,
         overwrite=overwrite,
-        **({"mla": budgets} if budgets else {}),
+        **({"mla": budgets} if budgets or fractions else {}),
+        **({"kv_budgets": fractions} if fractions else {}),
         kv_heads=None if kv_heads is None else parse_list(kv_heads, int, "kv-heads"),
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
         pools=tuple(parse_list(pool, str, "pool", POOLS)),

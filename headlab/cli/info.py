@@ -7,6 +7,7 @@ import json
 import click
 
 from headlab.cli.options import model_options
+from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.measure.choices import DTYPE_BYTES
 
@@ -21,12 +22,21 @@ from headlab.measure.choices import DTYPE_BYTES
     default=None,
     help="dtype of the cached keys and values [default: the model's]",
 )
+@click.option(
+    "--kv-budget",
+    type=float,
+    default=None,
+    metavar="FRACTION",
+    help="also price a per-layer KV budget: this fraction of the model's KV cache (convert-gqa --kv-budget)",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(load, context, batch, cache_dtype, as_json):
+def command(load, context, batch, cache_dtype, kv_budget, as_json):
     """Model type, heads, parameters and KV-cache bytes (with the MHA / GQA / MQA ladder and the MLA rung)."""
     from headlab.measure.costs import model_info  # start-up: torch loads when the command runs, not for --help
 
-    info = model_info(load(), context=context, batch=batch, cache_dtype=cache_dtype)
+    if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading
+        raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the model's KV cache in (0, 1]")
+    info = model_info(load(), context=context, batch=batch, cache_dtype=cache_dtype, kv_budget=kv_budget)
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -57,6 +67,14 @@ def command(load, context, batch, cache_dtype, as_json):
                 f"  {step['variant']:<8} {what}  "
                 f"{human_bytes(step['kv_bytes_per_token']):>10}/token  {human_bytes(step['kv_bytes']):>10}{mark}"
             )
+    if "kv_budget" in info:
+        budget = info["kv_budget"]
+        heads = f"{budget['kv_heads']} of {budget['total_kv_heads']} KV heads, " if budget["kv_heads"] else ""
+        choices = " or ".join("/".join(map(str, c)) for c in budget["choices_per_layer"])
+        click.echo(
+            f"\nPer-layer KV budget {budget['fraction']:g}: at most {human_bytes(budget['kv_bytes_per_token'])}/token, "
+            f"{human_bytes(budget['kv_bytes'])} ({heads}each layer {choices}; convert-gqa --kv-budget places them)"
+        )
     if info["mla_rungs"]:
         click.echo("\nMLA rung (one latent + a shared rotary key per token and layer, at the same bytes):")
         for step in info["mla_rungs"]:

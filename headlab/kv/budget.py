@@ -14,7 +14,6 @@ headlab.core.loading.load_model) and exports to llama.cpp's `deci` architecture,
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -26,28 +25,8 @@ from headlab.core.layout import HEAD_LAYOUT_KEY, LayerLayout, layout_record
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.grouping import gqa_layers, pool_weights
 from headlab.kv.methods import KV_METHODS, POOLS
+from headlab.measure.costs import budget_units, kv_choices
 from headlab.measure.importance import scoring_batches, sequence_nll
-
-
-def kv_choices(num_kv_heads: int) -> list[int]:
-    """The KV-head counts a layer of G KV heads can be pooled to: the divisors of G, largest first (G keeps it)."""
-    return [g for g in range(num_kv_heads, 0, -1) if num_kv_heads % g == 0]
-
-
-def budget_units(layers, fraction: float) -> int:
-    """The budget in KV-head-dimension units, sum_l g_l D_l <= floor(fraction x sum_l G_l D_l); a fraction outside
-    (0, 1] or below one KV head per layer is a one-line error."""
-    if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0 < fraction <= 1):
-        raise HeadlabError(f"--kv-budget {fraction} must be a fraction of the original KV cache in (0, 1]")
-    total = sum(layer.num_kv_heads * layer.head_dim for layer in layers)
-    least = sum(layer.head_dim for layer in layers)  # one KV head in every layer
-    units = math.floor(fraction * total + 1e-9)
-    if units < least:
-        raise HeadlabError(
-            f"--kv-budget {fraction} is below one KV head per layer ({least / total:.4g} of the original KV cache); "
-            "ask for at least that"
-        )
-    return units
 
 
 def allocate_kv(costs: list[dict[int, float]], widths: list[int], budget: int) -> list[int]:
@@ -146,10 +125,12 @@ def allocation(loaded: LoadedModel, costs: pd.DataFrame, fraction: float) -> lis
     return allocate_kv(per_layer, [layer.head_dim for layer in layers], budget_units(layers, fraction))
 
 
-def apply_counts(loaded: LoadedModel, counts: list[int], spec: BudgetSpec, batches, progress: bool = True) -> dict:
-    """Convert every layer to its count (contiguous groups, pooled or merged by spec.method) in place, and record
-    the layout in the config: the head counts when every layer agrees (vanilla transformers loads it), else
-    headlab's per-layer head record. Returns the conversion record."""
+def apply_counts(
+    loaded: LoadedModel, counts: list[int], spec: BudgetSpec, batches, progress: bool = True, record_layout: bool = True
+) -> dict:
+    """Convert every layer to its count (contiguous groups, pooled or merged by spec.method) in place, and (with
+    record_layout, for saving) record the layout in the config: the head counts when every layer agrees (vanilla
+    transformers loads it), else headlab's per-layer head record. Returns the conversion record."""
     layers = gqa_layers(loaded)
     if len(counts) != len(layers):
         raise HeadlabError(f"{len(counts)} per-layer KV-head counts for {len(layers)} attention layers")
@@ -180,9 +161,10 @@ def apply_counts(loaded: LoadedModel, counts: list[int], spec: BudgetSpec, batch
             loaded.adapter.write(layer, converted[layer.index])
     config = loaded.model.config.get_text_config()
     H, D = layers[0].num_heads, layers[0].head_dim
-    if len(set(counts)) == 1:
+    # Without record_layout (measured in memory and restored, as the sweeps do) the config keeps its counts.
+    if record_layout and len(set(counts)) == 1:
         loaded.adapter.set_config_heads(config, H, counts[0], D)
-    else:
+    elif record_layout:
         setattr(config, HEAD_LAYOUT_KEY, layout_record(config, layout, approximate=False))
     return {
         "kv_heads_per_layer": list(counts),

@@ -13,12 +13,14 @@ import pandas as pd
 from headlab.core.data import TextSpec, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
+from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
 from headlab.kv.gqa import gqa_sweep, measured_kv_bytes_per_token, resumable_sweep
-from headlab.kv.methods import MLA_BUDGETS
+from headlab.kv.methods import KV_METHODS, MLA_BUDGETS
 from headlab.kv.mla import convert_to_mla, input_grams, plan_mla, rope_phases
-from headlab.measure.costs import kv_bytes_per_token
+from headlab.measure.costs import budget_units, kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
 from headlab.measure.longctx import passkey_columns
+from headlab.mechanisms.restore import restoring
 
 
 def check_mla_budgets(loaded: LoadedModel, budgets) -> list:
@@ -81,13 +83,73 @@ def mla_rows(
     return pd.DataFrame(rows)
 
 
+def budget_rows(
+    loaded: LoadedModel,
+    fractions,
+    text: TextSpec,
+    calibration_tokens: int,
+    method: str,
+    progress: bool,
+    long_context=None,
+    search_tokens: int = 1024,
+) -> pd.DataFrame:
+    """One sweep row per per-layer KV budget (headlab.kv.budget, `convert-gqa --kv-budget`): the per-layer costs are
+    measured once, each fraction allocated from them and converted in place, scored on `text` like the other rows,
+    then the model is restored."""
+    spec = BudgetSpec(1.0, method=method, search_tokens=search_tokens)
+    calibration = text.but(split="calibration", batch_size=4)
+    merge_batches = None
+    if KV_METHODS[method].calibrated:
+        merge_batches = calibration.but(max_tokens=calibration_tokens).batches(
+            loaded.tokenizer, max_positions=loaded.max_positions
+        )
+    search = calibration.but(max_tokens=search_tokens).batches(loaded.tokenizer, max_positions=loaded.max_positions)
+    costs = layer_costs(loaded, spec, merge_batches, search, progress=progress)
+    rows = []
+    for fraction in fractions:
+        counts = allocation(loaded, costs, fraction)
+        with restoring(loaded):
+            apply_counts(loaded, counts, spec, merge_batches, progress=False, record_layout=False)
+            result = perplexity(loaded, text=text, progress=False)
+            rows.append(
+                {
+                    "variant": f"budget {fraction:g}",
+                    "kv_heads": sum(counts) / len(counts),  # the mean over layers; kv_heads_per_layer says which
+                    "action": "kv-budget",
+                    "grouping": "per-layer",
+                    "method": method,
+                    "pool": "mean" if KV_METHODS[method].pools else None,
+                    "budget": fraction,
+                    "kv_heads_per_layer": ",".join(map(str, counts)),
+                    "perplexity": result.perplexity,
+                    "nll": result.nll,
+                    "scored_tokens": result.scored_tokens,
+                    "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
+                    "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
+                    "permuted_layers": 0,
+                    "same_as": None,
+                    **(passkey_columns(loaded, text, long_context) if long_context else {}),
+                }
+            )
+    return pd.DataFrame(rows)
+
+
 @takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
 def ladder(
-    loaded: LoadedModel, *, mla: tuple[str, ...] = MLA_BUDGETS, text: TextSpec, calibration_tokens: int = 2048, **sweep
+    loaded: LoadedModel,
+    *,
+    mla: tuple[str, ...] = MLA_BUDGETS,
+    kv_budgets: tuple[float, ...] = (),
+    text: TextSpec,
+    calibration_tokens: int = 2048,
+    **sweep,
 ) -> tuple[pd.DataFrame, dict]:
-    """The gqa sweep (headlab.kv.gqa.gqa_sweep, keywords `sweep`) plus one MLA row per budget in `mla`, on one eval
-    text; relative_kv_bytes is against the unconverted model's cache for every row."""
+    """The gqa sweep (headlab.kv.gqa.gqa_sweep, keywords `sweep`) plus one MLA row per budget in `mla` and one
+    per-layer KV-budget row per fraction in `kv_budgets` (svd merge when the sweep's methods include it, else mean
+    pooling), on one eval text; relative_kv_bytes is against the unconverted model's cache for every row."""
     plans = check_mla_budgets(loaded, mla)
+    for fraction in kv_budgets:  # a fraction outside (0, 1] or below one KV head per layer fails before any work
+        budget_units(loaded.layers, fraction)
     text = text.resolved()
     progress = sweep.get("progress", True)
     frame, meta = gqa_sweep(loaded, text=text, calibration_tokens=calibration_tokens, **sweep)
@@ -102,6 +164,19 @@ def ladder(
         rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
         frame = pd.concat([frame, rows], ignore_index=True)
         meta["mla"] = {"budgets": list(mla), "conversion": "headlab.kv.mla.convert_to_mla (training-free)"}
+    if kv_budgets:
+        method = "svd" if "svd" in sweep.get("methods", ()) else "mean"
+        if journal is not None and journal.done("kv-budget"):
+            rows = pd.DataFrame(journal.records["kv-budget"]["rows"])
+        else:
+            rows = budget_rows(
+                loaded, kv_budgets, text, calibration_tokens, method, progress, sweep.get("long_context")
+            )
+            if journal is not None:
+                journal.finish("kv-budget", {"rows": rows.to_dict("records")})
+        rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
+        frame = pd.concat([frame, rows], ignore_index=True)
+        meta["kv_budgets"] = {"fractions": list(kv_budgets), "method": method, "conversion": "headlab.kv.budget"}
     return frame, meta
 
 

@@ -5,6 +5,7 @@ Pure arithmetic over the adapter's view of the model; every change (pruning, con
 
 from __future__ import annotations
 
+import math
 import resource
 
 import torch
@@ -69,8 +70,36 @@ def attention_flops_per_token(loaded: LoadedModel, context: int) -> int:
     return flops
 
 
-def model_info(loaded: LoadedModel, context: int = 8192, batch: int = 1, cache_dtype: str | None = None) -> dict:
-    """What `headlab info` prints: layout, sizes and the KV-cache ladder (MHA, each GQA-g, MQA)."""
+def kv_choices(num_kv_heads: int) -> list[int]:
+    """The KV-head counts a layer of G KV heads can be pooled to: the divisors of G, largest first (G keeps it)."""
+    return [g for g in range(num_kv_heads, 0, -1) if num_kv_heads % g == 0]
+
+
+def budget_units(layers, fraction: float) -> int:
+    """The budget in KV-head-dimension units, sum_l g_l D_l <= floor(fraction x sum_l G_l D_l); a fraction outside
+    (0, 1] or below one KV head per layer is a one-line error."""
+    if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0 < fraction <= 1):
+        raise HeadlabError(f"a KV budget of {fraction} must be a fraction of the original KV cache in (0, 1]")
+    total = sum(layer.num_kv_heads * layer.head_dim for layer in layers)
+    least = sum(layer.head_dim for layer in layers)  # one KV head in every layer
+    units = math.floor(fraction * total + 1e-9)
+    if units < least:
+        raise HeadlabError(
+            f"a KV budget of {fraction} is below one KV head per layer ({least / total:.4g} of the original KV cache); "
+            "ask for at least that"
+        )
+    return units
+
+
+def model_info(
+    loaded: LoadedModel,
+    context: int = 8192,
+    batch: int = 1,
+    cache_dtype: str | None = None,
+    kv_budget: float | None = None,
+) -> dict:
+    """What `headlab info` prints: layout, sizes and the KV-cache ladder (MHA, each GQA-g, MQA); with `kv_budget`
+    (a fraction of this model's KV cache) also what a per-layer budget keeps (convert-gqa --kv-budget)."""
     layers = loaded.layers
     cache_dtype = cache_dtype or str(loaded.dtype).removeprefix("torch.")
     if cache_dtype not in DTYPE_BYTES:
@@ -114,6 +143,23 @@ def model_info(loaded: LoadedModel, context: int = 8192, batch: int = 1, cache_d
         "ladder": ladder,
         "mla_rungs": [] if loaded.adapter.latent_kv else _mla_rungs(loaded, element, context * batch),
         **_latent_fields(loaded),
+        **({"kv_budget": _budget_row(loaded, kv_budget, element, context * batch)} if kv_budget is not None else {}),
+    }
+
+
+def _budget_row(loaded: LoadedModel, fraction: float, element: int, tokens: int) -> dict:
+    """The KV bytes a per-layer budget keeps at most, and the counts each layer can take (kv_choices)."""
+    if loaded.adapter.latent_kv:
+        raise HeadlabError("a per-layer KV-head budget applies to KV heads; this model caches an MLA latent")
+    units = budget_units(loaded.layers, fraction)
+    choices = sorted({tuple(kv_choices(layer.num_kv_heads)) for layer in loaded.layers})
+    return {
+        "fraction": fraction,
+        "kv_bytes_per_token": 2 * units * element,
+        "kv_bytes": 2 * units * element * tokens,
+        "kv_heads": units // loaded.layers[0].head_dim if len({la.head_dim for la in loaded.layers}) == 1 else None,
+        "total_kv_heads": sum(layer.num_kv_heads for layer in loaded.layers),
+        "choices_per_layer": [list(c) for c in choices],
     }
 
 

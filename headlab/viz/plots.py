@@ -328,7 +328,7 @@ def plot_sweep_tasks(table: pd.DataFrame, title: str | None = None):
 def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
     """Perplexity against measured KV-cache KiB per token, one marker per KV-head count x grouping x pool (rows that
     repeat an earlier variant are left out: they would sit on it), MLA rows (headlab.kv.ladder) labelled by their
-    latent + rope split. Log y when perplexities span more than 10x."""
+    latent + rope split, per-layer KV-budget rows by their fraction. Log y when perplexities span more than 10x."""
     data = frame[frame["same_as"].isna()].copy() if "same_as" in frame else frame.copy()
     data["KiB per token"] = data["kv_bytes_per_token"] / 1024
     data["grouping"] = data["grouping"].fillna(data["action"])
@@ -345,9 +345,9 @@ def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
         ax.set_ylabel("perplexity (eval split)")
     for (kib, ppl), group in data.groupby(["KiB per token", "perplexity"]):
         first = group.iloc[0]
-        label = (
-            first.get("variant") if first.get("action") == "mla" else f"G={int(first['kv_heads'])}"
-        )  # MLA: latent + rope
+        # MLA: latent + rope; a per-layer KV budget: its fraction
+        named = first.get("action") in ("mla", "kv-budget")
+        label = first.get("variant") if named else f"G={int(first['kv_heads'])}"
         below = first.get("action") == "mla"  # an MLA rung shares its bytes with a KV-head rung: label it below
         ax.annotate(label, (kib, ppl), textcoords="offset points", xytext=(6, -12 if below else 4), fontsize=9)
     ax.set_xlim(0, data["KiB per token"].max() * 1.15)

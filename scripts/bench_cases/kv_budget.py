@@ -1,0 +1,106 @@
+"""Per-layer KV budgets on the embedded model (`convert-gqa --kv-budget F --method svd`): each layer keeps 3 or 1 KV
+heads, placed by the measured per-layer costs, against the uniform layouts (GQA-3, MQA) and against the same counts
+placed evenly over the depth (what a user without costs would pick), training-free, at a third, a half and two
+thirds of the KV cache. Perplexity on the calibration corpus's eval split and on two held-out domains."""
+
+from __future__ import annotations
+
+TITLE = "Per-layer KV budgets (`convert-gqa --kv-budget`), training-free"
+EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS, SEARCH_TOKENS = 2048, 512, 2048, 1024
+FRACTIONS = (1 / 3, 1 / 2, 2 / 3)
+
+
+def _evenly(counts: list[int]) -> list[int]:
+    """The same multiset of counts with the larger ones spread evenly over the layers (Bresenham-style)."""
+    n, high = len(counts), max(counts)
+    k = counts.count(high)
+    return [high if (i + 1) * k // n > i * k // n else min(counts) for i in range(n)]
+
+
+def run(args) -> dict:
+    import copy
+    import time
+
+    import torch
+
+    from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
+    from headlab.core.data import TextSpec, load_corpus
+    from headlab.core.loading import from_model, load_model
+    from headlab.kv import gqa
+    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
+    from headlab.measure.costs import kv_bytes_per_token
+    from headlab.measure.evaluate import perplexity
+
+    domains = ("broad", *DEFAULT_EVAL_DOMAINS)
+    corpora = {name: load_corpus(name) for name in domains}
+
+    def ppl(loaded) -> dict:
+        return {
+            name: perplexity(loaded, corpora[name], split="eval", seq_len=SEQ_LEN, batch_size=4,
+                             max_tokens=EVAL_TOKENS, progress=False).perplexity  # fmt: skip
+            for name in domains
+        }
+
+    teacher = load_model(None, device=args.device)
+    text = TextSpec(corpora["broad"], split="calibration", seq_len=SEQ_LEN, batch_size=4)
+    merge_batches = text.but(max_tokens=CALIB_TOKENS).batches(teacher.tokenizer)
+    search_batches = text.but(max_tokens=SEARCH_TOKENS).batches(teacher.tokenizer)
+    spec = BudgetSpec(1.0, method="svd", search_tokens=SEARCH_TOKENS)
+    start = time.perf_counter()
+    work = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+    costs = layer_costs(work, spec, merge_batches, search_batches, progress=False)
+    cost_seconds = time.perf_counter() - start
+    result = {"eval_tokens": EVAL_TOKENS, "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS,
+              "search_tokens": SEARCH_TOKENS, "domains": domains, "threads": torch.get_num_threads(),
+              "cost_seconds": cost_seconds, "costs": costs.to_dict("records"), "rows": []}  # fmt: skip
+    layers = len(teacher.layers)
+
+    def measure(name: str, fraction: float, counts: list[int]) -> None:
+        student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+        apply_counts(student, counts, spec, merge_batches, progress=False)
+        predicted = sum(
+            float(costs[(costs.layer == i) & (costs.kv_heads == g)].loss_increase.iloc[0]) for i, g in enumerate(counts)
+        )
+        row = {"layout": name, "fraction": fraction, "counts": counts, "kv_bytes_per_token": kv_bytes_per_token(student),
+               "predicted_loss_increase": predicted, "ppl": ppl(student)}  # fmt: skip
+        result["rows"].append(row)
+        print(row, flush=True)
+
+    result["rows"].append({"layout": "original (GQA-3)", "fraction": 1.0, "counts": [3] * layers,
+                           "kv_bytes_per_token": kv_bytes_per_token(teacher), "predicted_loss_increase": 0.0,
+                           "ppl": ppl(teacher)})  # fmt: skip
+    student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+    gqa.convert(student, 1, method="svd", batches=merge_batches)
+    result["rows"].append({"layout": "uniform MQA (svd)", "fraction": 1 / 3, "counts": [1] * layers,
+                           "kv_bytes_per_token": kv_bytes_per_token(student), "predicted_loss_increase": None,
+                           "ppl": ppl(student)})  # fmt: skip
+    del student
+    for fraction in FRACTIONS:
+        counts = allocation(teacher, costs, fraction)
+        measure("per-layer (measured costs)", fraction, counts)
+        if len(set(counts)) > 1:
+            measure("per-layer (same counts, evenly spread)", fraction, _evenly(counts))
+    return result
+
+
+def markdown(r: dict) -> str:
+    lines = [
+        f"Embedded SmolLM2-135M (30 layers x 3 KV heads, float32, {r['threads']} threads). Each layer keeps 3 or 1 KV "
+        f"heads; svd merge calibrated on {r['calib_tokens']:,} `broad` calibration tokens; per-layer costs measured "
+        f"once on {r['search_tokens']:,} calibration tokens ({r['cost_seconds']:.0f} s, one forward pass per layer) "
+        f"and reused for every budget. Perplexity on the first {r['eval_tokens']:,} eval-split tokens at seq-len "
+        f"{r['seq_len']}; `predicted`: the sum of the chosen per-layer loss increases (nats/token).",
+        "",
+        "| layout | KV cache kept | layers at 3 heads | predicted | " + " | ".join(r["domains"]) + " |",
+        "|---|---|---|---|" + "---|" * len(r["domains"]),
+    ]
+    original = r["rows"][0]["kv_bytes_per_token"]
+    for row in r["rows"]:
+        full = [i for i, g in enumerate(row["counts"]) if g == 3]
+        where = "all" if len(full) == len(row["counts"]) else (", ".join(map(str, full)) or "none")
+        predicted = "" if row["predicted_loss_increase"] is None else f"{row['predicted_loss_increase']:.3f}"
+        lines.append(
+            f"| {row['layout']} | {row['kv_bytes_per_token'] / original:.3f} | {where} | {predicted} | "
+            + " | ".join(f"{row['ppl'][d]:.2f}" for d in r["domains"]) + " |"
+        )
+    return "\n".join(lines)
