@@ -49,12 +49,7 @@ def test_sweep_rows_match_gated_perplexity(corpus, tmp_path):
     assert list(table.groupby("fraction")["pruned_heads"].unique().map(list)) == [[0], [2], [4]]  # of 8 heads
 
     # Slow, obvious check of one random row: the lowest 4 of the seeded scores, gated off, then plain perplexity.
-    scores = torch.cat(random_scores(loaded.layers, 1))
-    lowest = sorted(range(8), key=lambda i: (float(scores[i]), i))[:4]
-    gates = [torch.ones(4), torch.ones(4)]
-    for flat in lowest:
-        gates[flat // 4][flat % 4] = 0.0
-    with head_gates(loaded, gates):
+    with head_gates(loaded, _lowest_random_gates(loaded, seed=1, count=4)):
         expected = perplexity(loaded, corpus, split="eval", max_tokens=128, progress=False, **EVAL).perplexity
     row = table[(table["order"] == "random") & (table["seed"] == 1) & (table["fraction"] == 0.5)].iloc[0]
     assert row["perplexity"] == pytest.approx(expected, rel=1e-5)
@@ -71,6 +66,16 @@ def test_sweep_rows_match_gated_perplexity(corpus, tmp_path):
     assert len(pd.read_csv(out / "sweep.csv")) == len(table)
     with pytest.raises(HeadlabError, match="overwrite=True"):
         write_sweep(result, tmp_path / "run")
+
+
+def _lowest_random_gates(loaded, seed: int, count: int) -> list[torch.Tensor]:
+    """Gates [4] per layer of the 2-layer, 4-head tiny model with the `count` lowest seeded random scores off (ties:
+    lower flat index first), by hand."""
+    scores = torch.cat(random_scores(loaded.layers, seed))
+    gates = [torch.ones(4), torch.ones(4)]
+    for flat in sorted(range(8), key=lambda i: (float(scores[i]), i))[:count]:
+        gates[flat // 4][flat % 4] = 0.0
+    return gates
 
 
 def test_sweep_long_context_columns_measure_each_pruned_model(corpus, monkeypatch):
@@ -93,12 +98,7 @@ def test_sweep_long_context_columns_measure_each_pruned_model(corpus, monkeypatc
 
     before, after = table.iloc[0], table.iloc[1]
     assert before["fraction"] == 0.0 and [before["passkey_300"], before["passkey_400"]] == [direct(300), direct(400)]
-    scores = torch.cat(random_scores(loaded.layers, 1))
-    lowest = sorted(range(8), key=lambda i: (float(scores[i]), i))[:4]
-    gates = [torch.ones(4), torch.ones(4)]
-    for flat in lowest:
-        gates[flat // 4][flat % 4] = 0.0
-    with head_gates(loaded, gates):
+    with head_gates(loaded, _lowest_random_gates(loaded, seed=1, count=4)):
         assert [after["passkey_300"], after["passkey_400"]] == [direct(300), direct(400)]
     assert before["passkey_300"] != after["passkey_300"]  # the stand-in tells the two models apart
 

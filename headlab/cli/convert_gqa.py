@@ -210,7 +210,8 @@ def command(  # click passes every option as a parameter
     as_json,
 ):
     """Pool groups of KV heads into one (MHA -> GQA, GQA -> fewer groups or MQA) and save a checkpoint."""
-    from headlab.kv.gqa import PoolSpec, convert_checkpoint  # start-up: torch loads when the command runs
+    # start-up: torch loads when the command runs
+    from headlab.kv.gqa import PoolSpec, convert_budget_checkpoint, convert_checkpoint
 
     out = Path(out) if out is not None else Path("headlab-gqa")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
@@ -254,37 +255,13 @@ def command(  # click passes every option as a parameter
         budget = BudgetSpec(kv_budget, method=method, pool=pool, seed=seed, search_tokens=search_tokens)
         check_budget_spec(loaded, budget)  # before the long-context measurement
     before = measure(loaded, text, lengths, not as_json) if lengths else None  # before the conversion edits it
+    common = dict(text=text, calibration_tokens=calibration_tokens, evaluate=not no_eval, overwrite=overwrite,
+                  progress=not as_json, recovery=recovery_for(recovery, loaded, text, not as_json))  # fmt: skip
     if kv_budget is not None:
-        from headlab.kv.gqa import convert_budget_checkpoint  # start-up: torch loads when the command runs
-
-        record = convert_budget_checkpoint(
-            loaded,
-            budget,
-            out,
-            text=text,
-            calibration_tokens=calibration_tokens,
-            evaluate=not no_eval,
-            overwrite=overwrite,
-            progress=not as_json,
-            recovery=recovery_for(recovery, loaded, text, not as_json),
-        )
-        show(record, as_json)
-        if before is not None:
-            for line in record_trade(out, before, load, lengths, text, not as_json):
-                click.echo(line)
-        return
-    record = convert_checkpoint(
-        loaded,
-        kv_heads,
-        out,
-        PoolSpec(pool=pool, grouping=grouping, method=method, seed=seed),
-        text=text,
-        calibration_tokens=calibration_tokens,
-        evaluate=not no_eval,
-        overwrite=overwrite,
-        progress=not as_json,
-        recovery=recovery_for(recovery, loaded, text, not as_json),
-    )
+        record = convert_budget_checkpoint(loaded, budget, out, **common)
+    else:
+        spec = PoolSpec(pool=pool, grouping=grouping, method=method, seed=seed)
+        record = convert_checkpoint(loaded, kv_heads, out, spec, **common)
     show(record, as_json)
     if before is not None:
         for line in record_trade(out, before, load, lengths, text, not as_json):
