@@ -191,6 +191,46 @@ def test_per_layer_kv_budget_goes_to_deci_with_per_layer_kv_counts(tmp_path):
     assert tensor_of(tensors["blk.1.attn_k.weight"]).shape == (2 * 16, 64)
 
 
+def test_an_emptied_layer_is_attention_free_in_deci(tmp_path):
+    # Every head of layer 1 pruned: transformers keeps one zero-output padding head; deci gets 0 heads, no tensors.
+    loaded = pruned(tiny(), [set(), {0, 1, 2, 3}])
+    assert [layer.num_heads for layer in loaded.layers] == [4, 1]  # the padding head
+    plan = plan_export(loaded)
+    assert plan.target.arch == "deci" and plan.heads == [4, 0] and plan.kv_heads == [2, 0]
+    assert plan.attention_free == [1]
+    record = export_gguf(loaded, tmp_path / "m.gguf", outtype="f32", progress=False)
+    fields, tensors = read(tmp_path / "m.gguf")
+    assert list(fields["deci.attention.head_count"]) == [4, 0] and record["attention_free_layers"] == [1]
+    assert not [name for name in tensors if name.startswith("blk.1.attn_")]
+    assert {"blk.1.ffn_norm.weight", "blk.0.attn_norm.weight", "blk.0.attn_q.weight"} <= set(tensors)
+    # llama.cpp reads the head size only when layer 0 has heads: an emptied layer 0 keeps its padding head.
+    first = plan_export(pruned(tiny(), [{0, 1, 2, 3}, set()]))
+    assert first.attention_free == [] and first.heads == [1, 4]
+
+
+def test_llamacpp_caches_nothing_for_an_attention_free_layer(tmp_path):
+    """llama.cpp's bytes per cached token (state size at 48 minus at 16 tokens, over 32): the emptied layer's keys
+    and values are gone, the other layer's 2 KV heads x 16 dims (f16) remain."""
+    from headlab.runtimes.llamacpp import open_model
+
+    if LLAMACPP is not None:
+        pytest.skip(LLAMACPP)
+
+    def per_token(loaded, name):
+        export_gguf(loaded, tmp_path / name, outtype="f32", progress=False)
+        sizes = []
+        for n in (16, 48):
+            llm = open_model(tmp_path / name, n_ctx=64)
+            llm.eval(list(range(3, 3 + n)))
+            sizes.append(llm.save_state().llama_state_size)
+            llm.close()
+        return (sizes[1] - sizes[0]) / 32
+
+    full = per_token(tiny(), "full.gguf")
+    emptied = per_token(pruned(tiny(), [set(), {0, 1, 2, 3}]), "emptied.gguf")
+    assert full - emptied == 2 * 16 * 2 * 2  # one layer's K and V: 2 KV heads x 16 dims, f16
+
+
 def test_qwen2_uniform_stays_qwen2_unpermuted_and_a_pruned_qwen2_needs_deci(tmp_path):
     loaded = tiny("qwen2")
     assert plan_export(loaded).target.arch == "qwen2"
@@ -255,7 +295,17 @@ def _windows(loaded, n=2, length=48):
 @needs_llamacpp
 @pytest.mark.parametrize(
     "variant",
-    ["original", "uniform", "non_uniform", "kv_3_to_1", "kv_per_layer", "qwen2_non_uniform", "qwen3", "mistral"],
+    [
+        "original",
+        "uniform",
+        "non_uniform",
+        "kv_3_to_1",
+        "kv_per_layer",
+        "emptied_layer",
+        "qwen2_non_uniform",
+        "qwen3",
+        "mistral",
+    ],
 )
 def test_llamacpp_log_probs_match_transformers(tmp_path, variant):
     makers = {
@@ -264,6 +314,7 @@ def test_llamacpp_log_probs_match_transformers(tmp_path, variant):
         "non_uniform": lambda: pruned(tiny(), [{0, 1}, {3}]),
         "kv_3_to_1": lambda: kv_converted(tiny()),
         "kv_per_layer": lambda: kv_per_layer(tiny()),
+        "emptied_layer": lambda: pruned(tiny(), [{1}, {0, 1, 2, 3}]),
         "qwen2_non_uniform": lambda: pruned(tiny("qwen2"), [{0, 1}, set()]),
         "qwen3": lambda: tiny("qwen3"),
         "mistral": lambda: tiny("mistral", sliding_window=None),

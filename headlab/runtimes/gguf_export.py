@@ -144,6 +144,9 @@ class ExportPlan:
     head_dim: int
     rope_freqs: list[float] | None
     notes: list[str] = field(default_factory=list)
+    # Layers whose attention adds nothing (every head pruned: zero output projection, no bias), written with 0 heads
+    # and no attention tensors: llama.cpp's deci graph skips them and caches no keys or values for them.
+    attention_free: list[int] = field(default_factory=list)
 
     @property
     def uniform(self) -> bool:
@@ -213,12 +216,21 @@ def plan_export(loaded: LoadedModel) -> ExportPlan:
     rope_freqs, rope_problem = _rope_freqs(loaded, head_dim)
     if rope_problem:
         raise HeadlabError(f"{model_type}: {rope_problem} cannot be exported to llama.cpp")
+    # An emptied layer keeps one zero-output padding head in transformers; a per-layer graph can drop it entirely.
+    # Not layer 0: llama.cpp reads the head size (key_length, rope dims) only when layer 0 has heads.
+    free = [i for i, layer in enumerate(layers) if i > 0 and _attention_is_zero(loaded, layer)]
+    if not any(TARGETS[arch].per_layer_heads for arch in FAMILIES[model_type]):
+        free = []
+    if free:
+        heads = [0 if i in free else h for i, h in enumerate(heads)]
+        kv_heads = [0 if i in free else g for i, g in enumerate(kv_heads)]
     uniform = len(set(zip(heads, kv_heads))) == 1
     reasons = []
     for arch in FAMILIES[model_type]:
         target = TARGETS[arch]
         if not uniform and not target.per_layer_heads:
-            reasons.append(f"{arch}: its graph builds every layer with layer 0's head counts")
+            why = "attention-free layers" if free else "layer 0's head counts"
+            reasons.append(f"{arch}: its graph builds every layer with {why}")
         elif target.full_width_q and heads[0] * head_dim != config.hidden_size:
             reasons.append(f"{arch}: q/o must be hidden-size wide ({heads[0]} x {head_dim} != {config.hidden_size})")
         elif names - target.loads:
@@ -233,8 +245,16 @@ def plan_export(loaded: LoadedModel) -> ExportPlan:
                     f"llama.cpp's {arch} graph attends over the whole context: identical to transformers only "
                     f"up to the sliding window ({window} tokens)"
                 )
-            return ExportPlan(target, model_type, heads, kv_heads, head_dim, rope_freqs, notes)
+            if free:
+                notes.append(f"layers {free} have no attention left: written with 0 heads, no KV cache for them")
+            return ExportPlan(target, model_type, heads, kv_heads, head_dim, rope_freqs, notes, free)
     raise HeadlabError(f"llama.cpp cannot run this {model_type} layout: " + "; ".join(reasons))
+
+
+def _attention_is_zero(loaded: LoadedModel, layer) -> bool:
+    """The layer's attention adds exactly nothing to the residual stream: output projection and bias all zero."""
+    weights = loaded.adapter.read(layer)
+    return not bool(weights.o.any()) and (weights.o_bias is None or not bool(weights.o_bias.any()))
 
 
 def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
@@ -542,7 +562,11 @@ def export_gguf(
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
-    items = [(gguf_name, block, tensor) for gguf_name, block, tensor in _gguf_names(loaded.model).values()]
+    items = [
+        (gguf_name, block, tensor)
+        for gguf_name, block, tensor in _gguf_names(loaded.model).values()
+        if not (block in plan.attention_free and gguf_name.split(".")[2].startswith("attn_"))
+    ]
     if plan.target.arch == "deepseek2":
         items = _split_kv_b(items, config)
     if plan.rope_freqs is not None:
@@ -571,6 +595,7 @@ def export_gguf(
             "uniform": plan.uniform,
             "head_count": plan.heads,
             "head_count_kv": plan.kv_heads,
+            "attention_free_layers": plan.attention_free,
             "head_dim": plan.head_dim,
             "outtype": outtype,
             "tensor_types": sorted({t.name.lower() for t in types.values()}),
