@@ -15,6 +15,7 @@ import torch
 from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
+from headlab.core.checkpoint import save_checkpoint
 from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model, load_model
@@ -250,3 +251,50 @@ def test_cli_gqa_sweep_kv_budgets(tmp_path, capsys):
     assert "budget 0.5" in out and (tmp_path / "sweep" / "gqa_sweep.png").exists()
     code, out, err = run_cli([*args[:-2], "--kv-budgets", "0.1", "--out", tmp_path / "bad"], capsys)
     assert code == 2 and "below one KV head per layer" in err and not (tmp_path / "bad").exists()
+
+
+# ---- layers left without attention (--allow-empty-layer) --------------------------------------------------------
+
+
+def test_empty_layer_costs_and_conversion_equal_gating_the_layer_off(tmp_path):
+    from headlab.mechanisms.gates import head_gates
+
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 10)
+    loaded = load_model(str(src), device="cpu")
+    spec = B.BudgetSpec(0.2, allow_empty_layer=True, search_tokens=128)
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="calibration", max_tokens=128, seq_len=32).resolved()
+    costs = B.layer_costs(loaded, spec, None, text.batches(loaded.tokenizer), progress=False)
+    assert sorted(costs[costs.kv_heads == 0].layer) == [1, 2]  # never layer 0
+    assert (costs[costs.kv_heads == 0].kv_numbers_per_token == 0).all()
+    off = [torch.ones(8), torch.ones(8), torch.zeros(8)]  # layer 2's heads gated to zero: what losing it does
+    with head_gates(loaded, off):
+        gated = _logits(loaded)
+    counts = B.allocation(loaded, costs, 0.2)  # 2 of 12 KV heads: only possible with layers left out
+    assert counts[0] >= 1 and sum(counts) <= 2 and 0 in counts
+    record = B.apply_counts(loaded, [4, 4, 0], spec, None)
+    assert record["attention_free_layers"] == [2] and record["kv_numbers_per_token_without_padding"] == 2 * 8 * 16
+    torch.testing.assert_close(_logits(loaded), gated, atol=1e-5, rtol=0)
+    with pytest.raises(HeadlabError, match="never in layer 0"):
+        B.apply_counts(load_model(str(src), device="cpu"), [0, 4, 4], spec, None)
+
+
+def test_empty_layer_checkpoint_reloads_and_is_attention_free_in_gguf(tmp_path):
+    pytest.importorskip("gguf")
+    from headlab.runtimes.gguf_export import plan_export
+
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    loaded = load_model(str(src), device="cpu")
+    B.apply_counts(loaded, [2, 0, 1], B.BudgetSpec(0.3, allow_empty_layer=True), None)
+    expected = _logits(loaded)
+    save_checkpoint(loaded.model, loaded.tokenizer, tmp_path / "out")
+    back = load_model(str(tmp_path / "out"), device="cpu")
+    assert [layer.num_kv_heads for layer in back.layers] == [2, 1, 1]  # layer 1: the padding head
+    torch.testing.assert_close(_logits(back), expected, atol=1e-5, rtol=0)
+    plan = plan_export(back)
+    assert plan.target.arch == "deci" and plan.kv_heads == [2, 0, 1] and plan.attention_free == [1]
+
+
+def test_cli_allow_empty_layer_needs_a_budget(tmp_path, capsys):
+    code, out, err = run_cli(_command(tmp_path, "--kv-heads", "2", "--allow-empty-layer"), capsys)
+    assert code == 2 and "--allow-empty-layer applies to --kv-budget" in err and not (tmp_path / "out").exists()

@@ -155,6 +155,12 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     "about 1 s each on the embedded 135M model, 2 CPU cores); layers that differ load with headlab's loader",
 )
 @click.option(
+    "--allow-empty-layer",
+    is_flag=True,
+    help="with --kv-budget: a layer (not the first) may lose its attention entirely, 0 KV heads; only llama.cpp "
+    "(export-gguf -> deci) then caches nothing for it, transformers keeps one zero-output head",
+)
+@click.option(
     "--search-tokens",
     type=click.IntRange(min=1),
     default=1024,
@@ -193,6 +199,7 @@ def command(  # click passes every option as a parameter
     load,
     kv_heads,
     kv_budget,
+    allow_empty_layer,
     search_tokens,
     method,
     pool,
@@ -219,6 +226,8 @@ def command(  # click passes every option as a parameter
     lengths = lengths_of(long_lengths)
     if (kv_heads is None) == (kv_budget is None):
         raise HeadlabError("give --kv-heads N (every layer) or --kv-budget FRACTION (per layer), one of them")
+    if allow_empty_layer and kv_budget is None:
+        raise HeadlabError("--allow-empty-layer applies to --kv-budget (per-layer counts); add --kv-budget FRACTION")
     if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading; the layers' floor is checked after
         raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the original KV cache in (0, 1]")
     if kv_budget is not None and (streaming or grouping != "contiguous"):
@@ -252,7 +261,8 @@ def command(  # click passes every option as a parameter
     if kv_budget is not None:
         from headlab.kv.budget import BudgetSpec, check_budget_spec  # start-up: torch loads when the command runs
 
-        budget = BudgetSpec(kv_budget, method=method, pool=pool, seed=seed, search_tokens=search_tokens)
+        budget = BudgetSpec(kv_budget, method=method, pool=pool, seed=seed, search_tokens=search_tokens,
+                            allow_empty_layer=allow_empty_layer)  # fmt: skip
         check_budget_spec(loaded, budget)  # before the long-context measurement
     before = measure(loaded, text, lengths, not as_json) if lengths else None  # before the conversion edits it
     common = dict(text=text, calibration_tokens=calibration_tokens, evaluate=not no_eval, overwrite=overwrite,

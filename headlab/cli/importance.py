@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import allow_foreign_option, data_options, guard, model_options, out_option
+from headlab.cli.options import (
+    allow_foreign_option,
+    data_options,
+    guard,
+    low_memory_option,
+    model_options,
+    out_option,
+)
 from headlab.core.errors import HeadlabError
 from headlab.measure.importance_methods import IMPORTANCE_METHODS
 
@@ -42,13 +49,7 @@ from headlab.measure.importance_methods import IMPORTANCE_METHODS
     is_flag=True,
     help="grad/taylor: recompute each block in the backward pass instead of keeping activations (long windows)",
 )
-@click.option(
-    "--low-memory/--no-low-memory",
-    default=True,
-    show_default=True,
-    help="one sequence per forward/backward pass, with activation checkpointing for grad/taylor (same scores, "
-    "a fraction of the memory; --no-low-memory is faster)",
-)
+@low_memory_option
 @allow_foreign_option
 @out_option(required=False, help_text="output directory, written atomically [default: runs/importance-METHOD]")
 def command(
@@ -83,12 +84,14 @@ def command(
     # start-up: torch and pandas load when the command runs, not for --help
     from headlab.core.tables import write_run
     from headlab.core.validate import check_table_origin
-    from headlab.measure.importance import head_importance
+    from headlab.measure.importance import choose_low_memory, head_importance
 
     out = out if out is not None else Path("runs") / f"importance-{method}"
     guard(out, overwrite, {"model": load.spec}, data=text.data, mask=mask)
     loaded = load()
     check_table_origin(mask, loaded, "--mask", allow_foreign_scores)
+    if low_memory is None:  # whole batches when their activations fit in the memory available, as prune chooses
+        low_memory = choose_low_memory(loaded, text.batch_size, text.seq_len)
     result = head_importance(
         loaded,
         method=method,

@@ -59,11 +59,31 @@ class BudgetSpec:
     pool: str = "mean"
     seed: int = 0
     search_tokens: int = 1024
+    # Also let a layer (not layer 0) lose its attention entirely: 0 KV heads. Only llama.cpp's deci holds no cache
+    # for such a layer (headlab.runtimes.gguf_export); transformers keeps one zero-output padding head there.
+    allow_empty_layer: bool = False
+
+
+def layer_choices(layer, spec: BudgetSpec) -> list[int]:
+    """The KV-head counts `layer` may take under `spec`: the divisors of its G, and 0 (no attention) when allowed
+    for every layer but the first, which llama.cpp needs with heads (it reads the head size from layer 0)."""
+    return kv_choices(layer.num_kv_heads) + ([0] if spec.allow_empty_layer and layer.index > 0 else [])
+
+
+def _without_attention(weights):
+    """One padding head (query 0, KV head 0) whose output projection and bias are zero: the layer adds nothing."""
+    kept = weights.take([0], [0])
+    kept.o.zero_()
+    if kept.o_bias is not None:
+        kept.o_bias.zero_()
+    return kept
 
 
 def _layer_options(loaded: LoadedModel, method: str, pool: str, seed: int, kv_heads: int, batches, progress):
     """{layer index: that layer's weights converted alone to `kv_heads` KV heads}, nothing written; layers whose G
-    `kv_heads` does not divide below G are left out."""
+    `kv_heads` does not divide below G are left out. kv_heads 0: the layer without attention (every layer but 0)."""
+    if kv_heads == 0:
+        return {layer.index: _without_attention(loaded.adapter.read(layer)) for layer in gqa_layers(loaded)[1:]}
     layers = [layer for layer in gqa_layers(loaded) if layer.num_kv_heads % kv_heads == 0 < kv_heads]
     layers = [layer for layer in layers if kv_heads < layer.num_kv_heads]
     chosen = KV_METHODS[method]
@@ -78,7 +98,7 @@ def _layer_options(loaded: LoadedModel, method: str, pool: str, seed: int, kv_he
 @torch.no_grad()
 def layer_costs(loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_batches, progress: bool = True):
     """The table of c_l(g): one row per (layer, KV heads) with the calibration NLL increase of converting that layer
-    alone (0 for its own G), and its KV numbers per token (2 g D)."""
+    alone (0 for its own G), and its KV numbers per token (2 g D; 0 for a layer left without attention)."""
     check_resident(loaded, "the per-layer KV budget")
     layers = gqa_layers(loaded)
     scored = scoring_batches(loaded, search_batches)
@@ -91,8 +111,8 @@ def layer_costs(loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_bat
 
     reference = loss()
     rows = [dict(layer=layer.index, kv_heads=layer.num_kv_heads, loss_increase=0.0) for layer in layers]
-    counts = sorted({g for layer in layers for g in kv_choices(layer.num_kv_heads) if g < layer.num_kv_heads})
-    total = sum(len(kv_choices(layer.num_kv_heads)) - 1 for layer in layers)
+    counts = sorted({g for layer in layers for g in layer_choices(layer, spec) if g < layer.num_kv_heads})
+    total = sum(len(layer_choices(layer, spec)) - 1 for layer in layers)
     bar = tqdm(total=total, desc="per-layer KV costs", disable=not progress, unit="model")
     adapter = loaded.adapter
     for g in counts:
@@ -116,13 +136,14 @@ def layer_costs(loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_bat
 
 def allocation(loaded: LoadedModel, costs: pd.DataFrame, fraction: float) -> list[int]:
     """The per-layer KV-head counts of `costs` (layer_costs) that fit `fraction` of the original KV bytes at least
-    total cost."""
+    total cost; a 0 row in `costs` (allow_empty_layer) lets that layer lose its attention."""
     layers = gqa_layers(loaded)
     per_layer = [
         {int(r.kv_heads): float(r.loss_increase) for r in costs[costs.layer == layer.index].itertuples()}
         for layer in layers
     ]
-    return allocate_kv(per_layer, [layer.head_dim for layer in layers], budget_units(layers, fraction))
+    empty = any(0 in options for options in per_layer)
+    return allocate_kv(per_layer, [layer.head_dim for layer in layers], budget_units(layers, fraction, empty))
 
 
 def apply_counts(
@@ -134,28 +155,19 @@ def apply_counts(
     layers = gqa_layers(loaded)
     if len(counts) != len(layers):
         raise HeadlabError(f"{len(counts)} per-layer KV-head counts for {len(layers)} attention layers")
+    for layer, g in zip(layers, counts):
+        if g not in layer_choices(layer, spec):
+            raise HeadlabError(
+                f"layer {layer.index}: {g} KV heads is none of its choices {layer_choices(layer, spec)} (a divisor "
+                "of its KV heads; 0 with allow_empty_layer, never in layer 0)"
+            )
     converted = {}
     for g in sorted(set(counts)):
         targets = {layer.index for layer, count in zip(layers, counts) if count == g < layer.num_kv_heads}
         if targets:
             options = _layer_options(loaded, spec.method, spec.pool, spec.seed, g, batches, progress)
             converted.update({index: options[index] for index in targets})
-    layout = []
-    for layer, g in zip(layers, counts):
-        if g not in kv_choices(layer.num_kv_heads):
-            raise HeadlabError(f"layer {layer.index}: {g} KV heads is not a divisor of its {layer.num_kv_heads}")
-        size = layer.num_kv_heads // g
-        groups = [list(range(i * size, (i + 1) * size)) for i in range(g)]
-        layout.append(
-            LayerLayout(
-                layer.index,
-                list(range(layer.num_heads)),
-                [group[0] for group in groups],
-                layer.num_heads,
-                layer.num_kv_heads,
-                kv_groups=groups,
-            )  # fmt: skip
-        )
+    layout = [_layer_layout(layer, g) for layer, g in zip(layers, counts)]
     for layer in layers:
         if layer.index in converted:
             loaded.adapter.write(layer, converted[layer.index])
@@ -172,7 +184,21 @@ def apply_counts(
         "pool": spec.pool if KV_METHODS[spec.method].pools else None,
         "seed": spec.seed,
         "loader": "vanilla" if len(set(counts)) == 1 else "headlab",
+        # layers left without attention: one zero-output padding head in transformers, none in llama.cpp's deci
+        "attention_free_layers": [layer.index for layer, g in zip(layers, counts) if g == 0],
+        "kv_numbers_per_token_without_padding": sum(2 * g * layer.head_dim for layer, g in zip(layers, counts)),
     }
+
+
+def _layer_layout(layer, g: int) -> LayerLayout:
+    """The layout record of a layer pooled to g KV heads (contiguous groups), or (g = 0) left with one zero-output
+    padding head, as physical pruning records an emptied layer."""
+    if g == 0:
+        return LayerLayout(layer.index, [0], [0], layer.num_heads, layer.num_kv_heads, padding=[0], kv_groups=[[0]])
+    size = layer.num_kv_heads // g
+    groups = [list(range(i * size, (i + 1) * size)) for i in range(g)]
+    return LayerLayout(layer.index, list(range(layer.num_heads)), [group[0] for group in groups], layer.num_heads,
+                       layer.num_kv_heads, kv_groups=groups)  # fmt: skip
 
 
 def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
@@ -182,7 +208,7 @@ def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
         raise HeadlabError(f"unknown pool={spec.pool!r}; use one of {', '.join(POOLS)}")
     if spec.search_tokens < 1:
         raise HeadlabError(f"search_tokens={spec.search_tokens} must be at least 1")
-    budget_units(gqa_layers(loaded), spec.fraction)
+    budget_units(gqa_layers(loaded), spec.fraction, spec.allow_empty_layer)
 
 
 def with_fraction(spec: BudgetSpec, fraction: float) -> BudgetSpec:

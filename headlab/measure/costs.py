@@ -75,17 +75,19 @@ def kv_choices(num_kv_heads: int) -> list[int]:
     return [g for g in range(num_kv_heads, 0, -1) if num_kv_heads % g == 0]
 
 
-def budget_units(layers, fraction: float) -> int:
+def budget_units(layers, fraction: float, allow_empty_layer: bool = False) -> int:
     """The budget in KV-head-dimension units, sum_l g_l D_l <= floor(fraction x sum_l G_l D_l); a fraction outside
-    (0, 1] or below one KV head per layer is a one-line error."""
+    (0, 1] or below one KV head per layer (allow_empty_layer: below one KV head in the first layer, the one a layer
+    without attention cannot be) is a one-line error."""
     if not (isinstance(fraction, (int, float)) and math.isfinite(fraction) and 0 < fraction <= 1):
         raise HeadlabError(f"a KV budget of {fraction} must be a fraction of the original KV cache in (0, 1]")
     total = sum(layer.num_kv_heads * layer.head_dim for layer in layers)
-    least = sum(layer.head_dim for layer in layers)  # one KV head in every layer
+    least = layers[0].head_dim if allow_empty_layer else sum(layer.head_dim for layer in layers)
     units = math.floor(fraction * total + 1e-9)
     if units < least:
+        where = "in the first layer" if allow_empty_layer else "per layer"
         raise HeadlabError(
-            f"a KV budget of {fraction} is below one KV head per layer ({least / total:.4g} of the original KV cache); "
+            f"a KV budget of {fraction} is below one KV head {where} ({least / total:.4g} of the original KV cache); "
             "ask for at least that"
         )
     return units

@@ -1,13 +1,16 @@
 """Per-layer KV budgets on the embedded model (`convert-gqa --kv-budget F --method svd`): each layer keeps 3 or 1 KV
 heads, placed by the measured per-layer costs, against the uniform layouts (GQA-3, MQA) and against the same counts
 placed evenly over the depth (what a user without costs would pick), training-free, at a third, a half and two
-thirds of the KV cache. Perplexity on the calibration corpus's eval split and on two held-out domains."""
+thirds of the KV cache; and with `--allow-empty-layer` (a layer may lose its attention, which llama.cpp's deci then
+caches nothing for) at a third, a sixth and an eighth. Perplexity on the calibration corpus's eval split and on two
+held-out domains."""
 
 from __future__ import annotations
 
 TITLE = "Per-layer KV budgets (`convert-gqa --kv-budget`), training-free"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS, SEARCH_TOKENS = 2048, 512, 2048, 1024
 FRACTIONS = (1 / 3, 1 / 2, 2 / 3)
+EMPTY_FRACTIONS = (1 / 3, 1 / 6, 1 / 8)  # with layers left without attention (llama.cpp bytes)
 
 
 def _evenly(counts: list[int]) -> list[int]:
@@ -45,23 +48,29 @@ def run(args) -> dict:
     text = TextSpec(corpora["broad"], split="calibration", seq_len=SEQ_LEN, batch_size=4)
     merge_batches = text.but(max_tokens=CALIB_TOKENS).batches(teacher.tokenizer)
     search_batches = text.but(max_tokens=SEARCH_TOKENS).batches(teacher.tokenizer)
-    spec = BudgetSpec(1.0, method="svd", search_tokens=SEARCH_TOKENS)
+    spec = BudgetSpec(1.0, method="svd", search_tokens=SEARCH_TOKENS, allow_empty_layer=True)
     start = time.perf_counter()
     work = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
-    costs = layer_costs(work, spec, merge_batches, search_batches, progress=False)
+    every = layer_costs(work, spec, merge_batches, search_batches, progress=False)  # with the 0-head rows
+    costs = every[every.kv_heads > 0]
     cost_seconds = time.perf_counter() - start
     result = {"eval_tokens": EVAL_TOKENS, "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS,
               "search_tokens": SEARCH_TOKENS, "domains": domains, "threads": torch.get_num_threads(),
-              "cost_seconds": cost_seconds, "costs": costs.to_dict("records"), "rows": []}  # fmt: skip
+              "cost_seconds": cost_seconds, "costs": every.to_dict("records"), "rows": []}  # fmt: skip
     layers = len(teacher.layers)
 
     def measure(name: str, fraction: float, counts: list[int]) -> None:
         student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
-        apply_counts(student, counts, spec, merge_batches, progress=False)
+        record = apply_counts(student, counts, spec, merge_batches, progress=False)
         predicted = sum(
-            float(costs[(costs.layer == i) & (costs.kv_heads == g)].loss_increase.iloc[0]) for i, g in enumerate(counts)
+            float(every[(every.layer == i) & (every.kv_heads == g)].loss_increase.iloc[0]) for i, g in enumerate(counts)
         )
-        row = {"layout": name, "fraction": fraction, "counts": counts, "kv_bytes_per_token": kv_bytes_per_token(student),
+        # the bytes llama.cpp caches: a layer without attention holds none (transformers keeps a padding head)
+        first = teacher.layers[0]
+        element = kv_bytes_per_token(teacher) // (2 * first.num_kv_heads * first.head_dim * layers)
+        row = {"layout": name, "fraction": fraction, "counts": counts,
+               "kv_bytes_per_token": record["kv_numbers_per_token_without_padding"] * element,
+               "kv_bytes_per_token_transformers": kv_bytes_per_token(student),
                "predicted_loss_increase": predicted, "ppl": ppl(student)}  # fmt: skip
         result["rows"].append(row)
         print(row, flush=True)
@@ -80,6 +89,8 @@ def run(args) -> dict:
         measure("per-layer (measured costs)", fraction, counts)
         if len(set(counts)) > 1:
             measure("per-layer (same counts, evenly spread)", fraction, _evenly(counts))
+    for fraction in EMPTY_FRACTIONS:
+        measure("per-layer, attention-free layers allowed", fraction, allocation(teacher, every, fraction))
     return result
 
 
@@ -89,7 +100,9 @@ def markdown(r: dict) -> str:
         f"heads; svd merge calibrated on {r['calib_tokens']:,} `broad` calibration tokens; per-layer costs measured "
         f"once on {r['search_tokens']:,} calibration tokens ({r['cost_seconds']:.0f} s, one forward pass per layer) "
         f"and reused for every budget. Perplexity on the first {r['eval_tokens']:,} eval-split tokens at seq-len "
-        f"{r['seq_len']}; `predicted`: the sum of the chosen per-layer loss increases (nats/token).",
+        f"{r['seq_len']}; `predicted`: the sum of the chosen per-layer loss increases (nats/token). `KV cache kept`: "
+        "what llama.cpp caches (a layer without attention holds nothing there; transformers keeps one zero-output "
+        "padding head for it).",
         "",
         "| layout | KV cache kept | layers at 3 heads | predicted | " + " | ".join(r["domains"]) + " |",
         "|---|---|---|---|" + "---|" * len(r["domains"]),
@@ -98,6 +111,8 @@ def markdown(r: dict) -> str:
     for row in r["rows"]:
         full = [i for i, g in enumerate(row["counts"]) if g == 3]
         where = "all" if len(full) == len(row["counts"]) else (", ".join(map(str, full)) or "none")
+        free = [i for i, g in enumerate(row["counts"]) if g == 0]
+        where += f"; no attention: {', '.join(map(str, free))}" if free else ""
         predicted = "" if row["predicted_loss_increase"] is None else f"{row['predicted_loss_increase']:.3f}"
         lines.append(
             f"| {row['layout']} | {row['kv_bytes_per_token'] / original:.3f} | {where} | {predicted} | "
