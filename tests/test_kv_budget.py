@@ -78,6 +78,9 @@ def test_budget_units_and_refusals():
     assert B.budget_units(layers, 1.0) == 12 * D
     assert B.budget_units(layers, 0.5) == 6 * D
     assert B.budget_units(layers, 0.25) == 3 * D  # one head per layer: the floor
+    assert B.budget_units(layers, 0.1, allow_empty_layer=True) == int(0.1 * 12 * D)  # layers may go without heads
+    with pytest.raises(HeadlabError, match="below one KV head in the first layer"):
+        B.budget_units(layers, 0.05, allow_empty_layer=True)  # below the first layer's one head
     for bad, match in ((0.2, "below one KV head per layer"), (1.5, r"in \(0, 1\]"), (0.0, r"in \(0, 1\]"),
                        (float("nan"), r"in \(0, 1\]")):  # fmt: skip
         with pytest.raises(HeadlabError, match=match):

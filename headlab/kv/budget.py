@@ -14,7 +14,7 @@ headlab.core.loading.load_model) and exports to llama.cpp's `deci` architecture,
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -209,8 +209,3 @@ def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
     if spec.search_tokens < 1:
         raise HeadlabError(f"search_tokens={spec.search_tokens} must be at least 1")
     budget_units(gqa_layers(loaded), spec.fraction, spec.allow_empty_layer)
-
-
-def with_fraction(spec: BudgetSpec, fraction: float) -> BudgetSpec:
-    """The same spec at another budget (the costs do not depend on it: one cost table serves every budget)."""
-    return replace(spec, fraction=fraction)
