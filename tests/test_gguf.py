@@ -70,6 +70,21 @@ def kv_per_layer(loaded, counts=(1, 2)):
     return from_model(loaded.model, loaded.tokenizer)
 
 
+def llamacpp_bytes_per_token(loaded, path) -> float:
+    """llama.cpp's own bytes per cached token of `loaded` exported to `path` (f32): its state size after 48 tokens
+    minus after 16, over 32 (the cells' keys, values and metadata)."""
+    from headlab.runtimes.llamacpp import open_model
+
+    export_gguf(loaded, path, outtype="f32", progress=False)
+    sizes = []
+    for n in (16, 48):
+        llm = open_model(path, n_ctx=64)
+        llm.eval(list(range(3, 3 + n)))
+        sizes.append(llm.save_state().llama_state_size)
+        llm.close()
+    return (sizes[1] - sizes[0]) / 32
+
+
 def read(path):
     reader = gguf.GGUFReader(path)
     fields = {name: field.contents() for name, field in reader.fields.items()}
@@ -211,23 +226,10 @@ def test_an_emptied_layer_is_attention_free_in_deci(tmp_path):
 def test_llamacpp_caches_nothing_for_an_attention_free_layer(tmp_path):
     """llama.cpp's bytes per cached token (state size at 48 minus at 16 tokens, over 32): the emptied layer's keys
     and values are gone, the other layer's 2 KV heads x 16 dims (f16) remain."""
-    from headlab.runtimes.llamacpp import open_model
-
     if LLAMACPP is not None:
         pytest.skip(LLAMACPP)
-
-    def per_token(loaded, name):
-        export_gguf(loaded, tmp_path / name, outtype="f32", progress=False)
-        sizes = []
-        for n in (16, 48):
-            llm = open_model(tmp_path / name, n_ctx=64)
-            llm.eval(list(range(3, 3 + n)))
-            sizes.append(llm.save_state().llama_state_size)
-            llm.close()
-        return (sizes[1] - sizes[0]) / 32
-
-    full = per_token(tiny(), "full.gguf")
-    emptied = per_token(pruned(tiny(), [set(), {0, 1, 2, 3}]), "emptied.gguf")
+    full = llamacpp_bytes_per_token(tiny(), tmp_path / "full.gguf")
+    emptied = llamacpp_bytes_per_token(pruned(tiny(), [set(), {0, 1, 2, 3}]), tmp_path / "emptied.gguf")
     assert full - emptied == 2 * 16 * 2 * 2  # one layer's K and V: 2 KV heads x 16 dims, f16
 
 

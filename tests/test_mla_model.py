@@ -419,24 +419,11 @@ def test_speed_holds_the_latent_cache_in_both_runtimes():
 def test_llamacpp_state_grows_by_the_latent_per_token(tmp_path):
     """llama.cpp's own bytes per cached token (state size at 48 minus at 16 tokens, over 32): the MLA model's equals
     2 layers x (12 + 8) f16 numbers plus the cell metadata the same-shaped GQA llama shows beyond its 2 x 2 x 2 x 16."""
-    from test_gguf import LLAMACPP, tiny
-
-    from headlab.runtimes.gguf_export import export_gguf
-    from headlab.runtimes.llamacpp import open_model
+    from test_gguf import LLAMACPP, llamacpp_bytes_per_token, tiny
 
     if LLAMACPP is not None:
         pytest.skip(LLAMACPP)
-
-    def per_token(loaded, name):
-        export_gguf(loaded, tmp_path / name, outtype="f32", progress=False)
-        sizes = []
-        for n in (16, 48):
-            llm = open_model(tmp_path / name, n_ctx=64)
-            llm.eval(list(range(3, 3 + n)))
-            sizes.append(llm.save_state().llama_state_size)
-            llm.close()
-        return (sizes[1] - sizes[0]) / 32
-
-    metadata = per_token(tiny("llama"), "gqa.gguf") - 2 * (2 * 2 * 16) * 2  # K and V of 2 KV heads, f16
+    # K and V of 2 KV heads x 16 dims in 2 layers, f16; the rest is the cells' metadata
+    metadata = llamacpp_bytes_per_token(tiny("llama"), tmp_path / "gqa.gguf") - 2 * (2 * 2 * 16) * 2
     assert metadata >= 0
-    assert per_token(tiny("deepseek_v3"), "mla.gguf") == 2 * (12 + 8) * 2 + metadata
+    assert llamacpp_bytes_per_token(tiny("deepseek_v3"), tmp_path / "mla.gguf") == 2 * (12 + 8) * 2 + metadata
