@@ -312,8 +312,9 @@ def convert_budget_checkpoint(
 ) -> dict:
     """`headlab convert-gqa --kv-budget F`: per-layer KV-head counts that keep `budget.fraction` of the KV bytes
     (headlab.kv.budget: measured per-layer costs, exact allocation), converted in place and saved to `out`
-    verified by a reload (headlab's loader when the layers differ). Records the cost table beside the checkpoint
-    (kv_budget.csv). Bad input fails before any work; the source is never touched.
+    verified by a reload (headlab's loader when the layers differ). The cost table and the chosen counts go beside
+    the checkpoint (kv_budget/costs.csv, kv_budget/meta.json). Bad input fails before any work; the source is never
+    touched.
 
     text: the eval text; the costs and the svd merge read its calibration split (`budget.search_tokens` and
     `calibration_tokens` tokens)."""
