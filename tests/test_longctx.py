@@ -400,3 +400,17 @@ def test_streaming_conversion_cannot_measure_long_context(checkpoint, tmp_path, 
             tmp_path / "out"]  # fmt: skip
     code, _, stderr = run_cli(args, capsys)
     assert code == 2 and "cannot measure --long-context" in stderr and not (tmp_path / "out").exists()
+
+
+def test_prune_refuses_a_bad_request_before_measuring_long_context(checkpoint, corpus, tmp_path, capsys, monkeypatch):
+    import headlab.cli.prune as prune_command
+
+    def never(*args, **kwargs):
+        raise AssertionError("the long-context measurement ran before the request was checked")
+
+    monkeypatch.setattr(prune_command, "measure", never)
+    args = ["prune", "--count", "100000", "--model", checkpoint, "--data", corpus, "--long-context", "600", "--out",
+            tmp_path / "out"]  # fmt: skip
+    code, _, stderr = run_cli(args, capsys)
+    assert code == 2 and len(stderr.strip().splitlines()) == 1, stderr
+    assert not (tmp_path / "out").exists()

@@ -132,7 +132,7 @@ def command(  # click passes every option as a parameter
     checkpoint that is reloaded and compared before the command returns."""
     # start-up: torch, transformers and pandas load when the command runs, not for --help
     from headlab.core.validate import check_table_origin
-    from headlab.pruning.prune import PruneSpec, Selection, prune
+    from headlab.pruning.prune import PruneSpec, Selection, check_request, prune
 
     if text.split != "eval":
         raise HeadlabError("prune scores perplexity on the eval split; importance always uses the calibration split")
@@ -144,7 +144,6 @@ def command(  # click passes every option as a parameter
     text = text.resolved()  # one corpus for scoring, compensation, perplexity and recovery
     guard_checkpoint_space(out, loaded)
     check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
-    before = measure(loaded, text, lengths, not as_json) if lengths else None  # before pruning edits it
     spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
     selection = Selection(
         heads=heads,
@@ -158,6 +157,9 @@ def command(  # click passes every option as a parameter
         search_tokens=search_tokens,
         low_memory=low_memory,
     )
+    if lengths:  # a bad request fails before the long-context measurement, not after it
+        check_request(loaded, spec, selection, mode=mode, compensate=compensate, out=out, overwrite=overwrite)
+    before = measure(loaded, text, lengths, not as_json) if lengths else None  # before pruning edits it
     result = prune(
         loaded,
         spec,

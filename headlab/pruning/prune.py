@@ -339,13 +339,8 @@ def prune(
     the checkpoint directory and whether it may be replaced."""
     # Inside, the arguments become a PruneSpec (plan), a ScoreRequest (scores) and two TextSpecs (calibration, eval).
     heads, scores, method, iterative = selection.heads, selection.scores, selection.method, selection.iterative
-    check_compensation(loaded, compensate)
-    budget = _budget(selection.budget, spec.per_layer, spec.uniform)
-    spec = replace(spec, per_layer=budget == "per-layer", uniform=budget == "uniform")  # never the caller's object
-    spec = _check_prune(loaded, spec, heads=heads, scores=scores, iterative=iterative, mode=mode, out=out,
-                        overwrite=overwrite)  # fmt: skip
-    joint = heads is None and (selection.select != "rank" or budget == "search")
-    _check_selection(loaded, spec, selection, budget, compensate, joint)
+    spec, budget, joint = check_request(loaded, spec, selection, mode=mode, compensate=compensate, out=out,
+                                        overwrite=overwrite)  # fmt: skip
     # The corpus is resolved once, and only when some step reads text (scores, compensation, perplexity).
     reads_text = (heads is None and (scores is None or iterative)) or evaluate or compensate is not None
     text = text.resolved() if reads_text else text
@@ -471,6 +466,20 @@ def _selection_record(options: dict, spec: PruneSpec) -> dict:
     return {**{key: merged[key] for key in keys}, **{k: merged[k] for k in extra}}
 
 
+def check_request(loaded, spec: PruneSpec, selection: Selection, *, mode, compensate, out, overwrite):
+    """Every check of a prune request that needs no forward pass (prune runs it first; a command that measures
+    something before pruning runs it before that). Returns (spec with its budget and default amount filled in,
+    the budget name, whether a joint selection chooses)."""
+    check_compensation(loaded, compensate)
+    budget = _budget(selection.budget, spec.per_layer, spec.uniform)
+    spec = replace(spec, per_layer=budget == "per-layer", uniform=budget == "uniform")  # never the caller's object
+    spec = _check_prune(loaded, spec, heads=selection.heads, scores=selection.scores, iterative=selection.iterative,
+                        mode=mode, out=out, overwrite=overwrite)  # fmt: skip
+    joint = selection.heads is None and (selection.select != "rank" or budget == "search")
+    _check_selection(loaded, spec, selection, budget, compensate)
+    return spec, budget, joint
+
+
 def _check_prune(loaded, spec: PruneSpec, *, heads, scores, iterative, mode, out, overwrite) -> PruneSpec:
     """Every option check that needs no forward pass; returns `spec` with the default amount (20% of the heads)
     filled in."""
@@ -536,7 +545,7 @@ def _budget(budget: str | None, per_layer: bool, uniform: bool) -> str:
     return budget or implied or "global"
 
 
-def _check_selection(loaded, spec: PruneSpec, selection: Selection, budget, compensate, joint):
+def _check_selection(loaded, spec: PruneSpec, selection: Selection, budget, compensate):
     """The selection options' checks that need no forward pass (headlab.pruning.selection), after _check_prune."""
     select, method, iterative = selection.select, selection.method, selection.iterative
     heads, scores = selection.heads, selection.scores
@@ -550,7 +559,7 @@ def _check_selection(loaded, spec: PruneSpec, selection: Selection, budget, comp
             raise HeadlabError(f"iterative= re-scores with heads removed: method= {names}")
     if select == "obs":
         check_resident(loaded, "select='obs' (it reads the output projections to refit them)")
-    if joint:
+    if heads is None:  # an amount the budget cannot meet fails here, before any scoring
         check_budget(
             loaded.layers, unit=spec.unit, budget=budget, fraction=spec.fraction, count=spec.count,
             allow_empty_layer=spec.allow_empty_layer,

@@ -417,10 +417,12 @@ def check_budget(layers, *, unit, budget, fraction, count, allow_empty_layer) ->
     if budget == "uniform":
         uniform_cap(layers, unit, fraction, count)
         return
-    if allow_empty_layer:
-        return
     units = [len(layer_units(layer, unit)) for layer in layers]
     what = "heads" if unit == "head" else "KV groups"
+    if budget != "per-layer":
+        _amount(fraction, count, sum(units), what)  # more than the model has: refused even with allow_empty_layer
+    if allow_empty_layer:
+        return
     if budget == "per-layer":
         for layer, n in zip(layers, units):
             if _amount(fraction, count, n, f"{what} of layer {layer.index}") >= n:
