@@ -61,9 +61,12 @@ Generate = Callable[[list[LongPrompt], int], list[str]]  # (prompts of one lengt
 
 
 @torch.no_grad()
-def transformers_generate(loaded: LoadedModel, prompts: list[LongPrompt], max_new_tokens: int) -> list[str]:
+def transformers_generate(
+    loaded: LoadedModel, prompts: list[LongPrompt], max_new_tokens: int, cache=None
+) -> list[str]:
     """Greedy continuations of equal-length prompts in one batch (no padding needed): one prefill, then
-    `max_new_tokens` cached decode steps, through the model's own generate()."""
+    `max_new_tokens` cached decode steps, through the model's own generate(); `cache`: the transformers Cache to
+    fill (default: generate's own)."""
     tokenizer = loaded.tokenizer
     ids = torch.tensor([tokenizer(p.text, add_special_tokens=False)["input_ids"] for p in prompts])
     ids = ids.to(input_device(loaded.model))
@@ -79,6 +82,7 @@ def transformers_generate(loaded: LoadedModel, prompts: list[LongPrompt], max_ne
         top_k=None,
         pad_token_id=pad,
         use_cache=True,
+        **({"cache": cache} if cache is not None else {}),
     )
     return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out.cpu()]
 

@@ -1,0 +1,260 @@
+"""A per-KV-head cache policy at run time: each KV head keeps either the whole cache or only its attention sinks plus a
+recent window (StreamingLLM, Xiao et al. 2023; chosen per head as in DuoAttention, Xiao et al. 2024).
+
+A model runs under a policy in one of two ways, which give the same logits (tests/test_head_cache.py):
+- masked: every head reads the ordinary cache, and a streaming head's keys outside its sinks and window are masked;
+- real cache: `HeadPolicyCache` stores only the sinks and the window for streaming heads, so the memory a policy saves
+  is measured (`cache_bytes`), not computed.
+
+Positions are cache slots (0 = the batch's first token). A streaming head lets query slot i see key slot j iff j <= i
+and (j < sinks or i - j < window); keys keep the rotary position they were written with (as DuoAttention; StreamingLLM
+re-rotates, which only matters past the trained positions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from headlab.core.errors import HeadlabError
+from headlab.mechanisms.capture import _configs, _visibility
+
+FUNCTION_NAME = "headlab_head_policy"  # must not contain "sdpa" (transformers would run its sdpa checks on it)
+
+
+@dataclass(frozen=True)
+class LayerStreaming:
+    """The streaming KV heads of one attention layer and the sinks + window they keep."""
+
+    streaming: tuple[int, ...]  # KV heads that keep sinks + window; the others keep the whole cache
+    num_kv_heads: int
+    group_size: int  # query heads per KV head: query head h reads KV head h // group_size
+    sinks: int
+    window: int
+
+    def __post_init__(self):
+        if self.sinks < 0 or self.window < 1:
+            raise HeadlabError(f"sinks must be >= 0 and window >= 1, got {self.sinks} and {self.window}")
+        if any(not 0 <= head < self.num_kv_heads for head in self.streaming):
+            raise HeadlabError(f"streaming KV heads {self.streaming} outside 0..{self.num_kv_heads - 1}")
+
+    @property
+    def full(self) -> tuple[int, ...]:
+        return tuple(head for head in range(self.num_kv_heads) if head not in self.streaming)
+
+    def query_heads(self, kv_heads) -> list[int]:
+        """Query heads reading `kv_heads`, in the order sdpa's repeat_kv pairs them with those KV heads."""
+        return [kv * self.group_size + r for kv in kv_heads for r in range(self.group_size)]
+
+    def band(self, query_slots: torch.Tensor, key_slots: torch.Tensor) -> torch.Tensor:
+        """[Tq, Tk] bool: key slot j within query slot i's sinks or window (causality comes from the mask)."""
+        distance = query_slots[:, None] - key_slots[None, :]
+        return (key_slots[None, :] < self.sinks) | (distance < self.window)
+
+
+class StreamingHeadsLayer(DynamicLayer):
+    """One layer's cache: the full KV heads as a DynamicLayer (`keys`, `values`), the streaming heads' sinks + window
+    apart (`stream_keys`, `stream_values` [B, G_s, m, D] at slots `slots` [m]).
+
+    `update` returns the full heads' states only; headlab's policy attention function reads the streaming part and
+    calls `evict` once the layer has attended, so after every forward a streaming head holds at most
+    sinks + window - 1 slots (what the next query can see)."""
+
+    def __init__(self, policy: LayerStreaming):
+        super().__init__()
+        self.policy = policy
+        self.full_index = torch.tensor(policy.full, dtype=torch.long)
+        self.stream_index = torch.tensor(policy.streaming, dtype=torch.long)
+        self.stream_keys = self.stream_values = self.slots = None
+        self.seen = 0
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.stream_keys = key_states.new_empty(0)
+        self.stream_values = value_states.new_empty(0)
+        self.slots = torch.empty(0, dtype=torch.long, device=key_states.device)
+        self.seen = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        device = key_states.device
+        full, stream = self.full_index.to(device), self.stream_index.to(device)
+        self.keys = torch.cat([self.keys, key_states.index_select(1, full)], dim=-2)
+        self.values = torch.cat([self.values, value_states.index_select(1, full)], dim=-2)
+        self.stream_keys = torch.cat([self.stream_keys, key_states.index_select(1, stream)], dim=-2)
+        self.stream_values = torch.cat([self.stream_values, value_states.index_select(1, stream)], dim=-2)
+        new = torch.arange(self.seen, self.seen + key_states.shape[-2], device=device)
+        self.slots = torch.cat([self.slots, new])
+        self.seen += key_states.shape[-2]
+        return self.keys, self.values
+
+    def evict(self) -> None:
+        """Drop the streaming heads' slots no later query can see: keep j < sinks or j > last - window + 1."""
+        keep = (self.slots < self.policy.sinks) | (self.slots > self.seen - self.policy.window)
+        if not bool(keep.all()):
+            index = keep.nonzero()[:, 0]
+            self.stream_keys = self.stream_keys.index_select(-2, index)
+            self.stream_values = self.stream_values.index_select(-2, index)
+            self.slots = self.slots[index]
+
+    def get_seq_length(self) -> int:
+        return self.seen if self.is_initialized else 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.stream_keys = self.stream_values = self.slots = None
+        self.seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise HeadlabError("a streaming-heads cache cannot be cropped (evicted slots are gone)")
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.keys, self.values, self.stream_keys, self.stream_values) if t is not None)
+
+
+# id(attention module) -> (its layer's policy, its block index); dispatch by identity, as capture does
+_ACTIVE: dict[int, tuple[LayerStreaming, int]] = {}
+# The HeadPolicyCache the running forward writes to (set by `policy_cache`); None: streaming heads are masked.
+_CACHE: list = [None]
+
+
+class HeadPolicyCache(DynamicCache):
+    """transformers' DynamicCache with a StreamingHeadsLayer in every block whose layer has streaming KV heads.
+
+    layers: {block index: LayerStreaming}. Only plain full-attention cache layers are replaced: a sliding-window layer
+    already keeps a window, and a policy there is refused."""
+
+    def __init__(self, config, layers: dict[int, LayerStreaming]):
+        super().__init__(config=config)
+        for block, policy in layers.items():
+            if not policy.streaming:
+                continue
+            if block >= len(self.layers) or type(self.layers[block]) is not DynamicLayer:
+                kind = type(self.layers[block]).__name__ if block < len(self.layers) else "no cache layer"
+                raise HeadlabError(f"block {block} has {kind}; streaming heads need a full-attention layer")
+            self.layers[block] = StreamingHeadsLayer(policy)
+
+
+def cache_bytes(cache) -> int:
+    """Bytes the cache's tensors hold now (keys and values of every layer, streaming parts included)."""
+    total = 0
+    for layer in cache.layers:
+        if isinstance(layer, StreamingHeadsLayer):
+            total += layer.nbytes()
+        else:
+            total += sum(
+                t.nbytes for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None
+            )
+    return total
+
+
+def _attend(module, query, key, value, mask, kwargs) -> torch.Tensor:
+    """sdpa over one group of heads: [B, t, h, D]."""
+    output, _ = sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+    return output
+
+
+def _policy_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function: full KV heads as sdpa, streaming KV heads restricted to sinks + window."""
+    policy, block = _ACTIVE.get(id(module), (None, None))
+    if policy is None or not policy.streaming:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    B, H, Tq, D = query.shape
+    layer = _CACHE[0].layers[block] if _CACHE[0] is not None else None
+    real = isinstance(layer, StreamingHeadsLayer)
+    Tk = layer.seen if real else key.shape[2]
+    device = query.device
+    visible, bias, _ = _visibility(attention_mask, module, kwargs, Tq, Tk, device)  # [B|1, 1, Tq, Tk]
+    if bias is not None:
+        raise HeadlabError("a head policy needs a boolean attention mask (sdpa's); got an additive one")
+    query_slots = torch.arange(Tk - Tq, Tk, device=device)
+    full, stream = list(policy.full), list(policy.streaming)
+    if real:
+        stream_keys, stream_values, key_slots = layer.stream_keys, layer.stream_values, layer.slots
+        full_keys, full_values = key, value
+    else:
+        index = torch.tensor(stream, device=device)
+        stream_keys, stream_values = key.index_select(1, index), value.index_select(1, index)
+        key_slots = torch.arange(Tk, device=device)
+        full_index = torch.tensor(full, dtype=torch.long, device=device)
+        full_keys, full_values = key.index_select(1, full_index), value.index_select(1, full_index)
+    stream_visible = visible.index_select(-1, key_slots) & policy.band(query_slots, key_slots)
+    output = query.new_empty(B, Tq, H, value.shape[-1])
+    stream_queries = torch.tensor(policy.query_heads(stream), device=device)
+    output[:, :, stream_queries] = _attend(
+        module, query.index_select(1, stream_queries), stream_keys, stream_values, stream_visible, kwargs
+    )
+    if full:
+        full_queries = torch.tensor(policy.query_heads(full), device=device)
+        # the full heads read the mask transformers built (None: sdpa's causal rule) over every slot
+        output[:, :, full_queries] = _attend(
+            module, query.index_select(1, full_queries), full_keys, full_values, attention_mask, kwargs
+        )
+    if real:
+        layer.evict()
+    return output, None
+
+
+def register() -> str:
+    """Register the policy attention function and sdpa's mask function under FUNCTION_NAME (idempotent)."""
+    # Deferred for start-up time: transformers' modeling_utils is only needed once a model is loaded.
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FUNCTION_NAME, _policy_attention)
+    AttentionMaskInterface.register(FUNCTION_NAME, sdpa_mask)
+    return FUNCTION_NAME
+
+
+@contextlib.contextmanager
+def policy_cache(cache: HeadPolicyCache):
+    """Inside `head_policy`: forwards write `cache` (give the same object to the model or generate()), whose
+    streaming heads store only sinks + window."""
+    saved, _CACHE[0] = _CACHE[0], cache
+    try:
+        yield cache
+    finally:
+        _CACHE[0] = saved
+
+
+@contextlib.contextmanager
+def head_policy(model, layers, policies: dict[int, LayerStreaming], cache: HeadPolicyCache | None = None):
+    """Run `model` under the policy: `layers` (headlab AttentionLayers), `policies` {layer index: LayerStreaming}.
+
+    Streaming heads are masked over the ordinary cache, or, with `cache` (or inside `policy_cache`), stored as sinks +
+    window in that HeadPolicyCache. The attention implementation is restored on exit."""
+    for layer in layers:
+        if id(layer.module) in _ACTIVE:
+            raise HeadlabError(f"layer {layer.index} already runs under a head policy; policies cannot nest")
+    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
+    register()
+    try:
+        for layer in layers:
+            if layer.index in policies:
+                _ACTIVE[id(layer.module)] = (policies[layer.index], layer.block)
+        model.set_attn_implementation(FUNCTION_NAME)
+        with contextlib.ExitStack() as stack:
+            if cache is not None:
+                stack.enter_context(policy_cache(cache))
+            yield
+    finally:
+        for layer in layers:
+            _ACTIVE.pop(id(layer.module), None)
+        for config, implementation in saved:
+            config._attn_implementation_internal = implementation
+
+
+__all__ = [
+    "FUNCTION_NAME",
+    "HeadPolicyCache",
+    "LayerStreaming",
+    "StreamingHeadsLayer",
+    "cache_bytes",
+    "head_policy",
+    "policy_cache",
+]
