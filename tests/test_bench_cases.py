@@ -131,3 +131,20 @@ def test_recovery_table_renders_step_budgets_and_the_earlier_minutes_budgets():
     assert "--recover local,uptrain --recover-steps 128`" in text and "HEADLAB_BENCH_UPTRAIN_STEPS=128" in text
     earlier = case.markdown({**base, "local_minutes": 2.0, "uptrain_minutes": 8.0})
     assert "--recover local,uptrain --recover-minutes 10.0`" in earlier and "before budgets were in steps" in earlier
+
+
+def test_gguf_table_shows_each_file_type_with_its_size_and_stored_types():
+    """The gguf case: one row per exported file (type and size), the quantized files' tensor types listed below; a
+    result saved before the quantized rows (no outtype, no bytes) still renders as f32."""
+    case = _case("gguf")
+    base = {"model": "original", "architecture": "llama", "heads": 270, "kv_heads": 90, "perplexity_transformers": 9.7,
+            "perplexity_llamacpp": 9.7, "relative_difference": 0.0, "max_abs_logit_diff": 1e-4, "max_abs_logit": 42.0}  # fmt: skip
+    quantized = {**base, "outtype": "q4_k_m", "bytes": 100 * 2**20, "perplexity_llamacpp": 10.2,
+                 "relative_difference": 0.05, "tensor_type_counts": {"f32": 61, "q4_k": 30, "q5_0": 180},
+                 "quantization": {"by": "llama.cpp", "ftype": "Q4_K_M", "from": "f32", "ggml": "0.25.3",
+                                  "commit": "0c1e570", "fallback_matrices": {"blk.0.attn_q.weight": "q5_0"}}}  # fmt: skip
+    text = case.markdown({"max_tokens": 512, "seq_len": 256, "rows": [base, quantized]})
+    assert "| original | llama | 270 / 90 | f32 | 9.7000 | 9.7000 | 0.0000% |" in text
+    assert "| original | llama | 270 / 90 | q4_k_m, 100.0 MiB | 9.7000 | 10.2000 | 5.0000% |" in text
+    listed = "- original, q4_k_m (llama.cpp Q4_K_M from f32, ggml 0.25.3 (0c1e570)): 61 f32, 30 q4_k, 180 q5_0; 1 "
+    assert listed in text

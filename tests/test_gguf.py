@@ -4,14 +4,17 @@ own log-probabilities against transformers' on tiny models (the embedded model: 
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
-from tiny_text import SAMPLE_TEXT, tiny_tokenizer
+from tiny_text import SAMPLE_TEXT, run_cli, tiny_tokenizer
 
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
+from headlab.runtimes import gguf_export
 from headlab.runtimes.gguf_export import check_type, export_gguf, interleave_rope_rows, plan_export
 from headlab.runtimes.llamacpp import compare_logprobs, unavailable
 
@@ -264,8 +267,9 @@ def test_tensor_types_round_trip(tmp_path, outtype, tolerance):
 
 
 def test_refusals(tmp_path):
-    with pytest.raises(HeadlabError, match="gguf package cannot write"):
+    with pytest.raises(HeadlabError, match="not a type export-gguf writes") as refusal:
         check_type("q9_z")
+    assert "\n" not in str(refusal.value) and all(name in str(refusal.value) for name in ("q8_0", "q4_k_m", "iq4_nl"))
     with pytest.raises(HeadlabError, match="llama family"):
         export_gguf(from_model(tiny_model("gpt2"), tiny_tokenizer()), tmp_path / "g.gguf", progress=False)
     with pytest.raises(HeadlabError, match="byte-level BPE"):
@@ -341,6 +345,110 @@ def test_llamacpp_tokenizes_like_transformers(tmp_path):
         llm.tokenize(text.encode(), add_bos=False, special=False)
         == loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     )
+
+
+# ---- quantized files: llama.cpp's own quantizer ------------------------------------------------------------------
+
+# Shapes whose matrices split into k-quant blocks (QK_K = 256 input features): hidden 256, 4 x 64-dim heads.
+QUANT_SHAPES = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+def quant_model(layout):
+    """Tiny models of every layout export-gguf writes, at shapes llama.cpp's k-quants apply to: uniform (llama);
+    per-layer (deci: layer 0 with 2 of 4 heads, layer 1 with none, attention-free; layer 2 whole); MLA (deepseek2:
+    latent 256, 2 heads, qk_nope 64 + rope 64, v 128, so q, kv_a_mqa, v_b and o take rows of 256)."""
+    if layout == "uniform":
+        return tiny(**QUANT_SHAPES)
+    if layout == "deci":
+        return pruned(tiny(num_hidden_layers=3, **QUANT_SHAPES), [{0, 1}, {0, 1, 2, 3}, set()])
+    return tiny(
+        "deepseek_v3", hidden_size=256, intermediate_size=512, kv_lora_rank=256, qk_nope_head_dim=64,
+        qk_rope_head_dim=64, v_head_dim=128, num_attention_heads=2, num_key_value_heads=2,
+    )  # fmt: skip
+
+
+def test_outtype_names_pick_the_writer(monkeypatch):
+    """Float and gguf-quantizable names are written by headlab (no llama.cpp needed); llama.cpp's file types, by
+    llama-quantize's names in any case, go to llama.cpp, and without llama-cpp-python they are one line."""
+    assert check_type("Q8_0") == "q8_0" and check_type("BF16") == "bf16" and check_type("q4_0") == "q4_0"
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp now raises ImportError
+    assert check_type("q8_0") == "q8_0"  # the numpy path needs no binding
+    for name in ("Q4_K_M", "q6_k", "IQ4_NL", "q4_k"):
+        with pytest.raises(HeadlabError, match=r"pip install 'headlab\[llamacpp\]'") as refusal:
+            check_type(name)
+        assert "\n" not in str(refusal.value)
+
+
+def test_llamacpp_type_without_the_binding_exits_2_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    loaded = tiny()
+    loaded.model.save_pretrained(tmp_path / "model")
+    loaded.tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # save_pretrained's progress bar
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    args = ["export-gguf", "--model", tmp_path / "model", "--device", "cpu", "--outtype", "Q4_K_M"]
+    code, out, err = run_cli([*args, "--out", tmp_path / "m.gguf"], capsys)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "pip install 'headlab[llamacpp]'" in err and "--outtype" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("layout", ["uniform", "deci", "mla"])
+def test_quantized_files_run_in_llamacpp_close_to_f32(tmp_path, layout):
+    """Q8_0 (headlab's numpy path) and Q4_K_M (llama.cpp's quantizer) files: the asked types in the matrices, read
+    back with gguf's reader, and llama.cpp's log-probabilities near the f32 export's (which match transformers to
+    ~1e-6). Measured on these random models (logits ~1, perplexity ~300): Q8_0 0.06-0.2% apart in perplexity,
+    worst log-probability difference ~0.025; Q4_K_M ~1% and ~0.25. Bounds: Q8_0 1% and 0.1, Q4_K_M 5% and 1, and
+    Q4_K_M must differ measurably (> 1e-3) from f32, so a silently unquantized file would fail."""
+    loaded = quant_model(layout)
+    windows = _windows(loaded)
+    results, records = {}, {}
+    for outtype in ("f32", "q8_0", "Q4_K_M"):
+        path = tmp_path / f"{outtype}.gguf"
+        records[outtype] = export_gguf(loaded, path, outtype=outtype, progress=False)
+        results[outtype] = compare_logprobs(loaded, path, windows)
+    assert results["f32"]["relative_difference"] < 1e-4, results["f32"]
+    for outtype, ppl, logprob in (("q8_0", 0.01, 0.1), ("Q4_K_M", 0.05, 1.0)):
+        result = results[outtype]
+        assert result["relative_difference"] < ppl and result["max_abs_logprob_diff"] < logprob, (outtype, result)
+    assert results["Q4_K_M"]["max_abs_logprob_diff"] > 1e-3, results["Q4_K_M"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["Q4_K_M.gguf", "f32.gguf", "q8_0.gguf"]  # no scratch
+
+    # The matrices' types as stored. Q8_0: every one. Q4_K_M: llama.cpp's recipe (q4_k, some attn_v / ffn_down and
+    # the output head q6_k), with its fallback for rows that 256 does not divide (q5_0).
+    fields, tensors = read(tmp_path / "Q4_K_M.gguf")
+    _, q8 = read(tmp_path / "q8_0.gguf")
+    matrices = [name for name, t in tensors.items() if len(t.shape) > 1]
+    assert {q8[name].tensor_type.name for name in matrices} == {"Q8_0"}
+    types = {name: tensors[name].tensor_type.name for name in matrices}
+    last = max(int(name.split(".")[1]) for name in matrices if name.startswith("blk."))
+    core = [n for n in matrices if n.startswith(f"blk.{last}.") and n.split(".")[2] in ("attn_q", "ffn_up", "ffn_gate")]
+    assert core and {types[n] for n in core} == {"Q4_K"}, types
+    assert {types[n] for n in matrices} <= {"Q4_K", "Q6_K", "Q5_0"}, types
+    record = records["Q4_K_M"]
+    assert record["outtype"] == "q4_k_m" and record["tensor_type_counts"]["q4_k"] >= len(matrices) // 2, record
+    quantization = record["quantization"]
+    assert quantization["by"] == "llama.cpp" and quantization["ftype"] == "Q4_K_M" and quantization["from"] == "f32"
+    assert quantization["llama_cpp_python"] and quantization["ggml"], quantization
+    assert quantization["fallback_matrices"] == {n: "q5_0" for n, t in types.items() if t == "Q5_0"}, quantization
+    assert fields["general.file_type"] == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M, written by llama.cpp
+    assert fields["headlab.version"] and fields["headlab.quantized_by"].startswith("llama.cpp Q4_K_M from f32")
+    if layout == "deci":  # the attention-free layer stays without attention tensors; layer 0's o has 128 inputs
+        assert not [n for n in tensors if n.startswith("blk.1.attn_")] and types["blk.0.attn_output.weight"] == "Q5_0"
+        assert any("blk.0.attn_output.weight" in note for note in record["notes"]), record["notes"]
+    if layout == "mla":  # attn_k_b's rows are qk_nope_head_dim (64) long: llama.cpp's fallback
+        assert types["blk.0.attn_k_b.weight"] == "Q5_0" and types["blk.0.attn_v_b.weight"] == "Q4_K", types
+
+
+@needs_llamacpp
+def test_a_failed_llamacpp_quantization_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """IQ2_XXS needs an importance matrix, so llama.cpp refuses it (which is why it is not offered): the error
+    carries llama.cpp's reason, and neither the f32 scratch file nor the output remains."""
+    monkeypatch.setitem(gguf_export.LLAMACPP_TYPES, "iq2_xxs", "IQ2_XXS")
+    with pytest.raises(HeadlabError, match="llama.cpp could not quantize to IQ2_XXS: .*imatrix") as refusal:
+        export_gguf(tiny(**QUANT_SHAPES), tmp_path / "m.gguf", outtype="iq2_xxs", progress=False)
+    assert "\n" not in str(refusal.value)
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- the embedded model (slow) ------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import click
 from headlab.cli.options import data_options, guard, model_options
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.runtimes.choices import DEFAULT_TYPE
+from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_TYPES
 
 
 @click.command("export-gguf")
@@ -23,7 +23,9 @@ from headlab.runtimes.choices import DEFAULT_TYPE
     "--outtype",
     default=DEFAULT_TYPE,
     show_default=True,
-    help="tensor type: f32, f16, bf16, or a type the gguf package quantizes (q8_0, ...); vectors stay f32",
+    help="f32, f16, bf16 or a type the gguf package quantizes (q8_0, q4_0, ...), written by headlab; or a llama.cpp "
+    f"file type ({', '.join(LLAMACPP_TYPES)}; case-insensitive), written as f32 and quantized by llama.cpp "
+    "(llama-cpp-python); vectors stay f32",
 )
 @click.option(
     "--verify/--no-verify",
@@ -71,6 +73,7 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
         ("file", f"{record['out']} ({human_bytes(record['bytes'])}, {record['outtype']})"),
         ("llama.cpp architecture", record["architecture"] + ("" if record["uniform"] else " (per-layer head counts)")),
         ("heads / KV heads", _counts(record["head_count"], record["head_count_kv"])),
+        ("tensors by type", ", ".join(f"{n} {name}" for name, n in record["tensor_type_counts"].items())),
         ("tokenizer", f"gpt2 BPE, pre-tokenizer {record['tokenizer_pre']}, chat template {record['chat_template']}"),
     ]
     result = record.get("verification")
@@ -85,6 +88,15 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
         ]
     else:
         rows.append(("llama.cpp check", "skipped" + (f": {missing}" if missing else "")))
+    quantization = record.get("quantization") or {}
+    if quantization.get("by") == "llama.cpp":
+        rows.append(
+            (
+                "quantized by",
+                f"llama.cpp {quantization['ftype']} from {quantization['from']} (llama-cpp-python "
+                f"{quantization['llama_cpp_python']}, ggml {quantization['ggml']}, commit {quantization['commit']})",
+            )
+        )
     rows += [("note", note) for note in record["notes"]]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

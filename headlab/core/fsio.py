@@ -729,6 +729,23 @@ def atomic_file(target: Path, overwrite: bool = False, replaceable=None):
             raise
 
 
+@contextlib.contextmanager
+def scratch_file(target: Path):
+    """Yield a temporary file path beside `target` (an intermediate that is never published, such as the f32 file
+    export-gguf hands to llama.cpp's quantizer), removed when the block ends however it ends. Named like every
+    headlab temporary (.NAME.PID.HOST.xxxx.headlab-tmp), so a killed run's leftover is removed by `remove_stale`."""
+    target = Path(target)
+    try:
+        handle, name = tempfile.mkstemp(prefix=_tmp_prefix(target), suffix=TMP_SUFFIX, dir=target.parent)
+        os.close(handle)
+    except OSError as error:
+        raise HeadlabError(f"cannot write beside {target}: {_write_failure(error) or error.strerror}") from None
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
 def _open_journal(staging: Path, key: dict) -> StepJournal:
     """The journal of `staging`: an earlier run's for the same key (resumed), or a new one (an earlier run's
     directory for another key is removed first). Refuses a `staging` that headlab did not make."""

@@ -1,5 +1,7 @@
 """GGUF export for llama.cpp: any llama-family checkpoint headlab loads or writes (original, uniformly or per-layer
-pruned, KV-reduced) and dense MLA (deepseek_v3) checkpoints, with its tokenizer and chat template, in f32/f16/bf16 or a type the gguf package quantizes.
+pruned, KV-reduced) and dense MLA (deepseek_v3) checkpoints, with its tokenizer and chat template, in f32/f16/bf16, a type the gguf package
+quantizes in numpy (q8_0, q4_0, ...), or a llama.cpp file type its own quantizer writes (q4_k_m, q6_k, iq4_nl, ...:
+written as f32 beside the output, then llama_model_quantize; see `check_type` for which path a name takes).
 
 Which llama.cpp architecture runs which layout (read from llama.cpp's loader, src/llama-model.cpp and src/models/):
 - every architecture reads `head_count` / `head_count_kv` as a scalar or a per-layer array (`get_key_or_arr`), but
@@ -25,6 +27,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 import gguf
@@ -34,12 +37,16 @@ from tqdm.auto import tqdm
 
 from headlab import __version__
 from headlab.core.errors import HeadlabError
-from headlab.core.fsio import GGUF_MARK, atomic_file, check_out, check_output_name
+from headlab.core.fsio import GGUF_MARK, atomic_file, check_out, check_output_name, scratch_file
 from headlab.core.loading import LoadedModel
-from headlab.runtimes.choices import DEFAULT_TYPE
+from headlab.runtimes import llamacpp
+from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_ALIASES, LLAMACPP_TYPES
 
 # Tensor types: the float ones are written by numpy; any other ggml type only if gguf.quants can quantize it.
 FLOAT_TYPES = ("f32", "f16", "bf16")
+# The type a llama.cpp-quantized export is first written in: f32 is the weights exactly (a bf16 or f32 checkpoint
+# rounded to f16 first would be rounded twice, and bf16's range exceeds f16's), at 4 bytes a parameter of scratch disk.
+QUANTIZE_FROM = "f32"
 
 _TOP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
@@ -352,13 +359,27 @@ def writable_types() -> list[str]:
 
 
 def check_type(outtype: str) -> str:
-    """One-line refusal of a type the gguf package cannot write."""
-    outtype = outtype.lower()
+    """The output type's canonical name, or a one-line refusal. Which path writes it: a name in LLAMACPP_TYPES (a
+    llama.cpp file type, llama-quantize's name, its aliases q3_k/q4_k/q5_k included) is written as f32 and quantized
+    by llama.cpp, which needs llama-cpp-python; any other name must be a tensor type headlab writes itself with the
+    gguf package (the floats and what gguf.quants quantizes in numpy: q8_0, q4_0, q4_1, q5_0, q5_1, ...), every
+    matrix in that type. Q8_0 stays there: llama.cpp's Q8_0 file is byte-identical in every tensor."""
+    outtype = LLAMACPP_ALIASES.get(outtype.lower(), outtype.lower())
     if outtype in FLOAT_TYPES:
+        return outtype
+    if outtype in LLAMACPP_TYPES:
+        if llamacpp.unavailable() is not None:
+            raise HeadlabError(
+                f"outtype={outtype!r} is quantized by llama.cpp and llama-cpp-python does not import here; "
+                "pip install 'headlab[llamacpp]'"
+            )
         return outtype
     choices = writable_types()
     if outtype not in choices:
-        raise HeadlabError(f"outtype={outtype!r}: the gguf package cannot write it; use one of {', '.join(choices)}")
+        raise HeadlabError(
+            f"outtype={outtype!r} is not a type export-gguf writes; use one of {', '.join(choices)} (written by "
+            f"headlab) or {', '.join(LLAMACPP_TYPES)} (quantized by llama.cpp)"
+        )
     return outtype
 
 
@@ -550,8 +571,10 @@ def export_gguf(
     file headlab wrote, recognised by its `headlab.version` metadata key).
 
     Tensors stream one at a time (header and tensor index first, then each tensor converted and written), so the
-    export holds the model plus one converted tensor. `verify(path)` (optional) runs on the finished temporary file
-    before it is published; its result goes into the returned record. Returns what was written.
+    export holds the model plus one converted tensor. A llama.cpp file type (`check_type`) is first written that way
+    in f32 to a second temporary file beside `out` (removed afterwards), which llama.cpp's quantizer reads into the
+    first. `verify(path)` (optional) runs on the finished temporary file before it is published; its result goes
+    into the returned record. Returns what was written.
     """
     out = Path(out)
     check_output_name(out)
@@ -571,15 +594,16 @@ def export_gguf(
         items = _split_kv_b(items, config)
     if plan.rope_freqs is not None:
         items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
-    types = {name: _tensor_type(outtype, name, tuple(t.shape)) for name, _, t in items}
-    file_type = _file_type(outtype)
+    ftype = LLAMACPP_TYPES.get(outtype)  # None: headlab writes the type itself
+    written = QUANTIZE_FROM if ftype else outtype
+    types = {name: _tensor_type(written, name, tuple(t.shape)) for name, _, t in items}
 
-    # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
-    # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
-    with atomic_file(out, overwrite=overwrite) as tmp:
-        writer = gguf.GGUFWriter(tmp, plan.target.arch)
+    def write(path: Path, provenance: str | None = None) -> None:
+        writer = gguf.GGUFWriter(path, plan.target.arch)
         writer.add_string(GGUF_MARK, __version__)  # what lets a later --overwrite recognise the file as headlab's
-        _hparams(writer, plan, config, loaded, file_type)
+        if provenance:  # llama.cpp's quantizer copies every key of its input into its output
+            writer.add_string(QUANTIZED_BY, provenance)
+        _hparams(writer, plan, config, loaded, _file_type(written))
         _add_tokenizer(writer, tokens)
         _add_tensor_infos(writer, items, types)
         writer.write_header_to_file()
@@ -588,6 +612,24 @@ def export_gguf(
         for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
             writer.write_tensor_data(_encode(_converted(plan, name, block, tensor), types[name]))
         writer.close()
+
+    # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
+    # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
+    with atomic_file(out, overwrite=overwrite) as tmp:
+        if ftype is None:
+            write(tmp)
+            quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
+        else:
+            quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads()}
+            quantization.update(llamacpp.versions())
+            with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
+                write(source, _provenance(quantization))
+                llamacpp.quantize(source, tmp, ftype, quantization["nthread"])
+        stored, problem = _stored_types(tmp, outtype)
+        if quantization is not None:
+            quantization["fallback_matrices"] = stored["fallbacks"]
+        if problem:
+            notes.append(problem)
         record = {
             "out": str(out),
             "architecture": plan.target.arch,
@@ -598,8 +640,10 @@ def export_gguf(
             "attention_free_layers": plan.attention_free,
             "head_dim": plan.head_dim,
             "outtype": outtype,
-            "tensor_types": sorted({t.name.lower() for t in types.values()}),
-            "tensors": len(items),
+            "tensor_types": sorted(stored["counts"]),
+            "tensor_type_counts": stored["counts"],
+            "quantization": quantization,
+            "tensors": stored["tensors"],
             "bytes": tmp.stat().st_size,
             "rope_permuted": plan.target.interleaved_rope,
             "tokenizer_pre": tokens["pre"],
@@ -609,3 +653,60 @@ def export_gguf(
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
+
+
+QUANTIZED_BY = "headlab.quantized_by"  # metadata key: which quantizer wrote the file's quantized tensors
+
+
+def _provenance(quantization: dict) -> str:
+    """The QUANTIZED_BY value: e.g. "llama.cpp Q4_K_M from f32 (llama-cpp-python 0.3.36, ggml 0.25.3, 0c1e570)"."""
+    parts = [f"llama-cpp-python {quantization.get('llama_cpp_python')}", f"ggml {quantization.get('ggml')}"]
+    if quantization.get("commit"):
+        parts.append(f"commit {quantization['commit']}")
+    return f"llama.cpp {quantization['ftype']} from {quantization['from']} ({', '.join(parts)})"
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _block(outtype: str) -> int:
+    """Elements per block of the type the output type stores its matrices in (llama.cpp's k-quant and i-quant file
+    types: QK_K = 256, except IQ4_NL's 32); 1 for the float types."""
+    if outtype in FLOAT_TYPES:
+        return 1
+    if outtype in LLAMACPP_TYPES:
+        return 32 if outtype == "iq4_nl" else 256
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[outtype.upper()]][0]
+
+
+def _stored_types(path: Path, outtype: str) -> tuple[dict, str | None]:
+    """The tensor types the finished file holds (read back with gguf's reader: llama.cpp picks them per tensor), the
+    matrices whose rows (ggml's ne0, the input features) do not split into the output type's blocks and what they
+    were stored as instead (llama.cpp: a fallback quant type such as q5_0 for q4_k, else f16; headlab's numpy path:
+    f16), and a note naming those."""
+    reader = gguf.GGUFReader(path)
+    counts: dict[str, int] = {}
+    fallbacks, rows, matrices = {}, set(), 0
+    block = _block(outtype)
+    for tensor in reader.tensors:
+        name = tensor.tensor_type.name.lower()
+        counts[name] = counts.get(name, 0) + 1
+        if len(tensor.shape) > 1:
+            matrices += 1
+            if int(tensor.shape[0]) % block:
+                fallbacks[tensor.name] = name
+                rows.add(int(tensor.shape[0]))
+    summary = {"counts": dict(sorted(counts.items())), "fallbacks": fallbacks, "tensors": len(reader.tensors)}
+    if not fallbacks:
+        return summary, None
+    names = list(fallbacks)
+    shown = ", ".join(names[:3]) + (f", ... ({len(names) - 3} more)" if len(names) > 3 else "")
+    return summary, (
+        f"{len(fallbacks)} of {matrices} matrices have rows of {', '.join(map(str, sorted(rows)))} elements, not a "
+        f"multiple of {outtype}'s {block}-element blocks: stored as {', '.join(sorted(set(fallbacks.values())))} "
+        f"instead ({shown})"
+    )

@@ -4,6 +4,8 @@ file and compare its next-token log-probabilities with transformers' on the same
 
 from __future__ import annotations
 
+import collections
+import ctypes
 import math
 import os
 from pathlib import Path
@@ -38,6 +40,59 @@ def require() -> None:
 
 def threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def versions() -> dict:
+    """What runs: llama-cpp-python's version, libllama's (`llama_version()`), and the ggml version and commit the
+    library was built from (`ggml_commit()`: the llama.cpp checkout's short hash, "-dirty" when patched); a value
+    the library does not export is None."""
+    require()
+    import llama_cpp  # optional: the llamacpp extra (require() said so above if missing)
+
+    out = {"llama_cpp_python": getattr(llama_cpp, "__version__", None)}
+    library = getattr(llama_cpp.llama_cpp, "_lib", None)  # libllama, through which ggml's symbols resolve
+    for key, symbol in (("llama", "llama_version"), ("ggml", "ggml_version"), ("commit", "ggml_commit")):
+        try:
+            function = getattr(library, symbol)
+        except AttributeError:  # an older build without it (or no handle at all)
+            out[key] = None
+            continue
+        function.argtypes, function.restype = [], ctypes.c_char_p
+        value = function()
+        out[key] = value.decode(errors="replace") if value else None
+    return out
+
+
+def quantize(source: Path, target: Path, ftype: str, nthread: int | None = None) -> None:
+    """llama.cpp's own quantizer, as `llama-quantize source target FTYPE` runs it: llama_model_quantize with file
+    type LLAMA_FTYPE_MOSTLY_<ftype> and its per-tensor recipe (src/llama-quant.cpp), no importance matrix; `nthread`
+    defaults to the CPUs this process may use. A failure is one line with llama.cpp's last error message."""
+    require()
+    import llama_cpp  # optional: the llamacpp extra (require() said so above if missing)
+    from llama_cpp import _logger  # llama-cpp-python's log callback, put back afterwards
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads() if nthread is None else nthread
+    recent: collections.deque[str] = collections.deque(maxlen=32)
+
+    # llama.cpp logs a line per tensor: keep the last few (not echoed), to say why a quantization failed. Levels are
+    # not used: ggml renumbered them (ERROR 3 -> 4) and llama-cpp-python still maps the old numbers.
+    @llama_cpp.llama_log_callback
+    def collect(level, text, user_data):
+        if text:
+            recent.append(text.decode(errors="replace"))
+
+    llama_cpp.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        status = llama_cpp.llama_model_quantize(os.fsencode(source), os.fsencode(target), ctypes.byref(params))
+    finally:
+        llama_cpp.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+    if status != 0:
+        failed = [line for line in recent if "failed to quantize:" in line]  # llama_model_quantize's own summary
+        why = failed[-1].split("failed to quantize:", 1)[1] if failed else (recent[-1] if recent else "")
+        why = " ".join(why.split()) or f"status {status}"
+        raise HeadlabError(f"llama.cpp could not quantize to {ftype}: {why}")
 
 
 def open_model(path: Path, n_ctx: int, *, logits_all: bool = False, f32_cache: bool = False, n_batch: int = 512):

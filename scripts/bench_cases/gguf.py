@@ -1,10 +1,14 @@
 """llama.cpp against transformers on the same checkpoints: the embedded model, a uniform prune, a per-layer prune,
 a 3 -> 1 KV conversion and an MLA conversion at the MQA budget, each exported to GGUF (f32) and scored on the eval
-split by both runtimes. HEADLAB_BENCH_GGUF_MODELS=<comma list of row numbers, from 0> runs some rows only."""
+split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer) and Q4_K_M (llama.cpp's), whose
+distance from transformers is the quantization's. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0>
+runs some models only."""
 
 from __future__ import annotations
 
-TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32)"
+TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32, Q8_0, Q4_K_M)"
+# Output types per model (by its number in `variants`); the others are exported in f32 only.
+OUTTYPES = {0: ("f32", "q8_0", "q4_k_m")}
 MAX_TOKENS, SEQ_LEN = 512, 256
 
 
@@ -68,18 +72,23 @@ def run(args) -> dict:
         loaded = built if isinstance(built, LoadedModel) else loaded
         loaded = from_model(loaded.model, loaded.tokenizer)
         windows = eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
-        with tempfile.TemporaryDirectory() as tmp:
-            record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype="f32", progress=False)
-            result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
-        rows.append(
-            {
-                "model": label,
-                "architecture": record["architecture"],
-                "heads": sum(record["head_count"]),
-                "kv_heads": sum(record["head_count_kv"]),
-                **result,
-            }
-        )
+        for outtype in OUTTYPES.get(index, ("f32",)):
+            with tempfile.TemporaryDirectory() as tmp:
+                record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False)
+                result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
+            rows.append(
+                {
+                    "model": label,
+                    "architecture": record["architecture"],
+                    "heads": sum(record["head_count"]),
+                    "kv_heads": sum(record["head_count_kv"]),
+                    "outtype": record["outtype"],
+                    "bytes": record["bytes"],
+                    "tensor_type_counts": record["tensor_type_counts"],
+                    "quantization": record["quantization"],
+                    **result,
+                }
+            )
         del loaded
     return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "rows": rows}
 
@@ -88,18 +97,37 @@ def markdown(r: dict) -> str:
     if r.get("skipped"):
         return f"Not measured: {r['skipped']}"
     lines = [
-        f"Embedded SmolLM2-135M and edits of it, exported with `headlab export-gguf --outtype f32`, eval split, first "
+        f"Embedded SmolLM2-135M and edits of it, exported with `headlab export-gguf --outtype TYPE`, eval split, first "
         f"{r['max_tokens']} tokens in windows of {r['seq_len']} (prefix token first); llama.cpp (llama-cpp-python, "
-        "CPU, f32 KV cache, logits of every position) against transformers (float32, sdpa) on the same token ids.",
+        "CPU, f32 KV cache, logits of every position) against transformers (float32, sdpa) on the same token ids. "
+        "For a quantized file the difference is the quantization's (f32 shows the runtimes agree).",
         "",
-        "| model | llama.cpp arch | query / KV heads | ppl transformers | ppl llama.cpp | relative diff | "
+        "| model | llama.cpp arch | query / KV heads | file | ppl transformers | ppl llama.cpp | relative diff | "
         "worst abs logit diff | max abs logit |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for row in r["rows"]:
+        size = f", {row['bytes'] / 2**20:.1f} MiB" if row.get("bytes") else ""
         lines.append(
             f"| {row['model']} | {row['architecture']} | {row['heads']} / {row['kv_heads']} | "
-            f"{row['perplexity_transformers']:.4f} | {row['perplexity_llamacpp']:.4f} | "
-            f"{100 * row['relative_difference']:.4f}% | {row['max_abs_logit_diff']:.2e} | {row['max_abs_logit']:.1f} |"
+            f"{row.get('outtype', 'f32')}{size} | {row['perplexity_transformers']:.4f} | "
+            f"{row['perplexity_llamacpp']:.4f} | {100 * row['relative_difference']:.4f}% | "
+            f"{row['max_abs_logit_diff']:.2e} | {row['max_abs_logit']:.1f} |"
         )
+    quantized = [row for row in r["rows"] if row.get("quantization")]
+    if quantized:
+        lines += ["", "Tensors by stored type in the quantized files (read back with the gguf package's reader):", ""]
+        for row in quantized:
+            by = row["quantization"]
+            who = (
+                f"llama.cpp {by['ftype']} from {by['from']}, ggml {by['ggml']} ({by['commit']})"
+                if by["by"] == "llama.cpp"
+                else f"headlab with gguf {by.get('gguf')}"
+            )
+            counts = ", ".join(f"{n} {name}" for name, n in row["tensor_type_counts"].items())
+            fallback = len(by.get("fallback_matrices") or {})
+            lines.append(
+                f"- {row['model']}, {row['outtype']} ({who}): {counts}"
+                + (f"; {fallback} matrices in a fallback type (rows not a multiple of the block)" if fallback else "")
+            )
     return "\n".join(lines)
