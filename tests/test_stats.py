@@ -437,6 +437,10 @@ def test_embedded_model_statistics():
     assert wide["sink_first"].between(0, 1 + 1e-6).all() and wide["induction"].notna().all()
     # SmolLM2 has strong first-token sinks and at least one previous-token head: coarse sanity, not a tuned value.
     assert wide["sink_first"].max() > 0.5 and wide["prev_share"].max() > 0.5
+    # Passkey prompts of 1024 tokens (the default): every head has a retrieval score, and 128-token windows reach
+    # past 4 sinks + 16 / 64 recent keys but not 256.
+    assert wide["retrieval"].between(0, 1).all() and tidy.attrs["meta"]["retrieval"]["length"] == 1024
+    assert wide["stream_16"].le(wide["stream_64"] + 1e-6).all() and wide["stream_256"].isna().all()
 
 
 def test_non_finite_attention_is_reported_not_written():

@@ -16,7 +16,13 @@ DEFAULT_OUT = Path("runs/stats")
 @click.command("stats")
 @model_options
 @data_options(default_split="calibration", max_tokens=8192, seq_len=512, batch_size=4)
-@click.option("--seed", type=int, default=0, show_default=True, help="seed of the induction pass's random tokens")
+@click.option(
+    "--seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="seed of the induction pass's random tokens and of the retrieval pass's prompts",
+)
 @click.option("--induction/--no-induction", default=True, show_default=True, help="run the induction pass")
 @click.option(
     "--induction-len",
@@ -26,6 +32,25 @@ DEFAULT_OUT = Path("runs/stats")
     help="random tokens per copy (sequences are S tokens repeated twice)",
 )
 @click.option("--induction-count", type=click.IntRange(min=1), default=8, show_default=True, help="random sequences")
+@click.option(
+    "--retrieval/--no-retrieval",
+    default=True,
+    show_default=True,
+    help="run the retrieval pass (passkey prompts, causal models with a tokenizer)",
+)
+@click.option(
+    "--retrieval-len",
+    type=click.IntRange(min=1),
+    default=None,
+    help="tokens per passkey prompt, answer included [default: 1024, capped by the model's positions]",
+)
+@click.option(
+    "--retrieval-count",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="passkey prompts, needle depths spread over 0.1 .. 0.9",
+)
 @click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
@@ -41,12 +66,15 @@ def command(
     induction,
     induction_len,
     induction_count,
+    retrieval,
+    retrieval_len,
+    retrieval_count,
     chunk_size,
     out,
     overwrite,
 ):
-    """Entropy, confidence, positional, sink, previous-token, distance, induction, output-norm and [CLS]/[SEP]
-    statistics per (layer, head): stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
+    """Entropy, confidence, positional, sink, previous-token, distance, streaming, induction, retrieval, output-norm
+    and [CLS]/[SEP] statistics per (layer, head): stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
     # torch and transformers load here, not at import: `headlab stats --help` keeps its start-up time short.
     from headlab.measure.stats import head_statistics, wide_statistics, write_statistics
 
@@ -59,6 +87,9 @@ def command(
         induction=induction,
         induction_len=induction_len,
         induction_count=induction_count,
+        retrieval=retrieval,
+        retrieval_len=retrieval_len,
+        retrieval_count=retrieval_count,
         seed=seed,
         chunk_size=chunk_size,
     )
@@ -66,7 +97,7 @@ def command(
     wide = wide_statistics(tidy)
     meta = tidy.attrs["meta"]
     click.echo(f"{len(wide)} heads, {meta['tokens']:,} tokens -> {out}")
-    for name in ("entropy", "sink_first", "prev_share", "induction"):
+    for name in ("entropy", "sink_first", "prev_share", "induction", "retrieval"):
         column = wide[name].dropna()
         if len(column):
             top = wide.loc[column.idxmax()]

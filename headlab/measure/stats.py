@@ -1,5 +1,6 @@
 """Per-(layer, head) attention statistics that stream: entropy, confidence, positional, sink, previous-token, distance,
-induction, output norm and [CLS]/[SEP] shares, reduced chunk by chunk from headlab's attention capture.
+streaming (sinks + recent window), induction, retrieval, output norm and [CLS]/[SEP] shares, reduced chunk by chunk
+from headlab's attention capture.
 
 Definitions and sources: /README.md "headlab stats" and the docstring of StatisticsCollector.
 """
@@ -7,6 +8,7 @@ Definitions and sources: /README.md "headlab stats" and the docstring of Statist
 from __future__ import annotations
 
 import math
+import random
 from pathlib import Path
 
 import pandas as pd
@@ -14,12 +16,14 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab.core import distributed
-from headlab.core.data import TextSpec, takes_text
+from headlab.core.data import TextSpec, split_text, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
+from headlab.measure.long_tasks import HEADER, LONG_TASKS, Haystack, build_prompt
 from headlab.mechanisms.capture import DEFAULT_CHUNK, AttentionChunk, capture_attention
 
-# Wide-table columns, in order; other modules (importance, plots) rely on these names.
+STREAMING_WINDOWS = (16, 64, 256)  # recent-window sizes W of the stream_<W> statistics (KV-cache policies read them)
+# Wide-table columns, in order; other modules (importance, plots, KV-cache policies) rely on these names.
 STATISTICS = (
     "entropy",
     "normalized_entropy",
@@ -32,7 +36,9 @@ STATISTICS = (
     "prev_share",
     "self_share",
     "mean_distance",
+    *(f"stream_{window}" for window in STREAMING_WINDOWS),
     "induction",
+    "retrieval",
     "output_norm",
     "cls_share",
     "sep_share",
@@ -49,13 +55,21 @@ ACCUMULATED = (
     "prev_share",
     "self_share",
     "mean_distance",
+    *(f"stream_{window}" for window in STREAMING_WINDOWS),
     "induction",
+    "retrieval",
     "output_norm",
     "cls_share",
     "sep_share",
 )
 POSITIONAL_THRESHOLD = 0.9  # Voita et al. 2019
 SINK_TOKENS = 4  # StreamingLLM keeps 4 initial tokens
+RETRIEVAL_LEN = 1024  # default passkey prompt length (prompt and answer), capped by the model's positions
+RETRIEVAL_DEPTHS = (0.1, 0.9)  # needle depths are spread evenly over this range across the retrieval prompts
+RETRIEVAL_TASK = "passkey"
+# A corpus part longer than this many characters (or 16 per prompt token, whichever is more) is cut there for the
+# retrieval haystack: tokenizing a whole hub dataset for four prompts would cost more than the statistics.
+HAYSTACK_CHARS = 2_000_000
 EDGE_RULES = {
     "queries": "every statistic averages over real (non-padding) query positions only",
     "normalized_entropy": "entropy of row i / ln(keys visible to i); rows seeing a single key are excluded",
@@ -66,8 +80,18 @@ EDGE_RULES = {
     "them (sliding-window layers) are excluded",
     "cls_share": "encoders: attention to the first real token ([CLS]); NaN for causal models",
     "sep_share": "encoders: summed attention to the tokenizer's sep_token positions; rows seeing no SEP excluded",
+    "stream_<W>": "attention mass on the first 4 real tokens (the sinks) plus the keys j with |i-j| < W (for causal "
+    "models i-W < j <= i; encoders get the symmetric window), a key in both sets counted once; rows whose visible "
+    "keys all lie inside sinks + window (nothing left to evict: early rows, sliding-window layers with a window "
+    "<= W) are not counted, so a head has NaN when no row reaches past the window",
     "induction": "separate pass on seeded random tokens repeated twice (after a BOS/CLS prefix when the tokenizer "
     "has one): attention from i to i-(S-1) over the second copy",
+    "retrieval": "separate pass on passkey prompts (headlab.measure.long_tasks, haystack from the corpus part in use, "
+    "after a BOS when the tokenizer has one) with the true answer appended: the query row whose next token is a "
+    "pass-key token (tokens that are only whitespace left out) attends to the same token at the same offset of the "
+    "pass key in the needle's first sentence ('The pass key is N'); rows whose needle token is not visible "
+    "(sliding-window layers) are not counted; NaN for encoders, models without a tokenizer, and (default length "
+    "only) models whose positions or corpus part are too short for a prompt: the reason is in meta 'retrieval'",
     "output_norm": "L2 norm of each head's attention output before the output projection (and before the output "
     "gate of gated-attention families), averaged over real tokens",
     "attention_sinks": "with learned sink logits the weights over keys sum to less than 1; statistics use those "
@@ -83,21 +107,36 @@ class StatisticsCollector:
     entropy -sum_j A_ij ln A_ij (Clark et al. 2019); confidence max_j A_ij and positional argmax_j A_ij = i-1 / i+1
     (Voita et al. 2019); sink mass sum_{j in first k real tokens} A_ij (Xiao et al. 2023); prev/self share A_{i,i-1},
     A_ii (Clark et al. 2019); mean distance sum_j A_ij |i-j| (ViT attention distance); induction A_{i,i-(S-1)}
-    (Olsson et al. 2022); [CLS]/[SEP] shares (Clark et al. 2019).
+    (Olsson et al. 2022); [CLS]/[SEP] shares (Clark et al. 2019); streaming mass stream_W = sum_{j in S u R_W(i)}
+    A_ij, S the first 4 real tokens, R_W(i) the keys with |i-j| < W (StreamingLLM's sinks + recent window, Xiao et
+    al. 2023; DuoAttention's streaming heads, Xiao et al. 2024); retrieval A_{i,t(i)} with t(i) the needle token the
+    answer token after i copies (Wu et al. 2024's retrieval heads, as attention mass instead of argmax copy events).
+
+    A pass with per-query targets (`set_batch(target=...)`) reports A_{i, target(i)} under `target_name`;
+    `induction_only` collects only that (induction and retrieval passes). `windows`: the W of stream_W.
     """
 
-    def __init__(self, layers, *, is_encoder: bool = False, induction_only: bool = False):
+    def __init__(
+        self,
+        layers,
+        *,
+        is_encoder: bool = False,
+        induction_only: bool = False,
+        target_name: str = "induction",
+        windows: tuple[int, ...] = STREAMING_WINDOWS,
+    ):
         self.layers = {layer.index: layer for layer in layers}
         self.is_encoder, self.induction_only = is_encoder, induction_only
+        self.target_name, self.windows = target_name, tuple(windows)
         self.sums: dict[int, dict[str, torch.Tensor]] = {i: {} for i in self.layers}  # name -> [H] float64
         self.counts: dict[int, dict[str, float]] = {i: {} for i in self.layers}  # name -> counted rows
         # layer -> names of one chunk's statistics -> [S, H + 1] float64 (sums per head, then rows), until _settle
         self._pending: dict[int, dict[tuple[str, ...], torch.Tensor]] = {i: {} for i in self.layers}
         self.sep_keys: torch.Tensor | None = None  # [B, T] bool, SEP positions of the current batch
-        self.target: torch.Tensor | None = None  # [B, T] long, induction key per query (-1: none)
+        self.target: torch.Tensor | None = None  # [B, T] long, target key per query (-1: none)
 
     def set_batch(self, sep_keys: torch.Tensor | None = None, target: torch.Tensor | None = None) -> None:
-        """Per-batch side information: SEP key positions (encoders) and induction targets."""
+        """Per-batch side information: SEP key positions (encoders) and per-query targets (induction, retrieval)."""
         self.sep_keys, self.target = sep_keys, target
 
     def _add(self, layer: int, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
@@ -139,7 +178,7 @@ class StatisticsCollector:
 
         if self.target is not None:
             share, present = at(self.target[:, chunk.start : chunk.start + c].to(p.device))
-            items.append(("induction", share, w * present))
+            items.append((self.target_name, share, w * present))
         if self.induction_only:
             self._add(layer, items)
             return
@@ -195,7 +234,44 @@ class StatisticsCollector:
             items.append(("cls_share", shares[..., 0], w * sees[..., 0]))
             if self.sep_keys is not None:
                 items.append(("sep_share", shares[..., 2], w * sees[..., 2]))
+        if self.windows:
+            items += self._streaming(p, visible, rows, real & (rank <= SINK_TOKENS), num_visible, w)
         self._add(layer, items)
+
+    def _streaming(
+        self, p: torch.Tensor, visible: torch.Tensor, rows: torch.Tensor, sinks: torch.Tensor, num_visible, w
+    ) -> list:
+        """(stream_W, values [B, H, c], row weights [B, c]) per window W: the mass on the sink keys (`sinks` [B, Tk]
+        bool, the first SINK_TOKENS real tokens) and on the keys with |i-j| < W, on the rows where some visible key
+        lies outside both. One cumulative sum over keys per chunk serves every window: the window's mass is
+        C[i, min(i+W-1, Tk-1)] - C[i, i-W] (keys past a causal query weigh 0, so the same difference gives the causal
+        window i-W < j <= i), and the sinks outside the window are SINK_TOKENS gathered columns. The sum starts at
+        the lowest window edge of the chunk, start - max W, since the difference cancels everything before it: its
+        width stays chunk + max W however long the sequence (a cumulative sum costs about ten maximum reductions on
+        CPU)."""
+        B, H, c, Tk = p.shape
+        slots = torch.arange(1, SINK_TOKENS + 1, device=p.device)
+        # [B, Tk, S]: key j is the s-th sink; its position (0 where there is none: masked by `has`)
+        which = sinks[:, :, None] & (sinks.long().cumsum(1)[:, :, None] == slots)
+        has, where = which.any(1), which.to(torch.uint8).argmax(1)  # [B, S]
+        sink_seen = visible.gather(-1, where[:, None, :].expand(B, c, SINK_TOKENS)) & has[:, None, :]  # [B, c, S]
+        sink_mass = p.gather(-1, where[:, None, None, :].expand(B, H, c, SINK_TOKENS)) * sink_seen[:, None]
+        apart = (where[:, None, :] - rows[None, :, None]).abs()  # [B, c, S], |sink - i|
+        first = max(0, int(rows[0]) - max(self.windows))  # lowest column any window edge of the chunk reads
+        mass = p[..., first:].cumsum(-1)  # [B, H, c, Tk - first]: C[i, j] - C[i, first - 1]
+        seen = visible[..., first:].cumsum(-1, dtype=torch.int32)  # [B, c, Tk - first]: visible keys, likewise
+        items = []
+        for window in self.windows:
+            # C at the window's upper edge (clamped to the last key, past which C no longer changes) minus C at
+            # i - W, the last key below the window (none below key 0).
+            high = (rows + window - 1).clamp(max=Tk - 1) - first  # [c]
+            low = (rows - window).clamp(min=first, max=Tk - 1) - first  # [c]
+            below = rows >= window  # [c]: a key lies below the window
+            outside = apart >= window  # [B, c, S]: sink not already in the window
+            value = _span(mass, low, high, below) + (sink_mass * outside[:, None]).sum(-1)
+            kept = _span(seen, low, high, below) + (sink_seen & outside).sum(-1)  # visible keys kept, [B, c]
+            items.append((f"stream_{window}", value, w * (num_visible > kept)))
+        return items
 
     @staticmethod
     def _mean_distance(
@@ -223,8 +299,9 @@ class StatisticsCollector:
         self._settle()
         if not distributed.active():
             return
+        names = dict.fromkeys([*ACCUMULATED, *(f"stream_{window}" for window in self.windows)])
         for index, layer in self.layers.items():
-            for name in ACCUMULATED:
+            for name in names:
                 total = self.sums[index].get(name)
                 if total is None:
                     total = torch.zeros(layer.num_heads, dtype=torch.float64)
@@ -244,6 +321,14 @@ class StatisticsCollector:
                 mean = total / count if count > 0 else torch.full((layer.num_heads,), math.nan, dtype=torch.float64)
                 out[index][name] = (mean.cpu(), count)
         return out
+
+
+def _span(cum: torch.Tensor, low: torch.Tensor, high: torch.Tensor, below: torch.Tensor) -> torch.Tensor:
+    """cum[..., i, high_i] - cum[..., i, low_i] (the second term only where below_i): a sum over keys
+    (low_i, high_i] per row from a cumulative sum over keys [..., c, K]; low, high [c] long, below [c] bool."""
+    shape = (*cum.shape[:-1], 1)
+    top = cum.gather(-1, high[:, None].expand(shape))[..., 0]
+    return top - cum.gather(-1, low[:, None].expand(shape))[..., 0] * below.to(cum.dtype)
 
 
 def _accumulate(store: dict, key, value: torch.Tensor) -> None:
@@ -319,6 +404,135 @@ def _frame_tokens(loaded) -> tuple[list[int], list[int]]:
     return ([tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []), []
 
 
+def retrieval_depths(count: int) -> list[float]:
+    """`count` needle depths spread evenly over RETRIEVAL_DEPTHS, ends included (the middle for one prompt)."""
+    low, high = RETRIEVAL_DEPTHS
+    if count == 1:
+        return [round((low + high) / 2, 6)]
+    return [round(low + (high - low) * k / (count - 1), 6) for k in range(count)]
+
+
+def retrieval_minimum(tokenizer) -> int:
+    """Tokens a passkey prompt needs besides most of its haystack: header, needle, question and the answer budget,
+    plus 8 haystack tokens (the needle's digits, hence its token count, vary by prompt)."""
+    spec = LONG_TASKS[RETRIEVAL_TASK]
+    needles = spec.make(random.Random(0))
+    text = HEADER + "".join(needles.facts) + needles.question
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"]) + spec.max_new_tokens + 8
+
+
+def retrieval_sequences(
+    loaded, text: TextSpec, *, length: int | None = None, count: int = 4, seed: int = 0
+) -> tuple[list[tuple[list[int], list[int]]], dict]:
+    """The retrieval pass's teacher-forced passkey sequences and its meta record: ([(ids, target), ...], meta).
+
+    Each sequence is [BOS] + a passkey prompt of headlab.measure.long_tasks (`length` tokens with the answer budget:
+    default RETRIEVAL_LEN capped by the model's positions; haystack from `text`'s corpus part; depths from
+    retrieval_depths; seeded by `seed`) + the answer's tokens. target[i] is the needle position of the pass-key token
+    that token i+1 copies (-1 elsewhere). An encoder, a model without a tokenizer, or (default length only) a model or
+    corpus part too short for a prompt gives no sequences and meta["skipped"]; an explicit `length` that cannot
+    hold a prompt, or a tokenizer that does not keep the pass key's tokens, is a HeadlabError.
+    """
+    if count < 1:
+        raise HeadlabError(f"retrieval_count={count} must be at least 1")
+    limit, tokenizer = loaded.max_positions, loaded.tokenizer
+    if length is not None and limit is not None and length > limit:
+        raise HeadlabError(f"retrieval_len={length} exceeds the model's maximum positions ({limit})")
+    meta = {"task": RETRIEVAL_TASK, "length": length, "prompts": count, "seed": seed, "depths": retrieval_depths(count)}
+    if loaded.adapter.is_encoder:
+        return [], dict(meta, skipped="encoder: no next token copies the needle")
+    if tokenizer is None:
+        return [], dict(meta, skipped="the model has no tokenizer")
+    explicit = length is not None
+    length = length if explicit else (RETRIEVAL_LEN if limit is None else min(RETRIEVAL_LEN, limit))
+    meta["length"] = length
+    minimum = retrieval_minimum(tokenizer)
+    if length < minimum:
+        if explicit:
+            raise HeadlabError(f"retrieval_len={length} is below the {minimum} tokens a passkey prompt needs")
+        return [], dict(meta, skipped=f"the model's {limit} positions are fewer than a passkey prompt's {minimum}")
+    part = split_text(text.corpus, text.split)
+    haystack_text = part.text[: max(HAYSTACK_CHARS, 16 * length)]
+    haystack = Haystack(tokenizer, haystack_text, text.corpus_name)
+    if haystack.tokens < length:
+        if explicit:
+            raise HeadlabError(
+                f"the {text.split} part of the corpus has {haystack.tokens:,} tokens, fewer than retrieval_len={length}"
+            )
+        return [], dict(meta, skipped=f"the corpus part has {haystack.tokens:,} tokens, fewer than {length}")
+    prefix = _frame_tokens(loaded)[0]
+    sequences, actual, rows = [], [], []
+    for sample, depth in enumerate(meta["depths"]):
+        prompt = build_prompt(haystack, RETRIEVAL_TASK, length, depth, sample, seed)
+        ids, target = _copy_targets(tokenizer, prompt, prefix)
+        if len(ids) > length:
+            raise HeadlabError(f"a retrieval sequence of {len(ids)} tokens exceeds retrieval_len={length}")
+        sequences.append((ids, target))
+        actual.append(round(prompt.depth_actual, 4))
+        rows.append(sum(t >= 0 for t in target))
+    source = {**part.describe(), "corpus": text.corpus_name, "haystack_chars": len(haystack_text)}
+    meta.update(depths_actual=actual, answer_rows=rows, prefix_tokens=prefix, source=source)
+    return sequences, meta
+
+
+def _copy_targets(tokenizer, prompt, prefix: list[int]) -> tuple[list[int], list[int]]:
+    """(prefix + prompt + answer token ids, target per position) for one passkey prompt: the answer is the pass key
+    after a space, as the question ("... The pass key is") calls for; its tokens are found in the needle's first
+    sentence ("The pass key is N"), and row i, whose next token is answer token k, targets needle token k."""
+    value = prompt.answers[0]
+    encoded = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    full = tokenizer(prompt.text + " " + value, add_special_tokens=False)["input_ids"]
+    answer = full[len(encoded) :]
+    if full[: len(encoded)] != encoded or "".join(tokenizer.decode(answer).split()) != value:
+        raise HeadlabError(f"the tokenizer does not round-trip the pass key {value!r} after the prompt")
+    # The needle starts at prompt.needle_token; its first pass key comes before the second ("... N is the pass key").
+    span = len(tokenizer(prompt.facts[0], add_special_tokens=False)["input_ids"])
+    first, last = max(0, prompt.needle_token - 1), min(prompt.needle_token + span + 2, len(encoded)) - len(answer)
+    found = next((m for m in range(first, last + 1) if encoded[m : m + len(answer)] == answer), None)
+    if found is None:
+        raise HeadlabError(f"the pass key {value!r} is tokenized differently in the needle and in the answer")
+    ids = prefix + encoded + answer
+    target = [-1] * len(ids)
+    start = len(prefix) + len(encoded)  # position of answer token 0
+    for k, token in enumerate(answer):
+        if tokenizer.decode([token]).strip():  # a whitespace-only token copies no digit of the pass key
+            target[start + k - 1] = len(prefix) + found + k
+    return ids, target
+
+
+def retrieval_batches(sequences, *, batch_size: int, pad_id: int = 0):
+    """retrieval_sequences' sequences, right-padded `batch_size` at a time: (input_ids, attention_mask, target)."""
+    for first in range(0, len(sequences), batch_size):
+        group = sequences[first : first + batch_size]
+        width = max(len(ids) for ids, _ in group)
+        input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)  # [B, T]
+        mask = torch.zeros((len(group), width), dtype=torch.long)  # [B, T]
+        target = torch.full((len(group), width), -1, dtype=torch.long)  # [B, T]
+        for row, (ids, keys) in enumerate(group):
+            input_ids[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids), 1
+            target[row, : len(keys)] = torch.tensor(keys)
+        yield input_ids, mask, target
+
+
+def retrieval_statistics(
+    loaded,
+    *,
+    text: TextSpec,
+    length: int | None = None,
+    count: int = 4,
+    seed: int = 0,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = True,
+) -> tuple[dict[int, torch.Tensor], dict]:
+    """The retrieval score alone (no text pass): ({layer: [H] float64, NaN where not counted}, meta record)."""
+    sequences, meta = retrieval_sequences(loaded, text, length=length, count=count, seed=seed)
+    nan = {layer.index: torch.full((layer.num_heads,), math.nan, dtype=torch.float64) for layer in loaded.layers}
+    if not sequences:
+        return nan, meta
+    means = _collect_retrieval(loaded, sequences, text.batch_size, chunk_size, progress)
+    return {i: means[i]["retrieval"][0] if "retrieval" in means[i] else nan[i] for i in nan}, meta
+
+
 @takes_text(split="calibration", seq_len=512, max_tokens=8192)
 def head_statistics(
     loaded,
@@ -328,6 +542,9 @@ def head_statistics(
     induction: bool = True,
     induction_len: int = 64,
     induction_count: int = 8,
+    retrieval: bool = True,
+    retrieval_len: int | None = None,
+    retrieval_count: int = 4,
     seed: int = 0,
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = True,
@@ -338,11 +555,20 @@ def head_statistics(
     `text` (a TextSpec; the loose keywords data, split, seq_len, batch_size, max_tokens, text_column also work;
     default: calibration part of the embedded corpus, 512-token windows, 8,192 tokens). Encoder windows get
     [CLS] .. [SEP] around them (2 of the seq_len tokens). See `wide_statistics` for one row per head.
+    Separate passes: induction (`induction_len` random tokens repeated, `induction_count` sequences) and retrieval
+    (`retrieval_count` passkey prompts of `retrieval_len` tokens, default 1024 capped by the model's positions, on
+    the haystack of `text`'s corpus part; retrieval_sequences); both seeded by `seed`.
     """
     prefix, suffix = _frame_tokens(loaded)
     framed = loaded.adapter.is_encoder and len(prefix) == 1 and len(suffix) == 1
     if induction:
         _check_induction(loaded, induction_len, induction_count, len(prefix) + len(suffix))
+    # Built before any pass, so that a bad retrieval_len or tokenizer fails before the work.
+    sequences, retrieval_meta = [], None
+    if retrieval:
+        sequences, retrieval_meta = retrieval_sequences(
+            loaded, text, length=retrieval_len, count=retrieval_count, seed=seed
+        )
     data_meta = {}
     if batches is None:
         batches = _statistics_windows(loaded, text, framed)
@@ -361,6 +587,10 @@ def head_statistics(
             "prefix_tokens": prefix,
             "suffix_tokens": suffix,
         }
+    if sequences:
+        for index, values in _collect_retrieval(loaded, sequences, text.batch_size, chunk_size, progress).items():
+            if "retrieval" in values:
+                means[index]["retrieval"] = values["retrieval"]
     table, denominators = _tidy_statistics(loaded.layers, means)
     table.attrs["meta"] = {
         **loaded.describe(),
@@ -370,6 +600,8 @@ def head_statistics(
         "seed": seed,
         "chunk_size": chunk_size,
         "induction": induction_meta,
+        "retrieval": retrieval_meta,
+        "streaming_windows": list(STREAMING_WINDOWS),
         "positional_threshold": POSITIONAL_THRESHOLD,
         "sink_tokens": SINK_TOKENS,
         "blocks": {layer.index: layer.block for layer in loaded.layers},
@@ -400,7 +632,7 @@ def _statistics_windows(loaded, text: TextSpec, framed: bool):
 
 
 def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: bool):
-    """Every statistic but induction, summed over the batches (this process's share under torchrun) and reduced:
+    """Every statistic but induction and retrieval, summed over the batches (this process's share under torchrun) and reduced:
     (per-layer means, tokens seen). frame: ([CLS], [SEP]) ids to wrap each window in, or None."""
     tokenizer, adapter = loaded.tokenizer, loaded.adapter
     sep_id = getattr(tokenizer, "sep_token_id", None) if adapter.is_encoder else None
@@ -439,20 +671,31 @@ def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: 
 
 def _collect_induction(loaded, settings: dict, chunk_size: int, progress: bool) -> dict:
     """Induction scores on repeated random-token sequences (induction_batches with `settings`), per layer."""
-    inductor = StatisticsCollector(loaded.layers, induction_only=True)
     runs = induction_batches(loaded, **settings)
     steps = math.ceil(settings["count"] / settings["batch_size"])
+    return _collect_targets(loaded, "induction", runs, steps, chunk_size, progress)
+
+
+def _collect_retrieval(loaded, sequences, batch_size: int, chunk_size: int, progress: bool) -> dict:
+    """Retrieval scores on retrieval_sequences' teacher-forced passkey prompts, per layer."""
+    tokenizer = loaded.tokenizer
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
+    runs = retrieval_batches(sequences, batch_size=batch_size, pad_id=pad)
+    return _collect_targets(loaded, "retrieval", runs, math.ceil(len(sequences) / batch_size), chunk_size, progress)
+
+
+def _collect_targets(loaded, name: str, runs, steps: int, chunk_size: int, progress: bool) -> dict:
+    """Per-layer means of A[i, target(i)] over (input_ids, attention_mask, target) batches, reported as `name`."""
+    collector = StatisticsCollector(loaded.layers, induction_only=True, target_name=name)
     if distributed.active():
         runs = distributed.shard(list(runs))
         steps = len(runs)
-    with torch.no_grad(), capture_attention(loaded.model, loaded.layers, inductor.on_chunk, None, chunk_size):
-        for input_ids, attention_mask, target in tqdm(
-            runs, total=steps, desc="induction", disable=not progress, unit="batch"
-        ):
-            inductor.set_batch(target=target.to(loaded.device))
+    with torch.no_grad(), capture_attention(loaded.model, loaded.layers, collector.on_chunk, None, chunk_size):
+        for input_ids, attention_mask, target in tqdm(runs, total=steps, desc=name, disable=not progress, unit="batch"):
+            collector.set_batch(target=target.to(loaded.device))
             loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
-    inductor.reduce()
-    return inductor.means()
+    collector.reduce()
+    return collector.means()
 
 
 def _tidy_statistics(layers, means: dict) -> tuple[pd.DataFrame, dict]:

@@ -68,6 +68,26 @@ SCORE_SOURCES: Registry[ScoreSource] = Registry(
             recomputable=False,
         ),
         ScoreSource(
+            "retrieval",
+            Lazy("headlab.pruning.scores:retrieval_source"),
+            "retrieval score on passkey prompts: the heads that attend least to the needle token being copied go first",
+            "S_h = mean over answer rows i of A_{i,t(i)}, t(i) the needle token that answer token i+1 copies, on "
+            "teacher-forced passkey prompts (headlab stats' retrieval; Wu et al. 2024's retrieval heads as "
+            "attention mass); a head that never sees the needle (sliding window) scores 0",
+            None,
+            recomputable=False,
+        ),
+        ScoreSource(
+            "streaming",
+            Lazy("headlab.pruning.scores:streaming_source"),
+            "streaming score: heads whose attention already fits 4 sink tokens + a 64-token recent window go first",
+            "S_h = 1 - stream_64, the attention mass outside the first 4 tokens and the last 64 keys on calibration "
+            "text (StreamingLLM's sinks + window, Xiao et al. 2023; DuoAttention's streaming heads, Xiao et al. "
+            "2024); a head no row of which reaches past the window scores 0",
+            None,
+            recomputable=False,
+        ),
+        ScoreSource(
             "table",
             Lazy("headlab.pruning.scores:table_source"),
             "a table with columns layer, head and importance or score (an importance run)",

@@ -1,5 +1,5 @@
 """Score sources: the functions behind the registry in headlab.pruning.score_sources (grad, taylor, fisher,
-ablation, obs, random, entropy, a table). Every source returns per-layer scores [H_l]; lowest goes first.
+ablation, obs, random, entropy, retrieval, streaming, a table). Every source returns per-layer scores [H_l]; lowest goes first.
 
 Sources take a resolved ScoreRequest (text, budgets, seed, heads already pruned), so a command builds it once.
 """
@@ -19,7 +19,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
 from headlab.measure.importance import choose_low_memory, fisher_statistics, head_importance
 from headlab.measure.importance_methods import IMPORTANCE_METHODS
-from headlab.measure.stats import head_statistics
+from headlab.measure.stats import head_statistics, retrieval_statistics
 from headlab.mechanisms.gates import gates_from_pruned
 from headlab.pruning.score_sources import SCORE_SOURCES
 from headlab.pruning.selection import calibration_grams, calibration_scoring_batches, single_obs_scores
@@ -92,7 +92,7 @@ def random_scores(layers: list[AttentionLayer], seed: int) -> list[torch.Tensor]
 def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
     """Score = -(mean attention entropy), so the most diffuse heads (highest entropy) are pruned first."""
 
-    table = head_statistics(loaded, induction=False, **kwargs)  # entropy needs no induction sequences
+    table = head_statistics(loaded, induction=False, retrieval=False, **kwargs)  # entropy needs neither pass
     table = table[table["statistic"] == "entropy"]
     scores = [torch.full((layer.num_heads,), math.nan, dtype=torch.float64) for layer in loaded.layers]
     for layer, head, value in zip(table["layer"], table["head"], table["value"]):
@@ -100,6 +100,34 @@ def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
     if any(bool(torch.isnan(s).any()) for s in scores):
         raise HeadlabError("head_statistics gave no entropy for some heads")
     return scores
+
+
+STREAMING_SCORE_WINDOW = 64  # the recent window of the streaming score (stream_64)
+
+
+def streaming_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
+    """Score = 1 - stream_64 (the attention mass outside 4 sinks + the 64 most recent keys; StreamingLLM, Xiao et al.
+    2023), so heads a sinks + window cache would serve (DuoAttention's streaming heads) are pruned first; a head with
+    no row reaching past the window (NaN: a sliding window <= 64) fits it and scores 0."""
+    name = f"stream_{STREAMING_SCORE_WINDOW}"
+    table = head_statistics(loaded, induction=False, retrieval=False, **kwargs)  # a text pass is all it needs
+    table = table[table["statistic"] == name]
+    if table["value"].isna().all():
+        raise HeadlabError(f"no query row reaches past {STREAMING_SCORE_WINDOW} + 4 keys: give a longer seq_len")
+    scores = [torch.zeros(layer.num_heads, dtype=torch.float64) for layer in loaded.layers]
+    for layer, head, value in zip(table["layer"], table["head"], table["value"]):
+        scores[int(layer)][int(head)] = 0.0 if math.isnan(value) else 1.0 - float(value)
+    return scores
+
+
+def retrieval_head_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
+    """Score = the retrieval score (mean attention of an answer token's query on the needle token it copies, on
+    passkey prompts; Wu et al. 2024 as attention mass), so heads that retrieve least are pruned first; a head that
+    never sees the needle (sliding window) scores 0."""
+    values, meta = retrieval_statistics(loaded, **kwargs)
+    if "skipped" in meta:
+        raise HeadlabError(f"the retrieval score does not apply: {meta['skipped']}")
+    return [values[layer.index].nan_to_num(0.0) for layer in loaded.layers]
 
 
 def importance_scores(loaded: LoadedModel, pruned: list[set[int]] | None = None, **kwargs) -> list[torch.Tensor]:
@@ -155,6 +183,14 @@ def importance_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> 
 
 def entropy_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
     return entropy_scores(loaded, text=request.text, progress=request.progress)
+
+
+def streaming_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
+    return streaming_scores(loaded, text=request.text, progress=request.progress)
+
+
+def retrieval_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:
+    return retrieval_head_scores(loaded, text=request.text, seed=request.seed, progress=request.progress)
 
 
 def random_source(loaded: LoadedModel, request: ScoreRequest, name: str) -> list[torch.Tensor]:

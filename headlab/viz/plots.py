@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_write_bytes
 from headlab.core.validate import check_unique_heads
-from headlab.measure.stats import STATISTICS
+from headlab.measure.stats import SINK_TOKENS, STATISTICS, STREAMING_WINDOWS
 from headlab.viz.choices import FORMATS
 
 DPI = 120
@@ -37,7 +37,9 @@ LABELS = {
     "prev_share": "attention to the previous token",
     "self_share": "attention to the token itself",
     "mean_distance": "mean attention distance (tokens)",
+    **{f"stream_{w}": f"streaming mass: {SINK_TOKENS} sinks + {w} recent keys" for w in STREAMING_WINDOWS},
     "induction": "induction score",
+    "retrieval": "retrieval score (attention on the copied needle token)",
     "output_norm": "head output L2 norm",
     "cls_share": "attention to [CLS]",
     "sep_share": "attention to [SEP]",
@@ -194,7 +196,9 @@ def plot_head_heatmap(table: pd.DataFrame, value: str, *, title: str | None = No
 
 # Statistics that are probabilities (weights summing to at most 1 per row): one fixed [0, 1] scale would hide
 # small differences, so these use the data range from 0 like the others; listed here for documentation only.
-HEATMAP_SKIP = ("is_positional",)  # a 0/1 flag, already shown by positional_prev / positional_next
+# is_positional: a 0/1 flag, already shown by positional_prev / positional_next. stream_64 stands for every window
+# (the others are in the tables; `plot_head_heatmap(wide, "stream_256")` draws one).
+HEATMAP_SKIP = ("is_positional", *(f"stream_{w}" for w in STREAMING_WINDOWS if w != 64))
 
 
 def plot_statistic_heatmaps(wide: pd.DataFrame, model: str = "") -> dict[str, Figure]:

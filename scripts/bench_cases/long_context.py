@@ -45,6 +45,7 @@ def _child(mode: str, device: str) -> None:
                 batch_size=1,
                 max_tokens=TOKENS,
                 induction=False,
+                retrieval=False,
                 progress=False,
             )
             tokens = int(table.attrs["meta"].get("tokens", int(attention_mask.sum())))

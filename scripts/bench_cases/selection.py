@@ -172,7 +172,7 @@ def _spearman_part(loaded, store, methods):
         scores["obs"] = _flat(single_obs_scores(loaded, grams, stats.output, progress=False))
     if "entropy" in methods and "entropy" not in scores:
         table = head_statistics(loaded, None, seq_len=SPEARMAN_SEQ, batch_size=2, max_tokens=SPEARMAN_TOKENS,
-                                induction=False, progress=False)  # fmt: skip
+                                induction=False, retrieval=False, progress=False)  # fmt: skip
         table = table[table["statistic"] == "entropy"].sort_values(["layer", "head"])
         scores["entropy"] = [-v for v in table["value"]]  # pruned first = most diffuse, as the entropy source
     store.put("spearman_scores", scores)
