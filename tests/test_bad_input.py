@@ -400,6 +400,15 @@ CASES = [
         ["sweep", "--model", "{llama}", *M, *DATA, "--fractions", "0.99", "--orders", "random", "--out", "w"],
         "pass --allow-empty-layer",
     ),
+    # kv-policy (the tiny llama has 64 positions)
+    (["kv-policy", *NO_MODEL, *DATA, "--out", "p"], "{missing}"),
+    (["kv-policy", "--model", "{llama}", *M, *DATA, "--context", "128", "--out", "p"], "maximum positions"),
+    (["kv-policy", "--model", "{llama}", *M, *DATA, "--context", "64", "--budget", "0.01", "--out", "p"], "below"),
+    (["kv-policy", "--model", "{llama}", *M, *DATA, "--context", "64", "--evaluate", "1k", "--out", "p"], "1024"),
+    (["kv-policy", "--model", "{llama}", *M, *DATA, "--stats", "{emptydir}", "--out", "p"], "stats_wide.csv"),
+    (["kv-policy", "--model", "{bert}", *M, *DATA, "--out", "p"], "encoder"),
+    (["kv-policy", "--model", "{llama}", *M, *DATA, "--tasks", "needle", "--out", "p"], "needle"),
+    (["kv-policy", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
 ]
 
 # lm-eval tasks (the lmeval extra); without lm-eval every --tasks line says how to install it (tests/test_lm_eval.py).
@@ -422,6 +431,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "llama": save_tiny("llama", root / "llama"),  # 4 query heads, 2 KV heads, 64 positions
         "mha": save_tiny("llama_mha", root / "mha"),
         "gpt2": save_tiny("gpt2", root / "gpt2"),
+        "bert": save_tiny("bert", root / "bert"),  # an encoder: no KV cache
         "mla": save_tiny("deepseek_v3", root / "mla"),  # multi-head latent attention, dense MLPs
         # MLA with a MoE MLP in block 1 (llama.cpp export takes dense-MLP MLA only)
         "mlamoe": save_tiny(

@@ -148,3 +148,22 @@ def test_gguf_table_shows_each_file_type_with_its_size_and_stored_types():
     assert "| original | llama | 270 / 90 | q4_k_m, 100.0 MiB | 9.7000 | 10.2000 | 5.0000% |" in text
     listed = "- original, q4_k_m (llama.cpp Q4_K_M from f32, ggml 0.25.3 (0c1e570)): 61 f32, 30 q4_k, 180 q5_0; 1 "
     assert listed in text
+
+
+def test_kv_policy_table_shows_measured_and_layout_fractions():
+    """The kv_policy case: one row per method; a policy row shows its budget fraction and, in brackets, the fraction
+    measured on the real cache at each length; accuracy per task and length, NLL per position bucket."""
+    case = _case("kv_policy")
+    base = {"lengths": [2048], "context": 2048, "sinks": 4, "window": 256, "tasks": ["passkey", "niah_multikey"],
+            "depths": [0.0, 0.5, 1.0], "samples": 2, "position_sequences": 1, "threads": 2}  # fmt: skip
+    nll = {"[0, 512)": 3.5, "[512, 2048)": 3.2}
+    rows = [
+        {"method": "original", "kv_fraction": 1.0, "accuracy": {"passkey@2048": 0.5, "niah_multikey@2048": 1.0},
+         "nll": nll},
+        {"method": "policy, retrieval score, 1/2", "kv_fraction": 0.495, "kv_fraction_measured": {2048: 0.5012},
+         "accuracy": {"passkey@2048": 0.5, "niah_multikey@2048": 0.8333}, "nll": nll},
+    ]  # fmt: skip
+    text = case.markdown({**base, "rows": rows})
+    assert "| method | KV kept | passkey@2048 | niah_multikey@2048 | NLL [0, 512) | NLL [512, 2048) |" in text
+    assert "| policy, retrieval score, 1/2 | 0.495 (0.501) | 0.50 | 0.83 | 3.500 | 3.200 |" in text
+    assert "| original | 1.000 | 0.50 | 1.00 | 3.500 | 3.200 |" in text
