@@ -112,7 +112,9 @@ def test_real_cache_gives_the_masked_logits_and_holds_only_sinks_and_window(llam
 def test_policy_refuses_a_sliding_window_layer_and_bad_sizes():
     model = tiny_model("gemma3_text", attn_implementation="sdpa")
     loaded = from_model(model)
-    policies = {layer.index: LayerStreaming((0,), layer.num_kv_heads, layer.group_size, 1, 2) for layer in loaded.layers}
+    policies = {
+        layer.index: LayerStreaming((0,), layer.num_kv_heads, layer.group_size, 1, 2) for layer in loaded.layers
+    }
     with pytest.raises(HeadlabError, match="full-attention layer"):
         HeadPolicyCache(model.config, {layer.block: policies[layer.index] for layer in loaded.layers})
     with pytest.raises(HeadlabError, match="window"):

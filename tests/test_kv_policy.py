@@ -17,8 +17,11 @@ from headlab.kv.policy import choose_policy, duo_attention_files, kv_head_scores
 def _scores(values, head_dim=16):
     """Two layers x len(values[0]) KV heads with the given scores."""
     return pd.DataFrame(
-        [{"layer": layer, "kv_head": head, "head_dim": head_dim, "score": value}
-         for layer, row in enumerate(values) for head, value in enumerate(row)]  # fmt: skip
+        [
+            {"layer": layer, "kv_head": head, "head_dim": head_dim, "score": value}
+            for layer, row in enumerate(values)
+            for head, value in enumerate(row)
+        ]  # fmt: skip
     )
 
 
@@ -54,14 +57,22 @@ def test_kv_head_score_is_the_largest_of_its_query_heads(tmp_path):
         layers = [Layer(0)]
 
     wide = pd.DataFrame(
-        {"layer": [0, 0, 0, 0], "head": [0, 1, 2, 3], "kv_head": [0, 0, 1, 1], "retrieval": [0.1, 0.4, 0.3, 0.2],
-         "stream_16": [0.9, 0.5, 0.99, 0.8], "stream_64": [1.0, 1.0, 1.0, 1.0]}  # fmt: skip
+        {
+            "layer": [0, 0, 0, 0],
+            "head": [0, 1, 2, 3],
+            "kv_head": [0, 0, 1, 1],
+            "retrieval": [0.1, 0.4, 0.3, 0.2],
+            "stream_16": [0.9, 0.5, 0.99, 0.8],
+            "stream_64": [1.0, 1.0, 1.0, 1.0],
+        }  # fmt: skip
     )
     retrieval = kv_head_scores(wide, Loaded(), "retrieval", 256, (16, 64))
     assert retrieval["score"].tolist() == [0.4, 0.3]
     streaming = kv_head_scores(wide, Loaded(), "streaming", 20, (16, 64))
     assert streaming["score"].tolist() == pytest.approx([0.5, 0.2])  # 1 - the smallest stream_16 of each KV head
-    assert streaming_column(39, (16, 64)) == "stream_16" and streaming_column(40, (16, 64)) == "stream_64"  # tie: larger
+    assert (
+        streaming_column(39, (16, 64)) == "stream_16" and streaming_column(40, (16, 64)) == "stream_64"
+    )  # tie: larger
     with pytest.raises(HeadlabError, match="no 'retrieval' column"):
         kv_head_scores(wide.drop(columns="retrieval"), Loaded(), "retrieval", 256, (16, 64))
 
@@ -91,9 +102,29 @@ def tiny_checkpoint(tmp_path):
 def test_kv_policy_command_end_to_end(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "policy"
     code, stdout, stderr = run_cli(
-        ["kv-policy", "--model", tiny_checkpoint, "--data", "pydoc-topics", "--max-tokens", "256", "--seq-len", "64",
-         "--budget", "0.6", "--context", "256", "--sinks", "2", "--window", "16", "--score", "streaming",
-         "--out", out],  # fmt: skip
+        [
+            "kv-policy",
+            "--model",
+            tiny_checkpoint,
+            "--data",
+            "pydoc-topics",
+            "--max-tokens",
+            "256",
+            "--seq-len",
+            "64",
+            "--budget",
+            "0.6",
+            "--context",
+            "256",
+            "--sinks",
+            "2",
+            "--window",
+            "16",
+            "--score",
+            "streaming",
+            "--out",
+            out,
+        ],  # fmt: skip
         capsys,
     )
     assert code == 0, stderr
@@ -120,9 +151,35 @@ def test_kv_policy_command_refuses_before_any_work(tiny_checkpoint, tmp_path, ca
 def test_evaluation_measures_the_real_cache(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "policy"
     code, stdout, stderr = run_cli(
-        ["kv-policy", "--model", tiny_checkpoint, "--data", "pydoc-topics", "--max-tokens", "256", "--seq-len", "64",
-         "--budget", "0.6", "--context", "256", "--sinks", "2", "--window", "16", "--score", "streaming",
-         "--evaluate", "256", "--tasks", "passkey", "--samples", "1", "--out", out],  # fmt: skip
+        [
+            "kv-policy",
+            "--model",
+            tiny_checkpoint,
+            "--data",
+            "pydoc-topics",
+            "--max-tokens",
+            "256",
+            "--seq-len",
+            "64",
+            "--budget",
+            "0.6",
+            "--context",
+            "256",
+            "--sinks",
+            "2",
+            "--window",
+            "16",
+            "--score",
+            "streaming",
+            "--evaluate",
+            "256",
+            "--tasks",
+            "passkey",
+            "--samples",
+            "1",
+            "--out",
+            out,
+        ],  # fmt: skip
         capsys,
     )
     assert code == 0, stderr

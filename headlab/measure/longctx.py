@@ -61,9 +61,7 @@ Generate = Callable[[list[LongPrompt], int], list[str]]  # (prompts of one lengt
 
 
 @torch.no_grad()
-def transformers_generate(
-    loaded: LoadedModel, prompts: list[LongPrompt], max_new_tokens: int, cache=None
-) -> list[str]:
+def transformers_generate(loaded: LoadedModel, prompts: list[LongPrompt], max_new_tokens: int, cache=None) -> list[str]:
     """Greedy continuations of equal-length prompts in one batch (no padding needed): one prefill, then
     `max_new_tokens` cached decode steps, through the model's own generate(); `cache`: the transformers Cache to
     fill (default: generate's own)."""
