@@ -172,9 +172,42 @@ MLA_SPECS: dict[str, tuple[str, str, dict]] = {
 MLA_TYPES = list(MLA_SPECS)
 _IDENTITY_LATENT_NORM = {"deepseek_v3_nonorm"}
 
+# Scaled RoPE shaped like real configs, scaled down (head_dim 64/128 -> 16; the frequencies at 16 dims still span
+# every regime of the scaling). Kept out of SPECS: the MLA conversion tests (tests/test_mla.py) cover them.
+# Llama-3.2-1B/3B: 4 query heads per KV head, tied embeddings, llama3 scaling (factor 32, low/high 1/4, 8192).
+# At dim 16 and theta 5e5 the wavelengths are 6.3, 32, 162, 826 (kept), 4.2e3 (smoothed), 2.1e4... (divided by 32).
+_LLAMA3_2 = dict(
+    _LLAMA,
+    hidden_size=128,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    tie_word_embeddings=True,
+    max_position_embeddings=131072,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+)
+# Qwen2.5 with its documented long-context yarn block (factor 4 over 32,768 positions, theta 1e6, q/k/v biases): at
+# dim 16 the ramp runs over frequency indices 2..5 of 8.
+_YARN = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32768)
+ROPE_SCALED_SPECS: dict[str, tuple[str, str, dict]] = {
+    "llama3_2": ("llama", "causal", _LLAMA3_2),
+    "qwen2_yarn": ("qwen2", "causal", dict(_LLAMA, max_position_embeddings=131072, rope_parameters=_YARN)),
+    "llama_yarn": ("llama", "causal", dict(_LLAMA, max_position_embeddings=131072, rope_parameters=_YARN)),
+}
+ROPE_SCALED_TYPES = list(ROPE_SCALED_SPECS)
+
 
 def _spec(name: str) -> tuple[str, str, dict]:
-    return SPECS[name] if name in SPECS else MLA_SPECS[name]
+    for specs in (SPECS, MLA_SPECS, ROPE_SCALED_SPECS):
+        if name in specs:
+            return specs[name]
+    raise KeyError(name)
 
 
 def tiny_config(name: str, **overrides):

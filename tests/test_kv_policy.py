@@ -194,3 +194,60 @@ def test_evaluation_measures_the_real_cache(tiny_checkpoint, tmp_path, capsys):
     positions = pd.read_csv(out / "positions.csv")
     assert set(positions["model"]) == {"original", "policy"}
     assert "measured cache at 256 tokens" in stdout
+
+
+def _policy_run(checkpoint, out, capsys, *extra):
+    code, _, stderr = run_cli(
+        ["kv-policy", "--model", checkpoint, "--data", "pydoc-topics", "--max-tokens", "256", "--seq-len", "64",
+         "--budget", "0.5", "--context", "256", "--sinks", "2", "--window", "16", "--score", "streaming", "--out", out,
+         *extra],  # fmt: skip
+        capsys,
+    )
+    assert code == 0, stderr
+    return out
+
+
+def test_eval_and_longeval_run_under_a_policy(tiny_checkpoint, tmp_path, capsys):
+    import torch
+
+    from headlab.core.data import TextSpec
+    from headlab.core.loading import load_model
+    from headlab.kv.policy import applied_policy
+    from headlab.measure.evaluate import perplexity
+
+    policy_dir = _policy_run(tiny_checkpoint, tmp_path / "policy", capsys)
+    common = ["--model", tiny_checkpoint, "--data", "pydoc-topics", "--max-tokens", "512", "--max-length", "256",
+              "--domains", "none", "--json"]  # fmt: skip
+    code, plain_out, stderr = run_cli(["eval", *common], capsys)
+    assert code == 0, stderr
+    code, policy_out, stderr = run_cli(["eval", *common, "--kv-policy", policy_dir], capsys)
+    assert code == 0, stderr
+    plain, under = json.loads(plain_out), json.loads(policy_out)
+    assert under["kv_policy"]["streaming_kv_heads"] > 0
+    assert under["perplexity"] != pytest.approx(plain["perplexity"], rel=1e-6)  # 256-token windows, 16-token window
+    # the same number as the library's masked policy
+    loaded = load_model(str(tiny_checkpoint), device="cpu")
+    text = TextSpec("pydoc-topics", split="eval", seq_len=256, max_tokens=512)
+    with torch.no_grad(), applied_policy(loaded, read_policy(policy_dir)):
+        expected = perplexity(loaded, text=text, progress=False).perplexity
+    assert under["perplexity"] == pytest.approx(expected, rel=1e-9)
+
+    out = tmp_path / "long"
+    code, _, stderr = run_cli(
+        ["longeval", "--model", tiny_checkpoint, "--data", "pydoc-topics", "--lengths", "256", "--depths", "0.5",
+         "--samples", "1", "--kv-policy", policy_dir, "--out", out],  # fmt: skip
+        capsys,
+    )
+    assert code == 0, stderr
+    meta = json.loads((out / "meta.json").read_text())
+    measured = meta["kv_policy"]["measured_cache"]
+    assert measured and all(row["cache_bytes"] > 0 for row in measured)
+
+
+def test_a_policy_for_another_layout_is_refused(tiny_checkpoint, tmp_path, capsys):
+    policy_dir = _policy_run(tiny_checkpoint, tmp_path / "policy", capsys)
+    other = save_tiny("llama_mha", tmp_path / "mha", max_position_embeddings=512)
+    code, _, stderr = run_cli(["eval", "--model", other, "--data", "pydoc-topics", "--kv-policy", policy_dir], capsys)
+    assert code == 2 and "KV heads in layer 0" in stderr and len(stderr.strip().splitlines()) == 1
+    code, _, stderr = run_cli(["eval", "--model", other, "--kv-policy", tmp_path], capsys)
+    assert code == 2 and "not a kv-policy run" in stderr

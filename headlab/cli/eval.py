@@ -6,7 +6,7 @@ import json
 
 import click
 
-from headlab.cli.options import data_options, guard, model_options, out_option, task_options
+from headlab.cli.options import data_options, guard, kv_policy_option, model_options, out_option, task_options
 from headlab.cli.parsing import parse_list
 from headlab.core.corpora import DEFAULT_EVAL_DOMAINS, DOMAINS
 from headlab.core.errors import HeadlabError
@@ -38,6 +38,7 @@ from headlab.core.units import human_bytes
     help=f"comma-separated built-in text domains ({', '.join(DOMAINS)}) whose eval split is also scored, one "
     "perplexity run each, in a table after the corpus's; none: no domains",
 )
+@kv_policy_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(  # click passes every option as a parameter
     load,
@@ -50,6 +51,7 @@ def command(  # click passes every option as a parameter
     num_fewshot,
     out,
     overwrite,
+    kv_policy,
     as_json,
 ):
     """Perplexity, NLL, bits per token, word perplexity and bits per byte (lm-evaluation-harness definitions and
@@ -71,24 +73,31 @@ def command(  # click passes every option as a parameter
             out,
             overwrite,
             as_json,
+            kv_policy,
         )
         return
     if out is not None or include_path is not None:
         raise HeadlabError("--out and --include-path go with --tasks")
     names = () if domains.strip().lower() == "none" else parse_list(domains, str, "domains", allowed=tuple(DOMAINS))
     # start-up: torch loads when the command runs, not for --help
+    from headlab.kv.policy import applied_policy, policy_record, read_policy
     from headlab.measure.evaluate import domain_perplexities, perplexity
 
+    policy = read_policy(kv_policy) if kv_policy is not None else None
     loaded = load()
-    result = perplexity(loaded, text=text, stride=stride, progress=not as_json)
-    table = None
-    if names:  # the corpus's row is the result above where it is the eval split (the default), else measured again
-        reuse = result if text.split == "eval" else None
-        table = domain_perplexities(loaded, names, text=text, stride=stride, progress=not as_json, measured=reuse)
+    with applied_policy(loaded, policy):
+        result = perplexity(loaded, text=text, stride=stride, progress=not as_json)
+        table = None
+        if names:  # the corpus's row is the result above where it is the eval split (the default), else measured again
+            reuse = result if text.split == "eval" else None
+            table = domain_perplexities(loaded, names, text=text, stride=stride, progress=not as_json, measured=reuse)
+    under = policy_record(policy, kv_policy, result.max_length) if policy is not None else None
     if as_json:
         record = {**loaded.describe(), "data": text.corpus_name, "split": text.split, **result.to_dict()}
         if table is not None:
             record["domains"] = table.to_dict("records")
+        if under is not None:
+            record["kv_policy"] = under
         click.echo(json.dumps(record, indent=2))
         return
     rows = [
@@ -104,6 +113,9 @@ def command(  # click passes every option as a parameter
         ("tokens/s", f"{result.tokens_per_s:,.1f}"),
         ("peak memory", human_bytes(result.peak_memory_bytes)),
     ]
+    if under is not None:
+        fraction = under["kv_fraction_at"]["fraction"]
+        rows.append(("KV policy", f"{kv_policy}: {fraction:.3f} of the cache at max-length (masked)"))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         click.echo(f"{name:<{width}}  {value}")
@@ -126,28 +138,35 @@ def _echo_domains(table) -> None:
         click.echo("  ".join(left + right).rstrip())
 
 
-def _run_tasks(load, tasks, include_path, max_length, batch_size, limit, num_fewshot, out, overwrite, as_json):
+def _run_tasks(  # click's options, passed on
+    load, tasks, include_path, max_length, batch_size, limit, num_fewshot, out, overwrite, as_json, kv_policy
+):
     """lm-eval tasks on the loaded model; names, YAMLs and the output directory are checked before loading it."""
     # start-up: torch, pandas and lm-eval load when the command runs, not for --help
     from headlab.core.tables import write_run
+    from headlab.kv.policy import applied_policy, policy_record, read_policy
     from headlab.runtimes.lm_eval_bridge import run_tasks, task_manager
 
     names = parse_list(tasks, str, "tasks")
     manager = task_manager(names, include_path)
     if out is not None:
         guard(out, overwrite, {"model": load.spec}, **{"include-path": include_path})
+    policy = read_policy(kv_policy) if kv_policy is not None else None
     loaded = load()
-    result = run_tasks(
-        loaded,
-        names,
-        include_path=include_path,
-        max_length=max_length,
-        batch_size=batch_size,
-        limit=limit,
-        num_fewshot=num_fewshot,
-        manager=manager,
-    )
+    with applied_policy(loaded, policy):
+        result = run_tasks(
+            loaded,
+            names,
+            include_path=include_path,
+            max_length=max_length,
+            batch_size=batch_size,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            manager=manager,
+        )
     meta = {**loaded.describe(), **result.meta}
+    if policy is not None:
+        meta["kv_policy"] = policy_record(policy, kv_policy, policy.context)
     if out is not None:
         write_run(out, {"tasks": result.table}, meta, overwrite=overwrite)
     if as_json:

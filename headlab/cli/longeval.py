@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import corpus_options, guard, model_options, out_option
+from headlab.cli.options import corpus_options, guard, kv_policy_option, model_options, out_option
 from headlab.cli.parsing import parse_list, token_count
 from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
@@ -74,6 +74,7 @@ RUNTIMES = ("transformers", "llamacpp")
     help="llamacpp: decode a .gguf --model through llama.cpp (same prompts, same greedy decode; needs the "
     "llamacpp extra)",
 )
+@kv_policy_option
 @out_option(required=False, help_text=f"output directory, written atomically [default: {DEFAULT_OUT}]")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(  # click passes every option as a parameter
@@ -89,6 +90,7 @@ def command(  # click passes every option as a parameter
     position_sequences,
     batch_size,
     runtime,
+    kv_policy,
     out,
     overwrite,
     as_json,
@@ -102,35 +104,45 @@ def command(  # click passes every option as a parameter
     gguf = Path(load.spec) if load.spec and str(load.spec).lower().endswith(".gguf") else None
     if runtime == "llamacpp" and gguf is None:
         raise HeadlabError("--runtime llamacpp decodes a .gguf file: give --model FILE.gguf")
+    if runtime == "llamacpp" and kv_policy is not None:
+        raise HeadlabError("--kv-policy runs in transformers (headlab's cache), not with --runtime llamacpp")
     out = out or DEFAULT_OUT
     guard(out, overwrite, {"model": load.spec}, data=data)
     # start-up: torch, pandas and seaborn load when the command runs, not for --help
     from headlab.core.tables import write_run
+    from headlab.kv.policy import applied_policy, measured_generate, policy_record, read_policy
     from headlab.measure.longctx import long_context
     from headlab.runtimes.lm_eval_bridge import long_task_files
     from headlab.viz.plots import figure_bytes, plot_needle_heatmap, plot_position_nll
 
+    policy = read_policy(kv_policy) if kv_policy is not None else None
     loaded = load()
-    generate = None
+    generate, caches = None, []
     if runtime == "llamacpp":
         from headlab.runtimes.long_context import llamacpp_generate  # start-up: llama.cpp only when asked for
 
         generate = llamacpp_generate(loaded, gguf)
     text = TextSpec(data, text_column, part, max_tokens=None)
-    result = long_context(
-        loaded,
-        text=text,
-        tasks=names,
-        lengths=length_list,
-        depths=depth_list,
-        samples=samples,
-        seed=seed,
-        position_sequences_count=position_sequences,
-        batch_size=batch_size,
-        generate=generate,
-        progress=not as_json,
-    )
+    with applied_policy(loaded, policy) as layers:
+        if policy is not None:  # generation writes a real policy cache, measured per batch
+            generate = measured_generate(loaded, layers, caches)
+        result = long_context(
+            loaded,
+            text=text,
+            tasks=names,
+            lengths=length_list,
+            depths=depth_list,
+            samples=samples,
+            seed=seed,
+            position_sequences_count=position_sequences,
+            batch_size=batch_size,
+            generate=generate,
+            progress=not as_json,
+        )
     result.meta["runtime"] = runtime
+    if policy is not None:
+        result.meta["kv_policy"] = policy_record(policy, kv_policy, max(result.meta["lengths"]))
+        result.meta["kv_policy"]["measured_cache"] = caches
     model_name = loaded.spec or "model"
     figures = {
         "figures/needle_heatmap.png": figure_bytes(plot_needle_heatmap(result.cells, f"{model_name}: retrieval"))

@@ -257,3 +257,16 @@ def compensate_option(choices, help_text: str):
         default=None,
         help=help_text,
     )
+
+
+def kv_policy_option(function):
+    """--kv-policy DIR (as `kv_policy`): run the model under a `headlab kv-policy` run's per-KV-head cache policy."""
+    return click.option(
+        "--kv-policy",
+        "kv_policy",
+        type=click.Path(path_type=Path),
+        default=None,
+        metavar="DIR",
+        help="run under the per-KV-head cache policy of a `headlab kv-policy` run: its streaming heads see only "
+        "sinks + window (docs/kv-policy.md)",
+    )(function)

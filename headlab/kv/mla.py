@@ -6,8 +6,10 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    z_g = k_{g,f} + i k_{g,f+rd/2}, are mixed by a unitary matrix across heads. A position rotation multiplies every
    z_g by the same e^{i theta}, so the mixing commutes with RoPE (exact). The top component w = sum_g conj(c_g) z_g
    (query-weighted PCA of the Hermitian key Gram) becomes the one shared rotary key; query head h reads it with
-   q_rope = conj(a_g) q_{h,f}, z_g ~ a_g w. Kept frequencies are every n-th (n = rd / rope_dim): exactly default RoPE
-   at dim rope_dim with the same theta. The residual z_g - a_g w and every frequency not kept lose RoPE: THE
+   q_rope = conj(a_g) q_{h,f}, z_g ~ a_g w. Kept frequencies are every n-th (n = rd / rope_dim): exactly the
+   source's RoPE at dim rope_dim with the same theta (llama3 and yarn scaling too: `mla_rope_parameters`, whose
+   magnitude, yarn's attention factor, is folded into the query rows). The residual z_g - a_g w and every frequency
+   not kept lose RoPE: THE
    approximation, softened by counting those key parts with their mean rotation under each head's calibration
    attention (rope_phases: the least-squares position-free stand-in). q_nope_h = conj(c_h) q_h (D dims), k_nope_g =
    the residual key (D dims).
@@ -55,6 +57,11 @@ FOLD_TOLERANCE = 1e-7
 RIDGE = 1e-8
 # Rope dims tried for a budget below full rank, as divisors of the rotary dims: rd, rd/2, rd/4.
 AUTO_ROPE_DIVISORS = (1, 2, 4)
+# RoPE types whose kept frequencies and magnitude deepseek_v3's rotary embedding reproduces exactly (mla_rope_parameters).
+MLA_ROPE_TYPES = ("default", "llama3", "yarn")
+# Largest relative difference allowed between the source's kept inverse frequencies and the converted model's: float32
+# rounding (a yarn ramp at rope_dim < rd is recomputed from solved betas), far below any real frequency change.
+FREQUENCY_TOLERANCE = 1e-6
 
 
 # ---- the plan --------------------------------------------------------------------------------------------------
@@ -115,8 +122,10 @@ def check_source(loaded: LoadedModel) -> None:
     if sliding or (getattr(config, "layer_types", None) is None and window and window < limit):
         raise HeadlabError(f"{name} uses sliding-window attention ({window}), which deepseek_v3 cannot express")
     rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise HeadlabError(f"{name} uses {rope.get('rope_type')} RoPE scaling; MLA conversion takes default RoPE only")
+    if rope.get("rope_type", "default") not in MLA_ROPE_TYPES:
+        raise HeadlabError(
+            f"{name} uses {rope.get('rope_type')} RoPE scaling; MLA conversion carries {', '.join(MLA_ROPE_TYPES)} only"
+        )
     if any(p.dtype == torch.float16 for p in loaded.model.parameters()):
         raise HeadlabError(
             "float16 cannot hold the latent-norm fold (its tiny latents underflow); use dtype='float32' or 'bfloat16'"
@@ -187,6 +196,112 @@ def _replace(plan: MlaPlan, **changes) -> MlaPlan:
     return MlaPlan(**{**asdict(plan), **changes})
 
 
+# ---- RoPE: the source's frequencies and magnitude in deepseek_v3's rotary embedding -------------------------------
+
+
+def _rope_of(config, dim: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2] float64, attention factor) of `config`'s RoPE at `dim` rotary dims, as transformers
+    computes them (modeling_rope_utils.ROPE_INIT_FUNCTIONS; default: theta^(-2i/dim)). The attention factor multiplies
+    cos and sin, so q.k of the rotary dims by its square."""
+    params, cpu = config.rope_parameters, torch.device("cpu")  # cpu: plan_mla builds its model under a meta device
+    if params.get("rope_type", "default") == "default":
+        return float(params["rope_theta"]) ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=cpu) / dim), 1.0
+    # transformers' RoPE registry: only a scaled RoPE needs it (start-up)
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, cpu)
+    if len(inv_freq) != dim // 2:
+        raise HeadlabError(f"{config.model_type}'s RoPE has {len(inv_freq)} frequencies where {dim // 2} were expected")
+    return inv_freq.double(), float(factor)
+
+
+def source_rope(loaded: LoadedModel) -> tuple[torch.Tensor, float]:
+    """The source's rotary inverse frequencies [rd/2] (float64) and attention factor (yarn's mscale; 1 otherwise)."""
+    layers = gqa_layers(loaded)
+    rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
+    return _rope_of(loaded.model.config.get_text_config(), rd)
+
+
+def _yarn_range(params: dict, dim: int, base: float) -> tuple[float, float]:
+    """YaRN's correction range in frequency indices at `dim` rotary dims (transformers' _compute_yarn_parameters,
+    after Peng et al. 2023): corr(beta) = dim ln(L0 / (2 pi beta)) / (2 ln base) for beta_fast and beta_slow,
+    floor/ceil when truncating, clamped to [0, dim - 1], nudged apart by 0.001 when equal (linear_ramp_factor)."""
+    L0 = params["original_max_position_embeddings"]
+
+    def corr(beta: float) -> float:
+        return dim * math.log(L0 / (beta * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = corr(params.get("beta_fast") or 32), corr(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    return low, (high + 0.001 if low == high else high)
+
+
+def mla_rope_parameters(loaded: LoadedModel, plan: MlaPlan) -> dict:
+    """deepseek_v3 rope_parameters whose rotary embedding, at dim rope_dim, has exactly the source's kept frequencies
+    (every n-th of rd/2, n = rd / rope_dim). Default and llama3: the source's own parameters (both map each default
+    frequency theta^(-2i/d) elementwise, and 2jn/rd = 2j/rope_dim). yarn: its ramp runs over frequency indices, so
+    below rd it is re-anchored at the source's range / n (betas solved from corr(beta) = x, untruncated); mscale =
+    mscale_all_dim = 1 is DeepSeek-V3's own form, which transformers and llama.cpp both read as cos/sin unscaled and
+    the softmax scale times (1 + 0.1 ln factor)^2 (`rope_magnitudes` folds the rest into the query rows)."""
+    source = loaded.model.config.get_text_config()
+    rope = source.rope_parameters
+    rope_type, theta = rope.get("rope_type", "default"), float(rope["rope_theta"])
+    if rope_type == "default":
+        return {"rope_type": "default", "rope_theta": theta}
+    if rope_type == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        return {"rope_type": "llama3", "rope_theta": theta, **{k: rope[k] for k in keys}}
+    L0 = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or source.max_position_embeddings / L0  # transformers' fallback for a missing factor
+    params = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor), "original_max_position_embeddings": L0,
+              "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+    if plan.rope_dim == plan.rotary_dim:  # the same ramp: the source's own range, bit for bit
+        return {**params, **{k: rope[k] for k in ("beta_fast", "beta_slow", "truncate") if rope.get(k) is not None}}
+    n, r = plan.rotary_dim // plan.rope_dim, plan.rope_dim
+    low, high = (x / n for x in _yarn_range(rope, plan.rotary_dim, theta))
+    if high > r - 1:
+        raise HeadlabError(
+            f"yarn's correction range reaches frequency {high:g} of rope_dim={r}, beyond what deepseek_v3's ramp "
+            f"holds at that dim; use rope_dim={plan.rotary_dim}"
+        )
+
+    def beta(x: float) -> float:  # corr(beta) = x at dim r
+        return L0 / (2 * math.pi) * math.exp(-2 * x * math.log(theta) / r)
+
+    return {**params, "beta_fast": beta(low), "beta_slow": beta(high), "truncate": False}
+
+
+def rope_magnitudes(loaded: LoadedModel, config) -> tuple[float, float, float]:
+    """Factors folded into the query rows so that every logit term keeps the source's scale: (nope rows of rotary
+    origin, nope rows of non-rotary dims, rope rows) = (a^2 / m, 1 / m, a^2 / (m c^2)), with a the source's attention
+    factor (q.k of its rotary dims scaled by a^2: cos and sin carry it), c the converted model's and m deepseek_v3's
+    softmax-scale factor (yarn_apply_mscale, modeling_deepseek_v3: mscale(factor, mscale_all_dim)^2). All 1 for
+    default and llama3 RoPE."""
+    # deepseek_v3's own softmax-scale rule, from transformers' lazy module: only a conversion needs it (start-up)
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    a = source_rope(loaded)[1]
+    c = _rope_of(config, config.qk_rope_head_dim)[1]
+    m = float(yarn_apply_mscale(config.rope_parameters, 1.0))
+    return a * a / m, 1.0 / m, a * a / (m * c * c)
+
+
+def _check_frequencies(loaded: LoadedModel, plan: MlaPlan, config) -> float:
+    """Max relative difference between the source's kept frequencies and the converted model's; refused above
+    FREQUENCY_TOLERANCE (the conversion would not be the source's RoPE)."""
+    kept = source_rope(loaded)[0][plan.kept_frequencies]
+    target = _rope_of(config, plan.rope_dim)[0]
+    diff = float(((target - kept).abs() / kept.abs()).max())
+    if diff > FREQUENCY_TOLERANCE:
+        raise HeadlabError(
+            f"deepseek_v3's {config.rope_parameters['rope_type']} RoPE at rope_dim={plan.rope_dim} misses the source's "
+            f"kept frequencies by {diff:.2g} (relative); use rope_dim={plan.rotary_dim}"
+        )
+    return diff
+
+
 # ---- calibration -------------------------------------------------------------------------------------------------
 
 
@@ -225,10 +340,7 @@ def rope_phases(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
     complex128). A key part that loses RoPE is best replaced, in mean square over that distribution, by itself times
     c (E|a e^{i phi} - b|^2 is least at b = a E[e^{i phi}]); the conversion folds conj(c) into the nope queries."""
     layers = gqa_layers(loaded)
-    config = loaded.model.config.get_text_config()
-    rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
-    theta = float(config.rope_parameters["rope_theta"])
-    inv_freq = theta ** (-torch.arange(0, rd, 2, dtype=torch.float64) / rd)  # [F], default RoPE
+    inv_freq = source_rope(loaded)[0]  # [F], the source's own (scaled) frequencies
     H = layers[0].num_heads
     hist: dict[int, torch.Tensor] = {}
 
@@ -310,11 +422,17 @@ def _rorope(k_aug: torch.Tensor, Sk: torch.Tensor, query_energy: torch.Tensor, p
     return torch.stack(rope_rows), torch.stack(factors), nope
 
 
-def _query_map(factors: torch.Tensor, plan: MlaPlan, phases: torch.Tensor | None = None) -> torch.Tensor:
+def _query_map(
+    factors: torch.Tensor,
+    plan: MlaPlan,
+    phases: torch.Tensor | None = None,
+    magnitude: tuple[float, float, float] = (1.0, 1.0, 1.0),
+) -> torch.Tensor:
     """[H, D + r, D]: q_nope = s q_h, q_rope pair j = s conj(a_{g(h)}) (q_{h,f} + i q_{h,f+F}) with
     s = sqrt((D + r) / D), which turns deepseek's softmax scale (D + r)^-0.5 back into the source's D^-0.5.
     phases [H, F] (rope_phases): the nope query of rotary pair f becomes s conj(c_{h,f}) q_{h,f}, the key parts that
-    lose RoPE then count with their mean rotation."""
+    lose RoPE then count with their mean rotation. magnitude (rope_magnitudes): the RoPE magnitude folded into the
+    nope rows of rotary origin, the non-rotary nope rows and the rope rows."""
     H, G, D, r = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.rope_dim
     F = plan.rotary_dim // 2
     s = math.sqrt((D + r) / D)
@@ -332,13 +450,23 @@ def _query_map(factors: torch.Tensor, plan: MlaPlan, phases: torch.Tensor | None
             # conj(a) (x + i y) = (ar x + ai y) + i (ar y - ai x)
             maps[h, D + 2 * j, f], maps[h, D + 2 * j, f + F] = s * ar, s * ai
             maps[h, D + 2 * j + 1, f], maps[h, D + 2 * j + 1, f + F] = -s * ai, s * ar
+    rotary, plain, rope = magnitude
+    maps[:, : 2 * F] *= rotary
+    maps[:, 2 * F : D] *= plain
+    maps[:, D:] *= rope
     return maps
 
 
 def convert_layer(
-    w, sigma: torch.Tensor, plan: MlaPlan, balance: float | None = None, phases: torch.Tensor | None = None
+    w,
+    sigma: torch.Tensor,
+    plan: MlaPlan,
+    balance: float | None = None,
+    phases: torch.Tensor | None = None,
+    magnitude: tuple[float, float, float] = (1.0, 1.0, 1.0),
 ) -> LayerMla:
-    """One layer's MLA weights from its HeadWeights `w` and input Gram `sigma` [C+1, C+1] (see the module doc)."""
+    """One layer's MLA weights from its HeadWeights `w` and input Gram `sigma` [C+1, C+1] (see the module doc);
+    magnitude: rope_magnitudes, folded into the query map."""
     H, G, D, R = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.kv_lora_rank
     C = w.q.shape[2]
     sigma = _ridged(sigma.double())
@@ -354,7 +482,7 @@ def convert_layer(
     diag = Sq.diagonal(dim1=1, dim2=2)  # [H, D]
     energy = (diag[:, :F] + diag[:, F : 2 * F]).reshape(G, H // G, F).sum(1)  # [G, F]
     rope_rows, factors, nope = _rorope(k_aug, Sk, energy, plan)
-    query_map = _query_map(factors, plan, phases)
+    query_map = _query_map(factors, plan, phases, magnitude)
 
     # Metric: keys by their queries' Gram (with the new scale the logits are unchanged), values by the output map.
     o = w.o.double()  # [C, H, D]
@@ -391,8 +519,9 @@ def convert_layer(
 def mla_config(loaded: LoadedModel, plan: MlaPlan):
     """The vanilla deepseek_v3 config of the converted model: dense SwiGLU MLP in every layer (first_k_dense_replace =
     layer count), q_lora only to carry a query bias, as many KV heads as query heads, consecutive-pair RoPE at
-    rope_dim with the source's theta. rms_norm_eps is the latent norm's 1e-6, since vLLM and llama.cpp read the latent
-    norm's eps from it (the decoder norms' change is measured in the record)."""
+    rope_dim with the source's kept frequencies (mla_rope_parameters; checked, refused if they differ). rms_norm_eps
+    is the latent norm's 1e-6, since vLLM and llama.cpp read the latent norm's eps from it (the decoder norms' change
+    is measured in the record)."""
     # The deepseek_v3 config class is imported with transformers' lazy module: only a conversion needs it (start-up).
     from transformers import DeepseekV3Config
 
@@ -400,7 +529,7 @@ def mla_config(loaded: LoadedModel, plan: MlaPlan):
     L = source.num_hidden_layers
     bias = any(t is not None for t in _biases(loaded.adapter.read(loaded.layers[0])))
     ids = {k: getattr(source, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-    return DeepseekV3Config(
+    config = DeepseekV3Config(
         vocab_size=source.vocab_size,
         hidden_size=source.hidden_size,
         intermediate_size=source.intermediate_size,
@@ -424,13 +553,15 @@ def mla_config(loaded: LoadedModel, plan: MlaPlan):
         initializer_range=getattr(source, "initializer_range", 0.02),
         rms_norm_eps=LATENT_NORM_EPS,
         tie_word_embeddings=bool(getattr(source, "tie_word_embeddings", False)),
-        rope_parameters={"rope_type": "default", "rope_theta": float(source.rope_parameters["rope_theta"])},
+        rope_parameters=mla_rope_parameters(loaded, plan),
         rope_interleave=True,
         attention_bias=bias,
         attention_dropout=0.0,
         num_mtp_layers=0,
         **ids,
     )
+    _check_frequencies(loaded, plan, config)
+    return config
 
 
 def _biases(w):
@@ -492,10 +623,11 @@ def build_mla(
     model.load_state_dict(_shared_weights(loaded, model), strict=False)
     records = []
     layers = gqa_layers(loaded)
+    magnitude = rope_magnitudes(loaded, config)
     for layer in tqdm(layers, desc="MLA layers", disable=not progress, unit="layer"):
         w = loaded.adapter.read(layer)
         phase = None if phases is None else phases[layer.index]
-        converted = convert_layer(w, grams[layer.index], plan, phases=phase)
+        converted = convert_layer(w, grams[layer.index], plan, phases=phase, magnitude=magnitude)
         _write_attention(model.model.layers[layer.block].self_attn, w, converted, plan)
         records.append(converted.record)
     model.tie_weights()
@@ -504,7 +636,10 @@ def build_mla(
         adapter = adapter_for(model)  # a deepseek_v3 adapter where one is registered (headlab.core.arch)
     except HeadlabError:
         adapter = Adapter(("deepseek_v3",))  # enough for perplexity and saving
-    meta = {"mla_layers": records}
+    source_type = loaded.model.config.get_text_config().rope_parameters.get("rope_type", "default")
+    rope = {"source_type": source_type, "parameters": dict(config.rope_parameters), "magnitude": list(magnitude),
+            "frequencies_max_rel_diff": _check_frequencies(loaded, plan, config)}  # fmt: skip
+    meta = {"mla_layers": records, "rope": rope}
     return LoadedModel(model, loaded.tokenizer, adapter, loaded.spec, loaded.source, loaded.device, loaded.dtype, meta)
 
 
@@ -699,7 +834,11 @@ def convert_to_mla(
     nll = calibration_nll(mla.model, batches, device)
     steps = {
         "rorope_rotation": {"exact": True, "how": "unitary mixing of KV heads per frequency commutes with RoPE"},
-        "query_scale": {"exact": True, "how": f"sqrt((D + r) / D) folded into the query rows, r = {plan.rope_dim}"},
+        "query_scale": {
+            "exact": True,
+            "how": f"sqrt((D + r) / D) folded into the query rows, r = {plan.rope_dim}"
+            + ("" if mla.meta["rope"]["magnitude"] == [1.0] * 3 else ", with the RoPE magnitude"),
+        },
     }
     if plan.kv_lora_rank < plan.full_rank:
         full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams, phases)
@@ -716,6 +855,7 @@ def convert_to_mla(
     steps["latent_rank"] = {"exact": plan.kv_lora_rank >= plan.full_rank, **latent_diff,
                             "calibration_nll": [nll_full, nll]}  # fmt: skip
     steps["decoder_norm_eps"] = {"exact": False, "max_abs_logit_diff": _decoder_eps_diff(loaded, mla, batches)}
+    record["rope"] = mla.meta["rope"]
     record.update({"plan": plan.to_dict(), "steps": steps, "calibration_nll_before": nll_source,
                    "calibration_nll_after": nll, "layers": mla.meta["mla_layers"]})  # fmt: skip
     return mla, record

@@ -14,6 +14,7 @@ budget x the full cache. The policy runs through headlab.mechanisms.head_cache (
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -368,6 +369,27 @@ def policy_run(
     return PolicyRun(policy, meta, measured)
 
 
+@contextlib.contextmanager
+def applied_policy(loaded, policy: CachePolicy | None):
+    """Run `loaded` under `policy` (masked: streaming heads see only sinks + window over the ordinary cache) inside
+    the block; yields {layer index: LayerStreaming}, or None and changes nothing when `policy` is None."""
+    if policy is None:
+        yield None
+        return
+    layers = policy.layers(loaded)
+    with head_policy(loaded.model, loaded.layers, layers):
+        yield layers
+
+
+def policy_record(policy: CachePolicy, source, length: int) -> dict:
+    """What a run under a policy records: where it came from, its heads, and the cache fraction it keeps at
+    `length` tokens."""
+    return {"from": str(source), "sinks": policy.sinks, "window": policy.window, "score": policy.score,
+            "full_kv_heads": int((policy.table["policy"] == "full").sum()),
+            "streaming_kv_heads": int((policy.table["policy"] == "streaming").sum()),
+            "kv_fraction_at": {"tokens": length, "fraction": policy.kv_fraction(length)}}  # fmt: skip
+
+
 def read_policy(path: Path) -> CachePolicy:
     """A policy from a `headlab kv-policy` run directory (policy.csv + meta.json)."""
     path = Path(path)
@@ -392,6 +414,8 @@ def read_policy(path: Path) -> CachePolicy:
 
 
 __all__ = [
+    "applied_policy",
+    "policy_record",
     "CachePolicy",
     "DEFAULT_SINKS",
     "DEFAULT_WINDOW",
