@@ -344,9 +344,10 @@ def test_a_rerun_with_other_options_starts_afresh(tiny_run, tmp_path, monkeypatc
     assert json.loads((out / "meta.json").read_text())["data"] == str(other)
 
 
-def test_long_context_section_compares_the_original_and_the_merge(tmp_path, capsys):
-    """`report --long-context`: retrieval and NLL by position of the original and the svd merge, as a section with
-    its tables, both figures and the longeval command, which on its own gives the original's rows again."""
+def test_long_context_section_compares_the_original_the_merge_and_a_policy(tmp_path, capsys):
+    """`report --long-context`: retrieval and NLL by position of the original, the svd merge and a per-KV-head cache
+    policy at half the cache, with the cache each keeps, as a section with its tables, both figures and the longeval
+    command, which on its own gives the original's rows again."""
     checkpoint = save_tiny("llama", tmp_path / "ckpt", max_position_embeddings=1024)
     corpus = tmp_path / "text.txt"
     corpus.write_text(SAMPLE_TEXT * 6)
@@ -358,7 +359,13 @@ def test_long_context_section_compares_the_original_and_the_merge(tmp_path, caps
     sections = [line[3:] for line in markdown.splitlines() if line.startswith("## ")]
     assert sections == SECTIONS[:-1] + ["Long context", "Speed"]
     lengths = pd.read_csv(out / "long_context" / "lengths.csv")
-    assert lengths["model"].tolist() == ["original", "1 KV heads, svd merge"] and set(lengths["length"]) == {600}
+    policy = lengths["model"].iloc[2]
+    assert lengths["model"].tolist()[:2] == ["original", "1 KV heads, svd merge"] and set(lengths["length"]) == {600}
+    assert policy.startswith("KV policy") and len(lengths) == 3
+    kept = pd.read_csv(out / "long_context" / "kv_kept.csv").set_index("model")["kv_kept"]
+    assert kept["original"] == 1.0 and kept["1 KV heads, svd merge"] == 0.5  # 2 -> 1 KV heads
+    assert 0.2 < kept[policy] <= 0.5 + 0.01  # measured on the cache after the last decode step (a few more slots)
+    assert "KV cache kept" in (out / "report.md").read_text()
     assert "(figures/needle_heatmap.png)" in markdown and "(figures/position_nll.png)" in markdown
     command = json.loads((out / "meta.json").read_text())["commands"]["long"]
     assert command.startswith("headlab longeval") and "--lengths 600" in command

@@ -56,7 +56,8 @@ def report_options(function):
     "long_lengths",
     default=None,
     metavar="N,N",
-    help="also measure long-context retrieval and NLL by position of the original and the svd merge at these "
+    help="also measure long-context retrieval and NLL by position of the original, the svd merge and a per-KV-head "
+    "cache policy at half the cache at these "
     "lengths (2k = 2048; headlab longeval); a 2k prompt of a 135M model is about 15 s of 2 CPU cores [default: off]",
 )
 def command(load, data, text_column, quick, fmt, out, overwrite, tasks, include_path, orders, long_lengths):

@@ -29,12 +29,21 @@ from headlab.core.tables import versions, write_run
 from headlab.core.units import human_bytes
 from headlab.kv import gqa, ladder
 from headlab.kv import grouping as kv_grouping
-from headlab.measure.costs import model_info
+from headlab.kv.policy import (
+    DEFAULT_WINDOW,
+    POLICY_SCORES,
+    applied_policy,
+    choose_policy,
+    kv_head_scores,
+    measured_generate,
+)
+from headlab.measure.costs import kv_bytes_per_token, model_info
 from headlab.measure.evaluate import domain_perplexities
 from headlab.measure.importance import head_importance
 from headlab.measure.longctx import long_context
-from headlab.measure.stats import _frame_tokens, head_statistics, write_statistics
+from headlab.measure.stats import STREAMING_WINDOWS, _frame_tokens, head_statistics, write_statistics
 from headlab.mechanisms.capture import capture_attention
+from headlab.mechanisms.head_cache import HeadPolicyCache
 from headlab.pruning.scores import read_scores
 from headlab.pruning.sweep import SweepPlan, TaskSpec, sweep, write_sweep
 from headlab.recovery.reconstruct import LocalSpec
@@ -593,23 +602,59 @@ def _recovery_step(run: ReportRun) -> None:
 
 
 def _long_step(run: ReportRun) -> None:
-    """Long-context retrieval and NLL by position (headlab.measure.longctx) of the original and, where KV heads can
-    pool, of the svd merge to the grouping target (made on a copy): the trade the perplexity tables cannot show."""
+    """Long-context retrieval and NLL by position (headlab.measure.longctx) of the original, of the svd merge to the
+    grouping target (made on a copy) where KV heads can pool, and of the original under a per-KV-head cache policy at
+    half the cache (headlab.kv.policy, scored by the stats step's tables): the trade the perplexity tables cannot
+    show, with the KV cache each keeps (measured on the real cache for the policy)."""
     s, loaded = run.s, run.loaded
     text = TextSpec(run.common["data"], run.common["text_column"], "eval", max_tokens=None)
-    rungs = [("original", loaded)]
+    rungs = [("original", loaded, None)]
+    kept = [{"model": "original", "kv_kept": 1.0, "how": "the model's cache"}]
     if run.target is not None:
         merged = _svd_merge(run, text.corpus)
-        rungs.append((f"{run.target} KV heads, svd merge", merged))
+        label = f"{run.target} KV heads, svd merge"
+        rungs.append((label, merged, None))
+        kept.append({"model": label, "kv_kept": kv_bytes_per_token(merged) / kv_bytes_per_token(loaded),
+                     "how": "layout (KV heads kept)"})  # fmt: skip
+    policy = _report_policy(run, max(s.long_lengths))
+    if policy is not None:
+        rungs.append((f"KV policy ({policy.score}), half the cache", loaded, policy))
     tables: dict[str, list[pd.DataFrame]] = {}
     meta = {}
-    for label, model in rungs:
-        result = long_context(model, text=text, lengths=s.long_lengths, depths=s.long_depths, samples=s.long_samples,
-                              progress=run.common["progress"])  # fmt: skip
+    for label, model, under in rungs:
+        caches: list[dict] = []
+        with applied_policy(model, under) as layers:
+            generate = measured_generate(model, layers, caches) if under is not None else None
+            result = long_context(model, text=text, lengths=s.long_lengths, depths=s.long_depths,
+                                  samples=s.long_samples, generate=generate, progress=run.common["progress"])  # fmt: skip
+        if under is not None:
+            full = kv_bytes_per_token(loaded) * max(s.long_lengths)
+            largest = max(caches, key=lambda row: row["length"])
+            kept.append({"model": label, "kv_kept": largest["cache_bytes"] / largest["prompts"] / full,
+                         "how": f"measured on the policy's cache at {largest['length']:,} tokens"})  # fmt: skip
+            meta["kv_policy"] = policy.meta
         for name, frame in result.tables().items():
             tables.setdefault(name, []).append(frame.assign(model=label))
-        meta = {key: value for key, value in result.meta.items() if not key.endswith("seconds")}
-    write_run(run.tmp / "long_context", {name: pd.concat(frames) for name, frames in tables.items()}, meta)
+        meta.update({key: value for key, value in result.meta.items() if not key.endswith("seconds")})
+    frames = {name: pd.concat(parts) for name, parts in tables.items()}
+    write_run(run.tmp / "long_context", {**frames, "kv_kept": pd.DataFrame(kept)}, meta)
+
+
+def _report_policy(run: ReportRun, context: int):
+    """The per-KV-head policy at half the cache at `context` tokens from the stats step's table (retrieval score,
+    else streaming), or None where the statistics cannot score it (no tokenizer, windows too short) or the model's
+    layers cannot take one (sliding-window layers)."""
+    wide = pd.read_csv(run.tmp / "stats" / "stats_wide.csv")
+    for score in POLICY_SCORES:
+        try:
+            scores = kv_head_scores(wide, run.loaded, score, DEFAULT_WINDOW, STREAMING_WINDOWS)
+            policy = choose_policy(scores, budget=0.5, context=context, score=score)
+            layers = policy.layers(run.loaded)  # a sliding-window layer refuses a real policy cache here
+            HeadPolicyCache(run.loaded.model.config, {layer.block: layers[layer.index] for layer in run.loaded.layers})
+            return policy
+        except HeadlabError:
+            continue
+    return None
 
 
 def _figures_step(run: ReportRun, fmt: str) -> None:
