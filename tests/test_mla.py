@@ -96,11 +96,16 @@ def test_rorope_decomposition_is_exact_with_rope_kept_everywhere():
             assert float(rope + plain - original) == pytest.approx(float(plain - resid_rotated), abs=1e-9)
 
 
-def test_rope_phases_match_a_slow_loop_over_eager_attention(text):
-    loaded = loaded_tiny("llama")
+@pytest.mark.parametrize("name", ["llama", "llama_yarn"])
+def test_rope_phases_match_a_slow_loop_over_eager_attention(name, text):
+    # llama_yarn: the phases rotate at the source's scaled frequencies (its rotary embedding's own inv_freq).
+    loaded = loaded_tiny(name)
     batches = text.batches(loaded.tokenizer, max_positions=64)
     phases = mla.rope_phases(loaded, batches, progress=False)
     inv_freq = 10000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16)
+    if name == "llama_yarn":
+        inv_freq = loaded.model.model.rotary_emb.inv_freq.double()
+        assert not torch.allclose(inv_freq, 1e6 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16))
     total = torch.zeros(2, 4, 8, dtype=torch.complex128)
     mass = torch.zeros(2, 4, 1, dtype=torch.float64)
     for input_ids, attention_mask, *_ in batches:
@@ -278,6 +283,162 @@ def test_cli_converts_and_prints_each_step(tmp_path, capsys):
         assert re.search(line, out), line
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "o")
     assert reloaded.config.model_type == "deepseek_v3"
+
+
+# ---- scaled RoPE: llama3 and yarn -----------------------------------------------------------------------------------
+
+
+def sharpened(model, factor=3.0):
+    """Every matrix scaled up: logits of a few units and peaked attention, so a wrong RoPE magnitude or frequency
+    shows in the logits."""
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(factor)
+    return model
+
+
+def far_logits(model, seq=32, stride=997):
+    """Logits at positions 0, 997, 1994, ...: up to ~31k, where the scaled and the plain frequencies part ways."""
+    inputs = tiny_inputs("llama", seq=seq)
+    with torch.no_grad():
+        return model(**inputs, position_ids=torch.arange(seq)[None].expand(2, -1) * stride).logits
+
+
+@pytest.mark.parametrize("name", ["llama3_2", "qwen2_yarn"])
+def test_scaled_rope_mqa_to_mla_is_exact(name, text):
+    # From one KV head every step but the fold is exact; the converted config carries the source's scaling.
+    loaded = from_model(sharpened(tiny_model(name, num_key_value_heads=1)), tiny_tokenizer())
+    model, record = converted(loaded, text, budget="gqa")
+    source = loaded.model.config.rope_parameters
+    target = model.model.config.rope_parameters
+    assert target["rope_type"] == source["rope_type"] == record["rope"]["source_type"]
+    assert record["rope"]["frequencies_max_rel_diff"] == 0.0  # the same float32 frequencies, bit for bit
+    if name == "qwen2_yarn":  # DeepSeek's own yarn form: cos/sin unscaled, softmax scale times mscale^2
+        assert (target["mscale"], target["mscale_all_dim"]) == (1.0, 1.0)
+    for positions in (logits, far_logits):
+        expected = positions(loaded.model)
+        assert expected.abs().max() > 1.0  # logits worth comparing
+        assert rel_diff(positions(model.model), expected) < 1e-5
+    mla.fold_latent_norm(model.model)
+    assert rel_diff(far_logits(model.model), far_logits(loaded.model)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["llama3_2", "llama_yarn"])
+@pytest.mark.parametrize("rope_dim", [16, 8, 4])
+def test_scaled_rope_keeps_the_scaled_frequencies_at_every_rope_dim(name, rope_dim, text):
+    """Keys with nothing to drop at full rank: exact at far positions only if deepseek_v3's rotary embedding at dim
+    rope_dim has the source's scaled frequencies at the kept indices (yarn below rd: its ramp re-anchored)."""
+    loaded = from_model(sharpened(tiny_model(name)), tiny_tokenizer())  # G = 2, D = 16
+    _rank_one_keys(loaded, kept=list(range(0, 8, 16 // rope_dim)))
+    model, record = converted(loaded, text, kv_lora_rank=2 * 2 * 16 - rope_dim, rope_dim=rope_dim)
+    source = loaded.model.model.rotary_emb.inv_freq
+    target = model.model.model.rotary_emb.inv_freq
+    assert torch.equal(target, source[:: 16 // rope_dim])  # the scaled ones, in order, bit for bit
+    if name == "llama_yarn" and rope_dim < 16:
+        assert record["rope"]["parameters"]["truncate"] is False
+    assert rel_diff(far_logits(model.model), far_logits(loaded.model)) < 1e-5
+
+
+def test_yarn_attention_factor_is_folded_into_the_queries(text, monkeypatch):
+    """DeepSeek's yarn form scales the softmax by m = mscale(factor)^2 with cos/sin unscaled; the source scales its
+    rotary q.k by a^2 (a = mscale(factor) by default, or an explicit attention_factor). The query rows take a^2 / m:
+    1 for a default yarn source, 1 / m for attention_factor 1, and leaving it out moves the logits."""
+    g = 1 + 0.1 * math.log(4.0)  # mscale(factor 4)
+    loaded = from_model(sharpened(tiny_model("llama_yarn", num_key_value_heads=1)), tiny_tokenizer())
+    assert converted(loaded, text, budget="gqa")[1]["rope"]["magnitude"] == pytest.approx([1.0, 1 / g**2, 1.0])
+    plain = dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=32768,
+                 attention_factor=1.0)  # fmt: skip
+    loaded = from_model(sharpened(tiny_model("llama_yarn", num_key_value_heads=1, rope_parameters=plain)),
+                        tiny_tokenizer())  # fmt: skip
+    model, record = converted(loaded, text, budget="gqa")
+    assert record["rope"]["magnitude"] == pytest.approx([1 / g**2] * 3)
+    assert rel_diff(far_logits(model.model), far_logits(loaded.model)) < 1e-5
+    monkeypatch.setattr(mla, "rope_magnitudes", lambda *_: (1.0, 1.0, 1.0))
+    unfolded, _ = converted(loaded, text, budget="gqa")
+    assert rel_diff(far_logits(unfolded.model), far_logits(loaded.model)) > 1e-2
+
+
+@pytest.mark.parametrize("name", ["llama3_2", "qwen2_yarn"])
+def test_cli_converts_scaled_rope_checkpoints_that_reload(name, tmp_path, capsys):
+    """convert-mla and convert-gqa on saved Llama-3.2- and Qwen2.5-yarn-shaped checkpoints: both reload in vanilla
+    transformers; the MLA of the one-KV-head variant has the source's logits."""
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
+    data = ["--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32", "--no-eval"]
+    for kv, budget in ((1, "gqa"), (2, "mqa")):
+        source = save_tiny(name, tmp_path / f"src{kv}", num_key_value_heads=kv)
+        out = tmp_path / f"mla{kv}"
+        args = ["convert-mla", "--model", source, *data, "--budget", budget, "--calibration-tokens", "256"]
+        code, printed, err = run_cli([*args, "--out", out], capsys)
+        assert code == 0, err
+        assert re.search(r"RoPE\s+(llama3|yarn) carried exactly", printed), printed
+        reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+        assert reloaded.config.rope_parameters["rope_type"] == tiny_model(name).config.rope_parameters["rope_type"]
+        if kv == 1:
+            original = AutoModelForCausalLM.from_pretrained(source).eval()
+            assert rel_diff(far_logits(reloaded), far_logits(original)) < 1e-4  # the fold's fp32 change only
+    code, _, err = run_cli(["convert-gqa", "--model", tmp_path / "src2", *data, "--kv-heads", "1",
+                            "--out", tmp_path / "gqa"], capsys)  # fmt: skip
+    assert code == 0, err
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa")
+    assert reloaded.config.num_key_value_heads == 1 and reloaded.config.rope_parameters["rope_type"] != "default"
+
+
+def _yarn_mla(text):
+    """A sharpened one-KV-head llama with yarn whose ramp shows at positions < 48 (original context 64, theta 1e4),
+    converted exactly (budget gqa) and folded, as a LoadedModel with test_gguf's byte-level BPE tokenizer."""
+    from test_gguf import VOCAB, bpe_tokenizer  # optional: test_gguf skips itself without the gguf package
+
+    yarn = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64)
+    source = sharpened(tiny_model("llama", vocab_size=VOCAB, num_key_value_heads=1, rope_parameters=yarn), 6.0)
+    loaded = from_model(source, bpe_tokenizer())
+    model, _ = converted(loaded, text, budget="gqa")
+    mla.fold_latent_norm(model.model)
+    return loaded, from_model(model.model, loaded.tokenizer)
+
+
+def test_export_gguf_writes_deepseek_yarn_and_refuses_llama3(text, tmp_path):
+    """deepseek2 with DeepSeek's yarn keys (0.1 x mscale_all_dim as the log multiplier, as convert_hf_to_gguf writes);
+    llama3 (deepseek2 applies no frequency factors) and a yarn ramp re-anchored below the rotary dims are refused."""
+    pytest.importorskip("gguf")
+    from test_gguf import VOCAB, bpe_tokenizer, read  # optional: needs the gguf package (checked above)
+
+    from headlab.runtimes.gguf_export import export_gguf
+
+    loaded, model = _yarn_mla(text)
+    export_gguf(model, tmp_path / "yarn.gguf", outtype="f32", progress=False)
+    fields, _ = read(tmp_path / "yarn.gguf")
+    assert fields["deepseek2.rope.scaling.type"] == "yarn" and fields["deepseek2.rope.scaling.factor"] == 4.0
+    assert fields["deepseek2.rope.scaling.original_context_length"] == 64
+    assert fields["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)
+    cases = [
+        (from_model(tiny_model("llama3_2", vocab_size=VOCAB), bpe_tokenizer()), dict(budget="gqa"), "rope_freqs"),
+        (loaded, dict(kv_lora_rank=16, rope_dim=8), "beta_fast 32"),  # yarn re-anchored at rope_dim 8 < 16
+    ]
+    for source, plan, message in cases:
+        converted_model, _ = converted(source, text, **plan)
+        mla.fold_latent_norm(converted_model.model)
+        with pytest.raises(HeadlabError, match=message):
+            export_gguf(from_model(converted_model.model, source.tokenizer), tmp_path / "m.gguf", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_llamacpp_runs_yarn_mla_like_transformers(text, tmp_path):
+    """llama.cpp's log-probs of the yarn MLA model equal transformers' (measured: worst logit difference ~5e-6 of
+    ~4; writing no yarn keys gives 3.6, no log multiplier 2.3)."""
+    pytest.importorskip("gguf")
+    from test_gguf import LLAMACPP, _windows  # optional: needs the gguf package (checked above)
+
+    if LLAMACPP is not None:
+        pytest.skip(LLAMACPP)
+    from headlab.runtimes.gguf_export import export_gguf
+    from headlab.runtimes.llamacpp import compare_logprobs
+
+    _, model = _yarn_mla(text)
+    export_gguf(model, tmp_path / "yarn.gguf", outtype="f32", progress=False)
+    result = compare_logprobs(model, tmp_path / "yarn.gguf", _windows(model))
+    assert result["max_abs_logit"] > 1.0 and result["relative_difference"] < 1e-4, result
+    assert result["max_abs_logit_diff"] < 1e-4 * result["max_abs_logit"], result
 
 
 # ---- bad input ---------------------------------------------------------------------------------------------------

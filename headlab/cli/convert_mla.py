@@ -46,6 +46,10 @@ def print_summary(record: dict) -> None:
         ("MLA layout", f"latent {plan['kv_lora_rank']} + rope {plan['rope_dim']} per token per layer "
                        f"(full rank {plan['full_rank']}; rope dim {plan['rope_choice']})"),
     ]  # fmt: skip
+    rope = record.get("rope")
+    if rope and rope["source_type"] != "default":  # scaled RoPE: say that it was carried, and how closely
+        rows.append(("RoPE", f"{rope['source_type']} carried exactly (kept frequencies max rel. diff "
+                             f"{rope['frequencies_max_rel_diff']:.1g}, magnitude folded into the queries)"))  # fmt: skip
     for tried in record.get("rope_dim_search", []):
         rows.append(
             (f"  tried {tried['kv_lora_rank']}+{tried['rope_dim']}", f"calibration NLL {tried['calibration_nll']:.4f}")

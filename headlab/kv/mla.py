@@ -168,8 +168,9 @@ def plan_mla(
     # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
     from transformers import DeepseekV3ForCausalLM
 
+    config = mla_config(loaded, plan)  # outside the meta device: it computes and checks the RoPE frequencies
     with torch.device("meta"):  # names and shapes only: the MLP and embeddings must map before any work
-        _shared_weights(loaded, DeepseekV3ForCausalLM(mla_config(loaded, plan)))
+        _shared_weights(loaded, DeepseekV3ForCausalLM(config))
     return plan
 
 
@@ -203,11 +204,10 @@ def _rope_of(config, dim: int) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim/2] float64, attention factor) of `config`'s RoPE at `dim` rotary dims, as transformers
     computes them (modeling_rope_utils.ROPE_INIT_FUNCTIONS; default: theta^(-2i/dim)). The attention factor multiplies
     cos and sin, so q.k of the rotary dims by its square."""
-    params, cpu = config.rope_parameters, torch.device("cpu")  # cpu: plan_mla builds its model under a meta device
+    params, cpu = config.rope_parameters, torch.device("cpu")  # numbers to compare, wherever the model lives
     if params.get("rope_type", "default") == "default":
         return float(params["rope_theta"]) ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=cpu) / dim), 1.0
-    # transformers' RoPE registry: only a scaled RoPE needs it (start-up)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # start-up: only scaled RoPE needs the registry
 
     inv_freq, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, cpu)
     if len(inv_freq) != dim // 2:
@@ -279,8 +279,7 @@ def rope_magnitudes(loaded: LoadedModel, config) -> tuple[float, float, float]:
     factor (q.k of its rotary dims scaled by a^2: cos and sin carry it), c the converted model's and m deepseek_v3's
     softmax-scale factor (yarn_apply_mscale, modeling_deepseek_v3: mscale(factor, mscale_all_dim)^2). All 1 for
     default and llama3 RoPE."""
-    # deepseek_v3's own softmax-scale rule, from transformers' lazy module: only a conversion needs it (start-up)
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale  # start-up: lazy module
 
     a = source_rope(loaded)[1]
     c = _rope_of(config, config.qk_rope_head_dim)[1]

@@ -17,7 +17,8 @@ Which llama.cpp architecture runs which layout (read from llama.cpp's loader, sr
   convert-mla writes) go there as convert_hf_to_gguf's DeepseekV2Model writes them: MQA over the latent (key length
   kv_lora_rank + rope, value length kv_lora_rank), kv_b_proj split into attn_k_b (transposed) and attn_v_b, the
   rotary rows unpermuted (rope_interleave already gives consecutive pairs). Its graph always applies the latent
-  RMSNorm with rms_norm_eps, and its loader asserts qk_nope_head_dim >= 1 (docs/runtimes.md).
+  RMSNorm with rms_norm_eps, and its loader asserts qk_nope_head_dim >= 1 (docs/runtimes.md). It runs default RoPE
+  and DeepSeek's yarn (rope.scaling.* keys), never rope_freqs: llama3-scaled MLA is refused (_mla_rope_problem).
 """
 
 from __future__ import annotations
@@ -282,9 +283,9 @@ def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
         problems.append("qk_nope_head_dim 0: llama.cpp's deepseek2 loader asserts at least one non-rotary key dim")
     if not config.rope_interleave:
         problems.append("rope_interleave false (llama.cpp's deepseek2 rotates consecutive pairs)")
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if rope_type != "default":
-        problems.append(f"RoPE type {rope_type!r} (only the default is exported for MLA)")
+    rope_problem = _mla_rope_problem(getattr(config, "rope_parameters", None) or {})
+    if rope_problem:
+        problems.append(rope_problem)
     if config.q_lora_rank and L in _LITE_LAYERS and _LITE_LAYERS[L] in (None, config.vocab_size):
         problems.append(f"a query LoRA in {L} layers: llama.cpp takes this depth for a 'lite' model without one")
     heads = [layer.num_heads for layer in layers]
@@ -298,6 +299,33 @@ def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
         raise HeadlabError(f"llama.cpp's deepseek2 does not read {', '.join(sorted(names - _MLA_LOADS))}")
     notes = ["MLA cache in llama.cpp: kv_lora_rank + qk_rope_head_dim numbers per token and layer (the latent)"]
     return ExportPlan(TARGETS["deepseek2"], model_type, heads, [1] * L, layers[0].head_dim, None, notes)
+
+
+def _mla_rope_problem(rope: dict) -> str | None:
+    """Why llama.cpp's deepseek2 cannot run this RoPE exactly, or None. It runs default RoPE and yarn in DeepSeek's
+    own form: mscale = mscale_all_dim (M), no explicit attention_factor, which transformers' deepseek_v3 and
+    llama.cpp both compute as cos/sin unscaled and a softmax scale times (1 + 0.1 M ln factor)^2 (transformers:
+    yarn_apply_mscale; llama.cpp: llama_context's yarn_attn_factor, cancelled and moved into kq_scale by
+    src/models/deepseek2.cpp). Its graph hands ggml_rope_ext no frequency factors, so llama3 cannot run there."""
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
+        return None
+    if rope_type == "llama3":
+        return ("llama3 RoPE scaling: llama.cpp's deepseek2 graph applies RoPE without frequency factors (no "
+                "rope_freqs tensor), so llama3's per-frequency scaling cannot be expressed there")  # fmt: skip
+    if rope_type != "yarn":
+        return f"RoPE type {rope_type!r} (llama.cpp's deepseek2 runs default and yarn RoPE)"
+    if rope.get("attention_factor") is not None or not rope.get("mscale_all_dim"):
+        return "yarn without mscale_all_dim or with an explicit attention_factor (deepseek2 reads only mscale_all_dim)"
+    if rope.get("mscale") != rope.get("mscale_all_dim"):
+        return "yarn with mscale != mscale_all_dim (llama.cpp's deepseek2 takes them equal)"
+    if float(rope.get("factor") or 0) <= 1:
+        return "yarn with factor <= 1 (llama.cpp's mscale is then not transformers')"
+    if (rope.get("beta_fast") or 32) != 32 or (rope.get("beta_slow") or 1) != 1 or rope.get("truncate") is False:
+        return ("yarn with a correction range other than beta_fast 32 / beta_slow 1 rounded to whole dims (ggml "
+                "always rounds it, and llama-cpp-python passes its own betas): convert-mla at rope_dim < rotary "
+                "dims writes one; convert at the full rotary dims")  # fmt: skip
+    return None
 
 
 def _mla_hparams(writer, config) -> None:
@@ -314,6 +342,13 @@ def _mla_hparams(writer, config) -> None:
     writer.add_leading_dense_block_count(int(config.num_hidden_layers))
     writer.add_expert_feed_forward_length(int(config.intermediate_size))  # read unconditionally, unused when dense
     writer.add_expert_shared_count(0)
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "yarn":  # _mla_rope_problem let only DeepSeek's own yarn form through
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
+        writer.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
+        # 0.1 x mscale_all_dim, as convert_hf_to_gguf writes it; llama.cpp's deepseek2 loader divides the 0.1 back out
+        writer.add_rope_scaling_yarn_log_mul(0.1 * float(rope["mscale_all_dim"]))
 
 
 def _split_kv_b(items: list, config) -> list:
