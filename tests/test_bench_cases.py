@@ -167,3 +167,16 @@ def test_kv_policy_table_shows_measured_and_layout_fractions():
     assert "| method | KV kept | passkey@2048 | niah_multikey@2048 | NLL [0, 512) | NLL [512, 2048) |" in text
     assert "| policy, retrieval score, 1/2 | 0.495 (0.501) | 0.50 | 0.83 | 3.500 | 3.200 |" in text
     assert "| original | 1.000 | 0.50 | 1.00 | 3.500 | 3.200 |" in text
+
+
+def test_long_runtimes_table_counts_same_answers_and_lists_each_difference():
+    case = _case("long_runtimes")
+    base = {"lengths": [1024], "depths": [0.0, 0.5, 1.0], "samples": 2, "tasks": ["passkey"], "threads": 2}
+    row = {"model": "original", "task": "passkey", "length": 1024, "prompts": 6, "same_answer": 5,
+           "correct_transformers": 4, "correct_llamacpp": 3}  # fmt: skip
+    difference = {"model": "original", "task": "passkey", "length": 1024, "depth": 0.5, "answers": "12345",
+                  "transformers": "12345", "llamacpp": "12346"}  # fmt: skip
+    text = case.markdown({**base, "rows": [row], "differences": [difference]})
+    assert "| original | passkey | 1,024 | 5/6 | 4/6 | 3/6 |" in text
+    assert "- original, passkey at 1,024, depth 0.5 (answer 12345): transformers `12345`, llama.cpp `12346`" in text
+    assert "Every prompt" in case.markdown({**base, "rows": [row], "differences": []})
