@@ -15,6 +15,8 @@ from headlab.core.errors import HeadlabError
 
 # Named places a hook can reach (Adapter.hook_site resolves them; headlab.mechanisms.hooks registers there).
 HOOK_SITES = ("attn_in", "heads_out")
+# Model-level sites, one per model (Adapter.model_site): "resid_final" is the residual stream entering the final norm.
+MODEL_SITES = ("resid_final",)
 
 
 @dataclass
@@ -108,6 +110,19 @@ class HeadWeights:
             q_norm=pick(self.q_norm, heads) if spans else (None if self.q_norm is None else self.q_norm.clone()),
             k_norm=pick(self.k_norm, kv) if spans else (None if self.k_norm is None else self.k_norm.clone()),
         )
+
+
+@dataclass
+class FinalNorm:
+    """The norm before the unembedding, written so its scale can be frozen (TransformerLens' apply_ln_to_stack):
+    N(x) = gain * P(x) / s(x) + bias, s(x) = sqrt(mean(P(x)^2) + eps), P centring (LayerNorm) or the identity (RMSNorm).
+    """
+
+    module: nn.Module  # its input is the final residual stream [B, T, C]
+    gain: torch.Tensor  # [C], the weight as the norm applies it (1 + weight for Gemma-style norms)
+    bias: torch.Tensor | None  # [C] (LayerNorm) or None
+    eps: float
+    centred: bool  # LayerNorm subtracts the mean over C first; RMSNorm does not
 
 
 class _ConfigView:
@@ -224,6 +239,13 @@ class Adapter:
     # Config fields the module's forward reads from `module.config` (Phi3: num_attention_heads); a write gives the
     # module a config view overriding them so layers can differ.
     config_counts: tuple[tuple[str, str], ...] = ()
+    # The norm between the last block and the unembedding: its name in the module that holds the block list.
+    final_norm_name: str = "norm"
+    # Added to that norm's weight before it scales (Gemma and Qwen3-Next store w and multiply by 1 + w).
+    norm_offset: float = 0.0
+    # Bias-free linear maps between the final norm and the unembedding, where a model has them (OPT's project_out
+    # when word_embed_proj_dim differs from hidden_size); folded into the unembedding.
+    unembed_in: tuple[str, ...] = ()
 
     # ---- to implement per family -------------------------------------------------------------------------
     def head_counts(self, layer: AttentionLayer) -> tuple[int, int]:
@@ -237,6 +259,12 @@ class Adapter:
     def read(self, layer: AttentionLayer) -> HeadWeights:
         raise NotImplementedError
 
+    def ov_weights(self, layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_V [G, D, C], W_O [C, H, D]): each head's value map from the layer's (normed) input and its output
+        block, biases left out; query head h reads KV head h // (H/G). The OV circuit of head h is W_O[:, h] W_V[g]."""
+        weights = self.read(layer)
+        return weights.v, weights.o
+
     def hook_site(self, layer: AttentionLayer, site: str) -> nn.Module:
         """The module whose forward pre-hook sees a named site (HOOK_SITES): "attn_in" -> the attention
         module (its input is the block's normed hidden states [B, T, C]); "heads_out" -> the output projection (its
@@ -246,6 +274,57 @@ class Adapter:
         if site == "heads_out":
             return self.out_proj(layer)
         raise HeadlabError(f"unknown hook site {site!r}; use one of {', '.join(HOOK_SITES)}")
+
+    def model_site(self, model: nn.Module, site: str) -> nn.Module:
+        """The module whose forward pre-hook sees a model-level site (MODEL_SITES): "resid_final" -> the final norm
+        (its input is the residual stream after the last block, [B, T, C])."""
+        if site == "resid_final":
+            return self.final_norm(model).module
+        raise HeadlabError(f"unknown model-level hook site {site!r}; use one of {', '.join(MODEL_SITES)}")
+
+    def _beside_blocks(self, model: nn.Module, name: str) -> nn.Module | None:
+        """The submodule `name` of the module that holds the block list (where final norms and OPT's project_out
+        sit), or None."""
+        blocks = self.blocks(model)
+        parent = next((m for m in model.modules() if any(c is blocks for c in m.children())), None)
+        return None if parent is None else _get(parent, name)
+
+    def final_norm(self, model: nn.Module) -> FinalNorm:
+        """The norm the last residual stream passes before the unembedding (`final_norm`, beside the blocks).
+
+        Refused for encoders (their LM head transforms before it unembeds) and for models without one (post-LN
+        blocks such as OPT-350m's normalise the residual inside every block, so no sum of components reaches it)."""
+        name = type(model).__name__
+        if self.is_encoder:
+            raise HeadlabError(f"{name} is an encoder: its masked-LM head is not a norm followed by an unembedding")
+        module = self._beside_blocks(model, self.final_norm_name)
+        if module is None:
+            raise HeadlabError(f"{name} has no final norm {self.final_norm_name!r} beside its blocks (post-LN blocks?)")
+        weight = getattr(module, "weight", None)
+        eps = next((getattr(module, a) for a in ("eps", "variance_epsilon") if hasattr(module, a)), None)
+        if weight is None or eps is None:
+            raise HeadlabError(f"{name}: the final norm {type(module).__name__} has no weight or eps to freeze")
+        return FinalNorm(
+            module=module,
+            gain=weight.detach() + self.norm_offset,
+            bias=None if getattr(module, "bias", None) is None else module.bias.detach(),
+            eps=float(eps),
+            centred=isinstance(module, nn.LayerNorm),
+        )
+
+    def unembedding(self, model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(W_U [V, C], b_U [V] or None): the output embedding (tied or not) with any unembed_in map folded in, so
+        logits = W_U @ N(x) + b_U before soft-capping."""
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is None or getattr(head, "weight", None) is None:
+            raise HeadlabError(f"{type(model).__name__} has no output embedding (an LM head) to attribute logits to")
+        weight = head.weight.detach()
+        for name in self.unembed_in:
+            module = self._beside_blocks(model, name)
+            if module is not None:
+                weight = weight @ module.weight.detach()  # [V, P] @ [P, C]: the map comes first
+        bias = getattr(head, "bias", None)
+        return weight, None if bias is None else bias.detach()
 
     def write(self, layer: AttentionLayer, weights: HeadWeights) -> None:
         """Replace the layer's projections with `weights` (any head counts) and update the module's bookkeeping.
@@ -682,6 +761,15 @@ class LatentQKV(Adapter):
             q_a_norm=None if q_a is None else _clone(_get(block, self.q_a_norm).weight),
         )
 
+    def ov_weights(self, layer):
+        """W_V through the latent: v[h] diag(latent norm weight) kv_a[:R] ([H, Dv, C]; the latent RMSNorm as its scale
+        only, the rotary key carries no value), and W_O."""
+        weights = self.read(layer)
+        latent = weights.kv_a[: self.latent_dims(layer)[0]]  # [R, C]
+        if weights.latent_norm is not None:
+            latent = latent * weights.latent_norm[:, None]
+        return weights.v @ latent, weights.o
+
     def write(self, layer, weights):
         if not isinstance(weights, LatentHeadWeights):
             raise HeadlabError(f"layer {layer.index}: MLA layers take LatentHeadWeights, got {type(weights).__name__}")
@@ -778,6 +866,7 @@ register(
         ("qwen3_next", "qwen3_5_text", "qwen3_5"),
         gated=True,
         blocks_path=("language_model.layers", "layers"),
+        norm_offset=1.0,
         q_norm="self_attn.q_norm",
         k_norm="self_attn.k_norm",
     )
@@ -787,6 +876,7 @@ register(
     SeparateQKV(
         ("gemma3_text", "gemma3"),
         blocks_path=("language_model.layers", "layers"),
+        norm_offset=1.0,
         q_norm="self_attn.q_norm",
         k_norm="self_attn.k_norm",
     )
@@ -800,6 +890,8 @@ register(
         o="self_attn.out_proj",
         rotary=False,
         module_counts=(("num_heads", "H"),),
+        final_norm_name="final_layer_norm",
+        unembed_in=("project_out",),
     )
 )
 register(
@@ -835,6 +927,7 @@ register(
         attn="attention",
         head_dim_attr="head_size",
         module_counts=(),
+        final_norm_name="final_layer_norm",
     )
 )
 register(
@@ -845,6 +938,7 @@ register(
         blocks_path=("h",),
         rotary=False,
         attn="attn",
+        final_norm_name="ln_f",
         module_counts=(("num_heads", "H"), ("split_size", "H*D")),
     )
 )

@@ -30,6 +30,12 @@ def versions() -> dict:
     }
 
 
+def head_name(layer: int, head: int) -> str:
+    """TransformerLens' name of a head, "L{layer}H{head}" (layer: headlab's attention-layer index, the block index
+    except in hybrid models, whose linear-attention blocks are not counted)."""
+    return f"L{int(layer)}H{int(head)}"
+
+
 def head_table(layers, values: dict[str, list]) -> pd.DataFrame:
     """A per-head table with `layer, head, kv_head` first; `values` columns are flat lists in (layer, head) order."""
     rows = [(layer.index, head, layer.kv_head_of(head)) for layer in layers for head in range(layer.num_heads)]

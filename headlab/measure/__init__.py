@@ -1,10 +1,13 @@
-"""What a model is and does, measured without changing it: per-head statistics, head importance,
-perplexity, long-context retrieval and NLL by position, and costs (parameters, FLOPs, KV-cache bytes).
+"""What a model is and does, measured without changing it: per-head statistics and head detectors, head
+importance, direct logit attribution and activation patching per head, perplexity, long-context retrieval and NLL by
+position, and costs (parameters, FLOPs, KV-cache bytes).
 """
 
 __all__ = [
+    "attribution",
     "choices",
     "costs",
+    "detectors",
     "evaluate",
     "importance",
     "importance_methods",

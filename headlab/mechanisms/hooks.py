@@ -2,8 +2,10 @@
 adapter resolves and always removes them on exit (TransformerLens' `hooks` context manager, on unmodified models).
 
 Sites: "attn_in" (the attention module's input, [B, T, C]) and "heads_out" (the head outputs concatenated head-major
-before the output projection, [B, T, H * D]). `fn(x)` sees the site's tensor; it returns None to leave it alone or a
-tensor of the same shape to replace it. Gates, compensation statistics, KV similarity and merge statistics use it.
+before the output projection, [B, T, H * D]), per attention layer; and the model-level "resid_final" (the residual
+stream entering the final norm, [B, T, C]), given the model in the layer's place. `fn(x)` sees the site's tensor;
+it returns None to leave it alone or a tensor of the same shape to replace it. Gates, compensation statistics, KV
+similarity, merge statistics and logit attribution use it.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
-from headlab.core.arch import HOOK_SITES, Adapter, AttentionLayer
+from headlab.core.arch import HOOK_SITES, MODEL_SITES, Adapter, AttentionLayer
 
-SITES = HOOK_SITES  # the names a hook can use (resolved by Adapter.hook_site)
+SITES = HOOK_SITES  # the per-layer names a hook can use (resolved by Adapter.hook_site)
 
 SiteHook = Callable[[torch.Tensor], "torch.Tensor | None"]
 
@@ -35,12 +38,13 @@ def _pre_hook(fn: SiteHook):
 
 
 @contextlib.contextmanager
-def hooks(adapter: Adapter, site_hooks: Iterable[tuple[str, AttentionLayer, SiteHook]]):
-    """Register each (site, layer, fn) for the duration of the block; every hook is removed in `finally`."""
+def hooks(adapter: Adapter, site_hooks: Iterable[tuple[str, AttentionLayer | nn.Module, SiteHook]]):
+    """Register each (site, layer, fn) for the duration of the block (a MODEL_SITES site takes the model in the
+    layer's place); every hook is removed in `finally`."""
     handles = []
     try:
-        for site, layer, fn in site_hooks:
-            module = adapter.hook_site(layer, site)
+        for site, where, fn in site_hooks:
+            module = adapter.model_site(where, site) if site in MODEL_SITES else adapter.hook_site(where, site)
             handles.append(module.register_forward_pre_hook(_pre_hook(fn), with_kwargs=True))
         yield
     finally:

@@ -45,6 +45,8 @@ LABELS = {
     "sep_share": "attention to [SEP]",
     "importance": "importance (normalised to [0, 1])",
     "importance_raw": "importance (raw)",
+    "contribution": "direct logit attribution (logit units)",
+    "recovered": "recovered fraction of the logit difference",
 }
 SHORT_NAMES = {"sink_first": "sink mass (first token)", "sink_first4": "sink mass (first 4 tokens)"}
 # Above this many cells a heatmap carries no numbers: they would be unreadable.
@@ -224,6 +226,24 @@ def plot_importance_heatmap(importance: pd.DataFrame, model: str = "", value: st
 
 
 # ---- scatter: importance against statistics ------------------------------------------------------------------
+
+
+def plot_attribution_heatmap(dla: pd.DataFrame, model: str = ""):
+    """Each head's direct logit attribution (headlab.measure.attribution) at the table's last position, diverging
+    around 0."""
+    if dla.empty or "position" not in dla:
+        raise HeadlabError("the attribution table has no rows or no 'position' column: nothing to draw")
+    last = dla[dla["position"] == dla["position"].max()]
+    row = last.iloc[0]
+    what = f"DLA of {str(row['target'])!r} at position {int(row['position'])} ({str(row['token'])!r})"
+    return plot_head_heatmap(last, "contribution", title=f"{model}: {what}" if model else what)
+
+
+def plot_patching_heatmap(patching: pd.DataFrame, model: str = ""):
+    """Each head's recovered fraction under activation patching (headlab.measure.attribution): 1 = the clean run's
+    logit difference, 0 = the corrupted run's."""
+    what = "activation patching: recovered fraction of the logit difference"
+    return plot_head_heatmap(patching, "recovered", title=f"{model}: {what}" if model else what)
 
 
 def spearman(x: pd.Series, y: pd.Series) -> float:
@@ -659,7 +679,13 @@ def run_figures(run_dir) -> dict[str, Figure]:
     model = _model_name(run_dir)
     wide = _read(_find(run_dir, "stats_wide.csv"), (*HEAD_COLUMNS, *STATISTICS), rows=True, per_head=True)
     importance = _read(_find(run_dir, "importance.csv"), IMPORTANCE_COLUMNS, rows=True, per_head=True)
+    dla = _read(_find(run_dir, "dla.csv"), (*HEAD_COLUMNS, "position", "contribution"), rows=True)
+    patching = _read(_find(run_dir, "patching.csv"), (*HEAD_COLUMNS, "patched", "recovered"), rows=True, per_head=True)
     figures: dict[str, Figure] = {}
+    if dla is not None:
+        figures["dla"] = plot_attribution_heatmap(dla, model)
+    if patching is not None:
+        figures["patching"] = plot_patching_heatmap(patching, model)
     if wide is not None:
         figures.update(plot_statistic_heatmaps(wide, model))
     if importance is not None:
@@ -705,8 +731,8 @@ def run_figures(run_dir) -> dict[str, Figure]:
         figures["recovery_curve"] = plot_recovery_curve(curve, f"{model}: recovery (uptraining)" if model else "")
     if not figures:
         raise HeadlabError(
-            f"{run_dir} holds no table headlab can draw (stats_wide, importance, sweep, attention_maps, gqa_groups, "
-            "cells, position_curve)"
+            f"{run_dir} holds no table headlab can draw (stats_wide, importance, dla, patching, sweep, attention_maps, "
+            "gqa_groups, cells, position_curve)"
         )
     return figures
 
