@@ -49,6 +49,8 @@ CASES = [
     (["stats", *NO_MODEL, *DATA, "--out", "s"], "{missing}"),
     (["stats", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
     (["stats", "--model", "{llama}", *M, *DATA, "--no-induction", "--seq-len", "500", "--out", "s"], "500"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--detect", "magic", "--out", "s"], "magic"),
+    (["stats", "--model", "{llama}", *M, *DATA, "--detect", "induction", "--detect-measure", "sq", "--out", "s"], "sq"),
     # importance
     (["importance", "--model", "{llama}", *M, *DATA, "--split", "eval", "--out", "i"], "--split eval"),
     (["importance", "--model", "{llama}", *M, *DATA, "--mask", "{badmask}", "--out", "i"], "{badmask}"),
@@ -409,6 +411,20 @@ CASES = [
     (["kv-policy", "--model", "{bert}", *M, *DATA, "--out", "p"], "encoder"),
     (["kv-policy", "--model", "{llama}", *M, *DATA, "--tasks", "needle", "--out", "p"], "needle"),
     (["kv-policy", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
+    # attribute (the tiny models read characters: "é" is unknown, "ab" two tokens)
+    (["attribute", "--model", "{llama}", *M], "--text"),
+    (["attribute", "--model", "{llama}", *M, "--text", "abc", "--text-file", "{text}"], "not both"),
+    (["attribute", "--model", "{llama}", *M, "--text-file", "{missing}"], "{missing}"),
+    (["attribute", "--model", "{llama}", *M, "--text", ""], "text is empty"),
+    (["attribute", "--model", "{llama}", *M, "--text", "abc", "--target", "\u00e9"], "does not know"),
+    (["attribute", "--model", "{llama}", *M, "--text", "abc", "--target", "ab"], "2 tokens"),
+    (["attribute", "--model", "{llama}", *M, "--clean", "abc"], "--corrupted"),
+    (["attribute", "--model", "{llama}", *M, "--clean", "abc", "--corrupted", "abcd"], "equal lengths"),
+    (["attribute", "--model", "{llama}", *M, "--text", "abc", "--answers", "a,b"], "--clean"),
+    (["attribute", "--model", "{llama}", *M, "--clean", "abc", "--corrupted", "abd", "--answers", "a"], "two tokens"),
+    (["attribute", "--model", "{bert}", *M, "--text", "abc"], "encoder"),
+    (["attribute", *NO_MODEL, "--text", "abc"], "{missing}"),
+    (["attribute", "--model", "{llama}", *M, "--text", "abc", "--out", "{existing}"], "--overwrite"),
 ]
 
 # lm-eval tasks (the lmeval extra); without lm-eval every --tasks line says how to install it (tests/test_lm_eval.py).

@@ -347,10 +347,10 @@ def test_tidy_and_wide_tables():
     loaded = from_model(tiny_model("bert", attn_implementation="sdpa"))
     inputs = tiny_inputs("bert", batch=2, seq=8)
     tidy = head_statistics(loaded, [(inputs["input_ids"], inputs["attention_mask"])], induction=False, progress=False)
-    assert list(tidy.columns) == ["layer", "head", "kv_head", "statistic", "value"]
+    assert list(tidy.columns) == ["layer", "head", "kv_head", "name", "statistic", "value"]
     assert len(tidy) == 2 * 4 * len(STATISTICS)
     wide = wide_statistics(tidy)
-    assert list(wide.columns) == ["layer", "head", "kv_head", *STATISTICS]
+    assert list(wide.columns) == ["layer", "head", "kv_head", "name", *STATISTICS]
     assert wide["induction"].isna().all() and wide["sep_share"].isna().all()  # no induction pass, no tokenizer
     assert wide["cls_share"].notna().all() and wide["positional_next"].notna().all()
     assert tidy.attrs["meta"]["denominators"]["entropy"] == [16, 16]
@@ -390,7 +390,7 @@ def test_cli_writes_tables(saved_llama, tmp_path):
     assert result.exit_code == 0, result.output
     tidy, wide = pd.read_csv(out / "stats.csv"), pd.read_csv(out / "stats_wide.csv")
     assert (out / "stats.parquet").is_file() and (out / "stats_wide.parquet").is_file()
-    assert list(wide.columns) == ["layer", "head", "kv_head", *STATISTICS] and len(wide) == 8
+    assert list(wide.columns) == ["layer", "head", "kv_head", "name", *STATISTICS] and len(wide) == 8
     assert set(tidy["statistic"]) == set(STATISTICS)
     meta = json.loads((out / "meta.json").read_text())
     assert meta["tokens"] == 200 and meta["seq_len"] == 32 and meta["data"]["split"] == "calibration"

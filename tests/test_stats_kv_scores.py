@@ -251,7 +251,7 @@ def test_retrieval_through_head_statistics_and_meta(retriever):
     assert meta["retrieval"]["depths"] == [0.1, 0.9] and "skipped" not in meta["retrieval"]
     assert meta["denominators"]["retrieval"] == [10, 10] and "retrieval" in meta["edge_rules"]
     assert meta["streaming_windows"] == list(STREAMING_WINDOWS)
-    assert list(wide.columns) == ["layer", "head", "kv_head", *STATISTICS]
+    assert list(wide.columns) == ["layer", "head", "kv_head", "name", *STATISTICS]
     off = head_statistics(loaded, text=text, induction=False, retrieval=False, progress=False)
     assert off.attrs["meta"]["retrieval"] is None and wide_statistics(off)["retrieval"].isna().all()
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, guard, model_options, out_option
+from headlab.measure.choices import DETECTION_PATTERN_NAMES, ERROR_MEASURES
 from headlab.mechanisms.choices import DEFAULT_CHUNK
 
 DEFAULT_OUT = Path("runs/stats")
@@ -52,6 +53,25 @@ DEFAULT_OUT = Path("runs/stats")
     help="passkey prompts, needle depths spread over 0.1 .. 0.9",
 )
 @click.option(
+    "--ov-scores/--no-ov-scores",
+    default=True,
+    show_default=True,
+    help="the weights-only successor and copy_suppression scores (effective OV circuits)",
+)
+@click.option(
+    "--detect",
+    type=click.Choice(DETECTION_PATTERN_NAMES),
+    multiple=True,
+    help="score a TransformerLens detection pattern on the text windows, column detect_NAME (repeatable)",
+)
+@click.option(
+    "--detect-measure",
+    type=click.Choice(ERROR_MEASURES),
+    default="mul",
+    show_default=True,
+    help="--detect score: mul = sum(A*P)/sum(A), abs = 1 - sum|A-P|/T (TransformerLens detect_head)",
+)
+@click.option(
     "--chunk-size",
     type=click.IntRange(min=1),
     default=DEFAULT_CHUNK,
@@ -69,12 +89,16 @@ def command(
     retrieval,
     retrieval_len,
     retrieval_count,
+    ov_scores,
+    detect,
+    detect_measure,
     chunk_size,
     out,
     overwrite,
 ):
-    """Entropy, confidence, positional, sink, previous-token, distance, streaming, induction, retrieval, output-norm
-    and [CLS]/[SEP] statistics per (layer, head): stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
+    """Entropy, confidence, positional, sink, previous-token, distance, streaming, induction, duplicate-token,
+    retrieval, output-norm, [CLS]/[SEP], successor and copy-suppression statistics per (layer, head), and optional
+    TransformerLens detection patterns: stats.csv/.parquet (tidy), stats_wide.csv/.parquet and meta.json."""
     # torch and transformers load here, not at import: `headlab stats --help` keeps its start-up time short.
     from headlab.measure.stats import head_statistics, wide_statistics, write_statistics
 
@@ -90,6 +114,9 @@ def command(
         retrieval=retrieval,
         retrieval_len=retrieval_len,
         retrieval_count=retrieval_count,
+        ov=ov_scores,
+        detect=tuple(dict.fromkeys(detect)),
+        detect_measure=detect_measure,
         seed=seed,
         chunk_size=chunk_size,
     )
@@ -97,8 +124,9 @@ def command(
     wide = wide_statistics(tidy)
     meta = tidy.attrs["meta"]
     click.echo(f"{len(wide)} heads, {meta['tokens']:,} tokens -> {out}")
-    for name in ("entropy", "sink_first", "prev_share", "induction", "retrieval"):
+    names = ("entropy", "sink_first", "prev_share", "induction", "retrieval", "successor", "copy_suppression")
+    for name in (*names, *(f"detect_{pattern}" for pattern in dict.fromkeys(detect))):
         column = wide[name].dropna()
         if len(column):
             top = wide.loc[column.idxmax()]
-            click.echo(f"  max {name:<10} {column.max():.3f}  (layer {int(top['layer'])}, head {int(top['head'])})")
+            click.echo(f"  max {name:<16} {column.max():.3f}  (layer {int(top['layer'])}, head {int(top['head'])})")

@@ -351,7 +351,9 @@ def policy_run(
         wide = pd.read_csv(Path(stats_dir) / "stats_wide.csv")
         statistics = {"from": str(stats_dir)}
     else:
-        tidy = head_statistics(loaded, text=text, induction=False, retrieval=score == "retrieval", progress=progress)
+        tidy = head_statistics(
+            loaded, text=text, induction=False, retrieval=score == "retrieval", ov=False, progress=progress
+        )
         wide = wide_statistics(tidy)
         statistics = {key: tidy.attrs["meta"].get(key) for key in ("data", "tokens", "seq_len", "retrieval")}
     scores = kv_head_scores(wide, loaded, score, window, STREAMING_WINDOWS)

@@ -1,14 +1,19 @@
 """Per-(layer, head) attention statistics that stream: entropy, confidence, positional, sink, previous-token, distance,
-streaming (sinks + recent window), induction, retrieval, output norm and [CLS]/[SEP] shares, reduced chunk by chunk
-from headlab's attention capture.
+streaming (sinks + recent window), induction, duplicate-token, retrieval, output norm and [CLS]/[SEP] shares, reduced
+chunk by chunk from headlab's attention capture; beside them the weights-only successor and copy-suppression scores
+and TransformerLens-style detection patterns (headlab.measure.detectors).
 
-Definitions and sources: /README.md "headlab stats" and the docstring of StatisticsCollector.
+Definitions and sources: docs/commands/stats.md "Statistics", the docstring of StatisticsCollector and, for successor,
+copy_suppression and detect_<name>, headlab.measure.detectors: successor = share of ordinal pairs (t, succ(t)) whose
+effective OV logits rank succ(t) first in t's sequence (Gould et al. 2023); copy_suppression = share of tokens t whose
+own effective OV logit is among the 10 lowest (McDougall et al. 2023); detect_<name> = TransformerLens detect_head.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import pandas as pd
@@ -19,6 +24,18 @@ from headlab.core import distributed
 from headlab.core.data import TextSpec, split_text, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
+from headlab.measure.detectors import (
+    SUPPRESSION_K,
+    SUPPRESSION_TOKENS,
+    PatternDetector,
+    check_error_measure,
+    copy_suppression_scores,
+    frequent_tokens,
+    ov_circuit,
+    resolve_pattern,
+    succession_forms,
+    successor_scores,
+)
 from headlab.measure.long_tasks import HEADER, LONG_TASKS, Haystack, build_prompt
 from headlab.mechanisms.capture import DEFAULT_CHUNK, AttentionChunk, capture_attention
 
@@ -38,12 +55,16 @@ STATISTICS = (
     "mean_distance",
     *(f"stream_{window}" for window in STREAMING_WINDOWS),
     "induction",
+    "duplicate_token",
     "retrieval",
     "output_norm",
     "cls_share",
     "sep_share",
+    "successor",
+    "copy_suppression",
 )
-# Everything a collector sums (STATISTICS less is_positional, which is derived from positional_prev/next).
+# Everything a collector sums (STATISTICS less is_positional, which is derived from positional_prev/next, and the
+# weights-only successor and copy_suppression).
 ACCUMULATED = (
     "entropy",
     "normalized_entropy",
@@ -57,11 +78,13 @@ ACCUMULATED = (
     "mean_distance",
     *(f"stream_{window}" for window in STREAMING_WINDOWS),
     "induction",
+    "duplicate_token",
     "retrieval",
     "output_norm",
     "cls_share",
     "sep_share",
 )
+HEAD_COLUMNS = ("layer", "head", "kv_head", "name")  # the head columns of both tables; name is "L{layer}H{head}"
 POSITIONAL_THRESHOLD = 0.9  # Voita et al. 2019
 SINK_TOKENS = 4  # StreamingLLM keeps 4 initial tokens
 RETRIEVAL_LEN = 1024  # default passkey prompt length (prompt and answer), capped by the model's positions
@@ -86,6 +109,13 @@ EDGE_RULES = {
     "<= W) are not counted, so a head has NaN when no row reaches past the window",
     "induction": "separate pass on seeded random tokens repeated twice (after a BOS/CLS prefix when the tokenizer "
     "has one): attention from i to i-(S-1) over the second copy",
+    "duplicate_token": "the induction pass's sequences: attention from i to i-S (the same token in the first copy) "
+    "over the second copy",
+    "successor/copy_suppression": "weights only (no text), through each head's effective OV circuit W_U diag(g) W_O "
+    "W_V W_E (no earlier layers or MLPs, biases and per-layer norms left out, the final norm as its gain g); NaN for "
+    "encoders, models without a final norm beside the blocks, and (successor) without a tokenizer: meta says why",
+    "detect_<name>": "TransformerLens detect_head on the text pass's windows: a score per window, averaged over "
+    "windows of at least 2 real tokens",
     "retrieval": "separate pass on passkey prompts (headlab.measure.long_tasks, haystack from the corpus part in use, "
     "after a BOS when the tokenizer has one) with the true answer appended: the query row whose next token is a "
     "pass-key token (tokens that are only whitespace left out) attends to the same token at the same offset of the "
@@ -110,10 +140,12 @@ class StatisticsCollector:
     (Olsson et al. 2022); [CLS]/[SEP] shares (Clark et al. 2019); streaming mass stream_W = sum_{j in S u R_W(i)}
     A_ij, S the first 4 real tokens, R_W(i) the keys with |i-j| < W (StreamingLLM's sinks + recent window, Xiao et
     al. 2023; DuoAttention's streaming heads, Xiao et al. 2024); retrieval A_{i,t(i)} with t(i) the needle token the
-    answer token after i copies (Wu et al. 2024's retrieval heads, as attention mass instead of argmax copy events).
+    answer token after i copies (Wu et al. 2024's retrieval heads, as attention mass instead of argmax copy events);
+    duplicate token A_{i,i-S} (TransformerLens's duplicate-token heads, on the induction pass's sequences).
 
-    A pass with per-query targets (`set_batch(target=...)`) reports A_{i, target(i)} under `target_name`;
-    `induction_only` collects only that (induction and retrieval passes). `windows`: the W of stream_W.
+    A pass with per-query targets reports A_{i, target(i)} under each target's name (`set_batch(targets={name:
+    target})`, or `set_batch(target=...)` for `target_name`); `induction_only` collects only those (induction and
+    retrieval passes). `windows`: the W of stream_W.
     """
 
     def __init__(
@@ -133,11 +165,17 @@ class StatisticsCollector:
         # layer -> names of one chunk's statistics -> [S, H + 1] float64 (sums per head, then rows), until _settle
         self._pending: dict[int, dict[tuple[str, ...], torch.Tensor]] = {i: {} for i in self.layers}
         self.sep_keys: torch.Tensor | None = None  # [B, T] bool, SEP positions of the current batch
-        self.target: torch.Tensor | None = None  # [B, T] long, target key per query (-1: none)
+        self.targets: dict[str, torch.Tensor] = {}  # name -> [B, T] long, target key per query (-1: none)
 
-    def set_batch(self, sep_keys: torch.Tensor | None = None, target: torch.Tensor | None = None) -> None:
-        """Per-batch side information: SEP key positions (encoders) and per-query targets (induction, retrieval)."""
-        self.sep_keys, self.target = sep_keys, target
+    def set_batch(
+        self, sep_keys: torch.Tensor | None = None, target: torch.Tensor | None = None, targets: dict | None = None
+    ) -> None:
+        """Per-batch side information: SEP key positions (encoders) and per-query targets by name (induction,
+        duplicate_token, retrieval; `target` alone is reported as `target_name`)."""
+        self.sep_keys = sep_keys
+        self.targets = dict(targets or {})
+        if target is not None:
+            self.targets[self.target_name] = target
 
     def _add(self, layer: int, items: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """Accumulate each (name, values [B, H, c], row weights [B, c] (0/1)) of one chunk: sum_rows w * value per
@@ -176,10 +214,12 @@ class StatisticsCollector:
             present = (keys >= 0) & (keys < Tk) & visible.gather(-1, index[..., None])[..., 0]
             return p.gather(-1, index[:, None, :, None].expand(B, H, c, 1))[..., 0], present
 
-        if self.target is not None:
-            share, present = at(self.target[:, chunk.start : chunk.start + c].to(p.device))
-            items.append((self.target_name, share, w * present))
+        for name, target in self.targets.items():
+            share, present = at(target[:, chunk.start : chunk.start + c].to(p.device))
+            items.append((name, share, w * present))
         if self.induction_only:
+            if not items:
+                return
             self._add(layer, items)
             return
 
@@ -367,17 +407,24 @@ def _frame_encoder_batch(input_ids, attention_mask, cls_id: int, sep_id: int, pa
     return ids, mask
 
 
-def induction_batches(loaded, *, length: int, count: int, seed: int, batch_size: int):
-    """Seeded random tokens repeated twice, [prefix] x x [suffix], with the induction target of each query:
-    query i in the second copy reads key i-(S-1), the token after the previous occurrence of its own token
-    (TransformerLens / Olsson et al. 2022). Yields (input_ids [B, T], attention_mask [B, T], target [B, T])."""
+def special_token_ids(loaded) -> set[int]:
+    """The tokenizer's special ids and the config's pad/BOS/EOS/image/video ids: tokens no random or frequent-token
+    set should hold."""
     config = loaded.model.config.get_text_config()
-    tokenizer = loaded.tokenizer
-    vocab = int(config.vocab_size)
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special = set(getattr(loaded.tokenizer, "all_special_ids", []) or [])
     for name in ("pad_token_id", "bos_token_id", "eos_token_id", "image_token_id", "video_token_id"):
         if isinstance(getattr(config, name, None), int):
             special.add(getattr(config, name))
+    return special
+
+
+def induction_batches(loaded, *, length: int, count: int, seed: int, batch_size: int):
+    """Seeded random tokens repeated twice, [prefix] x x [suffix], with two targets per query of the second copy:
+    "induction" i-(S-1), the token after the previous occurrence of its own token (TransformerLens / Olsson et al.
+    2022), and "duplicate_token" i-S, that previous occurrence itself (TransformerLens's duplicate-token heads).
+    Yields (input_ids [B, T], attention_mask [B, T], {name: target [B, T]})."""
+    vocab = int(loaded.model.config.get_text_config().vocab_size)
+    special = special_token_ids(loaded)
     allowed = torch.tensor([i for i in range(vocab) if i not in special])
     prefix, suffix = _frame_tokens(loaded)
     generator = torch.Generator().manual_seed(seed)
@@ -386,10 +433,12 @@ def induction_batches(loaded, *, length: int, count: int, seed: int, batch_size:
         tokens = allowed[torch.randint(len(allowed), (n, length), generator=generator)]  # [n, S]
         ids = torch.cat([torch.tensor(prefix, dtype=torch.long).expand(n, -1), tokens, tokens], dim=1)
         ids = torch.cat([ids, torch.tensor(suffix, dtype=torch.long).expand(n, -1)], dim=1)  # [n, T]
-        target = torch.full(ids.shape, -1, dtype=torch.long)  # [n, T]
+        induction = torch.full(ids.shape, -1, dtype=torch.long)  # [n, T]
         second = torch.arange(len(prefix) + length, len(prefix) + 2 * length)
-        target[:, second] = second - (length - 1)
-        yield ids, torch.ones_like(ids), target
+        induction[:, second] = second - (length - 1)
+        duplicate = torch.full(ids.shape, -1, dtype=torch.long)  # [n, T]
+        duplicate[:, second] = second - length
+        yield ids, torch.ones_like(ids), {"induction": induction, "duplicate_token": duplicate}
 
 
 def _frame_tokens(loaded) -> tuple[list[int], list[int]]:
@@ -501,7 +550,8 @@ def _copy_targets(tokenizer, prompt, prefix: list[int]) -> tuple[list[int], list
 
 
 def retrieval_batches(sequences, *, batch_size: int, pad_id: int = 0):
-    """retrieval_sequences' sequences, right-padded `batch_size` at a time: (input_ids, attention_mask, target)."""
+    """retrieval_sequences' sequences, right-padded `batch_size` at a time: (input_ids, attention_mask,
+    {"retrieval": target})."""
     for first in range(0, len(sequences), batch_size):
         group = sequences[first : first + batch_size]
         width = max(len(ids) for ids, _ in group)
@@ -511,7 +561,7 @@ def retrieval_batches(sequences, *, batch_size: int, pad_id: int = 0):
         for row, (ids, keys) in enumerate(group):
             input_ids[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids), 1
             target[row, : len(keys)] = torch.tensor(keys)
-        yield input_ids, mask, target
+        yield input_ids, mask, {"retrieval": target}
 
 
 def retrieval_statistics(
@@ -533,57 +583,94 @@ def retrieval_statistics(
     return {i: means[i]["retrieval"][0] if "retrieval" in means[i] else nan[i] for i in nan}, meta
 
 
+@dataclass(frozen=True)
+class StatsPlan:
+    """What `head_statistics` collects besides the text pass, each field also a keyword of its own.
+
+    induction: the pass on `induction_count` sequences of `induction_len` seeded random tokens repeated twice
+    (induction and duplicate_token); retrieval: the pass on `retrieval_count` passkey prompts of `retrieval_len` tokens
+    (default 1024 capped by the model's positions); ov: the weights-only successor and copy_suppression scores;
+    detect: TransformerLens detection patterns scored on the text pass (names of headlab.measure.detectors'
+    DETECTION_PATTERNS or functions), with `detect_measure` "mul" or "abs"; seed: the induction tokens and passkey
+    prompts.
+    """
+
+    induction: bool = True
+    induction_len: int = 64
+    induction_count: int = 8
+    retrieval: bool = True
+    retrieval_len: int | None = None
+    retrieval_count: int = 4
+    ov: bool = True
+    detect: tuple = ()
+    detect_measure: str = "mul"
+    seed: int = 0
+
+
+PLAN_KEYWORDS = tuple(field.name for field in fields(StatsPlan))
+
+
 @takes_text(split="calibration", seq_len=512, max_tokens=8192)
 def head_statistics(
     loaded,
     batches=None,
     *,
     text: TextSpec,
-    induction: bool = True,
-    induction_len: int = 64,
-    induction_count: int = 8,
-    retrieval: bool = True,
-    retrieval_len: int | None = None,
-    retrieval_count: int = 4,
-    seed: int = 0,
+    plan: StatsPlan | None = None,
     chunk_size: int = DEFAULT_CHUNK,
     progress: bool = True,
+    **settings,
 ) -> pd.DataFrame:
-    """Per-head statistics as a tidy table `layer, head, kv_head, statistic, value` (meta in `.attrs["meta"]`).
+    """Per-head statistics as a tidy table `layer, head, kv_head, name, statistic, value` (meta in
+    `.attrs["meta"]`).
 
     `batches`: an iterable of (input_ids [B, T], attention_mask [B, T], ...) tuples, or None to take the windows of
     `text` (a TextSpec; the loose keywords data, split, seq_len, batch_size, max_tokens, text_column also work;
     default: calibration part of the embedded corpus, 512-token windows, 8,192 tokens). Encoder windows get
     [CLS] .. [SEP] around them (2 of the seq_len tokens). See `wide_statistics` for one row per head.
-    Separate passes: induction (`induction_len` random tokens repeated, `induction_count` sequences) and retrieval
-    (`retrieval_count` passkey prompts of `retrieval_len` tokens, default 1024 capped by the model's positions, on
-    the haystack of `text`'s corpus part; retrieval_sequences); both seeded by `seed`.
+    `plan` (StatsPlan), or any of its fields as a keyword (induction=False, seed=1, detect=("previous_token",), ...):
+    the induction pass (random tokens repeated, induction and duplicate_token), the retrieval pass (passkey prompts
+    on the haystack of `text`'s corpus part; retrieval_sequences), the weights-only successor and copy_suppression
+    scores (copy suppression over the SUPPRESSION_TOKENS most frequent tokens of the text pass) and detection
+    patterns scored on the text pass (column detect_<name>).
     """
+    unknown = sorted(set(settings) - set(PLAN_KEYWORDS))
+    if unknown:
+        raise TypeError(f"head_statistics() got unexpected keyword arguments: {', '.join(unknown)}")
+    plan = replace(plan or StatsPlan(), **settings)
+    check_error_measure(plan.detect_measure)
+    detect = [resolve_pattern(pattern) for pattern in plan.detect]  # unknown names fail before any pass
     prefix, suffix = _frame_tokens(loaded)
     framed = loaded.adapter.is_encoder and len(prefix) == 1 and len(suffix) == 1
-    if induction:
-        _check_induction(loaded, induction_len, induction_count, len(prefix) + len(suffix))
+    if plan.induction:
+        _check_induction(loaded, plan.induction_len, plan.induction_count, len(prefix) + len(suffix))
     # Built before any pass, so that a bad retrieval_len or tokenizer fails before the work.
     sequences, retrieval_meta = [], None
-    if retrieval:
+    if plan.retrieval:
         sequences, retrieval_meta = retrieval_sequences(
-            loaded, text, length=retrieval_len, count=retrieval_count, seed=seed
+            loaded, text, length=plan.retrieval_len, count=plan.retrieval_count, seed=plan.seed
         )
     data_meta = {}
     if batches is None:
         batches = _statistics_windows(loaded, text, framed)
         data_meta = dict(batches.meta, seq_len=text.seq_len, framed_with_cls_sep=framed)
     frame = (prefix, suffix) if framed and data_meta else None
-    means, tokens = _collect_text_statistics(loaded, batches, frame, chunk_size, progress)
+    detectors = [PatternDetector(loaded.layers, fn, plan.detect_measure) for _, fn in detect]
+    means, tokens, frequency = _collect_text_statistics(loaded, batches, frame, chunk_size, progress, detectors)
+    for (name, _), detector in zip(detect, detectors):
+        for index, values in detector.means().items():
+            means[index][f"detect_{name}"] = values
     induction_meta = None
-    if induction:
-        settings = dict(length=induction_len, count=induction_count, seed=seed, batch_size=text.batch_size)
+    if plan.induction:
+        settings = dict(
+            length=plan.induction_len, count=plan.induction_count, seed=plan.seed, batch_size=text.batch_size
+        )
         for index, values in _collect_induction(loaded, settings, chunk_size, progress).items():
-            means[index]["induction"] = values["induction"]
+            means[index].update(values)
         induction_meta = {
-            "length": induction_len,
-            "sequences": induction_count,
-            "seed": seed,
+            "length": plan.induction_len,
+            "sequences": plan.induction_count,
+            "seed": plan.seed,
             "prefix_tokens": prefix,
             "suffix_tokens": suffix,
         }
@@ -591,16 +678,20 @@ def head_statistics(
         for index, values in _collect_retrieval(loaded, sequences, text.batch_size, chunk_size, progress).items():
             if "retrieval" in values:
                 means[index]["retrieval"] = values["retrieval"]
-    table, denominators = _tidy_statistics(loaded.layers, means)
+    ov_meta = _ov_statistics(loaded, means, frequency) if plan.ov else None
+    extra = [f"detect_{name}" for name, _ in detect]
+    table, denominators = _tidy_statistics(loaded.layers, means, extra)
     table.attrs["meta"] = {
         **loaded.describe(),
         "data": data_meta or {"data": "caller batches"},
         "tokens": tokens,
         "seq_len": data_meta.get("seq_len") if data_meta else None,
-        "seed": seed,
+        "seed": plan.seed,
         "chunk_size": chunk_size,
         "induction": induction_meta,
         "retrieval": retrieval_meta,
+        **(ov_meta or {"successor": None, "copy_suppression": None}),
+        "detect": {"patterns": extra, "error_measure": plan.detect_measure} if detect else None,
         "streaming_windows": list(STREAMING_WINDOWS),
         "positional_threshold": POSITIONAL_THRESHOLD,
         "sink_tokens": SINK_TOKENS,
@@ -610,6 +701,104 @@ def head_statistics(
         "edge_rules": EDGE_RULES,
     }
     return table
+
+
+def _ov_statistics(loaded, means: dict, frequency: torch.Tensor) -> dict:
+    """Add successor and copy_suppression to `means` (where they apply) and return their meta records: the sequence
+    forms and pairs, the token set, or why a score is NaN."""
+    successor = {"sequences": [], "pairs": 0}
+    suppression = {
+        "k": SUPPRESSION_K,
+        "tokens": 0,
+        "source": f"the {SUPPRESSION_TOKENS} most frequent text-pass tokens",
+    }
+    try:
+        circuit = ov_circuit(loaded)
+    except HeadlabError as error:  # the approximation does not apply to this model: NaN, and the reason in meta
+        reason = str(error)
+        return {"successor": dict(successor, skipped=reason), "copy_suppression": dict(suppression, skipped=reason)}
+    if loaded.tokenizer is None:
+        successor["skipped"] = "the model has no tokenizer"
+    else:
+        forms = succession_forms(loaded.tokenizer)
+        successor["sequences"] = [name for name, _ in forms]
+        scores = successor_scores(loaded, forms, circuit=circuit)
+        for index, values in scores.items():
+            means[index]["successor"] = values
+        successor["pairs"] = int(next(iter(scores.values()))[1]) if scores else 0
+        if not successor["pairs"]:
+            successor["skipped"] = "no ordinal sequence has consecutive single-token elements"
+    tokens = frequent_tokens(frequency, SUPPRESSION_TOKENS, special_token_ids(loaded))
+    suppression["tokens"] = len(tokens)
+    if len(tokens) <= SUPPRESSION_K:
+        suppression["skipped"] = f"{len(tokens)} distinct tokens in the text pass, not more than k={SUPPRESSION_K}"
+    else:
+        for index, values in copy_suppression_scores(loaded, tokens, circuit=circuit).items():
+            means[index]["copy_suppression"] = values
+    return {"successor": successor, "copy_suppression": suppression}
+
+
+def detect_heads(
+    loaded,
+    pattern,
+    texts_or_batches,
+    error_measure: str = "mul",
+    *,
+    exclude_bos: bool = False,
+    exclude_current_token: bool = False,
+    batch_size: int = 4,
+    chunk_size: int = DEFAULT_CHUNK,
+    progress: bool = False,
+) -> dict[int, torch.Tensor]:
+    """TransformerLens's detect_head, streamed: {layer: score per head [H] float64, NaN without a counted sequence}.
+
+    Per sequence (A the head's attention, P the pattern, T real tokens): "mul" sum(A * P) / sum(A), "abs"
+    1 - sum|A - P| / T (TransformerLens head_detector), averaged over sequences of at least 2 tokens. `pattern`: a
+    name of DETECTION_PATTERNS (previous_token, duplicate_token, induction) or a function (tokens [T] long, start,
+    stop) -> [stop - start, T] giving the rows of the queries a chunk holds. `texts_or_batches`: a text or a list of
+    texts (each one sequence, after BOS or framed by [CLS] .. [SEP] as TransformerLens's to_tokens prepends BOS), or
+    (input_ids [B, T], attention_mask [B, T], ...) batches whose padding is left out of every sequence.
+    """
+    detector = PatternDetector(
+        loaded.layers, pattern, error_measure, exclude_bos=exclude_bos, exclude_current_token=exclude_current_token
+    )
+    if isinstance(texts_or_batches, str):
+        texts_or_batches = [texts_or_batches]
+    batches = texts_or_batches
+    if isinstance(texts_or_batches, (list, tuple)) and all(isinstance(t, str) for t in texts_or_batches):
+        batches = _text_batches(loaded, list(texts_or_batches), batch_size)
+    with torch.no_grad(), capture_attention(loaded.model, loaded.layers, detector.on_chunk, None, chunk_size):
+        for batch in tqdm(batches, desc=f"detect {detector.name}", disable=not progress, unit="batch"):
+            input_ids, attention_mask = batch[0], batch[1]
+            detector.set_batch(input_ids, attention_mask)
+            loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
+    detector.reduce()
+    return {index: mean for index, (mean, _) in detector.means().items()}
+
+
+def _text_batches(loaded, texts: list[str], batch_size: int) -> list:
+    """Each text tokenized alone between the frame tokens (BOS; [CLS] .. [SEP]), right-padded `batch_size` at a time:
+    [(input_ids, attention_mask)]."""
+    if loaded.tokenizer is None:
+        raise HeadlabError("the model has no tokenizer; pass token batches instead of texts")
+    if not texts:
+        raise HeadlabError("no texts to detect heads on")
+    prefix, suffix = _frame_tokens(loaded)
+    encoded = [prefix + loaded.tokenizer(t, add_special_tokens=False)["input_ids"] + suffix for t in texts]
+    longest = max(len(ids) for ids in encoded)
+    if loaded.max_positions is not None and longest > loaded.max_positions:
+        raise HeadlabError(f"a text of {longest} tokens exceeds the model's {loaded.max_positions} positions")
+    pad = getattr(loaded.tokenizer, "pad_token_id", None) or 0
+    batches = []
+    for first in range(0, len(encoded), batch_size):
+        group = encoded[first : first + batch_size]
+        width = max(len(ids) for ids in group)
+        input_ids = torch.full((len(group), width), pad, dtype=torch.long)  # [B, T]
+        mask = torch.zeros((len(group), width), dtype=torch.long)  # [B, T]
+        for row, ids in enumerate(group):
+            input_ids[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids, dtype=torch.long), 1
+        batches.append((input_ids, mask))
+    return batches
 
 
 def _check_induction(loaded, length: int, count: int, frame_tokens: int) -> None:
@@ -631,18 +820,27 @@ def _statistics_windows(loaded, text: TextSpec, framed: bool):
     return text.batches(loaded.tokenizer, seq_len=text.seq_len - 2 if framed else text.seq_len)
 
 
-def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: bool):
-    """Every statistic but induction and retrieval, summed over the batches (this process's share under torchrun) and reduced:
-    (per-layer means, tokens seen). frame: ([CLS], [SEP]) ids to wrap each window in, or None."""
+def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: bool, detectors=()):
+    """Every statistic but induction and retrieval, summed over the batches (this process's share under torchrun) and
+    reduced: (per-layer means, tokens seen, count of each token id [V] float64). frame: ([CLS], [SEP]) ids to wrap each
+    window in, or None. `detectors` (PatternDetector) read the same chunks and are reduced here too."""
     tokenizer, adapter = loaded.tokenizer, loaded.adapter
     sep_id = getattr(tokenizer, "sep_token_id", None) if adapter.is_encoder else None
     pad_id = getattr(tokenizer, "pad_token_id", None) or 0
     collector = StatisticsCollector(loaded.layers, is_encoder=adapter.is_encoder)
     tokens = 0
+    vocab = int(loaded.model.config.get_text_config().vocab_size)
+    frequency = torch.zeros(vocab, dtype=torch.float64)
     if distributed.active():  # torchrun: this process takes its share of the windows
         batches = distributed.shard(list(batches))
     total = len(batches) if hasattr(batches, "__len__") else None
-    capture = capture_attention(loaded.model, loaded.layers, collector.on_chunk, collector.on_output, chunk_size)
+
+    def on_chunk(chunk: AttentionChunk) -> None:
+        collector.on_chunk(chunk)
+        for detector in detectors:
+            detector.on_chunk(chunk)
+
+    capture = capture_attention(loaded.model, loaded.layers, on_chunk, collector.on_output, chunk_size)
     with torch.no_grad(), capture:
         for batch in tqdm(batches, total=total, desc="attention statistics", disable=not progress, unit="batch"):
             input_ids, attention_mask = batch[0], batch[1]
@@ -652,9 +850,16 @@ def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: 
                 )
             sep_keys = (input_ids == sep_id) if sep_id is not None else None
             collector.set_batch(sep_keys=None if sep_keys is None else sep_keys.to(loaded.device))
+            for detector in detectors:
+                detector.set_batch(input_ids, attention_mask)
             loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
             tokens += int(attention_mask.sum())
+            seen = input_ids[attention_mask.bool()].cpu()
+            frequency += torch.bincount(seen[seen < vocab], minlength=vocab).double()
     collector.reduce()
+    for detector in detectors:
+        detector.reduce()
+    frequency = distributed.all_reduce_sum(frequency) if distributed.active() else frequency
     tokens = int(distributed.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
     if tokens == 0:
         raise HeadlabError("no tokens to collect statistics on")
@@ -666,11 +871,12 @@ def _collect_text_statistics(loaded, batches, frame, chunk_size: int, progress: 
             f"attention statistics are not finite with {str(loaded.dtype).removeprefix('torch.')} "
             "(overflow?); try dtype='bfloat16' or 'float32'"
         )
-    return means, tokens
+    return means, tokens, frequency
 
 
 def _collect_induction(loaded, settings: dict, chunk_size: int, progress: bool) -> dict:
-    """Induction scores on repeated random-token sequences (induction_batches with `settings`), per layer."""
+    """Induction and duplicate-token scores on repeated random-token sequences (induction_batches with `settings`),
+    per layer."""
     runs = induction_batches(loaded, **settings)
     steps = math.ceil(settings["count"] / settings["batch_size"])
     return _collect_targets(loaded, "induction", runs, steps, chunk_size, progress)
@@ -685,27 +891,36 @@ def _collect_retrieval(loaded, sequences, batch_size: int, chunk_size: int, prog
 
 
 def _collect_targets(loaded, name: str, runs, steps: int, chunk_size: int, progress: bool) -> dict:
-    """Per-layer means of A[i, target(i)] over (input_ids, attention_mask, target) batches, reported as `name`."""
-    collector = StatisticsCollector(loaded.layers, induction_only=True, target_name=name)
+    """Per-layer means of A[i, target(i)] over (input_ids, attention_mask, {target name: target}) batches, each
+    reported under its target's name (`name`: the pass, for the progress bar)."""
+    collector = StatisticsCollector(loaded.layers, induction_only=True)
     if distributed.active():
         runs = distributed.shard(list(runs))
         steps = len(runs)
     with torch.no_grad(), capture_attention(loaded.model, loaded.layers, collector.on_chunk, None, chunk_size):
-        for input_ids, attention_mask, target in tqdm(runs, total=steps, desc=name, disable=not progress, unit="batch"):
-            collector.set_batch(target=target.to(loaded.device))
+        for input_ids, attention_mask, targets in tqdm(
+            runs, total=steps, desc=name, disable=not progress, unit="batch"
+        ):
+            collector.set_batch(targets={key: target.to(loaded.device) for key, target in targets.items()})
             loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
     collector.reduce()
     return collector.means()
 
 
-def _tidy_statistics(layers, means: dict) -> tuple[pd.DataFrame, dict]:
-    """The tidy table (one row per layer, head and statistic) and each statistic's per-layer denominators."""
+def head_name(layer: int, head: int) -> str:
+    """TransformerLens's name of a head, "L{layer}H{head}" (layer: headlab's attention-layer index)."""
+    return f"L{layer}H{head}"
+
+
+def _tidy_statistics(layers, means: dict, extra=()) -> tuple[pd.DataFrame, dict]:
+    """The tidy table (one row per layer, head and statistic: STATISTICS, then the `extra` names) and each
+    statistic's per-layer denominators."""
     rows, denominators = [], {}
     for layer in layers:
         values = means[layer.index]
         prev, nxt = values["positional_prev"][0], values["positional_next"][0]
         positional = (torch.maximum(prev.nan_to_num(0.0), nxt.nan_to_num(0.0)) >= POSITIONAL_THRESHOLD).double()
-        for name in STATISTICS:
+        for name in (*STATISTICS, *extra):
             if name == "is_positional":
                 column = positional
             elif name in values:
@@ -714,15 +929,20 @@ def _tidy_statistics(layers, means: dict) -> tuple[pd.DataFrame, dict]:
             else:
                 column = torch.full((layer.num_heads,), math.nan, dtype=torch.float64)
             for head in range(layer.num_heads):
-                rows.append((layer.index, head, layer.kv_head_of(head), name, float(column[head])))
-    table = pd.DataFrame(rows, columns=["layer", "head", "kv_head", "statistic", "value"])
+                label = head_name(layer.index, head)
+                rows.append((layer.index, head, layer.kv_head_of(head), label, name, float(column[head])))
+    table = pd.DataFrame(rows, columns=[*HEAD_COLUMNS, "statistic", "value"])
     return table, {name: [counts.get(i) for i in sorted(counts)] for name, counts in denominators.items()}
 
 
 def wide_statistics(tidy: pd.DataFrame) -> pd.DataFrame:
-    """One row per head: `layer, head, kv_head` and one column per statistic (STATISTICS order; NaN where n/a)."""
-    wide = tidy.pivot(index=["layer", "head", "kv_head"], columns="statistic", values="value")
-    wide = wide.reindex(columns=[name for name in STATISTICS if name in wide.columns]).reset_index()
+    """One row per head: `layer, head, kv_head, name` ("L{layer}H{head}", TransformerLens's naming) and one column
+    per statistic (STATISTICS order, then detect_<name> columns in the tidy table's order; NaN where n/a)."""
+    if "name" not in tidy:  # a tidy table written before the name column
+        tidy = tidy.assign(name=[head_name(la, h) for la, h in zip(tidy["layer"], tidy["head"])])
+    wide = tidy.pivot(index=list(HEAD_COLUMNS), columns="statistic", values="value")
+    extra = [name for name in dict.fromkeys(tidy["statistic"]) if name not in STATISTICS]
+    wide = wide.reindex(columns=[name for name in (*STATISTICS, *extra) if name in wide.columns]).reset_index()
     wide.columns.name = None
     if "is_positional" in wide:
         wide["is_positional"] = wide["is_positional"].astype(bool)

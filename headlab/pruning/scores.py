@@ -92,7 +92,7 @@ def random_scores(layers: list[AttentionLayer], seed: int) -> list[torch.Tensor]
 def entropy_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
     """Score = -(mean attention entropy), so the most diffuse heads (highest entropy) are pruned first."""
 
-    table = head_statistics(loaded, induction=False, retrieval=False, **kwargs)  # entropy needs neither pass
+    table = head_statistics(loaded, induction=False, retrieval=False, ov=False, **kwargs)  # entropy: a text pass
     table = table[table["statistic"] == "entropy"]
     scores = [torch.full((layer.num_heads,), math.nan, dtype=torch.float64) for layer in loaded.layers]
     for layer, head, value in zip(table["layer"], table["head"], table["value"]):
@@ -110,7 +110,7 @@ def streaming_scores(loaded: LoadedModel, **kwargs) -> list[torch.Tensor]:
     2023), so heads a sinks + window cache would serve (DuoAttention's streaming heads) are pruned first; a head with
     no row reaching past the window (NaN: a sliding window <= 64) fits it and scores 0."""
     name = f"stream_{STREAMING_SCORE_WINDOW}"
-    table = head_statistics(loaded, induction=False, retrieval=False, **kwargs)  # a text pass is all it needs
+    table = head_statistics(loaded, induction=False, retrieval=False, ov=False, **kwargs)  # a text pass is all
     table = table[table["statistic"] == name]
     if table["value"].isna().all():
         raise HeadlabError(f"no query row reaches past {STREAMING_SCORE_WINDOW} + 4 keys: give a longer seq_len")
