@@ -4,6 +4,7 @@ the matplotlib Figure), and `headlab plot` redraws a saved run directory without
 from __future__ import annotations
 
 import matplotlib.image
+import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import pytest
@@ -283,3 +284,24 @@ def test_a_full_disk_never_truncates_a_figure(tmp_path, monkeypatch):
         save_figure(fig, path)
     plt.close(fig)
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["line.png"]
+
+
+def test_kv_trade_draws_one_point_per_method_and_task_and_refuses_a_bad_table():
+    from headlab.viz.plots import plot_kv_trade
+
+    trade = pd.DataFrame(
+        {"model": ["original", "original", "policy", "policy", "MQA", "MQA"], "kv_kept": [1, 1, 0.5, 0.5, 1 / 3, 1 / 3],
+         "task": ["passkey", "multikey"] * 3, "accuracy": [0.67, 1.0, 0.67, 0.67, 0.0, 0.0],
+         "nll": [3.08, 3.08, 3.08, 3.08, 5.32, 5.32], "bucket": ["[512, 2048)"] * 6}  # fmt: skip
+    )
+    fig = plot_kv_trade(trade, "trade")
+    accuracy_panels, nll_panel = fig.axes[:2], fig.axes[2]
+    for ax, task in zip(accuracy_panels, ["passkey", "multikey"]):
+        points = np.concatenate([c.get_offsets() for c in ax.collections])
+        expected = trade[trade["task"] == task][["kv_kept", "accuracy"]].to_numpy()
+        assert sorted(map(tuple, points.round(6))) == sorted(map(tuple, expected.round(6)))
+    assert len(np.concatenate([c.get_offsets() for c in nll_panel.collections])) == 3
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["original", "policy", "MQA"]
+    plt.close(fig)
+    with pytest.raises(HeadlabError, match="kv_kept"):
+        plot_kv_trade(trade.drop(columns="kv_kept"))

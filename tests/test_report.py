@@ -365,7 +365,7 @@ def test_long_context_section_compares_the_original_the_merge_and_a_policy(tmp_p
     kept = pd.read_csv(out / "long_context" / "kv_kept.csv").set_index("model")["kv_kept"]
     assert kept["original"] == 1.0 and kept["1 KV heads, svd merge"] == 0.5  # 2 -> 1 KV heads
     assert 0.2 < kept[policy] <= 0.5 + 0.01  # measured on the cache after the last decode step (a few more slots)
-    assert "KV cache kept" in (out / "report.md").read_text()
+    assert "KV cache kept" in (out / "report.md").read_text() and "(figures/kv_trade.png)" in markdown
     assert "(figures/needle_heatmap.png)" in markdown and "(figures/position_nll.png)" in markdown
     command = json.loads((out / "meta.json").read_text())["commands"]["long"]
     assert command.startswith("headlab longeval") and "--lengths 600" in command

@@ -95,7 +95,7 @@ def _long_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
         "The KV policy keeps the whole cache for the KV heads the statistics rank as retrieval heads and 4 sinks + "
         "256 recent tokens for the others, within half the cache at the longest length (docs/kv-policy.md)."
     )
-    figures = [figure[name] for name in ("needle_heatmap", "position_nll") if name in figure]
+    figures = [figure[name] for name in ("needle_heatmap", "position_nll", "kv_trade") if name in figure]
     return [Section("Long context", [text], tables, figures, meta["commands"].get("long"))]
 
 

@@ -17,6 +17,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_write_bytes
@@ -572,6 +573,45 @@ def plot_needle_heatmap(cells: pd.DataFrame, title: str = "") -> Figure:
     return fig
 
 
+def plot_kv_trade(trade: pd.DataFrame, title: str = "") -> Figure:
+    """Quality against the KV cache kept, one point per method (`model`): a panel per retrieval task (accuracy) and,
+    where the table has it, one for the NLL of a position bucket. `trade`: columns model, kv_kept, task, accuracy
+    (one row per model and task) and optionally nll (and bucket, its label)."""
+    if trade.empty or not {"model", "kv_kept", "task", "accuracy"} <= set(trade.columns):
+        raise HeadlabError("the trade table needs model, kv_kept, task and accuracy columns and at least one row")
+    tasks = list(dict.fromkeys(trade["task"]))
+    with_nll = "nll" in trade and trade["nll"].notna().any()
+    panels = len(tasks) + int(with_nll)
+    models = list(dict.fromkeys(trade["model"]))
+    _theme()
+    fig, axes = _subplots(1, panels, figsize=(1.0 + 3.6 * panels, 3.6 + 0.25 * len(models)), squeeze=False)
+    palette = dict(zip(models, sns.color_palette("tab10", len(models))))
+    markers = dict(zip(models, "osD^vP*Xhp"))
+    for ax, task in zip(axes[0], tasks):
+        part = trade[trade["task"] == task]
+        sns.scatterplot(data=part, x="kv_kept", y="accuracy", hue="model", style="model", palette=palette,
+                        markers=markers, s=90, ax=ax, legend=False)  # fmt: skip
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(task)
+        ax.set_ylabel("accuracy (exact match)")
+    if with_nll:
+        ax = axes[0][-1]
+        first = trade.drop_duplicates("model")
+        sns.scatterplot(data=first, x="kv_kept", y="nll", hue="model", style="model", palette=palette,
+                        markers=markers, s=90, ax=ax, legend=False)  # fmt: skip
+        ax.set_title("NLL" + (f" at positions {first['bucket'].iloc[0]}" if "bucket" in first else ""))
+        ax.set_ylabel("mean NLL (nats / token)")
+    for ax in axes[0]:
+        ax.set_xlabel("KV cache kept (of the original's)")
+        ax.set_xlim(0, 1.05)
+        ax.set_xticks([0, 0.25, 0.5, 0.75, 1.0])
+    handles = [Line2D([], [], marker=markers[m], color=palette[m], linestyle="", markersize=8) for m in models]
+    fig.legend(handles, models, loc="lower center", ncol=min(3, len(models)), frameon=False)
+    fig.suptitle(title or "quality against the KV cache kept")
+    fig.tight_layout(rect=(0, 0.06 + 0.05 * ((len(models) - 1) // 3 + 1), 1, 1))
+    return fig
+
+
 def plot_position_nll(curve: pd.DataFrame, title: str = "") -> Figure:
     """Mean NLL of the tokens at each position bin (x: the bin's first position), one line per `model` when the
     table has that column: how well each model uses context further back."""
@@ -723,6 +763,14 @@ def run_figures(run_dir) -> dict[str, Figure]:
     cells = _read(_find(run_dir, "cells.csv"), ("length", "depth", "accuracy", "correct", "prompts"))
     if cells is not None and "depth" in cells and len(cells):
         figures["needle_heatmap"] = plot_needle_heatmap(cells, f"{model}: retrieval" if model else "")
+    kept = _read(_find(run_dir, "kv_kept.csv"), ("kv_kept",))
+    lengths = _read(_find(run_dir, "lengths.csv"), ("length", "accuracy"))
+    if kept is not None and lengths is not None and len(kept) and "model" in lengths and len(lengths):
+        longest = lengths[lengths["length"] == lengths["length"].max()]
+        trade = longest.merge(kept[["model", "kv_kept"]], on="model")
+        if len(trade):
+            title = f"{model}: retrieval at {int(longest['length'].iloc[0]):,} tokens against the KV cache kept"
+            figures["kv_trade"] = plot_kv_trade(trade, title if model else "")
     positions = _read(_find(run_dir, "position_curve.csv"), ("start", "nll"))
     if positions is not None and len(positions):
         figures["position_nll"] = plot_position_nll(positions, f"{model}: NLL by position" if model else "")
