@@ -73,6 +73,16 @@ def test_kv_head_score_is_the_largest_of_its_query_heads(tmp_path):
     assert (
         streaming_column(39, (16, 64)) == "stream_16" and streaming_column(40, (16, 64)) == "stream_64"
     )  # tie: larger
+    # retrieval-streaming: retrieving KV heads (retrieval >= 0.01) first by retrieval, then the rest by outside mass
+    wide_more = pd.concat([wide, wide.assign(layer=1)], ignore_index=True)
+    wide_more.loc[4:, "retrieval"] = [0.005, 0.002, 0.009, 0.0]  # layer 1 retrieves nothing
+    wide_more.loc[4:, "stream_16"] = [0.1, 0.2, 0.95, 0.9]  # its KV head 0 looks far, KV head 1 does not
+
+    class Loaded2:
+        layers = [Layer(0), Layer(1)]
+
+    combined = kv_head_scores(wide_more, Loaded2(), "retrieval-streaming", 16, (16, 64))
+    assert combined["score"].tolist() == pytest.approx([1.4, 1.3, 0.9, 0.1])
     with pytest.raises(HeadlabError, match="no 'retrieval' column"):
         kv_head_scores(wide.drop(columns="retrieval"), Loaded(), "retrieval", 256, (16, 64))
 

@@ -12,10 +12,10 @@ import click
 from headlab.cli.options import data_options, guard, model_options, out_option
 from headlab.cli.parsing import parse_list, token_count
 from headlab.core.errors import HeadlabError
+from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, POLICY_SCORE_HELP, POLICY_SCORES
 from headlab.measure.long_tasks import LONG_TASKS, TRADE_DEPTHS
 
 DEFAULT_OUT = Path("runs/kv_policy")
-POLICY_SCORES = ("retrieval", "streaming")  # headlab.kv.policy.POLICY_SCORES, without importing torch for --help
 DEFAULT_CONTEXT = 8192
 
 
@@ -45,14 +45,19 @@ DEFAULT_CONTEXT = 8192
 @click.option(
     "--score",
     type=click.Choice(POLICY_SCORES),
-    default="retrieval",
+    default=POLICY_SCORES[0],
     show_default=True,
-    help="retrieval: KV heads whose queries attend to the tokens they copy from a passkey keep the whole cache; "
-    "streaming: those with the most attention outside sinks + window do",
+    help="which KV heads keep the whole cache: " + "; ".join(f"{k}: {v}" for k, v in POLICY_SCORE_HELP.items()),
 )
-@click.option("--sinks", type=click.IntRange(min=0), default=4, show_default=True, help="first tokens every head keeps")
 @click.option(
-    "--window", type=click.IntRange(min=1), default=256, show_default=True, help="recent tokens a streaming head keeps"
+    "--sinks", type=click.IntRange(min=0), default=DEFAULT_SINKS, show_default=True, help="first tokens every head keeps"
+)
+@click.option(
+    "--window",
+    type=click.IntRange(min=1),
+    default=DEFAULT_WINDOW,
+    show_default=True,
+    help="recent tokens a streaming head keeps",
 )
 @click.option(
     "--stats",

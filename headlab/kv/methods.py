@@ -45,3 +45,19 @@ KV_METHODS: Registry[KVMethod] = Registry(
         ),
     ],
 )
+
+
+# ---- per-KV-head cache policies (headlab.kv.policy, `headlab kv-policy`) ----------------------------------------------
+
+# How KV heads are ranked for the whole cache, the default first: retrieval heads (copy score) first and the rest by
+# the attention mass a sinks + window cache would lose; the copy score alone; that mass alone (docs/kv-policy.md).
+POLICY_SCORES = ("retrieval-streaming", "retrieval", "streaming")
+POLICY_SCORE_HELP = {
+    "retrieval-streaming": "KV heads whose queries attend to the passkey tokens they copy keep the whole cache first, "
+    "then those with the most attention outside sinks + window",
+    "retrieval": "by the copy score alone",
+    "streaming": "by the attention outside sinks + window alone",
+}
+DEFAULT_SINKS = 4  # StreamingLLM's four initial tokens
+DEFAULT_WINDOW = 256  # DuoAttention's recent window; 64 cost 2-4% of NLL at half the cache (docs/kv-policy.md)
+

@@ -5,7 +5,9 @@ each KV head keeps either its whole cache or only attention sinks plus a recent 
 - "retrieval": a KV head's largest `retrieval` score over its query heads (attention of the query emitting a copied
   passkey token on the token it copies; headlab.measure.stats);
 - "streaming": a KV head's largest mass outside sinks + window over its query heads, 1 - stream_W (StreamingLLM's
-  sinks + recent window, Xiao et al. 2023), with W the statistics window closest to the policy's window.
+  sinks + recent window, Xiao et al. 2023), with W the statistics window closest to the policy's window;
+- "retrieval-streaming" (the default): the retrieving KV heads (retrieval >= RETRIEVING) first, by retrieval, then
+  the others by the streaming mass.
 
 Bytes: a full KV head holds `context` slots, a streaming one min(context, sinks + window - 1) (what the next query can
 see), each times its head_dim; the heads with the highest scores become full while the total stays within
@@ -24,14 +26,16 @@ from transformers.cache_utils import DynamicCache
 
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
+from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, POLICY_SCORES
 from headlab.measure.long_tasks import check_grid
 from headlab.measure.longctx import long_context, transformers_generate
 from headlab.measure.stats import STREAMING_WINDOWS, head_statistics, wide_statistics
 from headlab.mechanisms.head_cache import HeadPolicyCache, LayerStreaming, cache_bytes, head_policy, policy_cache
 
-POLICY_SCORES = ("retrieval", "streaming")
-DEFAULT_SINKS = 4  # StreamingLLM's four initial tokens
-DEFAULT_WINDOW = 256  # DuoAttention's recent window
+# A head retrieves when its copy attention is at least ten times what a uniform head gives one key of the 1,024-token
+# retrieval prompts (1/1024); below it the retrieval score is noise, and the mass outside the window ranks better
+# (docs/kv-policy.md, "Which heads stay whole").
+RETRIEVING = 0.01
 DEFAULT_CONTEXT = 8192  # the longest context the long-context tasks use by default
 DUO_FILE = "full_attention_heads.tsv"  # DuoAttention's pattern file (rows: layers, columns: KV heads), as kvpress reads
 
@@ -88,18 +92,33 @@ def streaming_column(window: int, windows) -> str:
     return f"stream_{closest}"
 
 
-def kv_head_scores(stats_wide: pd.DataFrame, loaded, score: str, window: int, windows) -> pd.DataFrame:
-    """`layer, kv_head, head_dim, score`: per KV head, the largest of its query heads' need for the whole cache."""
-    if score not in POLICY_SCORES:
-        raise HeadlabError(f"unknown policy score {score!r}; use one of {', '.join(POLICY_SCORES)}")
-    column = "retrieval" if score == "retrieval" else streaming_column(window, windows)
+def _column(stats_wide: pd.DataFrame, column: str) -> pd.Series:
     if column not in stats_wide:
         raise HeadlabError(f"the statistics have no {column!r} column; run `headlab stats` with it")
-    values = stats_wide[column] if score == "retrieval" else 1.0 - stats_wide[column]
-    if values.isna().any():
+    if stats_wide[column].isna().any():
         raise HeadlabError(f"the statistics' {column!r} has missing values (a model without a tokenizer?)")
-    frame = stats_wide[["layer", "kv_head"]].assign(score=values)
-    per_kv = frame.groupby(["layer", "kv_head"], as_index=False)["score"].max()
+    return stats_wide[column]
+
+
+def kv_head_scores(stats_wide: pd.DataFrame, loaded, score: str, window: int, windows) -> pd.DataFrame:
+    """`layer, kv_head, head_dim, score`: per KV head, the largest of its query heads' need for the whole cache:
+    retrieval r, streaming o = 1 - stream_W, or retrieval-then-streaming: 1 + r for a KV head with r >= RETRIEVING,
+    else o in [0, 1], so every retrieving head ranks first and the others follow by the mass they would lose."""
+    if score not in POLICY_SCORES:
+        raise HeadlabError(f"unknown policy score {score!r}; use one of {', '.join(POLICY_SCORES)}")
+    frame = stats_wide[["layer", "kv_head"]].copy()
+    if score in ("retrieval", "retrieval-streaming"):
+        frame["retrieval"] = _column(stats_wide, "retrieval")
+    if score in ("streaming", "retrieval-streaming"):
+        frame["outside"] = 1.0 - _column(stats_wide, streaming_column(window, windows))
+    per_kv = frame.groupby(["layer", "kv_head"], as_index=False).max()
+    if score == "retrieval":
+        per_kv["score"] = per_kv["retrieval"]
+    elif score == "streaming":
+        per_kv["score"] = per_kv["outside"]
+    else:
+        retrieving = per_kv["retrieval"] >= RETRIEVING
+        per_kv["score"] = (1.0 + per_kv["retrieval"]).where(retrieving, per_kv["outside"])
     head_dims = {layer.index: layer.head_dim for layer in loaded.layers}
     per_kv["head_dim"] = per_kv["layer"].map(head_dims)
     if per_kv["head_dim"].isna().any():
@@ -314,7 +333,7 @@ class PolicySpec:
 
     budget: float = 0.5
     context: int | None = None
-    score: str = "retrieval"
+    score: str = "retrieval-streaming"
     sinks: int = DEFAULT_SINKS
     window: int = DEFAULT_WINDOW
 
@@ -352,7 +371,7 @@ def policy_run(
         statistics = {"from": str(stats_dir)}
     else:
         tidy = head_statistics(
-            loaded, text=text, induction=False, retrieval=score == "retrieval", ov=False, progress=progress
+            loaded, text=text, induction=False, retrieval=score != "streaming", ov=False, progress=progress
         )
         wide = wide_statistics(tidy)
         statistics = {key: tidy.attrs["meta"].get(key) for key in ("data", "tokens", "seq_len", "retrieval")}
