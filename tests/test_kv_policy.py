@@ -109,35 +109,23 @@ def tiny_checkpoint(tmp_path):
     return save_tiny("llama", tmp_path / "model", max_position_embeddings=512)
 
 
+# A tiny policy run: streaming score (the tiny model has no retrieval pass at these lengths), 2 sinks + 16 recent
+# tokens, the budget counted at 256 tokens.
+POLICY = ["--data", "pydoc-topics", "--max-tokens", "256", "--seq-len", "64", "--context", "256", "--sinks", "2",
+          "--window", "16", "--score", "streaming"]  # fmt: skip
+
+
+def _policy_run(checkpoint, out, capsys, *extra, budget="0.5"):
+    """`headlab kv-policy` on the tiny checkpoint into `out`; returns its stdout."""
+    code, stdout, stderr = run_cli(["kv-policy", "--model", checkpoint, *POLICY, "--budget", budget, "--out", out,
+                                    *extra], capsys)  # fmt: skip
+    assert code == 0, stderr
+    return stdout
+
+
 def test_kv_policy_command_end_to_end(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "policy"
-    code, stdout, stderr = run_cli(
-        [
-            "kv-policy",
-            "--model",
-            tiny_checkpoint,
-            "--data",
-            "pydoc-topics",
-            "--max-tokens",
-            "256",
-            "--seq-len",
-            "64",
-            "--budget",
-            "0.6",
-            "--context",
-            "256",
-            "--sinks",
-            "2",
-            "--window",
-            "16",
-            "--score",
-            "streaming",
-            "--out",
-            out,
-        ],  # fmt: skip
-        capsys,
-    )
-    assert code == 0, stderr
+    stdout = _policy_run(tiny_checkpoint, out, capsys, budget="0.6")
     policy = read_policy(out)
     assert policy.kv_fraction() <= 0.6 + 1e-9
     assert (out / "duo_attention" / "full_attention_heads.tsv").is_file()
@@ -160,39 +148,8 @@ def test_kv_policy_command_refuses_before_any_work(tiny_checkpoint, tmp_path, ca
 
 def test_evaluation_measures_the_real_cache(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "policy"
-    code, stdout, stderr = run_cli(
-        [
-            "kv-policy",
-            "--model",
-            tiny_checkpoint,
-            "--data",
-            "pydoc-topics",
-            "--max-tokens",
-            "256",
-            "--seq-len",
-            "64",
-            "--budget",
-            "0.6",
-            "--context",
-            "256",
-            "--sinks",
-            "2",
-            "--window",
-            "16",
-            "--score",
-            "streaming",
-            "--evaluate",
-            "256",
-            "--tasks",
-            "passkey",
-            "--samples",
-            "1",
-            "--out",
-            out,
-        ],  # fmt: skip
-        capsys,
-    )
-    assert code == 0, stderr
+    evaluate = ["--evaluate", "256", "--tasks", "passkey", "--samples", "1"]
+    stdout = _policy_run(tiny_checkpoint, out, capsys, *evaluate, budget="0.6")
     memory = pd.read_csv(out / "memory.csv").set_index("model")
     original, policy = memory.loc["original"], memory.loc["policy"]
     assert original["kv_fraction_measured"] == 1.0
@@ -206,17 +163,6 @@ def test_evaluation_measures_the_real_cache(tiny_checkpoint, tmp_path, capsys):
     assert "measured cache at 256 tokens" in stdout
 
 
-def _policy_run(checkpoint, out, capsys, *extra):
-    code, _, stderr = run_cli(
-        ["kv-policy", "--model", checkpoint, "--data", "pydoc-topics", "--max-tokens", "256", "--seq-len", "64",
-         "--budget", "0.5", "--context", "256", "--sinks", "2", "--window", "16", "--score", "streaming", "--out", out,
-         *extra],  # fmt: skip
-        capsys,
-    )
-    assert code == 0, stderr
-    return out
-
-
 def test_eval_and_longeval_run_under_a_policy(tiny_checkpoint, tmp_path, capsys):
     import torch
 
@@ -225,7 +171,8 @@ def test_eval_and_longeval_run_under_a_policy(tiny_checkpoint, tmp_path, capsys)
     from headlab.kv.policy import applied_policy
     from headlab.measure.evaluate import perplexity
 
-    policy_dir = _policy_run(tiny_checkpoint, tmp_path / "policy", capsys)
+    policy_dir = tmp_path / "policy"
+    _policy_run(tiny_checkpoint, policy_dir, capsys)
     common = ["--model", tiny_checkpoint, "--data", "pydoc-topics", "--max-tokens", "512", "--max-length", "256",
               "--domains", "none", "--json"]  # fmt: skip
     code, plain_out, stderr = run_cli(["eval", *common], capsys)
@@ -255,7 +202,8 @@ def test_eval_and_longeval_run_under_a_policy(tiny_checkpoint, tmp_path, capsys)
 
 
 def test_a_policy_for_another_layout_is_refused(tiny_checkpoint, tmp_path, capsys):
-    policy_dir = _policy_run(tiny_checkpoint, tmp_path / "policy", capsys)
+    policy_dir = tmp_path / "policy"
+    _policy_run(tiny_checkpoint, policy_dir, capsys)
     other = save_tiny("llama_mha", tmp_path / "mha", max_position_embeddings=512)
     code, _, stderr = run_cli(["eval", "--model", other, "--data", "pydoc-topics", "--kv-policy", policy_dir], capsys)
     assert code == 2 and "KV heads in layer 0" in stderr and len(stderr.strip().splitlines()) == 1

@@ -341,19 +341,30 @@ def capture_attention(
     exception. Layers not in `layers` run plain sdpa meanwhile.
     """
     capture = AttentionCapture(on_chunk, on_output, chunk_size, output)
-    for layer in layers:
-        if id(layer.module) in _ACTIVE:
-            raise HeadlabError(f"layer {layer.index} is already being captured; captures cannot nest")
-    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
     register()
-    try:
-        for layer in layers:
-            _ACTIVE[id(layer.module)] = (capture, layer)
-        model.set_attn_implementation(FUNCTION_NAME)
+    entries = [(layer, (capture, layer)) for layer in layers]
+    with routed(model, FUNCTION_NAME, _ACTIVE, entries, "is already being captured; captures cannot nest"):
         yield capture
+
+
+@contextlib.contextmanager
+def routed(model: nn.Module, function_name: str, table: dict, entries, nested: str):
+    """Run `model` with the registered attention function `function_name`, which dispatches by module identity
+    through `table`: each (layer, entry) of `entries` is stored as table[id(layer.module)] for the block; modules not
+    in it run plain sdpa. A layer already in `table` is refused ("layer i <nested>"). Every config's attention
+    implementation and the table are restored on exit, also after an exception."""
+    for layer, _ in entries:
+        if id(layer.module) in table:
+            raise HeadlabError(f"layer {layer.index} {nested}")
+    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
+    try:
+        for layer, entry in entries:
+            table[id(layer.module)] = entry
+        model.set_attn_implementation(function_name)
+        yield
     finally:
-        for layer in layers:
-            _ACTIVE.pop(id(layer.module), None)
+        for layer, _ in entries:
+            table.pop(id(layer.module), None)
         for config, implementation in saved:
             config._attn_implementation_internal = implementation
 
@@ -366,4 +377,5 @@ __all__ = [
     "capture_attention",
     "output_from_chunks",
     "register",
+    "routed",
 ]

@@ -21,7 +21,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from headlab.core.errors import HeadlabError
-from headlab.mechanisms.capture import _configs, _visibility
+from headlab.mechanisms.capture import _visibility, routed
 
 FUNCTION_NAME = "headlab_head_policy"  # must not contain "sdpa" (transformers would run its sdpa checks on it)
 
@@ -228,25 +228,13 @@ def head_policy(model, layers, policies: dict[int, LayerStreaming], cache: HeadP
 
     Streaming heads are masked over the ordinary cache, or, with `cache` (or inside `policy_cache`), stored as sinks +
     window in that HeadPolicyCache. The attention implementation is restored on exit."""
-    for layer in layers:
-        if id(layer.module) in _ACTIVE:
-            raise HeadlabError(f"layer {layer.index} already runs under a head policy; policies cannot nest")
-    saved = [(config, config._attn_implementation_internal) for config in _configs(model)]
     register()
-    try:
-        for layer in layers:
-            if layer.index in policies:
-                _ACTIVE[id(layer.module)] = (policies[layer.index], layer.block)
-        model.set_attn_implementation(FUNCTION_NAME)
+    entries = [(layer, (policies[layer.index], layer.block)) for layer in layers if layer.index in policies]
+    with routed(model, FUNCTION_NAME, _ACTIVE, entries, "already runs under a head policy; policies cannot nest"):
         with contextlib.ExitStack() as stack:
             if cache is not None:
                 stack.enter_context(policy_cache(cache))
             yield
-    finally:
-        for layer in layers:
-            _ACTIVE.pop(id(layer.module), None)
-        for config, implementation in saved:
-            config._attn_implementation_internal = implementation
 
 
 __all__ = [
