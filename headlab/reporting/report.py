@@ -66,6 +66,7 @@ class Settings:
     stats_tokens: int = 2048
     induction_len: int = 64
     induction_count: int = 8
+    retrieval_count: int = 4  # passkey prompts of the retrieval score (stats), 1,024 tokens each
     importance_tokens: int = 1024
     eval_tokens: int = 1024
     calibration_tokens: int = 1024
@@ -104,6 +105,7 @@ PRESETS = {
         stats_tokens=512,
         induction_len=32,
         induction_count=4,
+        retrieval_count=2,
         importance_tokens=512,
         eval_tokens=512,
         calibration_tokens=512,
@@ -334,7 +336,7 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
     size = dict(seq_len=s.seq_len, batch_size=s.batch_size)
     convert = dict(**common, kv_heads=target)  # the grouping and recovery steps are both `headlab convert-gqa`
     budget = dict(calibration_tokens=s.calibration_tokens, max_tokens=s.eval_tokens, **size)
-    induction = dict(induction_len=s.induction_len, induction_count=s.induction_count)
+    induction = dict(induction_len=s.induction_len, induction_count=s.induction_count, retrieval_count=s.retrieval_count)
     return {
         "info": _command("info", model=model),
         "stats": _command("stats", **common, max_tokens=s.stats_tokens, **size, **induction, out="runs/stats"),
@@ -484,6 +486,7 @@ def _stats_step(run: ReportRun) -> None:
         max_tokens=s.stats_tokens,
         induction_len=s.induction_len,
         induction_count=s.induction_count,
+        retrieval_count=s.retrieval_count,
         **run.common,
     )
     write_statistics(run.tmp / "stats", tidy)
