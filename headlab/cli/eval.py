@@ -6,11 +6,20 @@ import json
 
 import click
 
-from headlab.cli.options import data_options, guard, kv_policy_option, model_options, out_option, task_options
+from headlab.cli.options import (
+    data_options,
+    guard,
+    kv_cache_option,
+    kv_policy_option,
+    model_options,
+    out_option,
+    task_options,
+)
 from headlab.cli.parsing import parse_list
 from headlab.core.corpora import DEFAULT_EVAL_DOMAINS, DOMAINS
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
+from headlab.measure.choices import DEFAULT_KV_CHUNK
 
 
 @click.command("eval")
@@ -39,6 +48,16 @@ from headlab.core.units import human_bytes
     "perplexity run each, in a table after the corpus's; none: no domains",
 )
 @kv_policy_option
+@kv_cache_option
+@click.option(
+    "--kv-chunk",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="perplexity feeds each window N tokens per forward through the --kv-cache cache, each chunk attending to "
+    f"the cached earlier ones (same windows, same scored tokens) [default: {DEFAULT_KV_CHUNK} with a quantized "
+    "--kv-cache; one forward per window with full]",
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(  # click passes every option as a parameter
     load,
@@ -52,13 +71,19 @@ def command(  # click passes every option as a parameter
     out,
     overwrite,
     kv_policy,
+    kv_cache,
+    kv_chunk,
     as_json,
 ):
     """Perplexity, NLL, bits per token, word perplexity and bits per byte (lm-evaluation-harness definitions and
     windows: docs/evaluation.md), then the perplexity of built-in text domains (--domains), or lm-eval tasks
     (--tasks) on the model as loaded."""
     context = click.get_current_context()
+    if kv_policy is not None and (kv_cache != "full" or kv_chunk is not None):
+        raise HeadlabError("--kv-cache and --kv-chunk run without --kv-policy (its masked attention has no cache)")
     if tasks is not None:
+        if kv_cache != "full" or kv_chunk is not None:
+            raise HeadlabError("--kv-cache and --kv-chunk go with perplexity, not with --tasks")
         if context.get_parameter_source("domains").name != "DEFAULT":
             raise HeadlabError("--domains goes with perplexity, not with --tasks")
         explicit = context.get_parameter_source("seq_len").name != "DEFAULT"
@@ -81,16 +106,20 @@ def command(  # click passes every option as a parameter
     names = () if domains.strip().lower() == "none" else parse_list(domains, str, "domains", allowed=tuple(DOMAINS))
     # start-up: torch loads when the command runs, not for --help
     from headlab.kv.policy import applied_policy, policy_record, read_policy
-    from headlab.measure.evaluate import domain_perplexities, perplexity
+    from headlab.measure.evaluate import cache_chunks, domain_perplexities, perplexity
 
+    cache_chunks(kv_cache, kv_chunk)  # a missing backend package is named before the model loads
     policy = read_policy(kv_policy) if kv_policy is not None else None
     loaded = load()
     with applied_policy(loaded, policy):
-        result = perplexity(loaded, text=text, stride=stride, progress=not as_json)
+        caching = dict(kv_cache=kv_cache, kv_chunk=kv_chunk)
+        result = perplexity(loaded, text=text, stride=stride, progress=not as_json, **caching)
         table = None
         if names:  # the corpus's row is the result above where it is the eval split (the default), else measured again
             reuse = result if text.split == "eval" else None
-            table = domain_perplexities(loaded, names, text=text, stride=stride, progress=not as_json, measured=reuse)
+            table = domain_perplexities(
+                loaded, names, text=text, stride=stride, progress=not as_json, measured=reuse, **caching
+            )
     under = policy_record(policy, kv_policy, result.max_length) if policy is not None else None
     if as_json:
         record = {**loaded.describe(), "data": text.corpus_name, "split": text.split, **result.to_dict()}
@@ -110,9 +139,12 @@ def command(  # click passes every option as a parameter
         ("scored tokens", f"{result.scored_tokens:,}"),
         ("words / bytes", f"{result.words:,} / {result.bytes:,}"),
         ("max-length / stride", f"{result.max_length} / {result.stride} ({result.windows} windows)"),
+        ("windows ran as", result.path),
         ("tokens/s", f"{result.tokens_per_s:,.1f}"),
         ("peak memory", human_bytes(result.peak_memory_bytes)),
     ]
+    if result.kv_cache_bytes is not None:
+        rows.append(("KV cache per window", f"{human_bytes(result.kv_cache_bytes)} ({result.kv_cache}, measured)"))
     if under is not None:
         fraction = under["kv_fraction_at"]["fraction"]
         rows.append(("KV policy", f"{kv_policy}: {fraction:.3f} of the cache at max-length (masked)"))

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import corpus_options, guard, kv_policy_option, model_options, out_option
+from headlab.cli.options import corpus_options, guard, kv_cache_option, kv_policy_option, model_options, out_option
 from headlab.cli.parsing import parse_list, token_count
 from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
+from headlab.core.units import human_bytes
 from headlab.measure.long_tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, LONG_TASKS
 
 DEFAULT_OUT = Path("runs/longeval")
@@ -75,6 +76,7 @@ RUNTIMES = ("transformers", "llamacpp")
     "llamacpp extra)",
 )
 @kv_policy_option
+@kv_cache_option
 @out_option(required=False, help_text=f"output directory, written atomically [default: {DEFAULT_OUT}]")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(  # click passes every option as a parameter
@@ -91,6 +93,7 @@ def command(  # click passes every option as a parameter
     batch_size,
     runtime,
     kv_policy,
+    kv_cache,
     out,
     overwrite,
     as_json,
@@ -102,6 +105,8 @@ def command(  # click passes every option as a parameter
     length_list = parse_list(lengths, token_count, "lengths") if lengths is not None else None
     depth_list = parse_list(depths, float, "depths")
     gguf = Path(load.spec) if load.spec and str(load.spec).lower().endswith(".gguf") else None
+    if kv_cache != "full" and (runtime == "llamacpp" or kv_policy is not None):
+        raise HeadlabError("--kv-cache runs in transformers' own cache: not with --runtime llamacpp or --kv-policy")
     if runtime == "llamacpp" and gguf is None:
         raise HeadlabError("--runtime llamacpp decodes a .gguf file: give --model FILE.gguf")
     if runtime == "llamacpp" and kv_policy is not None:
@@ -111,10 +116,12 @@ def command(  # click passes every option as a parameter
     # start-up: torch, pandas and seaborn load when the command runs, not for --help
     from headlab.core.tables import write_run
     from headlab.kv.policy import applied_policy, measured_generate, policy_record, read_policy
-    from headlab.measure.longctx import long_context
+    from headlab.measure.longctx import cache_generate, long_context
+    from headlab.mechanisms.quantized_cache import check_kv_cache
     from headlab.runtimes.lm_eval_bridge import long_task_files
     from headlab.viz.plots import figure_bytes, plot_needle_heatmap, plot_position_nll
 
+    check_kv_cache(kv_cache)  # a missing backend package is named before the model loads
     policy = read_policy(kv_policy) if kv_policy is not None else None
     loaded = load()
     generate, caches = None, []
@@ -122,6 +129,8 @@ def command(  # click passes every option as a parameter
         from headlab.runtimes.long_context import llamacpp_generate  # start-up: llama.cpp only when asked for
 
         generate = llamacpp_generate(loaded, gguf)
+    elif kv_cache != "full":  # generation writes and reads the quantized cache, measured per batch
+        generate = cache_generate(loaded, kv_cache, caches)
     text = TextSpec(data, text_column, part, max_tokens=None)
     with applied_policy(loaded, policy) as layers:
         if policy is not None:  # generation writes a real policy cache, measured per batch
@@ -143,6 +152,9 @@ def command(  # click passes every option as a parameter
     if policy is not None:
         result.meta["kv_policy"] = policy_record(policy, kv_policy, max(result.meta["lengths"]))
         result.meta["kv_policy"]["measured_cache"] = caches
+    result.meta["kv_cache"] = kv_cache
+    if kv_cache != "full":
+        result.meta["kv_cache_measured"] = caches
     model_name = loaded.spec or "model"
     figures = {
         "figures/needle_heatmap.png": figure_bytes(plot_needle_heatmap(result.cells, f"{model_name}: retrieval"))
@@ -167,6 +179,11 @@ def command(  # click passes every option as a parameter
         ]
     )
     click.echo(shown[["task", "length", "prompts", "correct", "accuracy", "recall"]].to_string(index=False))
+    measured = caches if kv_cache != "full" else []  # a --kv-policy run's caches are reported in its meta
+    for length in sorted({row["length"] for row in measured}):
+        rows = [row for row in measured if row["length"] == length]
+        per_prompt = sum(row["cache_bytes"] for row in rows) / sum(row["prompts"] for row in rows)
+        click.echo(f"{kv_cache} KV cache at length {length}: {human_bytes(per_prompt)} per prompt (measured)")
     if not result.positions.empty:
         click.echo("")
         click.echo(result.positions.to_string(index=False, float_format="{:.4f}".format))

@@ -13,6 +13,7 @@ from headlab.core.data import PARTS, TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import RUN_DIR_BYTES, check_free_space, check_replaceable, guard_output
 from headlab.core.model_names import DEFAULT_MODEL, DEVICE_MAPS, DTYPE_NAMES
+from headlab.mechanisms.choices import KV_CACHES
 
 
 @dataclass(frozen=True)
@@ -269,4 +270,19 @@ def kv_policy_option(function):
         metavar="DIR",
         help="run under the per-KV-head cache policy of a `headlab kv-policy` run: its streaming heads see only "
         "sinks + window (docs/kv-policy.md)",
+    )(function)
+
+
+def kv_cache_option(function):
+    """--kv-cache SPEC (as `kv_cache`): the KV cache the model reads back, full or quantized (transformers'
+    QuantizedCache; headlab.mechanisms.quantized_cache), shared by eval, longeval and speed."""
+    return click.option(
+        "--kv-cache",
+        "kv_cache",
+        type=click.Choice(list(KV_CACHES)),
+        default="full",
+        show_default=True,
+        help="KV cache: full (the model's dtype), fp8 (float8 e4m3, one scale per tensor), or quanto/hqq integers "
+        "(groups of 64, the newest <128 tokens kept full; the quanto and hqq backends need the kvquant extra); "
+        "docs/kv-cache.md",
     )(function)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import guard
+from headlab.cli.options import guard, kv_cache_option
 from headlab.core.units import human_bytes
 from headlab.runtimes.choices import RUNTIMES
 
@@ -52,15 +52,19 @@ def _ints(ctx, param, value):
     help="run directory: speed.csv/.parquet, meta.json, speed.png",
 )
 @click.option("--overwrite", is_flag=True, help="replace an existing --out")
+@kv_cache_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(models, device, dtype, contexts, batches, decode_tokens, prefill_limit, runtimes, out, overwrite, as_json):
+def command(  # click passes every option as a parameter
+    models, device, dtype, contexts, batches, decode_tokens, prefill_limit, runtimes, out, overwrite, kv_cache, as_json
+):
     """Measure each MODEL (hub id, checkpoint directory or .gguf; default the embedded SmolLM2-135M): prefill and
     decode tokens/s with the KV cache at every context x batch, peak memory and KV-cache bytes held. The first
-    model is the reference of decode_speedup and kv_ratio."""
+    model is the reference of decode_speedup and kv_ratio. --kv-cache: transformers decodes from that cache (its
+    bytes as stored); llama.cpp keeps its f16 cells."""
     # start-up: torch, pandas and matplotlib load when the command runs, not for --help
     from headlab.runtimes.speed import SpeedSpec, run_speed
 
-    spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes))
+    spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes), kv_cache=kv_cache)
     if out is not None:  # never onto, around or inside a model it measures (symlinks resolved)
         guard(out, overwrite, {f"model {name or '(embedded)'}": name for name in (list(models) or [None])})
     table, figure_path = run_speed(
@@ -75,7 +79,7 @@ def command(models, device, dtype, contexts, batches, decode_tokens, prefill_lim
         kv=table["kv_cache_bytes"].map(human_bytes),
         peak=table["peak_memory_bytes"].map(human_bytes),
         speedup=table["decode_speedup"].map(lambda v: f"{v:.2f}x"),
-    )[["model", "runtime", "context", "batch", "prefill", "decode", "speedup", "kv", "peak", "cache_fill"]]
+    )[["model", "runtime", "kv_cache", "context", "batch", "prefill", "decode", "speedup", "kv", "peak", "cache_fill"]]
     click.echo(shown.to_string(index=False))
     if out is not None:
         click.echo(

@@ -37,13 +37,31 @@ from headlab.core.data import (
 )
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
+from headlab.measure.choices import DEFAULT_KV_CHUNK
 from headlab.measure.costs import peak_memory
 from headlab.mechanisms.losses import final_states, picked_log_probs
+from headlab.mechanisms.quantized_cache import check_kv_cache, new_kv_cache, quantized_cache_bytes
 
 if TYPE_CHECKING:  # annotations only
     import pandas as pd
 
 WINDOW_CONVENTION = "lm-eval loglikelihood_rolling (prefix token; max_length inputs; full-context last window)"
+ONE_FORWARD = "one forward per window (no KV cache)"
+
+
+@dataclass
+class CacheChunks:
+    """The chunked path of `perplexity`: each window fed `chunk` tokens per forward through a fresh `kv_cache`
+    cache per batch (headlab.mechanisms.quantized_cache.new_kv_cache), so every chunk attends to the earlier chunks
+    as the cache returns them; `cache_bytes` receives the first batch's cache bytes per window after its last
+    chunk."""
+
+    kv_cache: str
+    chunk: int
+    cache_bytes: int | None = None
+
+    def describe(self) -> str:
+        return f"chunks of {self.chunk} tokens through a {self.kv_cache} KV cache"
 
 
 @dataclass
@@ -68,6 +86,9 @@ class Perplexity:
     prefix_token: int | None
     windows: int = 0
     convention: str = WINDOW_CONVENTION
+    kv_cache: str = "full"
+    path: str = ONE_FORWARD  # or CacheChunks.describe(): how each window ran
+    kv_cache_bytes: int | None = None  # chunked path: the cache's bytes per window after the window's last chunk
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,9 +121,45 @@ def token_nll(model, input_ids, attention_mask, targets: list[torch.Tensor]) -> 
     return nll_sum, counts
 
 
-def rolling_nll(loaded: LoadedModel, ids: torch.Tensor, max_length: int, stride: int, batch_size: int, progress=True):
+@torch.no_grad()
+def chunked_token_nll(model, input_ids, attention_mask, targets: list[torch.Tensor], chunks: CacheChunks):
+    """token_nll with each window fed chunks.chunk tokens per forward into a fresh chunks.kv_cache cache: chunk
+    [s, e) attends to positions [0, e), the earlier ones as the cache stores them (quantized caches: dequantized),
+    so a quantized cache changes what later tokens see, as in generation. Same rows, positions and targets as
+    token_nll, and the same float32 sum per window (lm-eval's); the logits exist one chunk at a time."""
+    lengths = attention_mask.sum(dim=1).tolist()
+    firsts = [length - len(row_targets) for length, row_targets in zip(lengths, targets)]  # first scored position
+    picked: list[list[torch.Tensor]] = [[] for _ in targets]
+    cache = new_kv_cache(model.config, chunks.kv_cache)
+    for start in range(0, input_ids.shape[1], chunks.chunk):
+        end = min(start + chunks.chunk, input_ids.shape[1])
+        # The 2D mask spans the cached positions and this chunk; right padding only ever follows a row's tokens.
+        logits = model(
+            input_ids=input_ids[:, start:end], attention_mask=attention_mask[:, :end], cache=cache, use_cache=True
+        ).logits  # [B, e - s, V]
+        for row, row_targets in enumerate(targets):
+            low, high = max(start, firsts[row]), min(end, lengths[row])
+            if low < high:
+                wanted = row_targets[low - firsts[row] : high - firsts[row]]
+                picked[row].append(picked_log_probs(logits[row, low - start : high - start], None, wanted))
+    if chunks.cache_bytes is None:
+        chunks.cache_bytes = quantized_cache_bytes(cache) // input_ids.shape[0]
+    nll_sum = torch.tensor([-float(torch.cat(row).sum()) for row in picked], dtype=torch.float64)
+    return nll_sum, torch.tensor([len(row_targets) for row_targets in targets], dtype=torch.long)
+
+
+def rolling_nll(  # the windows' layout, then how they run
+    loaded: LoadedModel,
+    ids: torch.Tensor,
+    max_length: int,
+    stride: int,
+    batch_size: int,
+    progress=True,
+    chunks: CacheChunks | None = None,
+):
     """Summed NLL, scored-token count, window count and seconds of the rolling windows over `ids` (prefix token
-    first, never scored); see data.rolling_windows for the layout."""
+    first, never scored); see data.rolling_windows for the layout. `chunks`: run each window in chunks through a KV
+    cache (chunked_token_nll) instead of one forward."""
     windows = rolling_windows(len(ids), max_length, stride)
     pad_id = loaded.tokenizer.pad_token_id or 0
     device = loaded.device
@@ -111,7 +168,12 @@ def rolling_nll(loaded: LoadedModel, ids: torch.Tensor, max_length: int, stride:
     batches = list(batch_windows(ids, distributed.shard(windows), batch_size, pad_id))
     for input_ids, attention_mask, group in tqdm(batches, desc="perplexity", disable=not progress, unit="batch"):
         targets = [ids[w.first_target : w.end + 1] for w in group]
-        nll_sum, counts = token_nll(loaded.model, input_ids.to(device), attention_mask.to(device), targets)
+        if chunks is None:
+            nll_sum, counts = token_nll(loaded.model, input_ids.to(device), attention_mask.to(device), targets)
+        else:
+            nll_sum, counts = chunked_token_nll(
+                loaded.model, input_ids.to(device), attention_mask.to(device), targets, chunks
+            )
         totals += torch.stack([nll_sum.sum(), counts.sum().double()])
     distributed.all_reduce_sum(totals)
     seconds = distributed.all_reduce_max(time.perf_counter() - start)
@@ -132,6 +194,8 @@ def perplexity(
     text: TextSpec,
     stride: int | None = None,
     progress: bool = True,
+    kv_cache: str = "full",
+    kv_chunk: int | None = None,
 ) -> Perplexity:
     """Token perplexity exp(-(1/N) sum_i log p(x_i | x_<i)) over the N tokens of the chosen part, plus word
     perplexity and bits per byte (lm-evaluation-harness wikitext definitions), in lm-eval's rolling windows.
@@ -140,12 +204,19 @@ def perplexity(
     when given, is its corpus). Its seq_len is the model input length of a window (lm-eval's max_length, the CLI's
     --max-length); stride (default seq_len, lm-eval's layout) < seq_len gives each scored token seq_len - stride
     tokens of extra context.
+
+    kv_cache (headlab.mechanisms.choices.KV_CACHES) other than "full", or a kv_chunk, runs each window in chunks of
+    kv_chunk tokens (default DEFAULT_KV_CHUNK) through that cache (chunked_token_nll; same windows, same scored
+    tokens): a single forward never reads a cache, so only this path shows what a quantized cache costs.
     """
     if data is not None:
         text = text.but(data=data)
     part, seq_len, batch_size, max_tokens = text.split, text.seq_len, text.batch_size, text.max_tokens
     stride = seq_len if stride is None else stride
     check_max_length(loaded, seq_len)
+    chunks = cache_chunks(kv_cache, kv_chunk)
+    if chunks is not None and loaded.adapter.is_encoder:
+        raise HeadlabError("--kv-cache and --kv-chunk need a causal language model; this one is an encoder (masked LM)")
     corpus = text.corpus
     text_part = split_text(corpus, part)
     if loaded.adapter.is_encoder:
@@ -159,7 +230,7 @@ def perplexity(
     device = loaded.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    total_nll, total_count, windows, seconds = rolling_nll(loaded, ids, seq_len, stride, batch_size, progress)
+    total_nll, total_count, windows, seconds = rolling_nll(loaded, ids, seq_len, stride, batch_size, progress, chunks)
     if not math.isfinite(total_nll):
         raise HeadlabError(
             f"the loss is not finite ({total_nll}); with {str(loaded.dtype)} this is usually overflow: "
@@ -186,7 +257,22 @@ def perplexity(
         stride=stride,
         prefix_token=prefix,
         windows=len(windows),
+        kv_cache=kv_cache,
+        path=ONE_FORWARD if chunks is None else chunks.describe(),
+        kv_cache_bytes=None if chunks is None else chunks.cache_bytes,
     )
+
+
+def cache_chunks(kv_cache: str = "full", kv_chunk: int | None = None) -> CacheChunks | None:
+    """How perplexity runs its windows: None (one forward each) for the full cache without kv_chunk, else
+    CacheChunks(kv_cache, kv_chunk or DEFAULT_KV_CHUNK); an unknown spec, a missing backend package or a chunk below
+    1 is refused in one line."""
+    check_kv_cache(kv_cache)
+    if kv_chunk is not None and kv_chunk < 1:
+        raise HeadlabError(f"kv_chunk={kv_chunk} must be at least 1")
+    if kv_cache == "full" and kv_chunk is None:
+        return None
+    return CacheChunks(kv_cache, kv_chunk or DEFAULT_KV_CHUNK)
 
 
 def domain_perplexities(
@@ -197,6 +283,8 @@ def domain_perplexities(
     stride: int | None = None,
     progress: bool = True,
     measured: Perplexity | None = None,
+    kv_cache: str = "full",
+    kv_chunk: int | None = None,
 ) -> pd.DataFrame:
     """Eval-split perplexity of `text`'s own corpus, then of each named built-in domain, in the same windows.
 
@@ -206,7 +294,8 @@ def domain_perplexities(
     calibration" where the calibration corpus is `broad` and the domain one of its BROAD_DOMAINS, else "held out"; a
     domain that is text's corpus itself is not repeated. Columns: domain (the corpus spec), role, perplexity, nll,
     bits_per_byte, scored_tokens. `measured`: the perplexity of text's eval split when already computed (e.g. by
-    `headlab eval`), reused as the first row. Costs one perplexity run per domain (plus one for the corpus).
+    `headlab eval`), reused as the first row; kv_cache, kv_chunk: as in `perplexity`, for every row. Costs one
+    perplexity run per domain (plus one for the corpus).
     """
     import pandas as pd  # start-up: as elsewhere in headlab, pandas loads with the first table
 
@@ -215,14 +304,15 @@ def domain_perplexities(
     own = text.corpus_name
     calibrated_on_broad = own == corpora.BROAD
     if measured is None:
-        measured = perplexity(loaded, text=text, stride=stride, progress=progress)
+        measured = perplexity(loaded, text=text, stride=stride, progress=progress, kv_cache=kv_cache, kv_chunk=kv_chunk)
     results = [(own, "calibration corpus", measured)]
     for name in names:
         if name == own:
             continue
         role = "in calibration" if calibrated_on_broad and name in corpora.BROAD_DOMAINS else "held out"
         domain = text.but(data=load_corpus(name), text_column=None)
-        results.append((name, role, perplexity(loaded, text=domain, stride=stride, progress=progress)))
+        scored = perplexity(loaded, text=domain, stride=stride, progress=progress, kv_cache=kv_cache, kv_chunk=kv_chunk)
+        results.append((name, role, scored))
     return pd.DataFrame(
         [
             {"domain": name, "role": role, "perplexity": r.perplexity, "nll": r.nll,

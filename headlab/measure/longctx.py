@@ -34,6 +34,7 @@ from headlab.measure.long_tasks import (
     score,
 )
 from headlab.mechanisms.losses import final_states, picked_log_probs
+from headlab.mechanisms.quantized_cache import check_kv_cache, new_kv_cache, quantized_cache_bytes
 
 DECODING = "greedy, KV cache, stop at the first newline (lm-eval generate_until with until=['\\n'])"
 PROMPT_TOKENS = "the prompt's tokens without special tokens (lm-eval generate_until's encoding)"
@@ -83,6 +84,23 @@ def transformers_generate(loaded: LoadedModel, prompts: list[LongPrompt], max_ne
         **({"cache": cache} if cache is not None else {}),
     )
     return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out.cpu()]
+
+
+def cache_generate(loaded: LoadedModel, kv_cache: str, record: list[dict]) -> Generate:
+    """A `generate` that decodes each batch into a fresh `kv_cache` cache
+    (headlab.mechanisms.quantized_cache.new_kv_cache: the prefill writes it, every decode step reads it back) and appends one row per batch to `record`: length,
+    prompts, kv_cache, cache_bytes (quantized_cache_bytes after the last decode step: packed integers or fp8 with
+    their scales, plus any full-precision residual), cache_slots (tokens cached)."""
+    check_kv_cache(kv_cache)
+
+    def generate(batch, budget):
+        cache = new_kv_cache(loaded.model.config, kv_cache)
+        texts = transformers_generate(loaded, batch, budget, cache=cache)
+        record.append({"length": batch[0].length, "prompts": len(batch), "kv_cache": kv_cache,
+                       "cache_bytes": quantized_cache_bytes(cache), "cache_slots": cache.get_seq_length()})  # fmt: skip
+        return texts
+
+    return generate
 
 
 def _batches(prompts: list[LongPrompt], batch_size: int):

@@ -2,4 +2,4 @@
 function, restoring context managers, activation recompute and chunked losses.
 """
 
-__all__ = ["capture", "choices", "gates", "head_cache", "hooks", "losses", "recompute", "restore"]
+__all__ = ["capture", "choices", "gates", "head_cache", "hooks", "losses", "quantized_cache", "recompute", "restore"]

@@ -17,13 +17,13 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 from tqdm.auto import tqdm
-from transformers import DynamicCache
 
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out
 from headlab.core.loading import LoadedModel, load_model, local_checkpoint
 from headlab.core.model_names import DEFAULT_MODEL
 from headlab.core.tables import write_run
+from headlab.mechanisms.quantized_cache import check_kv_cache, new_kv_cache, quantized_cache_bytes
 from headlab.runtimes.choices import RUNTIMES
 from headlab.runtimes.gguf_export import export_gguf
 from headlab.runtimes.llamacpp import Sequences, unavailable
@@ -43,6 +43,7 @@ class SpeedSpec:
     runtimes: tuple[str, ...] = RUNTIMES
     gguf_type: str = "f32"  # the llama.cpp copy is written in this type (f32 matches transformers' CPU weights)
     seed: int = 0
+    kv_cache: str = "full"  # transformers' cache (headlab.mechanisms.choices.KV_CACHES); llama.cpp keeps its f16 cells
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -89,21 +90,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def cache_bytes(cache) -> int:
-    """Bytes of the key and value tensors a transformers cache holds (what decoding reads every step)."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        for name in ("keys", "values"):
-            tensor = getattr(layer, name, None)
-            if isinstance(tensor, torch.Tensor):
-                total += tensor.numel() * tensor.element_size()
-    return total
-
-
-def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: torch.Generator):
-    """A DynamicCache holding `context` random keys and values per layer in the model's per-layer shapes
+def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: torch.Generator, kv_cache: str = "full"):
+    """A `kv_cache` cache (new_kv_cache: DynamicCache for full) holding `context` random keys and values per layer in the model's per-layer shapes
     (adapter.cache_shapes: [B, G_l, T, D]; MLA's latent and rotary key): decoding cost depends on the cache's size, not on its values."""
-    cache = DynamicCache(config=loaded.model.config)
+    cache = new_kv_cache(loaded.model.config, kv_cache)
     for layer in loaded.layers:
         key_shape, value_shape = loaded.adapter.cache_shapes(layer, batch, context)  # MLA: the latent, the rotary key
         keys = torch.randn(key_shape, generator=generator, dtype=torch.float32).to(loaded.device, loaded.dtype)
@@ -116,7 +106,8 @@ def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: to
 def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: SpeedSpec) -> dict:
     """Prefill of context - decode_tokens tokens (timed, last-position logits only as in generation) or a synthetic
     cache of that length, then `decode_tokens` greedy steps of one token per sequence, so the cache ends holding
-    `context` tokens; tokens/s = tokens processed / wall time."""
+    `context` tokens; tokens/s = tokens processed / wall time. The cache is spec.kv_cache's (quantized: the prefill
+    writes it quantized, every decode step reads it back), its bytes quantized_cache_bytes: what it stores."""
     model, device = loaded.model, loaded.device
     context = context - spec.decode_tokens  # tokens in the cache before decoding
     generator = torch.Generator().manual_seed(spec.seed)
@@ -128,12 +119,13 @@ def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: Spee
         if fill == "prefill":
             _sync(device)
             start = time.perf_counter()
-            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            cache = new_kv_cache(model.config, spec.kv_cache)
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill_s = time.perf_counter() - start
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         else:
-            cache, token = synthetic_cache(loaded, batch, context, generator), ids[:, -1:]
+            cache, token = synthetic_cache(loaded, batch, context, generator, spec.kv_cache), ids[:, -1:]
         position = torch.full((batch, 1), context, dtype=torch.long, device=device)
         _sync(device)
         start = time.perf_counter()
@@ -142,8 +134,9 @@ def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: Spee
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         decode_s = time.perf_counter() - start
-    held = cache_bytes(cache)
+    held = quantized_cache_bytes(cache)
     return {
+        "kv_cache": spec.kv_cache,
         "cache_fill": fill,
         "prefill_tokens_per_s": batch * context / prefill_s if prefill_s else math.nan,
         "decode_tokens_per_s": batch * spec.decode_tokens / decode_s,
@@ -184,6 +177,7 @@ def llamacpp_point(gguf_path: Path, kv_per_token: int, context: int, batch: int,
         finally:
             runner.close()
     return {
+        "kv_cache": "f16 (llama.cpp)",
         "cache_fill": "copied" if copied else "prefill",
         "prefill_tokens_per_s": prefilled * filled / prefill_s,
         "decode_tokens_per_s": batch * spec.decode_tokens / decode_s,
@@ -303,6 +297,7 @@ def run_speed(
 ) -> tuple[pd.DataFrame, Path | None]:
     """Measure every model (loaded one at a time) and write the table, metadata and the decode plot to `out`."""
     check_out(out, overwrite)
+    check_kv_cache(spec.kv_cache)
     _check_positions_first(models, spec)
     frames = []
     for model in models:
