@@ -45,6 +45,14 @@ CASES = [
     (["eval", "--model", "{llama}", *M, *TEXT, "--max-length", "65"], "maximum positions"),
     (["eval", "--model", "{llama}", *M, *DATA, "--out", "o"], "--tasks"),
     (["eval", "--model", "{llama}", *M, *DATA, "--domains", "speeches,wikipedia"], "wikipedia"),
+    (["eval", "--model", "{llama}", *M, *DATA, "--kv-cache", "int4"], "int4"),
+    (["eval", "--model", "{llama}", *M, *DATA, "--kv-chunk", "0"], "--kv-chunk"),
+    (["eval", "--model", "{llama}", *M, *DATA, "--kv-cache", "fp8", "--tasks", "x"], "--tasks"),
+    (["eval", "--model", "{llama}", *M, *DATA, "--kv-cache", "fp8", "--kv-policy", "{emptydir}"], "--kv-policy"),
+    (["eval", "--model", "{bert}", *M, *DATA, "--kv-cache", "fp8"], "encoder"),
+    (["longeval", "--model", "{llama}", *M, *TEXT, "--kv-cache", "fp4", "--out", "l"], "fp4"),
+    (["longeval", "--model", "{llama}", *M, *TEXT, "--kv-cache", "fp8", "--runtime", "llamacpp"], "--kv-cache"),
+    (["speed", "{llama}", "--device", "cpu", "--kv-cache", "int8", "--out", "s"], "int8"),
     # stats
     (["stats", *NO_MODEL, *DATA, "--out", "s"], "{missing}"),
     (["stats", "--model", "{llama}", *M, *DATA, "--out", "{existing}"], "--overwrite"),
@@ -425,6 +433,19 @@ CASES = [
     (["attribute", "--model", "{bert}", *M, "--text", "abc"], "encoder"),
     (["attribute", *NO_MODEL, "--text", "abc"], "{missing}"),
     (["attribute", "--model", "{llama}", *M, "--text", "abc", "--out", "{existing}"], "--overwrite"),
+    # show (the tiny llama: 2 layers of 4 heads, 64 positions)
+    (["show", "--model", "{llama}", *M], "--text"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--text-file", "{text}"], "not both"),
+    (["show", "--model", "{llama}", *M, "--text-file", "{missing}"], "{missing}"),
+    (["show", "--model", "{llama}", *M, "--text", " "], "text is empty"),
+    (["show", *NO_MODEL, "--text", "abc"], "{missing}"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--heads", "L0H1,head3"], "'head3' is not a head name"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--heads", "L2H0"], "attention layers L0 .. L1"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--heads", "L1H4"], "layer 1 has 4 heads"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--max-tokens", "65"], "--max-tokens 65 exceeds"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--top-k", "256"], "--top-k"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--chunk", "0"], "--chunk"),
+    (["show", "--model", "{llama}", *M, "--text", "abc", "--out", "{existing}"], "--overwrite"),
 ]
 
 # lm-eval tasks (the lmeval extra); without lm-eval every --tasks line says how to install it (tests/test_lm_eval.py).

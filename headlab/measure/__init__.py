@@ -1,9 +1,11 @@
 """What a model is and does, measured without changing it: per-head statistics and head detectors, head
 importance, direct logit attribution and activation patching per head, perplexity, long-context retrieval and NLL by
-position, and costs (parameters, FLOPs, KV-cache bytes).
+position, costs (parameters, FLOPs, KV-cache bytes), and the top-k attention of every head on a text
+(`headlab show`).
 """
 
 __all__ = [
+    "attention_view",
     "attribution",
     "choices",
     "costs",

@@ -435,6 +435,63 @@ def plot_attention_gallery(maps: pd.DataFrame, title: str = ""):
     return fig
 
 
+MAP_CELLS = 256  # a head's map keeps at most this many rows and columns; longer texts are binned
+MAP_LABELS = 48  # token labels on the axes up to this many tokens, positions beyond
+
+
+def binned_map(grid: np.ndarray, cells: int = MAP_CELLS) -> tuple[np.ndarray, int]:
+    """(the [T, T] map in blocks of b x b tokens, b) with b = ceil(T / cells): block (I, J) = mean over queries i in
+    I of sum over keys j in J of A_ij, so each row still sums to the mass its queries give those keys."""
+    T = grid.shape[0]
+    b = max(1, math.ceil(T / cells))
+    if b == 1:
+        return grid, 1
+    n = math.ceil(T / b)
+    padded = np.zeros((n * b, n * b), dtype=np.float64)
+    padded[:T, : grid.shape[1]] = grid
+    sums = padded.reshape(n, b, n, b).sum(axis=3)  # [n, b, n]: keys summed per block
+    rows = np.minimum(b, T - np.arange(n) * b)  # real queries per row block (the last may be short)
+    return sums.sum(axis=1) / rows[:, None], b
+
+
+def plot_attention_map(grid: np.ndarray, tokens: list[str], *, title: str = "", note: str = "") -> Figure:
+    """One head's attention map (query rows, key columns; `grid` [T, T], e.g. headlab.viz.viewer.dense_map of its
+    top-k keys), tokens on the axes up to MAP_LABELS tokens, binned by binned_map beyond MAP_CELLS."""
+    grid = np.asarray(grid, dtype=np.float64)
+    T = len(tokens)
+    if T == 0 or grid.shape != (T, T):
+        raise HeadlabError(f"an attention map of {grid.shape} does not match {T} tokens")
+    shown, b = binned_map(grid)
+    n = shown.shape[0]
+    _theme()
+    side = min(9.0, max(4.0, 0.16 * n + 1.8))
+    fig, ax = _subplots(figsize=(side + 1.2, side))
+    masked = np.triu(np.ones_like(shown, dtype=bool), 1) & (shown == 0)  # the causal future: blank, not 0
+    labels = [repr(t)[1:-1] for t in tokens] if T <= MAP_LABELS else "auto"
+    sns.heatmap(
+        shown,
+        ax=ax,
+        mask=masked if b == 1 else None,
+        cmap="rocket_r",
+        vmin=0,
+        vmax=max(float(shown.max()), 1e-6),
+        square=True,
+        xticklabels=labels,
+        yticklabels=labels,
+        cbar_kws={"label": "attention weight" if b == 1 else f"attention mass per {b} x {b} block", "shrink": 0.8},
+    )
+    if labels == "auto":  # tick labels are block indices: show token positions instead
+        ax.set_xticklabels([str(int(float(t.get_text())) * b) for t in ax.get_xticklabels()], rotation=90)
+        ax.set_yticklabels([str(int(float(t.get_text())) * b) for t in ax.get_yticklabels()], rotation=0)
+    else:
+        ax.tick_params(axis="both", labelsize=max(5.0, min(9.0, 300.0 / max(T, 1))))
+    ax.set_xlabel("key token" if b == 1 else "key position")
+    ax.set_ylabel("query token" if b == 1 else "query position")
+    ax.set_title(title + (f"\n{note}" if note else ""), fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
 # ---- GQA grouping ----------------------------------------------------------------------------------------------
 
 
