@@ -8,25 +8,11 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import check_input_kind, guard, model_options, out_option
+from headlab.cli.options import guard, model_options, out_option, read_text_option
 from headlab.core.errors import HeadlabError
 
 DEFAULT_OUT = Path("runs/attribute")
 TOP = 10  # heads listed on the terminal per table
-
-
-def _read_text(text, text_file) -> str | None:
-    if text is not None and text_file is not None:
-        raise HeadlabError("give --text or --text-file, not both")
-    if text_file is None:
-        return text
-    check_input_kind(text_file, "--text-file")
-    if not text_file.is_file():
-        raise HeadlabError(f"--text-file {text_file}: no such file")
-    try:
-        return text_file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise HeadlabError(f"--text-file {text_file}: cannot read it as UTF-8 text ({type(error).__name__})") from None
 
 
 def _answers(answers, clean) -> list[str] | None:
@@ -86,7 +72,7 @@ def _answers(answers, clean) -> list[str] | None:
 def command(load, text, text_file, clean, corrupted, answers, target, positions, batch_size, out, overwrite, as_json):
     """Direct logit attribution per head (--text) and activation patching per head (--clean, --corrupted):
     dla.csv/.parquet, patching.csv/.parquet, figures/ and meta.json."""
-    text = _read_text(text, text_file)
+    text = read_text_option(text, text_file)
     if (clean is None) != (corrupted is None):
         raise HeadlabError("activation patching needs both --clean and --corrupted")
     if text is None and clean is None:

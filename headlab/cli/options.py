@@ -286,3 +286,18 @@ def kv_cache_option(function):
         "(groups of 64, the newest <128 tokens kept full; the quanto and hqq backends need the kvquant extra); "
         "docs/kv-cache.md",
     )(function)
+
+
+def read_text_option(text, text_file) -> str | None:
+    """The text of --text or --text-file (UTF-8), at most one of them given; None when neither is."""
+    if text is not None and text_file is not None:
+        raise HeadlabError("give --text or --text-file, not both")
+    if text_file is None:
+        return text
+    check_input_kind(text_file, "--text-file")
+    if not text_file.is_file():
+        raise HeadlabError(f"--text-file {text_file}: no such file")
+    try:
+        return text_file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise HeadlabError(f"--text-file {text_file}: cannot read it as UTF-8 text ({type(error).__name__})") from None

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.attribute import _read_text
-from headlab.cli.options import guard, model_options, out_option
+from headlab.cli.options import guard, model_options, out_option, read_text_option
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.measure.choices import DEFAULT_SHOW_TOKENS, DEFAULT_TOP_K, MAX_TOP_K
@@ -77,7 +76,7 @@ def command(load, text, text_file, top_k, chunk, heads, max_tokens, out, overwri
     """Every head's attention on one text as a self-contained page (a layer x head picker, the text coloured by a
     query's attention, query pages, a matrix per page): attention.html, heads.csv/.parquet, tokens.csv/.parquet,
     figures/L{layer}H{head}.png (--heads) and meta.json."""
-    text = _read_text(text, text_file)
+    text = read_text_option(text, text_file)
     if text is None:
         raise HeadlabError("give --text or --text-file")
     chosen = parse_heads(heads)
