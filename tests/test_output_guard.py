@@ -58,6 +58,9 @@ WRITERS = {
     "eval": ["--model", "{llama}", *M, "--tasks", "tiny_mc", "--include-path", "{tasks}"],
     "plot": ["{run}"],
     "longeval": ["--model", "{llama}", *M, *TEXT],
+    "kv-policy": ["--model", "{llama}", *M, *DATA],
+    "attribute": ["--model", "{llama}", *M, "--text", "abc"],
+    "show": ["--model", "{llama}", *M, "--text", "abc"],
 }
 
 
