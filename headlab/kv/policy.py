@@ -28,7 +28,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
 from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, POLICY_SCORES
 from headlab.measure.long_tasks import check_grid
-from headlab.measure.longctx import long_context, transformers_generate
+from headlab.measure.longctx import long_context, recorded_generate
 from headlab.measure.stats import STREAMING_WINDOWS, head_statistics, wide_statistics
 from headlab.mechanisms.head_cache import HeadPolicyCache, LayerStreaming, cache_bytes, head_policy, policy_cache
 
@@ -213,22 +213,13 @@ def measured_generate(loaded, policies: dict[int, LayerStreaming] | None, record
     """A long_context `generate` that decodes each batch into a fresh cache it then measures: a HeadPolicyCache
     under `policies` (streaming heads store sinks + window), else transformers' DynamicCache. Appends one row per
     batch to `record`: length, prompts, cache_bytes (the cache's tensors after the last decode step), cache_slots."""
-    model = loaded.model
-    blocks = {layer.index: layer.block for layer in loaded.layers}
-
-    def generate(batch, budget):
-        if policies is None:
-            cache = DynamicCache(config=model.config)
-            texts = transformers_generate(loaded, batch, budget, cache=cache)
-        else:
-            cache = HeadPolicyCache(model.config, {blocks[index]: policy for index, policy in policies.items()})
-            with policy_cache(cache):
-                texts = transformers_generate(loaded, batch, budget, cache=cache)
-        record.append({"length": batch[0].length, "prompts": len(batch), "cache_bytes": cache_bytes(cache),
-                       "cache_slots": cache.get_seq_length()})  # fmt: skip
-        return texts
-
-    return generate
+    config = loaded.model.config
+    if policies is None:
+        return recorded_generate(loaded, lambda: DynamicCache(config=config), record, cache_bytes)
+    by_block = {layer.block: policies[layer.index] for layer in loaded.layers if layer.index in policies}
+    return recorded_generate(
+        loaded, lambda: HeadPolicyCache(config, by_block), record, cache_bytes, writing=policy_cache
+    )
 
 
 def evaluate_policy(loaded, policy: CachePolicy, *, text, progress: bool = True, **long_context_options) -> dict:

@@ -8,6 +8,7 @@ Accuracy per (task, length, depth) cell and per (task, length) comes with a Wils
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -86,21 +87,30 @@ def transformers_generate(loaded: LoadedModel, prompts: list[LongPrompt], max_ne
     return [tokenizer.decode(row[ids.shape[1] :], skip_special_tokens=True) for row in out.cpu()]
 
 
-def cache_generate(loaded: LoadedModel, kv_cache: str, record: list[dict]) -> Generate:
-    """A `generate` that decodes each batch into a fresh `kv_cache` cache
-    (headlab.mechanisms.quantized_cache.new_kv_cache: the prefill writes it, every decode step reads it back) and appends one row per batch to `record`: length,
-    prompts, kv_cache, cache_bytes (quantized_cache_bytes after the last decode step: packed integers or fp8 with
-    their scales, plus any full-precision residual), cache_slots (tokens cached)."""
-    check_kv_cache(kv_cache)
+def recorded_generate(loaded: LoadedModel, new_cache, record: list[dict], measure, *, writing=None, **columns):
+    """A `generate` that decodes each batch into a fresh cache `new_cache()` (inside `writing(cache)` when given, a
+    context the cache must be active in) and appends one row per batch to `record`: length, prompts, `columns`,
+    cache_bytes (`measure(cache)` after the last decode step), cache_slots (tokens cached)."""
 
     def generate(batch, budget):
-        cache = new_kv_cache(loaded.model.config, kv_cache)
-        texts = transformers_generate(loaded, batch, budget, cache=cache)
-        record.append({"length": batch[0].length, "prompts": len(batch), "kv_cache": kv_cache,
-                       "cache_bytes": quantized_cache_bytes(cache), "cache_slots": cache.get_seq_length()})  # fmt: skip
+        cache = new_cache()
+        with writing(cache) if writing is not None else contextlib.nullcontext():
+            texts = transformers_generate(loaded, batch, budget, cache=cache)
+        record.append({"length": batch[0].length, "prompts": len(batch), **columns, "cache_bytes": measure(cache),
+                       "cache_slots": cache.get_seq_length()})  # fmt: skip
         return texts
 
     return generate
+
+
+def cache_generate(loaded: LoadedModel, kv_cache: str, record: list[dict]) -> Generate:
+    """recorded_generate into a fresh `kv_cache` cache per batch (headlab.mechanisms.quantized_cache.new_kv_cache: the
+    prefill writes it, every decode step reads it back); cache_bytes are quantized_cache_bytes (packed integers or fp8
+    with their scales, plus any full-precision residual), and each row names the kv_cache."""
+    check_kv_cache(kv_cache)
+    return recorded_generate(
+        loaded, lambda: new_kv_cache(loaded.model.config, kv_cache), record, quantized_cache_bytes, kv_cache=kv_cache
+    )
 
 
 def _batches(prompts: list[LongPrompt], batch_size: int):
@@ -369,6 +379,7 @@ __all__ = [
     "position_nll",
     "position_sequences",
     "position_tables",
+    "recorded_generate",
     "transformers_generate",
     "wilson_interval",
 ]
