@@ -97,6 +97,15 @@ def test_statistic_heatmaps_skip_flags_and_empty_columns():
     assert figures["heatmap_entropy"].axes[0].get_title() == "tiny: " + plots.label_of("entropy")
 
 
+def test_statistic_heatmaps_draw_detection_patterns():
+    """stats --detect NAME adds a column detect_NAME: it gets a heatmap like the built-in statistics."""
+    wide = wide_table(2, 4, 2).assign(detect_diagonal=np.linspace(0, 1, 8), detect_empty=np.nan)
+    figures = plots.plot_statistic_heatmaps(wide)
+    assert "heatmap_detect_diagonal" in figures and "heatmap_detect_empty" not in figures
+    grid = figures["heatmap_detect_diagonal"].axes[0].collections[0].get_array()
+    assert np.allclose(np.asarray(grid).reshape(2, 4), np.linspace(0, 1, 8).reshape(2, 4))
+
+
 def test_spearman_matches_a_hand_computed_case():
     # ranks x: 1 2 3 4, y: 1 3 2 4 -> d^2 sum 2 -> rho = 1 - 6*2/(4*15) = 0.8
     assert plots.spearman(pd.Series([10, 20, 30, 40]), pd.Series([1.0, 3.0, 2.0, 4.0])) == pytest.approx(0.8)

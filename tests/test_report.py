@@ -24,6 +24,7 @@ SECTIONS = [
     "Per-head attention statistics",
     "Head importance",
     "Attention patterns",
+    "What the heads do",
     "Pruning sweep",
     "KV heads: GQA conversion",
     "Recovery",
@@ -57,7 +58,9 @@ def test_report_holds_every_section_figure_and_command(tiny_run):
     assert {"heatmap_entropy", "heatmap_importance", "importance_vs_entropy", "importance_vs_sink_first"} <= set(
         figures
     )
-    assert {"sweep", "gqa_sweep", "attention_gallery", "gqa_grouping", "recovery_curve", "speed"} <= set(figures)
+    assert {"sweep", "gqa_sweep", "attention_gallery", "gqa_grouping", "recovery_curve", "speed", "dla_mean"} <= set(
+        figures
+    )
     for name in figures:  # every figure is in the markdown ...
         assert f"(figures/{name}.png)" in markdown
     # ... and embedded in the HTML, which refers to no other file.
@@ -67,9 +70,9 @@ def test_report_holds_every_section_figure_and_command(tiny_run):
     for section in SECTIONS:
         assert f"<h2>{section}</h2>" in page
     commands = re.findall(r"```bash\n(.*?)\n```", markdown, re.S)
-    assert len(commands) == 8 and all(c.startswith("headlab ") for block in commands for c in block.splitlines())
+    assert len(commands) == 9 and all(c.startswith("headlab ") for block in commands for c in block.splitlines())
     assert meta["command_line"].startswith("headlab report --model") and "--quick" in meta["command_line"]
-    for step in ("stats", "importance", "sweep", "gqa_sweep", "gqa_groups", "attention", "recovery", "speed"):
+    for step in ("stats", "importance", "sweep", "gqa_sweep", "gqa_groups", "attention", "heads", "recovery", "speed"):
         assert (out / step / "meta.json").is_file()
 
 
@@ -108,6 +111,39 @@ def test_plot_redraws_the_report(tiny_run, tmp_path, capsys):
         sorted(p.stem for p in (tmp_path / "figures").glob("*.png"))
         == json.loads((out / "meta.json").read_text())["figures"]
     )
+
+
+def test_heads_section_comes_from_its_tables_and_links_into_the_viewer(tiny_run, tmp_path, capsys):
+    """What the heads do: the types are the stats table's own scores, the attribution ranking is what `headlab
+    attribute --positions all` (the step's printed command) gives on the saved text, and every link opens the viewer
+    at a head the model has."""
+    from headlab.reporting.heads import attribution_ranking, head_types
+
+    out = tiny_run["out"]
+    wide = pd.read_csv(out / "stats" / "stats_wide.csv")
+    types = pd.read_csv(out / "heads" / "head_types.csv")
+    pd.testing.assert_frame_equal(types, head_types(wide), check_dtype=False)
+    induction = types.set_index("statistic").loc["induction"]
+    assert induction["heads"] == int((wide["induction"] >= 0.5).sum())
+    best = wide.sort_values(["induction", "layer", "head"], ascending=[False, True, True]).iloc[0]
+    assert induction["top_heads"].startswith(f"L{int(best['layer'])}H{int(best['head'])} ({best['induction']:.2f})")
+
+    meta = json.loads((out / "meta.json").read_text())
+    attribute = shlex.split(meta["commands"]["heads"].splitlines()[0])[1:]
+    attribute[attribute.index("--out") + 1] = str(tmp_path / "attribute")
+    code, _, err = run_cli(attribute, capsys)
+    assert code == 0, err
+    again = attribution_ranking(pd.read_csv(tmp_path / "attribute" / "dla.csv"))
+    saved = pd.read_csv(out / "heads" / "head_attribution.csv")
+    pd.testing.assert_frame_equal(saved, again, check_dtype=False, atol=1e-9)
+
+    markdown = (out / "report.md").read_text()
+    links = re.findall(r"\]\((heads/viewer\.html#(L\d+H\d+))\)", markdown)
+    assert links and {name for _, name in links} >= set(saved["name"].head(3))
+    viewer = (out / "heads" / "viewer.html").read_text()
+    for _, name in links:
+        assert f'"{name}"' in viewer  # the picker knows the head the link names
+    assert "<a href='heads/viewer.html#" in (out / "report.html").read_text()
 
 
 def test_report_bad_input_fails_before_work(tiny_run, tmp_path, capsys):
@@ -235,7 +271,7 @@ def test_trades_are_computed_from_hand_made_tables():
 
 def test_fit_settings_respects_the_models_positions():
     fitted = report.fit_settings(report.PRESETS["full"], 64)
-    assert fitted.seq_len == 64 and 2 * fitted.induction_len + 1 <= 64
+    assert fitted.seq_len == 64 and 2 * fitted.induction_len + 1 <= 64 and fitted.heads_tokens == 62
     assert fitted.speed_contexts == (32,)  # none of 512, 2048, 8192 fits 64 positions: half of them
     assert report.fit_settings(report.PRESETS["full"], 4096).speed_contexts == (512, 2048)
     assert report.fit_settings(report.PRESETS["full"], None) == report.PRESETS["full"]

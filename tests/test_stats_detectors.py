@@ -468,3 +468,40 @@ def test_cli_detect(tmp_path, capsys):
     assert meta["detect"]["error_measure"] == "mul" and meta["successor"]["pairs"] == 33
     code, _, stderr = run_cli([*common, "--detect", "magic", "--out", tmp_path / "bad"], capsys)
     assert code == 2 and "magic" in stderr and len(stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.slow
+def test_embedded_induction_and_duplicate_scores_agree_with_a_transformer_lens_style_loop():
+    """The embedded model's induction and duplicate-token scores (headlab's defaults: the fast kernel, 8 seeded
+    sequences of 64 tokens) rank the 270 heads as a plain eager loop does on its own sample, written as
+    TransformerLens's tutorials score them: BOS + x + x with x uniform over the whole vocabulary (special tokens
+    included), output_attentions, and the mean over the second copy of A[i, i-S+1] (induction) and A[i, i-S]
+    (duplicate token)."""
+    from headlab.core.loading import load_model
+    from headlab.viz.plots import spearman
+
+    loaded = load_model(None, device="cpu")
+    tidy = head_statistics(loaded, max_tokens=256, retrieval=False, progress=False)
+    wide = wide_statistics(tidy).set_index(["layer", "head"])
+    eager = load_model(None, device="cpu", attn_implementation="eager")
+    S, B = 64, 16
+    tokens = torch.randint(0, eager.model.config.vocab_size, (B, S), generator=torch.Generator().manual_seed(1234))
+    ids = torch.cat([torch.full((B, 1), eager.tokenizer.bos_token_id), tokens, tokens], dim=1)
+    with torch.no_grad():
+        maps = eager.model(input_ids=ids, output_attentions=True).attentions  # per layer [B, H, T, T]
+    reference = {"induction": {}, "duplicate_token": {}}
+    for layer, weights in enumerate(maps):
+        for head in range(weights.shape[1]):
+            sums, n = {"induction": 0.0, "duplicate_token": 0.0}, 0
+            for b in range(B):
+                for i in range(1 + S, 1 + 2 * S):
+                    sums["induction"] += float(weights[b, head, i, i - S + 1])
+                    sums["duplicate_token"] += float(weights[b, head, i, i - S])
+                    n += 1
+            for name in sums:
+                reference[name][(layer, head)] = sums[name] / n
+    for name, values in reference.items():
+        heads = list(values)
+        assert len(heads) == 270
+        rho = spearman(pd.Series([wide.loc[h, name] for h in heads]), pd.Series([values[h] for h in heads]))
+        assert rho >= 0.95, (name, rho)

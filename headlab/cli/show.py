@@ -86,7 +86,7 @@ def command(load, text, text_file, top_k, chunk, heads, max_tokens, out, overwri
     from headlab.core.tables import head_name, write_run
     from headlab.measure.attention_view import attention_topk, text_tokens
     from headlab.viz.plots import figure_bytes, plot_attention_map
-    from headlab.viz.viewer import attention_page, dense_map
+    from headlab.viz.viewer import dense_map, view_page
 
     loaded = load()
     text_tokens(loaded, text, max_tokens)  # bad input fails before the forward pass
@@ -96,13 +96,7 @@ def command(load, text, text_file, top_k, chunk, heads, max_tokens, out, overwri
     summary = view.summary()
     model = loaded.spec or "model"
     cut = f", the first {view.meta['tokens']:,} of {view.meta['text_tokens']:,}" if view.meta["truncated"] else ""
-    notes = (
-        f"{model}: {len(view.tokens):,} tokens{cut}; top {view.top_k} keys per query and head "
-        f"(weights under 1/510 of a row's largest join the rest)"
-    )
-    page = attention_page(
-        view.tokens, summary, view.keys, view.weights, view.rest, page=chunk, title=f"Attention of {model}", notes=notes
-    )
+    page = view_page(view, model, chunk)
     files: dict[str, str | bytes] = {PAGE_FILE: page}
     for layer, head in chosen:
         grid = dense_map(view.keys[layer][head], view.weights[layer][head], len(view.tokens))

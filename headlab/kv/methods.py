@@ -58,6 +58,10 @@ POLICY_SCORE_HELP = {
     "retrieval": "by the copy score alone",
     "streaming": "by the attention outside sinks + window alone",
 }
+# A head retrieves when its copy attention is at least ten times what a uniform head gives one key of the 1,024-token
+# retrieval prompts (1/1024); below it the retrieval score is noise, and the mass outside the window ranks better
+# (docs/kv-policy.md, "Which heads stay whole").
+RETRIEVING = 0.01
 DEFAULT_SINKS = 4  # StreamingLLM's four initial tokens
 DEFAULT_WINDOW = 256  # DuoAttention's recent window; 64 cost 2-4% of NLL at half the cache (docs/kv-policy.md)
 

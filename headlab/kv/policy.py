@@ -26,16 +26,12 @@ from transformers.cache_utils import DynamicCache
 
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
-from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, POLICY_SCORES
+from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, POLICY_SCORES, RETRIEVING
 from headlab.measure.long_tasks import check_grid
 from headlab.measure.longctx import long_context, recorded_generate
 from headlab.measure.stats import STREAMING_WINDOWS, head_statistics, wide_statistics
 from headlab.mechanisms.head_cache import HeadPolicyCache, LayerStreaming, cache_bytes, head_policy, policy_cache
 
-# A head retrieves when its copy attention is at least ten times what a uniform head gives one key of the 1,024-token
-# retrieval prompts (1/1024); below it the retrieval score is noise, and the mass outside the window ranks better
-# (docs/kv-policy.md, "Which heads stay whole").
-RETRIEVING = 0.01
 DEFAULT_CONTEXT = 8192  # the longest context the long-context tasks use by default
 DUO_FILE = "full_attention_heads.tsv"  # DuoAttention's pattern file (rows: layers, columns: KV heads), as kvpress reads
 

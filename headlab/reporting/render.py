@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from headlab.core.units import human_bytes
+from headlab.reporting.heads import TOP_ATTRIBUTION, viewer_links
 
 
 @dataclass
@@ -21,6 +22,8 @@ class Section:
     tables: list[tuple[str, pd.DataFrame]] = field(default_factory=list)
     figures: list[str] = field(default_factory=list)  # paths relative to the report directory
     command: str | None = None
+    links: list[tuple[str, str]] = field(default_factory=list)  # (label, path relative to the report directory)
+    links_title: str = ""
 
 
 def _table(path: Path) -> pd.DataFrame | None:
@@ -39,8 +42,10 @@ def build_sections(run: Path, meta: dict, info: dict, fmt: str) -> list[Section]
     """The report's sections, from the tables saved under `run` (never from the live model)."""
     figure = {name: f"figures/{name}.{fmt}" for name in meta["figures"]}
     sections = [Section("Summary", [f"- {line}" for line in meta["summary"]]), _model_section(info, meta["commands"])]
-    for build in (_stats_section, _importance_section, _gallery_section, _sweep_section):
+    for build in (_stats_section, _importance_section, _gallery_section):
         sections.append(build(run, meta, figure))
+    sections += _heads_sections(run, meta, figure)  # empty in a report from before the step existed
+    sections.append(_sweep_section(run, meta, figure))
     for build in (_gqa_sections, _recovery_sections, _long_sections, _speed_sections):  # empty where not run
         sections += build(run, meta, figure)
     return sections
@@ -186,6 +191,47 @@ def _gallery_section(run: Path, meta: dict, figure: dict) -> Section:
     )
 
 
+def _heads_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
+    types = _table(run / "heads" / "head_types.csv")
+    if types is None:
+        return []
+    heads_meta = json.loads((run / "heads" / "meta.json").read_text())
+    text = [
+        "Head types from the statistics above: a head counts as a type when its score is at least the threshold "
+        "(half its attention mass, or half the tokens tested, goes the type's way; retrieval: ten times uniform "
+        "attention on the needle). Definitions and sources: docs/commands/stats.md."
+    ]
+    tables = [("detected head types", types.drop(columns=["top_score"]))]
+    named = [name.split(" ")[0] for cell in types["top_heads"] for name in str(cell).split(", ")]
+    attribution = _table(run / "heads" / "head_attribution.csv")
+    if attribution is not None:
+        check = heads_meta["attribution"]["sum_check"]
+        text.append(
+            f"Direct logit attribution on the first {heads_meta['attribution']['tokens']:,} eval-split tokens: each "
+            "head's contribution to the correct next token's logit through the final norm, its scale frozen per "
+            f"position (linearised; heads + rest = the logit within {check['max_abs_error']:.1g}), averaged over "
+            "positions; `positive` is the share of positions where the head raises the correct token."
+        )
+        top = attribution.head(TOP_ATTRIBUTION)
+        if len(attribution) <= TOP_ATTRIBUTION + 5:  # the two lists below would share heads: one list instead
+            tables.append(("all heads by mean attribution", attribution))
+        else:
+            tables.append(("heads that raise the correct token most", top))
+            tables.append(("heads that lower it most", attribution.tail(5).iloc[::-1]))
+        named += list(top["name"])
+    for part, why in heads_meta.get("left_out", {}).items():
+        text.append(f"No {part}: {why}.")
+    text.append(
+        f"The attention viewer (heads/viewer.html, {heads_meta['viewer']['tokens']:,} tokens, top "
+        f"{heads_meta['viewer']['top_k']} keys per query) shows every head on the same text; the links open it at "
+        "a head."
+    )
+    figures = [figure[name] for name in ("dla_mean",) if name in figure]
+    section = Section("What the heads do", text, tables, figures, meta["commands"].get("heads"))
+    section.links, section.links_title = viewer_links(named), "Open in the viewer"
+    return [section]
+
+
 def _sweep_section(run: Path, meta: dict, figure: dict) -> Section:
     sweep_table = _table(run / "sweep" / "sweep.csv")
     shown = (
@@ -275,6 +321,9 @@ def render_markdown(sections: list[Section], meta: dict) -> str:
         for name, frame in section.tables:
             lines += [f"**{name}**", "", markdown_table(frame), ""]
         lines += [f"![{Path(f).stem}]({f})" for f in section.figures] + ([""] if section.figures else [])
+        if section.links:
+            links = " · ".join(f"[{label}]({path})" for label, path in section.links)
+            lines += [f"{section.links_title}: {links}", ""]
         if section.command:
             lines += ["```bash", section.command, "```", ""]
     return "\n".join(lines)
@@ -308,6 +357,11 @@ def render_html(sections: list[Section], meta: dict, run: Path) -> str:
             data = base64.b64encode((run / path).read_bytes()).decode("ascii")
             tag = "embed" if kind == "pdf" else "img"
             parts.append(f"<{tag} src='data:{mime[kind]};base64,{data}' alt='{html.escape(Path(path).stem)}'>")
+        if section.links:
+            links = " · ".join(
+                f"<a href='{html.escape(path, quote=True)}'>{html.escape(label)}</a>" for label, path in section.links
+            )
+            parts.append(f"<p>{html.escape(section.links_title)}: {links}</p>")
         if section.command:
             parts.append(f"<pre>{html.escape(section.command)}</pre>")
     parts.append("</body></html>")

@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 
 from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
-from headlab.core.data import DEFAULT_CORPUS, TextSpec, calibration_batches, load_corpus
+from headlab.core.data import DEFAULT_CORPUS, TextSpec, calibration_batches, load_corpus, split_text, tokenize
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import StepJournal, resumable_directory, write_json
 from headlab.core.loading import LoadedModel
@@ -37,6 +37,8 @@ from headlab.kv.policy import (
     kv_head_scores,
     measured_generate,
 )
+from headlab.measure.attention_view import attention_topk
+from headlab.measure.attribution import direct_logit_attribution
 from headlab.measure.costs import kv_bytes_per_token, model_info
 from headlab.measure.evaluate import domain_perplexities
 from headlab.measure.importance import head_importance
@@ -49,9 +51,11 @@ from headlab.pruning.sweep import SweepPlan, TaskSpec, sweep, write_sweep
 from headlab.recovery.reconstruct import LocalSpec
 from headlab.recovery.recover import RecoverySpec, recover, teacher_copy, write_recovery
 from headlab.recovery.uptrain import UptrainConfig
+from headlab.reporting import heads
 from headlab.reporting.render import build_sections, render_html, render_markdown
 from headlab.runtimes.speed import SpeedSpec, measure_model, relative_to_first
 from headlab.viz import plots
+from headlab.viz.viewer import view_page
 
 SAMPLE_SENTENCE = "The cat sat on the mat because it was tired, and then it slept."
 DEMO_MARKER = "headlab demo"  # meta.json "command" of a demo run: `headlab demo` may replace such a directory
@@ -80,6 +84,8 @@ class Settings:
     # MLA rungs of the KV ladder (headlab.kv.ladder): the training-free conversion at these budgets, where it applies
     mla_budgets: tuple[str, ...] = ("gqa", "mqa")
     gallery_heads: int = 3
+    # "what the heads do": direct logit attribution and the attention viewer on this many eval-split tokens
+    heads_tokens: int = 256
     # recovery of the svd-merged model: local reconstruction on calibration_tokens (recovery_local_passes per layer),
     # then uptraining steps of batch_size x recovery_seq_len tokens (budgets, so every machine gets the same model);
     # 0 steps: no recovery step
@@ -113,6 +119,7 @@ PRESETS = {
         orders=("importance", "random"),
         seeds=(0,),
         groupings=("contiguous",),
+        heads_tokens=128,
         mla_budgets=("gqa",),  # one build at full rank (the mqa budget builds and compares three rope splits)
         recovery_steps=6,
         speed_contexts=(128, 512),
@@ -375,6 +382,11 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
             **common,
             **dict(lengths=s.long_lengths, depths=s.long_depths, samples=s.long_samples, out="runs/longeval"),
         ),
+        "heads": _command("attribute", model=model, text_file=out / "heads" / "text.txt", positions="all",
+                          out="runs/attribute")
+        + "\n"
+        + _command("show", model=model, text_file=out / "heads" / "text.txt", max_tokens=s.heads_tokens,
+                   out="runs/show"),  # fmt: skip
         "plot": f"headlab plot {shlex.quote(str(out))}",
     }
 
@@ -383,7 +395,8 @@ def step_commands(model: str | None, data: str | None, text_column: str | None, 
 
 
 def fit_settings(s: Settings, max_positions: int | None) -> Settings:
-    """Shrink the windows and induction sequences to the model's positions (2 x length + a prefix token fit)."""
+    """Shrink the windows and induction sequences to the model's positions (2 x length + a prefix token fit; the
+    heads step's text leaves room for the special tokens attribution adds)."""
     if max_positions is None:
         return s
     contexts = tuple(c for c in s.speed_contexts if c <= max_positions) or (max_positions // 2,)
@@ -391,6 +404,7 @@ def fit_settings(s: Settings, max_positions: int | None) -> Settings:
         s,
         seq_len=min(s.seq_len, max_positions),
         induction_len=min(s.induction_len, max(2, (max_positions - 2) // 2)),
+        heads_tokens=min(s.heads_tokens, max(2, max_positions - 2)),
         speed_contexts=contexts,
         long_lengths=tuple(n for n in s.long_lengths if n <= max_positions),
     )
@@ -501,6 +515,30 @@ def _importance_step(run: ReportRun) -> None:
 def _gallery_step(run: ReportRun) -> None:
     maps = attention_maps(run.loaded, run.importance_table, run.sentence, run.s.gallery_heads)
     write_run(run.tmp / "attention", {"attention_maps": maps}, {**run.loaded.describe(), "sentence": run.sentence})
+
+
+def _heads_step(run: ReportRun) -> None:
+    """What the heads do: the head types the stats step's table shows (headlab.reporting.heads), each head's mean
+    direct logit attribution to the correct next token over Settings.heads_tokens eval-split tokens, and the
+    attention viewer of the same text (heads/viewer.html). A part the model cannot give (attribution needs a final
+    norm and an unembedding: no encoder) is left out, and meta.json says why."""
+    loaded = run.loaded
+    wide = pd.read_csv(run.tmp / "stats" / "stats_wide.csv")
+    part = split_text(load_corpus(run.common["data"], run.common["text_column"]), "eval")
+    text = tokenize(loaded.tokenizer, part.text, max_tokens=run.s.heads_tokens)[1]
+    tables = {"head_types": heads.head_types(wide)}
+    meta = {**loaded.describe(), "text": part.describe(), "tokens": run.s.heads_tokens, "left_out": {}}
+    try:
+        dla = direct_logit_attribution(loaded, text, positions="all")
+        tables["head_attribution"] = heads.attribution_ranking(dla)
+        meta["attribution"] = {k: dla.attrs["meta"][k] for k in ("tokens", "sum_check", "norm")}
+    except HeadlabError as error:
+        meta["left_out"]["attribution"] = str(error)
+    view = attention_topk(loaded, text, max_tokens=run.s.heads_tokens)
+    page = view_page(view, loaded.spec or DEFAULT_MODEL)
+    meta["viewer"] = {"file": "viewer.html", **{k: view.meta[k] for k in ("tokens", "top_k", "definition")}}
+    # text.txt: the text itself, so `headlab attribute/show --text-file` (the step's commands) read the same tokens
+    write_run(run.tmp / "heads", tables, meta, extra_files={"viewer.html": page, "text.txt": text})
 
 
 def _sweep_step(run: ReportRun) -> None:
@@ -680,6 +718,7 @@ REPORT_STEPS = [
     ("stats", _stats_step),
     ("importance", _importance_step),
     ("gallery", _gallery_step),
+    ("heads", _heads_step),
     ("sweep", _sweep_step),
     ("gqa", _gqa_step),
     ("recovery", _recovery_step),
@@ -733,6 +772,7 @@ STEP_OUTPUTS = {
     "stats": ("stats",),
     "importance": ("importance",),
     "gallery": ("attention",),
+    "heads": ("heads",),
     "sweep": ("sweep",),
     "gqa": ("gqa_sweep", "gqa_groups"),
     "recovery": ("recovery",),

@@ -208,7 +208,8 @@ def plot_statistic_heatmaps(wide: pd.DataFrame, model: str = "") -> dict[str, Fi
     """One heatmap per statistic column of a wide statistics table (stats_wide); all-NaN columns are skipped."""
 
     figures = {}
-    for name in STATISTICS:
+    patterns = [column for column in wide.columns if column.startswith("detect_")]  # stats --detect NAME
+    for name in (*STATISTICS, *patterns):
         if (
             name in HEATMAP_SKIP
             or name not in wide
@@ -238,6 +239,13 @@ def plot_attribution_heatmap(dla: pd.DataFrame, model: str = ""):
     row = last.iloc[0]
     what = f"DLA of {str(row['target'])!r} at position {int(row['position'])} ({str(row['token'])!r})"
     return plot_head_heatmap(last, "contribution", title=f"{model}: {what}" if model else what)
+
+
+def plot_mean_attribution_heatmap(ranking: pd.DataFrame, model: str = ""):
+    """Each head's mean direct logit attribution to the correct next token over a text's positions (the report's
+    head_attribution table), diverging around 0."""
+    what = "mean DLA to the correct next token"
+    return plot_head_heatmap(ranking, "mean_contribution", title=f"{model}: {what}" if model else what)
 
 
 def plot_patching_heatmap(patching: pd.DataFrame, model: str = ""):
@@ -778,9 +786,13 @@ def run_figures(run_dir) -> dict[str, Figure]:
     importance = _read(_find(run_dir, "importance.csv"), IMPORTANCE_COLUMNS, rows=True, per_head=True)
     dla = _read(_find(run_dir, "dla.csv"), (*HEAD_COLUMNS, "position", "contribution"), rows=True)
     patching = _read(_find(run_dir, "patching.csv"), (*HEAD_COLUMNS, "patched", "recovered"), rows=True, per_head=True)
+    ranking = _read(_find(run_dir, "head_attribution.csv"), (*HEAD_COLUMNS, "mean_contribution"), rows=True,
+                    per_head=True)  # fmt: skip
     figures: dict[str, Figure] = {}
     if dla is not None:
         figures["dla"] = plot_attribution_heatmap(dla, model)
+    if ranking is not None:
+        figures["dla_mean"] = plot_mean_attribution_heatmap(ranking, model)
     if patching is not None:
         figures["patching"] = plot_patching_heatmap(patching, model)
     if wide is not None:

@@ -100,6 +100,21 @@ def page_blocks(keys: np.ndarray, weights: np.ndarray, rest: np.ndarray, page: i
     return blocks
 
 
+def view_page(view, model: str, page: int = DEFAULT_PAGE) -> str:
+    """The viewer's HTML for a collected view (headlab.measure.attention_view.TopKAttention) of `model` (its name in
+    the title), with the note that says how much of the text and of each row it shows."""
+    meta = view.meta
+    cut = f", the first {meta['tokens']:,} of {meta['text_tokens']:,}" if meta["truncated"] else ""
+    notes = (
+        f"{model}: {len(view.tokens):,} tokens{cut}; top {view.top_k} keys per query and head "
+        f"(weights under 1/{2 * WEIGHT_LEVELS} of a row's largest join the rest)"
+    )
+    return attention_page(
+        view.tokens, view.summary(), view.keys, view.weights, view.rest, page=page, title=f"Attention of {model}",
+        notes=notes,
+    )  # fmt: skip
+
+
 def attention_page(
     tokens: list[str],
     heads: pd.DataFrame,
