@@ -36,6 +36,34 @@ DEFAULT_CONTEXT = 8192  # the longest context the long-context tasks use by defa
 DUO_FILE = "full_attention_heads.tsv"  # DuoAttention's pattern file (rows: layers, columns: KV heads), as kvpress reads
 
 
+def streaming_slots(context: int, sinks: int, window: int) -> int:
+    """Cache slots a streaming head holds at `context` tokens: min(context, sinks + window - 1), what the next query
+    can see (the module docstring)."""
+    return min(context, sinks + window - 1)
+
+
+def streaming_floor(head_dims, context: int, sinks: int, window: int) -> float:
+    """The least a policy can keep, every KV head streaming, as a fraction of the full cache's bytes at `context`:
+    sum_h d_h * slots / sum_h d_h * context (head_dims: one head_dim per KV head)."""
+    weight = pd.Series(head_dims, dtype=float)
+    return float((weight * streaming_slots(context, sinks, window)).sum() / (weight * context).sum())
+
+
+def check_budget(budget: float, head_dims, context: int, sinks: int, window: int) -> float:
+    """The streaming floor, after refusing a budget outside (0, 1], non-positive sizes, or a budget below the floor."""
+    if not 0.0 < budget <= 1.0:
+        raise HeadlabError(f"budget={budget} must be a fraction of the full cache in (0, 1]")
+    if context < 1 or sinks < 0 or window < 1:
+        raise HeadlabError(f"context, sinks and window must be positive (got {context}, {sinks}, {window})")
+    floor = streaming_floor(head_dims, context, sinks, window)
+    if budget < floor - 1e-12:
+        raise HeadlabError(
+            f"budget={budget:g} is below what streaming every KV head keeps at {context} tokens ({floor:.3f}); "
+            "raise it or shrink --window/--sinks"
+        )
+    return floor
+
+
 @dataclass
 class CachePolicy:
     """One row per KV head (`layer, kv_head, head_dim, score, policy` with policy "full" or "streaming") and the
@@ -56,7 +84,7 @@ class CachePolicy:
     def kv_fraction(self, context: int | None = None) -> float:
         """Cache bytes under the policy over the full cache's, at `context` tokens (default: the policy's)."""
         context = context or self.context
-        kept = min(context, self.sinks + self.window - 1)
+        kept = streaming_slots(context, self.sinks, self.window)
         weight = self.table["head_dim"].astype(float)
         streaming = self.table["policy"] == "streaming"
         return float((weight * streaming.map({True: kept, False: context})).sum() / (weight * context).sum())
@@ -133,19 +161,9 @@ def choose_policy(
 ) -> CachePolicy:
     """The KV heads with the highest `score` keep the whole cache while the bytes at `context` tokens stay within
     `budget` x the full cache; every other head keeps sinks + window. Ties go to the earlier (layer, kv_head)."""
-    if not 0.0 < budget <= 1.0:
-        raise HeadlabError(f"budget={budget} must be a fraction of the full cache in (0, 1]")
-    if context < 1 or sinks < 0 or window < 1:
-        raise HeadlabError(f"context, sinks and window must be positive (got {context}, {sinks}, {window})")
-    kept = min(context, sinks + window - 1)
-    weight = scores["head_dim"].astype(float)
-    full_bytes = float((weight * context).sum())
-    floor = float((weight * kept).sum()) / full_bytes
-    if budget < floor - 1e-12:
-        raise HeadlabError(
-            f"budget={budget:g} is below what streaming every KV head keeps at {context} tokens ({floor:.3f}); "
-            "raise it or shrink --window/--sinks"
-        )
+    floor = check_budget(budget, scores["head_dim"], context, sinks, window)
+    kept = streaming_slots(context, sinks, window)
+    full_bytes = float((scores["head_dim"].astype(float) * context).sum())
     order = scores.sort_values(["score", "layer", "kv_head"], ascending=[False, True, True], kind="stable")
     used, full = floor * full_bytes, set()
     for row in order.itertuples():
@@ -303,14 +321,8 @@ def check_request(loaded, *, budget: float, context: int, sinks: int, window: in
         raise HeadlabError(f"--context {context} exceeds the model's maximum positions ({loaded.max_positions})")
     if lengths:
         check_grid(lengths, depths, loaded.max_positions)
-    head_dims = pd.DataFrame(
-        [
-            {"layer": layer.index, "kv_head": g, "head_dim": layer.head_dim, "score": 0.0}
-            for layer in loaded.layers
-            for g in range(layer.num_kv_heads)
-        ]  # fmt: skip
-    )
-    choose_policy(head_dims, budget=budget, context=context, sinks=sinks, window=window)
+    head_dims = [layer.head_dim for layer in loaded.layers for _ in range(layer.num_kv_heads)]
+    check_budget(budget, head_dims, context, sinks, window)
 
 
 @dataclass(frozen=True)
