@@ -2,7 +2,9 @@
 Wilson intervals, and NLL by position, for the original embedded model; 3 -> 1 KV heads by the svd merge; MLA at the
 GQA and the MQA budgets; 90 heads pruned uniformly with --compensate (each built as recovery's benchmark builds it,
 from the calibration split); optionally each after recovery (HEADLAB_BENCH_LONG_RECOVER=1: local reconstruction, then
-uptraining with the recovery case's step budget). Haystacks and NLL sequences come from the eval split.
+uptraining with the recovery case's step budget, HEADLAB_BENCH_UPTRAIN_STEPS). Haystacks and NLL sequences come from
+the eval split. A run keeps the saved rows of the models it does not measure, so the recovered rungs can be added by
+a second run (HEADLAB_BENCH_LONG_MODELS=svd,mla_mqa HEADLAB_BENCH_LONG_RECOVER=1).
 
 CPU defaults are sized for 2 cores (2,048 tokens, depths 0, 0.5, 1, 2 prompts per cell); a GPU run takes 2k, 4k, 8k
 and five depths. HEADLAB_BENCH_LONG_LENGTHS, _DEPTHS, _SAMPLES, _MODELS override them."""
@@ -50,6 +52,18 @@ def _model(name, teacher, corpus):
     return _edited({"mla_mqa": "mla"}.get(name, name), teacher, corpus, None)
 
 
+def _saved_rows(lengths: list[int]) -> list[dict]:
+    """The rows of an earlier run on the same lengths, so a run of some models adds to the table rather than
+    replacing it."""
+    import json
+
+    saved = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "long.json"
+    if not saved.exists():
+        return []
+    earlier = json.loads(saved.read_text())["result"]
+    return list(earlier.get("rows", [])) if earlier.get("lengths") == lengths else []
+
+
 def run(args) -> dict:
     import time
 
@@ -67,7 +81,7 @@ def run(args) -> dict:
     text = TextSpec(corpus, split="eval", max_tokens=None)
     result = {"lengths": lengths, "depths": depths, "samples": samples, "tasks": list(TASKS), "recover": recover,
               "threads": torch.get_num_threads(), "dtype": str(teacher.dtype), "device": args.device,
-              "load": os.getloadavg(), "rows": []}  # fmt: skip
+              "load": os.getloadavg(), "rows": _saved_rows(lengths)}  # fmt: skip
     for name in models:
         start = time.perf_counter()
         model = _model(name, teacher, corpus)
@@ -86,7 +100,7 @@ def run(args) -> dict:
                    "lengths": measured.lengths.to_dict("records"), "positions": measured.positions.to_dict("records"),
                    "cells": measured.cells.to_dict("records"),
                    "per_prompt_seconds": float(measured.prompts["seconds"].median())}  # fmt: skip
-            result["rows"].append(row)
+            result["rows"] = [r for r in result["rows"] if r["model"] != row["model"]] + [row]
             print(
                 name + suffix, measured.lengths[["task", "length", "correct", "prompts"]].to_dict("records"), flush=True
             )
