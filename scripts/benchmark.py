@@ -270,7 +270,22 @@ def main() -> None:
             payload = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": info, "result": result}
             result_path(name, module, machine_kind(info, args.device)).write_text(json.dumps(payload, indent=2) + "\n")
             print(module.markdown(result))
+    for name in args.case or sorted(cases()):
+        draw_figures(name, load_case(cases()[name]))
     (ROOT / "BENCHMARKS.md").write_text(render())
+
+
+def draw_figures(name: str, module) -> None:
+    """A case's `figures(result) -> {file stem: Figure}`, drawn from its saved results into docs/images (the docs
+    page that quotes the case shows them), also with --render-only."""
+    path = RESULTS / f"{name}.json"
+    if not hasattr(module, "figures") or not path.is_file():
+        return
+    from headlab.viz.plots import save_figure
+
+    for stem, figure in module.figures(json.loads(path.read_text())["result"]).items():
+        print(f"  docs/images/{stem}.png", flush=True)
+        save_figure(figure, ROOT / "docs" / "images" / f"{stem}.png")
 
 
 if __name__ == "__main__":

@@ -314,3 +314,18 @@ def test_kv_trade_draws_one_point_per_method_and_task_and_refuses_a_bad_table():
     plt.close(fig)
     with pytest.raises(HeadlabError, match="kv_kept"):
         plot_kv_trade(trade.drop(columns="kv_kept"))
+
+
+def test_needle_heatmap_puts_models_on_rows_at_one_length():
+    """Rungs at one length: one row per model in the table's order (not sorted), cells annotated correct/prompts."""
+    rows = []
+    for model, correct in (("original", (2, 1)), ("merged", (0, 0)), ("a pruned", (1, 2))):
+        for depth, c in zip((0.0, 1.0), correct):
+            rows.append({"model": model, "task": "passkey", "length": 2048, "depth": depth, "correct": c,
+                         "prompts": 2, "accuracy": c / 2})  # fmt: skip
+    fig = plots.plot_needle_heatmap(pd.DataFrame(rows))
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["original", "merged", "a pruned"]
+    assert [t.get_text() for t in ax.texts] == ["2/2", "1/2", "0/2", "0/2", "1/2", "2/2"]
+    assert np.allclose(np.asarray(ax.collections[0].get_array()).reshape(3, 2), [[1, 0.5], [0, 0], [0.5, 1]])
+    assert ax.get_title() == "passkey @ 2,048 tokens"

@@ -612,27 +612,34 @@ def plot_recovery_curve(curve: pd.DataFrame, title: str = "") -> Figure:
 
 def plot_needle_heatmap(cells: pd.DataFrame, title: str = "") -> Figure:
     """Accuracy (share of prompts answered exactly) per length (rows) x depth (columns), one panel per task; each
-    cell is annotated "correct/prompts"."""
+    cell is annotated "correct/prompts". Several models at one length: one row per model (in table order) instead,
+    so rungs compare at a glance; several models and lengths: a panel per model and task."""
     if cells.empty or not {"task", "length", "depth", "accuracy"} <= set(cells.columns):
         raise HeadlabError("the cells table needs task, length, depth and accuracy columns and at least one row")
-    # One panel per task, and per model when the table holds several (a report's original and compressed rungs).
-    keys = ["model", "task"] if "model" in cells and cells["model"].nunique() > 1 else ["task"]
+    models = list(dict.fromkeys(cells["model"])) if "model" in cells else []
+    by_model = len(models) > 1 and cells["length"].nunique() == 1
+    keys = ["model", "task"] if len(models) > 1 and not by_model else ["task"]
+    rows, order = ("model", models) if by_model else ("length", sorted(cells["length"].unique()))
     panels = list(dict.fromkeys(map(tuple, cells[keys].to_numpy())))
     _theme()
-    fig, axes = _subplots(1, len(panels), figsize=(1.2 + 4.2 * len(panels), 3.6), squeeze=False)
+    height = 1.6 + 0.45 * len(order) if by_model else 3.6
+    fig, axes = _subplots(1, len(panels), figsize=(1.2 + 4.2 * len(panels) + 2.5 * by_model, height), squeeze=False)
     for ax, panel in zip(axes[0], panels):
         part = cells[np.logical_and.reduce([cells[key] == value for key, value in zip(keys, panel)])]
-        grid = part.pivot_table(index="length", columns="depth", values="accuracy", aggfunc="mean")
+        grid = part.pivot_table(index=rows, columns="depth", values="accuracy", aggfunc="mean")
         notes = part.assign(
             note=part["correct"].astype(int).astype(str) + "/" + part["prompts"].astype(int).astype(str)
         )
-        labels = notes.pivot_table(index="length", columns="depth", values="note", aggfunc="first")
+        labels = notes.pivot_table(index=rows, columns="depth", values="note", aggfunc="first", sort=False)
+        grid = grid.reindex([r for r in order if r in grid.index])
         sns.heatmap(grid, vmin=0, vmax=1, cmap="RdYlGn", annot=labels.loc[grid.index, grid.columns].to_numpy(),
-                    fmt="", cbar=ax is axes[0][-1], cbar_kws={"label": "accuracy"}, ax=ax, linewidths=0.5)  # fmt: skip
+                    fmt="", cbar=ax is axes[0][-1], cbar_kws={"label": "accuracy"}, ax=ax, linewidths=0.5,
+                    yticklabels=ax is axes[0][0] or not by_model)  # fmt: skip
         ax.set_xticklabels([f"{float(t.get_text()):.0%}" for t in ax.get_xticklabels()])
         ax.set_xlabel("needle depth")
-        ax.set_ylabel("context length (tokens)")
-        ax.set_title(": ".join(str(k) for k in panel))
+        ax.set_ylabel("" if by_model else "context length (tokens)")
+        length = f" @ {int(cells['length'].iloc[0]):,} tokens" if by_model else ""
+        ax.set_title(": ".join(str(k) for k in panel) + length)
     fig.suptitle(title or "long-context retrieval (exact match)")
     fig.tight_layout()
     return fig

@@ -107,6 +107,11 @@ def run(args) -> dict:
     return result
 
 
+def _label(model: str) -> str:
+    """A row's label: LABELS of its rung, with " + recovery" for a recovered one."""
+    return LABELS.get(model.split(" +")[0], model) + (" + recovery" if "+" in model else "")
+
+
 def markdown(r: dict) -> str:
     lengths = r["lengths"]
     cells = [f"{t} @ {n:,}" for n in lengths for t in r["tasks"]]
@@ -125,6 +130,21 @@ def markdown(r: dict) -> str:
         acc = [by[(t, n)] for n in lengths for t in r["tasks"]]
         accuracy = [f"{x['correct']}/{x['prompts']} [{x['ci_low']:.0%}, {x['ci_high']:.0%}]" for x in acc]
         nll = [f"{p['nll']:.3f}" for p in row["positions"]]
-        lines.append(f"| {LABELS.get(row['model'].split(' +')[0], row['model'])}{' + recovery' if '+' in row['model'] else ''} | "
+        lines.append(f"| {_label(row['model'])} | "
                      + " | ".join(accuracy + nll) + f" | {row['per_prompt_seconds']:.1f} |")  # fmt: skip
     return "\n".join(lines)
+
+
+def figures(r: dict) -> dict:
+    """The needle heatmap of every rung at the shortest length (docs/long-context.md): models on rows, depths across,
+    a panel per task."""
+    import pandas as pd
+
+    from headlab.viz.plots import plot_needle_heatmap
+
+    shortest = min(r["lengths"])
+    cells = pd.concat(
+        [pd.DataFrame(row["cells"]).assign(model=_label(row["model"])) for row in r["rows"]], ignore_index=True
+    )
+    cells = cells[cells["length"] == shortest]
+    return {"long_needles": plot_needle_heatmap(cells, "retrieval of the compressed rungs (exact match)")}
