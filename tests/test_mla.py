@@ -384,6 +384,71 @@ def test_cli_converts_scaled_rope_checkpoints_that_reload(name, tmp_path, capsys
     assert reloaded.config.num_key_value_heads == 1 and reloaded.config.rope_parameters["rope_type"] != "default"
 
 
+# ---- per-head q/k norms (Qwen3): a calibrated constant ------------------------------------------------------------
+
+
+def test_qk_norm_multipliers_match_a_token_by_token_loop(text):
+    """r = sqrt(E[mean over a head's dims of y^2] + eps), y = q_proj / k_proj output per head, computed by hooking the
+    projections on every real calibration token, equals the Gram-based multiplier's g / r."""
+    loaded = loaded_tiny("qwen3")
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    grams = mla.input_grams(loaded, batches, progress=False)
+    layer = loaded.layers[0]
+    attention = layer.block_module.self_attn
+    sums = {"q": torch.zeros(layer.num_heads, dtype=torch.float64), "k": torch.zeros(layer.num_kv_heads, dtype=torch.float64)}
+    count = [0]
+    for input_ids, attention_mask, *_ in batches:
+        seen = {}
+        handles = [getattr(attention, f"{n}_proj").register_forward_hook(
+            lambda _m, _i, out, n=n: seen.__setitem__(n, out.detach().double())) for n in ("q", "k")]  # fmt: skip
+        with torch.no_grad():
+            loaded.model(input_ids=input_ids, attention_mask=attention_mask)
+        for handle in handles:
+            handle.remove()
+        real = attention_mask.bool()
+        for n, heads in (("q", layer.num_heads), ("k", layer.num_kv_heads)):
+            y = seen[n][real].unflatten(-1, (heads, layer.head_dim))  # [N, h, D]
+            sums[n] += y.pow(2).mean(-1).sum(0)
+        count[0] += int(real.sum())
+    mq, mk = mla.qk_norm_multipliers(loaded, layer, loaded.adapter.read(layer), grams[layer.index])
+    for n, m in (("q", mq), ("k", mk)):
+        norm = getattr(attention, f"{n}_norm")
+        expected = norm.weight.double()[None, :] / (sums[n] / count[0] + norm.variance_epsilon).sqrt()[:, None]
+        torch.testing.assert_close(m, expected, rtol=1e-6, atol=0)  # float32 projections, float64 sums
+
+
+def test_qwen3_mla_equals_the_source_with_constant_qk_norms(text):
+    """One KV head at the GQA budget converts exactly except for the q/k norms, so the MLA model's logits equal the
+    source's with each norm replaced by its constant (constant_qk_norms): the fold is the only new approximation, and
+    the record measures it on its own."""
+    loaded = from_model(sharpened(tiny_model("qwen3", num_key_value_heads=1)), tiny_tokenizer())
+    model, record = converted(loaded, text, budget="gqa")
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    multipliers = mla.all_qk_norm_multipliers(loaded, mla.input_grams(loaded, batches, progress=False))
+    with mla.constant_qk_norms(loaded, multipliers):
+        folded = logits(loaded.model)
+    assert rel_diff(logits(model.model), folded) < 1e-5
+    plain = logits(loaded.model)  # the norms are back once the context ends
+    assert rel_diff(folded, plain) > 1e-3  # ... and the constant is a real change, which the record reports
+    step = record["steps"]["qk_norm_fold"]
+    assert step["exact"] is False and step["max_abs_logit_diff"] > 0
+    assert step["calibration_nll"][0] == pytest.approx(record["calibration_nll_before"])
+
+
+def test_cli_converts_qwen3_and_prints_what_the_fold_costs(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
+    source = save_tiny("qwen3", tmp_path / "qwen3")
+    args = ["convert-mla", "--model", source, "--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32",
+            "--no-eval", "--budget", "mqa", "--calibration-tokens", "256", "--out", tmp_path / "mla"]  # fmt: skip
+    code, printed, err = run_cli(args, capsys)
+    assert code == 0, err
+    line = next(row for row in printed.splitlines() if row.startswith("step qk_norm_fold"))
+    assert "approximate" in line and "attention-output rel. error" in line and "calibration NLL" in line
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
+    assert reloaded.config.model_type == "deepseek_v3"
+    assert not any("q_norm" in name or "k_norm" in name for name, _ in reloaded.named_parameters())
+
+
 def _yarn_mla(text):
     """A sharpened one-KV-head llama with yarn whose ramp shows at positions < 48 (original context 64, theta 1e4),
     converted exactly (budget gqa) and folded, as a LoadedModel with test_gguf's byte-level BPE tokenizer."""
@@ -441,6 +506,27 @@ def test_llamacpp_runs_yarn_mla_like_transformers(text, tmp_path):
     assert result["max_abs_logit_diff"] < 1e-4 * result["max_abs_logit"], result
 
 
+def test_llamacpp_runs_the_qwen3_mla_like_transformers(text, tmp_path):
+    """A Qwen3-shaped source (per-head q/k norms folded to constants) converted at the MQA budget is an ordinary
+    deepseek2 model for llama.cpp: its log-probs equal transformers'."""
+    pytest.importorskip("gguf")
+    from test_gguf import LLAMACPP, VOCAB, _windows, bpe_tokenizer  # optional: needs the gguf package (checked above)
+
+    if LLAMACPP is not None:
+        pytest.skip(LLAMACPP)
+    from headlab.runtimes.gguf_export import export_gguf
+    from headlab.runtimes.llamacpp import compare_logprobs
+
+    source = from_model(sharpened(tiny_model("qwen3", vocab_size=VOCAB), 2.0), bpe_tokenizer())
+    model, _ = converted(source, text, budget="mqa")
+    mla.fold_latent_norm(model.model)
+    model = from_model(model.model, source.tokenizer)
+    export_gguf(model, tmp_path / "qwen3_mla.gguf", outtype="f32", progress=False)
+    result = compare_logprobs(model, tmp_path / "qwen3_mla.gguf", _windows(model))
+    assert result["max_abs_logit"] > 1.0 and result["relative_difference"] < 1e-4, result
+    assert result["max_abs_logit_diff"] < 1e-4 * result["max_abs_logit"], result
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 
@@ -454,7 +540,8 @@ def test_llamacpp_runs_yarn_mla_like_transformers(text, tmp_path):
         ("llama", {}, dict(budget="gqa", kv_lora_rank=8), "not both"),
         ("llama", {}, dict(budget="half"), "half"),
         ("mistral", {}, dict(budget="gqa"), "sliding-window"),
-        ("qwen3", {}, dict(budget="gqa"), "normalises"),
+        ("olmo2", {}, dict(budget="gqa"), "do not map"),  # post-norm blocks (q/k norms alone are folded)
+        ("gemma3_text", {}, dict(budget="gqa"), "sliding-window|cannot express"),
         ("gpt2", {}, dict(budget="gqa"), "gpt2"),
         ("phi3", {}, dict(budget="gqa"), "do not map"),  # fused gate_up MLP
         ("llama", {"mlp_bias": True}, dict(budget="gqa"), "MLP biases"),

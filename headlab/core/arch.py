@@ -289,6 +289,11 @@ class Adapter:
         parent = next((m for m in model.modules() if any(c is blocks for c in m.children())), None)
         return None if parent is None else _get(parent, name)
 
+    def qk_norm_modules(self, layer) -> tuple[nn.Module | None, nn.Module | None]:
+        """The modules that normalise each query / key head before RoPE (Qwen3, OLMo 2), or None: what the MLA
+        conversion replaces by a calibrated constant (headlab.kv.mla.qk_norm_multipliers)."""
+        return None, None
+
     def final_norm(self, model: nn.Module) -> FinalNorm:
         """The norm the last residual stream passes before the unembedding (`final_norm`, beside the blocks).
 
@@ -463,6 +468,10 @@ class SeparateQKV(Adapter):
     def head_counts(self, layer):
         D = layer.head_dim
         return _get(layer.block_module, self.o).in_features // D, _get(layer.block_module, self.k).out_features // D
+
+    def qk_norm_modules(self, layer):
+        block = layer.block_module
+        return tuple(None if path is None else _get(block, path) for path in (self.q_norm, self.k_norm))
 
     def out_proj(self, layer):
         return _get(layer.block_module, self.o)

@@ -20,6 +20,10 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    full rank (2GD - rope_dim).
 3. The softmax scale D^-0.5 -> (D + rope_dim)^-0.5 is folded into the query rows (exact). A query bias (Qwen2) rides
    through the q_lora path: q_a = W_q (+ bias), q_b = the per-head map of steps 1 and 3.
+0. Per-head q/k norms before RoPE (Qwen3, OLMo 2) have no place in deepseek_v3: each is replaced by a constant,
+   N(y) = g y / sqrt(mean(y^2) + eps) ~ (g / r) y with r = sqrt(E[mean(y^2)] + eps) over the calibration tokens,
+   folded into the projection rows (qk_norm_multipliers). THE second approximation: what it costs is measured on its
+   own (step qk_norm_fold) and printed.
 4. deepseek_v3 always RMS-normalises the latent (and q_a's output). In memory those norms are identities (training
    works on the plain linear model); `fold_latent_norm` applies eps dominance at save: the latent rows are scaled by a
    power of two alpha so mean(c^2) << eps and RMSNorm(c) = c / sqrt(eps) to a relative error below 1e-7 for every
@@ -28,14 +32,15 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from headlab.core.arch import Adapter, adapter_for
+from headlab.core.arch import Adapter, HeadWeights, adapter_for
 from headlab.core.checkpoint import check_checkpoint_out, logits_of, probe_inputs, save_with_record
 from headlab.core.data import TextSpec, takes_text
 from headlab.core.errors import HeadlabError
@@ -107,10 +112,7 @@ def check_source(loaded: LoadedModel) -> None:
     name = config.model_type
     if adapter.is_encoder or not adapter.rotary or adapter.gated:
         raise HeadlabError(f"{name}: MLA conversion needs a causal decoder with rotary attention and no output gate")
-    layers = gqa_layers(loaded)
-    weights = adapter.read(layers[0])
-    if weights.q_norm is not None or weights.k_norm is not None:
-        raise HeadlabError(f"{name} normalises each query/key head before RoPE, which deepseek_v3 cannot express")
+    gqa_layers(loaded)  # one (H, G) for every layer, else refused there
     for what in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
         if getattr(config, what, None):
             raise HeadlabError(f"{name} uses {what}, which deepseek_v3 attention cannot express")
@@ -608,6 +610,82 @@ def _write_attention(attn: nn.Module, w, layer: LayerMla, plan: MlaPlan) -> None
 
 
 @torch.no_grad()
+# ---- per-head q/k norms: a calibrated constant ----------------------------------------------------------------
+
+
+def _norm_eps(module: nn.Module) -> float:
+    return float(getattr(module, "variance_epsilon", getattr(module, "eps", LATENT_NORM_EPS)))
+
+
+def qk_norm_multipliers(loaded: LoadedModel, layer, weights: HeadWeights, gram: torch.Tensor):
+    """(query, key) multipliers [H, D] / [G, D] (None where the layer has no such norm) that stand in for a per-head
+    RMS norm before RoPE: N(y) = g y / sqrt(mean(y^2) + eps) ~ (g / r) y, r = sqrt(E[mean(y^2)] + eps), the mean over
+    one head's D values (Qwen3) or over all heads (OLMo 2, a norm spanning heads), E over the calibration tokens from
+    the input Gram (E[y y^T] = W_aug Sigma W_aug^T / N, y = W x + b). g counts the adapter's norm offset."""
+    modules = loaded.adapter.qk_norm_modules(layer)
+    tokens = float(gram[-1, -1])
+    out = []
+    for proj, bias, stored, module in ((weights.q, weights.q_bias, weights.q_norm, modules[0]),
+                                       (weights.k, weights.k_bias, weights.k_norm, modules[1])):  # fmt: skip
+        if stored is None:
+            out.append(None)
+            continue
+        heads, D, _ = proj.shape
+        column = bias.double() if bias is not None else torch.zeros(heads, D, dtype=torch.float64)
+        W = torch.cat([proj.double().cpu(), column.cpu()[..., None]], dim=-1)  # [h, D, C+1]
+        second = torch.einsum("hdc,ce,hde->hd", W, gram.double(), W) / tokens  # E[y_hd^2]
+        spans = stored.dim() == 2
+        r = (second.mean() if spans else second.mean(-1, keepdim=True)) + _norm_eps(module)  # [] or [h, 1]
+        gain = stored.double().cpu() + loaded.adapter.norm_offset  # [D] or [h, D]
+        out.append((gain / r.sqrt()).expand(heads, D).clone())
+    return tuple(out)
+
+
+def fold_qk_norm(weights: HeadWeights, multipliers) -> HeadWeights:
+    """The layer's weights with its q/k norms replaced by their constant multipliers, folded into the projection rows
+    and biases (the norm acts before RoPE, so scaling the rows is the same map)."""
+    mq, mk = (None if m is None else m.to(weights.q.dtype) for m in multipliers)
+    changes = {"q_norm": None, "k_norm": None}
+    for name, m in (("q", mq), ("k", mk)):
+        if m is None:
+            continue
+        changes[name] = getattr(weights, name) * m.to(getattr(weights, name).device)[..., None]
+        bias = getattr(weights, f"{name}_bias")
+        changes[f"{name}_bias"] = None if bias is None else bias * m.to(bias.device)
+    return replace(weights, **changes)
+
+
+def all_qk_norm_multipliers(loaded: LoadedModel, grams: list[torch.Tensor]) -> list | None:
+    """qk_norm_multipliers of every attention layer, or None when no layer normalises its query/key heads."""
+    layers = gqa_layers(loaded)
+    if all(m is None for layer in layers for m in loaded.adapter.qk_norm_modules(layer)):
+        return None
+    return [qk_norm_multipliers(loaded, layer, loaded.adapter.read(layer), grams[layer.index]) for layer in layers]
+
+
+@contextlib.contextmanager
+def constant_qk_norms(loaded: LoadedModel, multipliers: list):
+    """Run the source with each q/k norm replaced by its constant (the fold alone, in the source's own modules):
+    the norm's forward becomes y * m, m shaped like its input's last dims ([h, D], or [h * D] for a spanning norm)."""
+    patched = []
+    try:
+        for layer, pair in zip(gqa_layers(loaded), multipliers):
+            for module, m in zip(loaded.adapter.qk_norm_modules(layer), pair):
+                if module is None or m is None:
+                    continue
+                shaped = m.reshape(-1) if module.weight.numel() == m.numel() else m
+
+                def scaled(y, m=shaped):
+                    return y * m.to(device=y.device, dtype=y.dtype)
+
+                module.forward = scaled
+                patched.append(module)
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+
+
 def build_mla(
     loaded: LoadedModel, plan: MlaPlan, grams: list[torch.Tensor], phases=None, progress: bool = False
 ) -> LoadedModel:
@@ -623,8 +701,11 @@ def build_mla(
     records = []
     layers = gqa_layers(loaded)
     magnitude = rope_magnitudes(loaded, config)
+    multipliers = all_qk_norm_multipliers(loaded, grams)
     for layer in tqdm(layers, desc="MLA layers", disable=not progress, unit="layer"):
         w = loaded.adapter.read(layer)
+        if multipliers is not None:  # per-head q/k norms: their calibrated constant, folded into the rows
+            w = fold_qk_norm(w, multipliers[layer.index])
         phase = None if phases is None else phases[layer.index]
         converted = convert_layer(w, grams[layer.index], plan, phases=phase, magnitude=magnitude)
         _write_attention(model.model.layers[layer.block].self_attn, w, converted, plan)
@@ -745,18 +826,20 @@ def _output_projections(loaded: LoadedModel) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def _compare(a: LoadedModel, b: LoadedModel, batches, tokens: int = 256) -> dict:
+def _compare(a: LoadedModel, b: LoadedModel, batches, tokens: int = 256, b_context=contextlib.nullcontext) -> dict:
     """On the first calibration window's first `tokens` tokens: max |logits_a - logits_b| and, per layer, the
-    relative attention-output error ||o_b - o_a|| / ||o_a|| in the running models (errors compound over layers)."""
+    relative attention-output error ||o_b - o_a|| / ||o_a|| in the running models (errors compound over layers).
+    b_context: entered around b's forward (the same model with its q/k norms constant: constant_qk_norms)."""
     input_ids, attention_mask, *_ = next(iter(batches))
     ids, mask = input_ids[:1, :tokens].to(a.device), attention_mask[:1, :tokens].to(a.device)
     outputs = ([], [])
     logits = []
-    for side, loaded in enumerate((a, b)):
+    for side, (loaded, context) in enumerate(((a, contextlib.nullcontext), (b, b_context))):
         handles = [m.register_forward_hook(lambda _m, _i, out, s=side: outputs[s].append(out.float()))
                    for m in _output_projections(loaded)]  # fmt: skip
         try:
-            logits.append(loaded.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float())
+            with context():
+                logits.append(loaded.model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float())
         finally:
             for handle in handles:
                 handle.remove()
@@ -831,7 +914,23 @@ def convert_to_mla(
         record["rope_dim_search"] = tried
     mla = build_mla(loaded, plan, grams, phases, progress)
     nll = calibration_nll(mla.model, batches, device)
-    steps = {
+    steps = {}
+    multipliers = all_qk_norm_multipliers(loaded, grams)
+    if multipliers is not None:  # what the constant q/k norms cost on their own, in the source's modules
+
+        def constant():
+            return constant_qk_norms(loaded, multipliers)
+
+        with constant():
+            nll_fold = calibration_nll(loaded.model, batches, device)
+        steps["qk_norm_fold"] = {
+            "exact": False,
+            "how": "each per-head q/k RMS norm replaced by its calibration RMS, g / sqrt(E[mean(y^2)] + eps), folded "
+            "into the projection rows",
+            **_compare(loaded, loaded, batches, b_context=constant),
+            "calibration_nll": [nll_source, nll_fold],
+        }
+    steps |= {
         "rorope_rotation": {"exact": True, "how": "unitary mixing of KV heads per frequency commutes with RoPE"},
         "query_scale": {
             "exact": True,
