@@ -397,8 +397,9 @@ def test_qk_norm_multipliers_match_a_token_by_token_loop(text):
     attention = layer.block_module.self_attn
     sums = {"q": torch.zeros(layer.num_heads, dtype=torch.float64), "k": torch.zeros(layer.num_kv_heads, dtype=torch.float64)}
     count = [0]
+    seen = {}
     for input_ids, attention_mask, *_ in batches:
-        seen = {}
+        seen.clear()
         handles = [getattr(attention, f"{n}_proj").register_forward_hook(
             lambda _m, _i, out, n=n: seen.__setitem__(n, out.detach().double())) for n in ("q", "k")]  # fmt: skip
         with torch.no_grad():
