@@ -15,7 +15,7 @@ from tiny_text import SAMPLE_TEXT, run_cli, tiny_tokenizer
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
 from headlab.runtimes import gguf_export
-from headlab.runtimes.gguf_export import check_type, export_gguf, interleave_rope_rows, plan_export
+from headlab.runtimes.gguf_export import MLA_KEEP_F32, check_type, export_gguf, interleave_rope_rows, plan_export
 from headlab.runtimes.llamacpp import compare_logprobs, unavailable
 
 gguf = pytest.importorskip("gguf")
@@ -418,7 +418,11 @@ def test_quantized_files_run_in_llamacpp_close_to_f32(tmp_path, layout):
     # the output head q6_k), with its fallback for rows that 256 does not divide (q5_0).
     fields, tensors = read(tmp_path / "Q4_K_M.gguf")
     _, q8 = read(tmp_path / "q8_0.gguf")
-    matrices = [name for name, t in tensors.items() if len(t.shape) > 1]
+    # MLA's latent down-projection stays f32 in every file type (the latent-norm fold makes it too small for f16)
+    kept = [name for name, t in tensors.items() if len(t.shape) > 1 and name.endswith(MLA_KEEP_F32)]
+    assert bool(kept) == (layout == "mla")
+    assert {q8[name].tensor_type.name for name in kept} | {tensors[name].tensor_type.name for name in kept} <= {"F32"}
+    matrices = [name for name, t in tensors.items() if len(t.shape) > 1 and name not in kept]
     assert {q8[name].tensor_type.name for name in matrices} == {"Q8_0"}
     types = {name: tensors[name].tensor_type.name for name in matrices}
     last = max(int(name.split(".")[1]) for name in matrices if name.startswith("blk."))

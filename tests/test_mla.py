@@ -528,6 +528,34 @@ def test_llamacpp_runs_the_qwen3_mla_like_transformers(text, tmp_path):
     assert result["max_abs_logit_diff"] < 1e-4 * result["max_abs_logit"], result
 
 
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "q4_k_m"])
+def test_quantized_mla_gguf_keeps_the_folded_latent_in_f32(text, tmp_path, outtype):
+    """The latent-norm fold leaves the latent down-projection near 2^-20 of its size: f16 and the f16 block scales of
+    quantized types flush it to zero (the model's perplexity went 91 -> 24,918 as q8_0), so it stays f32 in every file
+    type and the quantized file's log-probs stay near transformers'."""
+    pytest.importorskip("gguf")
+    from test_gguf import LLAMACPP, VOCAB, _windows, bpe_tokenizer, read  # optional: needs the gguf package
+
+    if LLAMACPP is not None and outtype == "q4_k_m":
+        pytest.skip(LLAMACPP)
+    from headlab.runtimes.gguf_export import export_gguf
+
+    source = from_model(sharpened(tiny_model("llama", vocab_size=VOCAB), 2.0), bpe_tokenizer())
+    model, _ = converted(source, text, budget="mqa")
+    mla.fold_latent_norm(model.model)
+    model = from_model(model.model, source.tokenizer)
+    record = export_gguf(model, tmp_path / "m.gguf", outtype=outtype, progress=False)
+    _, tensors = read(tmp_path / "m.gguf")
+    kept = {name: t.tensor_type.name for name, t in tensors.items() if "attn_kv_a_mqa" in name}
+    assert kept and set(kept.values()) == {"F32"}, kept
+    assert any("kept in f32" in note for note in record["notes"])
+    if LLAMACPP is None:
+        from headlab.runtimes.llamacpp import compare_logprobs
+
+        result = compare_logprobs(model, tmp_path / "m.gguf", _windows(model))
+        assert result["relative_difference"] < 0.05, result  # a flushed latent gives hundreds of times the perplexity
+
+
 # ---- bad input ---------------------------------------------------------------------------------------------------
 
 

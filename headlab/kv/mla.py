@@ -17,7 +17,8 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    latent dims under a metric B = blockdiag(beta * sum_h E[q_h q_h^T], sum_h W_o[h]^T W_o[h]) (query-aware keys,
    output-aware values; beta balances the two, equal relative energy), calibrated on the input Gram Sigma = E[x x^T]:
    latent = U^T B^{1/2} A, decode = B^{-1/2} U, U = top eigenvectors of B^{1/2} A Sigma A^T B^{1/2}. Exact at
-   full rank (2GD - rope_dim).
+   full rank (2GD - rope_dim). Each latent dim is then scaled to unit calibration mean square (lam_i / N), the
+   decode taking the inverse, so a quantized KV cache sharing one scale per token keeps the weak dims.
 3. The softmax scale D^-0.5 -> (D + rope_dim)^-0.5 is folded into the query rows (exact). A query bias (Qwen2) rides
    through the q_lora path: q_a = W_q (+ bias), q_b = the per-head map of steps 1 and 3.
 0. Per-head q/k norms before RoPE (Qwen3, OLMo 2) have no place in deepseek_v3: each is replaced by a constant,
@@ -506,8 +507,14 @@ def convert_layer(
     M = root @ SA @ root
     lam, U = torch.linalg.eigh((M + M.T) / 2)
     U = U.flip(-1)[:, :R]  # [2GD, R] top components
-    latent_rows = U.T @ root @ A  # [R, C+1]
-    decode_groups = (inv_root @ U).reshape(2, G, D, R)  # [k|v, G, D, R]
+    # Latent dim i has calibration mean square lam_i / N, and the eigenvalues fall by orders of magnitude: a quantized
+    # KV cache that shares a scale across a token's latent dims (int4 groups) would round the weak dims away. Each
+    # dim is scaled to unit mean square (the decode takes the inverse), exact in full precision; a floor at 1e-6 of
+    # the strongest keeps unexcited dims from being blown up.
+    energy = lam.flip(-1)[:R].clamp_min(float(lam.max()) * 1e-6).clamp_min(1e-300) / max(float(sigma[-1, -1]), 1.0)
+    unit = energy.rsqrt()  # [R]
+    latent_rows = unit[:, None] * (U.T @ root @ A)  # [R, C+1]
+    decode_groups = (inv_root @ U / unit[None, :]).reshape(2, G, D, R)  # [k|v, G, D, R]
     decode = torch.cat([decode_groups[0], decode_groups[1]], 1).repeat_interleave(H // G, 0)  # [H, 2D, R]
     kept = float(lam.flip(-1)[:R].clamp_min(0).sum() / lam.clamp_min(0).sum().clamp_min(1e-300))
     record = {"balance": balance, "latent_energy_kept": kept}

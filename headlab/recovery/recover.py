@@ -155,18 +155,21 @@ class _StageGate:
         _, sets = heldout_sets(student.tokenizer, corpus, config.heldout_tokens)
         self.student = student
         self.batches = heldout_batches(student, sets, config.seq_len, config.batch_size)
-        self.params = attention_parameters(student)
-        self.saved = [p.detach().clone() for p in self.params]
+        # Saved by name, not by parameter object: a stage may replace a module (a rewritten projection), and putting
+        # the copy back must reach the module the model holds then.
+        wanted = {id(p) for p in attention_parameters(student)}
+        self.saved = {n: p.detach().clone() for n, p in student.model.named_parameters() if id(p) in wanted}
         self.before = domain_perplexities(student, self.batches)
 
     def verdict(self) -> dict:
         after = domain_perplexities(self.student, self.batches)
         worse = [name for name, value in after.items() if not value <= self.before[name]]
         if worse:
+            current = dict(self.student.model.named_parameters())
             with torch.no_grad():
-                for p, saved in zip(self.params, self.saved):
-                    p.copy_(saved)
-        self.saved = []
+                for name, saved in self.saved.items():
+                    current[name].copy_(saved)
+        self.saved = {}
         return {
             "heldout_domains_before": self.before,
             "heldout_domains_after": self.before if worse else after,

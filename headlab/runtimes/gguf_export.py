@@ -155,6 +155,11 @@ class ExportPlan:
     # Layers whose attention adds nothing (every head pruned: zero output projection, no bias), written with 0 heads
     # and no attention tensors: llama.cpp's deci graph skips them and caches no keys or values for them.
     attention_free: list[int] = field(default_factory=list)
+    # GGUF tensor names (the part after "blk.N.") written in f32 whatever the file type (KEEP_F32_WHY says why).
+    keep_f32: tuple[str, ...] = ()
+
+    def kept_f32(self, gguf_name: str) -> bool:
+        return gguf_name.split(".", 2)[-1] in self.keep_f32
 
     @property
     def uniform(self) -> bool:
@@ -298,7 +303,16 @@ def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
     if names - _MLA_LOADS:
         raise HeadlabError(f"llama.cpp's deepseek2 does not read {', '.join(sorted(names - _MLA_LOADS))}")
     notes = ["MLA cache in llama.cpp: kv_lora_rank + qk_rope_head_dim numbers per token and layer (the latent)"]
-    return ExportPlan(TARGETS["deepseek2"], model_type, heads, [1] * L, layers[0].head_dim, None, notes)
+    plan = ExportPlan(TARGETS["deepseek2"], model_type, heads, [1] * L, layers[0].head_dim, None, notes)
+    plan.keep_f32 = MLA_KEEP_F32
+    return plan
+
+
+# The latent-norm fold (headlab.kv.mla.fold_latent_norm) scales the latent down-projections by a power of two near
+# 2^-20 so that deepseek2's RMSNorm acts linearly on the latent. f16 and the f16 block scales of every quantized type
+# flush such weights to zero (measured: MLA at the MQA budget, perplexity 91 -> 24,918 as q8_0), so these matrices
+# stay f32 in any file type: a few MiB.
+MLA_KEEP_F32 = ("attn_kv_a_mqa.weight", "attn_q_a.weight")
 
 
 def _mla_rope_problem(rope: dict) -> str | None:
@@ -631,7 +645,12 @@ def export_gguf(
         items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
     ftype = LLAMACPP_TYPES.get(outtype)  # None: headlab writes the type itself
     written = QUANTIZE_FROM if ftype else outtype
-    types = {name: _tensor_type(written, name, tuple(t.shape)) for name, _, t in items}
+    types = {name: _tensor_type("f32" if plan.kept_f32(name) else written, name, tuple(t.shape))
+             for name, _, t in items}  # fmt: skip
+    kept = sorted({name.split(".", 2)[-1] for name, _, _ in items if plan.kept_f32(name)})
+    if kept and outtype != "f32":
+        notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
+                     "scale)")  # fmt: skip
 
     def write(path: Path, provenance: str | None = None) -> None:
         writer = gguf.GGUFWriter(path, plan.target.arch)
@@ -659,7 +678,8 @@ def export_gguf(
             quantization.update(llamacpp.versions())
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
                 write(source, _provenance(quantization))
-                llamacpp.quantize(source, tmp, ftype, quantization["nthread"])
+                keep = [rf"\.{re.escape(name)}$" for name in plan.keep_f32]
+                llamacpp.quantize(source, tmp, ftype, quantization["nthread"], keep_f32=keep)
         stored, problem = _stored_types(tmp, outtype)
         if quantization is not None:
             quantization["fallback_matrices"] = stored["fallbacks"]

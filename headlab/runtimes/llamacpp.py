@@ -63,10 +63,15 @@ def versions() -> dict:
     return out
 
 
-def quantize(source: Path, target: Path, ftype: str, nthread: int | None = None) -> None:
+GGML_TYPE_F32 = 0  # ggml.h: enum ggml_type
+
+
+def quantize(source: Path, target: Path, ftype: str, nthread: int | None = None, keep_f32=()) -> None:
     """llama.cpp's own quantizer, as `llama-quantize source target FTYPE` runs it: llama_model_quantize with file
     type LLAMA_FTYPE_MOSTLY_<ftype> and its per-tensor recipe (src/llama-quant.cpp), no importance matrix; `nthread`
-    defaults to the CPUs this process may use. A failure is one line with llama.cpp's last error message."""
+    defaults to the CPUs this process may use; tensors whose name matches a regex of `keep_f32` stay f32 (its
+    tensor-type overrides, as `llama-quantize --tensor-type PATTERN=f32`). A failure is one line with llama.cpp's
+    last error message."""
     require()
     import llama_cpp  # optional: the llamacpp extra (require() said so above if missing)
     from llama_cpp import _logger  # llama-cpp-python's log callback, put back afterwards
@@ -74,6 +79,11 @@ def quantize(source: Path, target: Path, ftype: str, nthread: int | None = None)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = threads() if nthread is None else nthread
+    overrides = (llama_cpp.llama_model_tensor_override * (len(keep_f32) + 1))()  # NULL-pattern terminated
+    for slot, pattern in zip(overrides, keep_f32):
+        slot.pattern, slot.type = pattern.encode(), GGML_TYPE_F32
+    if keep_f32:
+        params.tt_overrides = overrides
     recent: collections.deque[str] = collections.deque(maxlen=32)
 
     # llama.cpp logs a line per tensor: keep the last few (not echoed), to say why a quantization failed. Levels are
