@@ -412,3 +412,21 @@ def test_long_context_section_compares_the_original_the_merge_and_a_policy(tmp_p
     alone = pd.read_csv(tmp_path / "alone" / "lengths.csv")
     original = lengths[lengths["model"] == "original"].drop(columns="model").reset_index(drop=True)
     pd.testing.assert_frame_equal(alone, original)
+
+
+def test_report_on_an_encoder(tmp_path, capsys):
+    """A masked LM (tiny BERT, 64 positions): the gallery sentence is cut to the positions, there is no speed step
+    (no KV cache to decode with) and no attribution (no norm + unembedding head), and the heads section says why."""
+    checkpoint = save_tiny("bert", tmp_path / "bert")
+    corpus = tmp_path / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 4)
+    out = tmp_path / "report"
+    code, _, err = run_cli(["report", "--model", checkpoint, "--data", corpus, "--quick", "--out", out], capsys)
+    assert code == 0, err
+    markdown = (out / "report.md").read_text()
+    sections = [line[3:] for line in markdown.splitlines() if line.startswith("## ")]
+    assert "What the heads do" in sections and "Speed" not in sections
+    assert "No attribution: BertForMaskedLM is an encoder" in markdown
+    assert (out / "heads" / "viewer.html").is_file() and not (out / "heads" / "head_attribution.csv").exists()
+    maps = pd.read_csv(out / "attention" / "attention_maps.csv")
+    assert maps["query"].max() < 64  # the sentence was cut to the model's positions

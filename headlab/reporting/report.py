@@ -162,7 +162,10 @@ def attention_maps(
     if loaded.tokenizer is None:
         raise HeadlabError("the attention gallery needs the model's tokenizer")
     prefix, suffix = _frame_tokens(loaded)
-    ids = prefix + loaded.tokenizer(sentence, add_special_tokens=False)["input_ids"] + suffix
+    words = loaded.tokenizer(sentence, add_special_tokens=False)["input_ids"]
+    if loaded.max_positions is not None:  # a sentence longer than the model's positions is cut to fit
+        words = words[: max(1, loaded.max_positions - len(prefix) - len(suffix))]
+    ids = prefix + words + suffix
     ranked = importance.sort_values("rank")
     k = min(heads, len(ranked) // 2) or 1
     chosen = pd.concat(
@@ -761,7 +764,8 @@ def plan_report(loaded: LoadedModel, s: Settings, data, text_column, out: Path, 
     if tasks and tasks.tasks:  # the sweep ran lm-eval tasks too
         commands["sweep"] += " " + _flags(tasks=tasks.tasks, include_path=tasks.include_path, task_limit=tasks.limit)
     recovering = target is not None and s.recovery_steps > 0
-    skipped = {"gqa": not can_gqa, "recovery": not recovering, "long": not s.long_lengths or loaded.adapter.is_encoder}
+    encoder = loaded.adapter.is_encoder  # no KV cache: nothing to decode, no long-context generation
+    skipped = {"gqa": not can_gqa, "recovery": not recovering, "long": not s.long_lengths or encoder, "speed": encoder}
     steps = [(name, function) for name, function in REPORT_STEPS if not skipped.get(name)]
     return ReportPlan(s, can_gqa, target, recovering, steps, commands, model_flag)
 

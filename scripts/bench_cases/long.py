@@ -77,11 +77,14 @@ def run(args) -> dict:
     lengths, depths, samples = _grid(args.device)
     models = os.environ.get("HEADLAB_BENCH_LONG_MODELS", ",".join(MODELS)).split(",")
     recover = os.environ.get("HEADLAB_BENCH_LONG_RECOVER") == "1"
+    from recovery import UPTRAIN_STEPS  # the uptraining budget of recovered rows (HEADLAB_BENCH_UPTRAIN_STEPS)
     teacher = load_model(None, device=args.device)
     text = TextSpec(corpus, split="eval", max_tokens=None)
     result = {"lengths": lengths, "depths": depths, "samples": samples, "tasks": list(TASKS), "recover": recover,
               "threads": torch.get_num_threads(), "dtype": str(teacher.dtype), "device": args.device,
               "load": os.getloadavg(), "rows": _saved_rows(lengths)}  # fmt: skip
+    if recover:
+        result["uptrain_steps"] = UPTRAIN_STEPS
     for name in models:
         start = time.perf_counter()
         model = _model(name, teacher, corpus)
@@ -125,6 +128,9 @@ def markdown(r: dict) -> str:
         "| model | " + " | ".join(cells) + " | " + " | ".join(f"NLL {b}" for b in buckets) + " | s / prompt |",
         "|---|" + "---|" * (len(cells) + len(buckets) + 1),
     ]
+    if any("+" in row["model"] for row in r["rows"]):
+        lines[0] += (f" Recovered rows: local reconstruction, then {r.get('uptrain_steps', 'the recovery case')} "
+                     "uptraining steps of 4 x 128 calibration tokens (the recovery case's `_stage`).")  # fmt: skip
     for row in r["rows"]:
         by = {(x["task"], x["length"]): x for x in row["lengths"]}
         acc = [by[(t, n)] for n in lengths for t in r["tasks"]]
