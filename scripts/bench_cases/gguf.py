@@ -1,14 +1,15 @@
 """llama.cpp against transformers on the same checkpoints: the embedded model, a uniform prune, a per-layer prune,
 a 3 -> 1 KV conversion and an MLA conversion at the MQA budget, each exported to GGUF (f32) and scored on the eval
 split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer) and Q4_K_M (llama.cpp's), whose
-distance from transformers is the quantization's. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0>
-runs some models only."""
+distance from transformers is the quantization's; the per-layer prune and MLA too. HEADLAB_BENCH_GGUF_MODELS=<comma
+list of model numbers, from 0> runs some models only and keeps the saved rows of the others."""
 
 from __future__ import annotations
 
 TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32, Q8_0, Q4_K_M)"
 # Output types per model (by its number in `variants`); the others are exported in f32 only.
-OUTTYPES = {0: ("f32", "q8_0", "q4_k_m")}
+QUANTIZED = ("f32", "q8_0", "q4_k_m")
+OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED}  # the original, the per-layer prune (deci), MLA (deepseek2)
 MAX_TOKENS, SEQ_LEN = 512, 256
 
 
@@ -64,6 +65,12 @@ def run(args) -> dict:
 
     chosen = os.environ.get("HEADLAB_BENCH_GGUF_MODELS")
     rows = []
+    saved = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gguf.json"
+    if chosen and saved.is_file():  # the rows of the models not run now stay
+        import json
+
+        labels = [label for index, (label, _) in enumerate(variants(None)) if str(index) in chosen.split(",")]
+        rows = [row for row in json.loads(saved.read_text())["result"]["rows"] if row["model"] not in labels]
     for index, (label, edit) in enumerate(variants(None)):
         if chosen and str(index) not in chosen.split(","):
             continue
@@ -90,6 +97,8 @@ def run(args) -> dict:
                 }
             )
         del loaded
+    order = {label: index for index, (label, _) in enumerate(variants(None))}
+    rows.sort(key=lambda row: order.get(row["model"], len(order)))  # stable: each model's types stay in order
     return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "rows": rows}
 
 
