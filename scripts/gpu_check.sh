@@ -30,6 +30,11 @@ step prune_bf16 headlab prune --device cuda --dtype bfloat16 --fraction 0.2 --mo
 step convert_bf16 headlab convert-gqa --device cuda --dtype bfloat16 --kv-heads 1 --out "$OUT/runs/mqa" --overwrite
 step streaming headlab convert-gqa --streaming --kv-heads 1 --out "$OUT/runs/mqa-streamed" --overwrite
 step benchmark python scripts/benchmark.py --case stats --case importance --case eval --device cuda --repeats 3
+# Long context at 2k/4k/8k (issues #30 and #32: the rungs' needles and NLL by position, the KV policy against
+# structural compression at equal bytes), at most 5 minutes each: what 2 CPU cores cannot afford (an 8k prompt is
+# about 100 s there, well under a second here).
+step long timeout 300 env HEADLAB_BENCH_LONG_LENGTHS=2048,4096,8192 python scripts/benchmark.py --case long --device cuda
+step kv_policy timeout 300 env HEADLAB_BENCH_POLICY_LENGTHS=4096,8192 python scripts/benchmark.py --case kv_policy --device cuda
 mkdir -p "$OUT/benchmarks"
 cp -r benchmarks/results "$OUT/benchmarks/" 2>/dev/null
 cp BENCHMARKS.md "$OUT/" 2>/dev/null
