@@ -15,6 +15,7 @@ __all__ = [
     "model_names",
     "registry",
     "reload_stream",
+    "shapes",
     "tables",
     "units",
     "validate",

@@ -9,6 +9,7 @@ so text commands run. Quality numbers on these checkpoints mean nothing; memory 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory
+from headlab.core.loading import embedded_checkpoint
 
 # Published configurations (config.json of meta-llama/Llama-3.1-8B and Qwen/Qwen3-8B), the fields that set shapes and
 # RoPE; anything else takes transformers' defaults.
@@ -136,15 +138,11 @@ def _random(name: str, shape: tuple[int, ...], dtype: torch.dtype, std: float, s
 
 def hash_seed(seed: int, name: str) -> int:
     """A stable 63-bit seed from (seed, name) (Python's hash() is salted per process)."""
-    import hashlib
-
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
 
 
 def _write_tokenizer(directory: Path) -> None:
     """The embedded model's tokenizer files beside the weights (its ids fit every shape's vocabulary)."""
-    from headlab.core.loading import embedded_checkpoint
-
     source = embedded_checkpoint()
     for path in source.iterdir():
         if path.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "added_tokens")):
