@@ -13,7 +13,7 @@ from headlab.core.loading import from_model
 from headlab.pruning.sweep import TaskSpec
 from headlab.reporting import report
 
-EVERY_STEP = ["info", "stats", "importance", "gallery", "sweep", "gqa", "recovery", "speed"]
+EVERY_STEP = ["info", "stats", "importance", "gallery", "heads", "sweep", "gqa", "recovery", "speed"]
 
 
 def plan(name: str, settings: report.Settings = report.PRESETS["full"], **options) -> report.ReportPlan:
@@ -58,3 +58,10 @@ def test_tasks_add_their_flags_to_the_sweep_command_only():
     assert "--tasks" not in result.commands["stats"]
     limited = plan("llama", tasks=TaskSpec(["piqa"], limit=5))
     assert limited.commands["sweep"].endswith("--tasks piqa --task-limit 5")
+
+
+def test_every_step_names_what_it_writes():
+    """STEP_OUTPUTS is what a rerun clears and what a demo directory may hold (report_entries): a new step must add
+    its folder there, or a demo would refuse to replace its own previous output."""
+    assert {name for name, _ in report.REPORT_STEPS} | {"figures"} == set(report.STEP_OUTPUTS)
+    assert {"heads", "long_context", "meta.json", "report.html"} <= report.report_entries()

@@ -423,24 +423,6 @@ def check_report_out(out: Path, overwrite: bool, demo: bool = False) -> None:
     raise HeadlabError(f"{out} already exists; pass overwrite=True to replace it")
 
 
-# What a report directory holds at its top level; a demo replaces a directory only if it holds nothing else.
-REPORT_ENTRIES = {
-    "meta.json",
-    "info.json",
-    "report.md",
-    "report.html",
-    "figures",
-    "stats",
-    "importance",
-    "attention",
-    "sweep",
-    "gqa_sweep",
-    "gqa_groups",
-    "recovery",
-    "speed",
-}
-
-
 def is_demo_run(path: Path) -> bool:
     """A directory written by `headlab demo` (its meta.json says so) holding nothing a user added: every file in it,
     at any depth, is one the demo listed in meta.json's "files" (and nothing is a link)."""
@@ -449,7 +431,7 @@ def is_demo_run(path: Path) -> bool:
         meta = json.loads((path / "meta.json").read_text())
         if meta.get("command") != DEMO_MARKER or path.is_symlink():
             return False
-        if {p.name for p in path.iterdir()} - REPORT_ENTRIES:
+        if {p.name for p in path.iterdir()} - report_entries():
             return False
         return set(_files(path)) <= set(meta.get("files", ()))
     except (OSError, ValueError, AttributeError, TypeError):
@@ -784,6 +766,12 @@ STEP_OUTPUTS = {
     "speed": ("speed",),
     "figures": ("figures",),
 }
+
+
+def report_entries() -> set[str]:
+    """What a report directory holds at its top level (the documents and every step's outputs); a demo replaces a
+    directory only if it holds nothing else."""
+    return {"meta.json", "report.md", "report.html", *(entry for entries in STEP_OUTPUTS.values() for entry in entries)}
 
 
 def _read_back(run: ReportRun, step: str) -> None:
