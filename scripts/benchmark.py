@@ -166,6 +166,13 @@ def result_path(name: str, module, kind: str) -> Path:
     return RESULTS / (f"{name}@{kind}.json" if getattr(module, "PER_MACHINE", False) else f"{name}.json")
 
 
+def saved_result(name: str) -> dict:
+    """The saved result of a (not per-machine) case, benchmarks/results/<name>.json, or {}: what a run of some of a
+    case's models carries over for the others."""
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text())["result"] if path.is_file() else {}
+
+
 def previous_result(name: str, kind: str) -> dict | None:
     """The last saved result of case `name`: this machine kind's if there is one, else any kind's (newest first)."""
     own = RESULTS / f"{name}@{kind}.json"

@@ -65,12 +65,11 @@ def run(args) -> dict:
 
     chosen = os.environ.get("HEADLAB_BENCH_GGUF_MODELS")
     rows = []
-    saved = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gguf.json"
-    if chosen and saved.is_file():  # the rows of the models not run now stay
-        import json
+    if chosen:  # the rows of the models not run now stay
+        from benchmark import saved_result
 
         labels = [label for index, (label, _) in enumerate(variants(None)) if str(index) in chosen.split(",")]
-        rows = [row for row in json.loads(saved.read_text())["result"]["rows"] if row["model"] not in labels]
+        rows = [row for row in saved_result("gguf").get("rows", []) if row["model"] not in labels]
     for index, (label, edit) in enumerate(variants(None)):
         if chosen and str(index) not in chosen.split(","):
             continue

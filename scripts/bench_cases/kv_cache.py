@@ -36,12 +36,9 @@ def _model(name, teacher, corpus):
 
 def _kept_rows(models: list[str]) -> list[dict]:
     """The saved rows of the models this run does not measure (HEADLAB_BENCH_KV_CACHE_MODELS=mla reruns one)."""
-    import json
+    from benchmark import saved_result
 
-    saved = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "kv_cache.json"
-    if not saved.is_file():
-        return []
-    return [row for row in json.loads(saved.read_text())["result"]["rows"] if row["model"] not in models]
+    return [row for row in saved_result("kv_cache").get("rows", []) if row["model"] not in models]
 
 
 def run(args) -> dict:

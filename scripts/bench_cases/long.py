@@ -55,12 +55,9 @@ def _model(name, teacher, corpus):
 def _saved_rows(lengths: list[int]) -> list[dict]:
     """The rows of an earlier run on the same lengths, so a run of some models adds to the table rather than
     replacing it."""
-    import json
+    from benchmark import saved_result
 
-    saved = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "long.json"
-    if not saved.exists():
-        return []
-    earlier = json.loads(saved.read_text())["result"]
+    earlier = saved_result("long")
     return list(earlier.get("rows", [])) if earlier.get("lengths") == lengths else []
 
 

@@ -174,12 +174,9 @@ def run(args) -> dict:
 
 def _previous() -> dict:
     """The previous run's result (for the models this run does not measure again), or {}."""
-    import json
+    from benchmark import saved_result
 
-    from benchmark import RESULTS
-
-    path = RESULTS / "recovery.json"
-    return json.loads(path.read_text())["result"] if path.exists() else {}
+    return saved_result("recovery")
 
 
 def _save_partial(result: dict) -> None:
