@@ -694,10 +694,16 @@ def constant_qk_norms(loaded: LoadedModel, multipliers: list):
 
 
 def build_mla(
-    loaded: LoadedModel, plan: MlaPlan, grams: list[torch.Tensor], phases=None, progress: bool = False
+    loaded: LoadedModel,
+    plan: MlaPlan,
+    grams: list[torch.Tensor],
+    phases=None,
+    progress: bool = False,
+    qk_multipliers: list | None = None,
 ) -> LoadedModel:
     """The converted model in memory (latent norms off), as a LoadedModel beside the untouched source. phases: per
-    layer rope_phases (None: the key parts that lose RoPE count as they are)."""
+    layer rope_phases (None: the key parts that lose RoPE count as they are); qk_multipliers: all_qk_norm_multipliers
+    when the caller has them (None: computed from `grams`, a no-op for sources without q/k norms)."""
     # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
     from transformers import DeepseekV3ForCausalLM
 
@@ -708,7 +714,7 @@ def build_mla(
     records = []
     layers = gqa_layers(loaded)
     magnitude = rope_magnitudes(loaded, config)
-    multipliers = all_qk_norm_multipliers(loaded, grams)
+    multipliers = qk_multipliers if qk_multipliers is not None else all_qk_norm_multipliers(loaded, grams)
     for layer in tqdm(layers, desc="MLA layers", disable=not progress, unit="layer"):
         w = loaded.adapter.read(layer)
         if multipliers is not None:  # per-head q/k norms: their calibrated constant, folded into the rows
@@ -909,20 +915,21 @@ def convert_to_mla(
     device = loaded.device
     record = {"calibration_tokens": int(round(float(grams[0][-1, -1])))}
     nll_source = calibration_nll(loaded.model, batches, device)
+    # one H x D x C^2 pass per layer: computed once for every build below (the rope-dim search builds up to five)
+    multipliers = all_qk_norm_multipliers(loaded, grams)
     if plan.rope_choice == "measured":
         tried = []
         for candidate in auto_rope_dims(plan):
-            model = build_mla(loaded, candidate, grams, phases).model
+            model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers).model
             tried.append({"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
                           "calibration_nll": calibration_nll(model, batches, device)})  # fmt: skip
             del model
         best = min(tried, key=lambda t: t["calibration_nll"])
         plan = _replace(plan, rope_dim=best["rope_dim"], kv_lora_rank=best["kv_lora_rank"])
         record["rope_dim_search"] = tried
-    mla = build_mla(loaded, plan, grams, phases, progress)
+    mla = build_mla(loaded, plan, grams, phases, progress, qk_multipliers=multipliers)
     nll = calibration_nll(mla.model, batches, device)
     steps = {}
-    multipliers = all_qk_norm_multipliers(loaded, grams)
     if multipliers is not None:  # what the constant q/k norms cost on their own, in the source's modules
 
         def constant():
@@ -946,7 +953,7 @@ def convert_to_mla(
         },
     }
     if plan.kv_lora_rank < plan.full_rank:
-        full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams, phases)
+        full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams, phases, qk_multipliers=multipliers)
         nll_full = calibration_nll(full.model, batches, device)
         rope_diff, latent_diff = _compare(loaded, full, batches), _compare(full, mla, batches)
         del full
