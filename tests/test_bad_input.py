@@ -143,6 +143,10 @@ CASES = [
         "no room",
     ),
     (["convert-mla", "--model", "{llama}", *M, *DATA, "--out", "c"], "--budget"),
+    (["convert-mla", "--model", "{llama}", *M, *DATA, "--budget", "half", "--out", "c"], "unknown budget"),
+    (["convert-mla", "--model", "{llama}", *M, *DATA, "--budget", "150%", "--out", "c"], "above the source"),
+    (["convert-mla", "--model", "{llama}", *M, *DATA, "--budget", "65", "--out", "c"], "above the source's own cache"),
+    (["convert-mla", "--model", "{llama}", *M, *DATA, "--budget", "2", "--out", "c"], "no room for a latent"),
     (
         [
             "convert-mla",

@@ -18,6 +18,7 @@ from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
 from headlab.kv import mla
+from headlab.kv.methods import mla_budget, mla_budget_numbers
 
 
 @pytest.fixture
@@ -215,6 +216,51 @@ def test_measured_rope_dim_search_uses_calibration(text):
     assert record["plan"]["rope_dim"] == best["rope_dim"] and record["plan"]["rope_choice"] == "measured"
 
 
+@pytest.mark.parametrize(
+    ("written", "parsed"),
+    [("gqa", "gqa"), ("MQA", "mqa"), ("48", 48), ("0.125", 0.125), ("12.5%", 0.125), ("1", 1.0), (" 100% ", 1.0)],
+)
+def test_budget_reads_rungs_counts_and_fractions(written, parsed):
+    value = mla_budget(written)
+    assert value == parsed and type(value) is type(parsed)
+
+
+@pytest.mark.parametrize("written", ["half", "0", "-3", "48.5", "150%", "nan", ""])
+def test_budget_refuses_what_is_not_a_budget(written):
+    with pytest.raises(ValueError):
+        mla_budget(written)
+
+
+def test_count_and_fraction_budgets_plan_the_same_split():
+    """Tiny llama: H 4, G 2, D 16, rd 16, so the source caches 2GD = 64 numbers per token per layer."""
+    loaded = loaded_tiny("llama")
+    assert mla_budget_numbers(0.375, 2, 16) == 24 and mla_budget_numbers("mqa", 2, 16) == 32
+    by_count, by_fraction = mla.plan_mla(loaded, budget=24), mla.plan_mla(loaded, budget="37.5%")
+    assert by_count.cache_numbers == by_fraction.cache_numbers == 24
+    assert by_count.rope_choice == "measured" and by_count.budget == "24" and by_fraction.budget == "0.375"
+    # the three largest rope dims that leave a latent: 16 (latent 8), 8 (16), 4 (20)
+    assert [(p.rope_dim, p.kv_lora_rank) for p in mla.auto_rope_dims(by_count)] == [(16, 8), (8, 16), (4, 20)]
+    # 16 numbers: rd itself leaves nothing, so the search starts one step down
+    assert [p.rope_dim for p in mla.auto_rope_dims(mla.plan_mla(loaded, budget=16))] == [8, 4, 2]
+    whole = mla.plan_mla(loaded, budget=64)  # the whole cache is the gqa rung: every frequency, full-rank latent
+    assert (whole.rope_dim, whole.kv_lora_rank, whole.rope_choice) == (16, 48, "full")
+    assert mla.plan_mla(loaded, budget="gqa").to_dict() | {"budget": "64"} == whole.to_dict()
+
+
+def test_a_count_budget_is_searched_on_calibration(text):
+    _, record = converted(loaded_tiny("llama"), text, budget=24)
+    assert [t["rope_dim"] for t in record["rope_dim_search"]] == [16, 8, 4]
+    assert record["plan"]["rope_dim"] + record["plan"]["kv_lora_rank"] == 24
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"), [(65, "above the source's own cache"), (2, "no room for a latent"), ("x", "unknown budget")]
+)
+def test_plan_refuses_a_budget_out_of_range(budget, message):
+    with pytest.raises(HeadlabError, match=message):
+        mla.plan_mla(loaded_tiny("llama"), budget=budget)
+
+
 # ---- the fold, the format, saving ----------------------------------------------------------------------------------
 
 
@@ -266,6 +312,44 @@ def test_convert_checkpoint_records_every_step(text, tmp_path):
     assert record["measured_kv_bytes_per_token_before"] == 2 * 2 * 2 * 16 * 4
     assert record["perplexity_after"]["perplexity"] > 0
     assert (tmp_path / "o" / "model.safetensors").exists()
+
+
+def test_low_rank_query_is_exact_when_the_query_has_that_rank(text):
+    """A source whose q_proj has rank 12 (of 64) converts through q_lora_rank 12 exactly: the key-metric regression
+    keeps the whole range of the converted query, so the logits equal the full-query conversion's."""
+    loaded = loaded_tiny("llama")
+    torch.manual_seed(0)
+    for layer in loaded.model.model.layers:
+        q = layer.self_attn.q_proj.weight
+        q.data.copy_(torch.randn(q.shape[0], 12) @ torch.randn(12, q.shape[1]) / 12)
+    full, full_record = converted(loaded, text, budget="gqa")
+    low, record = converted(loaded, text, budget="gqa", q_lora_rank=12)
+    assert low.model.config.q_lora_rank == 12 and full.model.config.q_lora_rank is None
+    assert rel_diff(logits(low.model), logits(full.model)) < 1e-5
+    assert all(layer["query_energy_kept"] == pytest.approx(1.0) for layer in record["layers"])
+    # per layer: q_proj C 64 -> H (D + r) = 4 x 32 becomes q_a 64 -> 12 and q_b 12 -> 128 (the q_a norm, an identity
+    # in memory, adds its 12 weights only at save)
+    saved = full_record["parameters"]["converted"] - record["parameters"]["converted"]
+    assert saved == 2 * (64 * 128 - (64 * 12 + 12 * 128))
+
+
+def test_lower_query_rank_costs_more_and_the_checkpoint_reloads(text, tmp_path):
+    loaded = loaded_tiny("qwen2")  # a query bias: it rides in q_a's bias
+    error = {}
+    for rank in (4, 32):
+        record = mla.convert_mla_checkpoint(
+            loaded, tmp_path / f"q{rank}", budget="gqa", q_lora_rank=rank, text=text.but(split="eval"),
+            calibration_tokens=256, progress=False, evaluate=False,
+        )  # fmt: skip
+        step = record["steps"]["query_rank"]
+        assert not step["exact"] and step["max_abs_logit_diff"] > 0
+        error[rank] = step["attention_output_rel_error_mean"]  # a random tiny model's NLL barely moves: its outputs do
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / f"q{rank}")
+        assert reloaded.config.q_lora_rank == rank and reloaded.model.layers[0].self_attn.q_a_proj.bias is not None
+        assert record["verification"]["max_abs_diff"] < 1e-4, record["verification"]
+    assert error[4] > error[32] > 0
+    with pytest.raises(HeadlabError, match="saves nothing"):
+        mla.plan_mla(loaded, budget="gqa", q_lora_rank=64)
 
 
 def test_cli_converts_and_prints_each_step(tmp_path, capsys):

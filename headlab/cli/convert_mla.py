@@ -20,7 +20,7 @@ from headlab.cli.options import (
 )
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.kv.methods import MLA_BUDGETS
+from headlab.kv.methods import MLA_BUDGET_HELP, mla_budget
 
 
 def _step_line(step: dict) -> str:
@@ -46,6 +46,11 @@ def print_summary(record: dict) -> None:
         ("MLA layout", f"latent {plan['kv_lora_rank']} + rope {plan['rope_dim']} per token per layer "
                        f"(full rank {plan['full_rank']}; rope dim {plan['rope_choice']})"),
     ]  # fmt: skip
+    if plan.get("q_lora_rank") is not None:
+        rows.append(("query", f"low rank {plan['q_lora_rank']} (q_a -> q_b)"))
+    if "parameters" in record:
+        count = record["parameters"]
+        rows.append(("parameters", f"{count['source']:,} -> {count['converted']:,}"))
     rope = record.get("rope")
     if rope and rope["source_type"] != "default":  # scaled RoPE: say that it was carried, and how closely
         rows.append(("RoPE", f"{rope['source_type']} carried exactly (kept frequencies max rel. diff "
@@ -76,12 +81,7 @@ def print_summary(record: dict) -> None:
 
 @click.command("convert-mla")
 @model_options
-@click.option(
-    "--budget",
-    type=click.Choice(MLA_BUDGETS),
-    default=None,
-    help="KV numbers per token per layer as a rung: gqa = the source's own 2 x KV heads x head_dim, mqa = 2 x head_dim",
-)
+@click.option("--budget", default=None, help=MLA_BUDGET_HELP)
 @click.option("--kv-lora-rank", type=int, default=None, help="latent size R (instead of --budget)")
 @click.option(
     "--rope-dim",
@@ -89,6 +89,13 @@ def print_summary(record: dict) -> None:
     default=None,
     help="rotary dims r of the shared key: an even divisor of the rotary dims [default: all of them when the latent "
     "is then full rank, else the best of rd, rd/2, rd/4 on the calibration split]",
+)
+@click.option(
+    "--q-lora-rank",
+    type=int,
+    default=None,
+    help="a low-rank query path (q_a -> q_b) of this rank, below the hidden size: fewer parameters and query FLOPs, "
+    "at a measured cost (step query_rank) [default: one full-rank q_proj]",
 )
 @calibration_tokens_option(2048, "calibration tokens (the calibration split) for the conversion")
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
@@ -102,6 +109,7 @@ def command(  # click passes every option as a parameter
     budget,
     kv_lora_rank,
     rope_dim,
+    q_lora_rank,
     calibration_tokens,
     no_eval,
     text,
@@ -122,7 +130,12 @@ def command(  # click passes every option as a parameter
     out = Path(out) if out is not None else Path("headlab-mla")
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     if budget is None and kv_lora_rank is None:
-        raise HeadlabError("give a KV budget: --budget gqa|mqa, or --kv-lora-rank R --rope-dim r")
+        raise HeadlabError("give a KV budget: --budget gqa|mqa|COUNT|FRACTION, or --kv-lora-rank R --rope-dim r")
+    if budget is not None:
+        try:
+            budget = mla_budget(budget)  # before loading: an unreadable budget costs no model load
+        except ValueError as error:
+            raise HeadlabError(f"--budget: {error}") from None
     if load.dtype == "float16":
         raise HeadlabError(
             "--dtype float16 cannot hold the latent-norm fold (its tiny latents underflow); use float32 or bfloat16"
@@ -136,6 +149,7 @@ def command(  # click passes every option as a parameter
         budget=budget,
         kv_lora_rank=kv_lora_rank,
         rope_dim=rope_dim,
+        q_lora_rank=q_lora_rank,
         text=text,
         calibration_tokens=calibration_tokens,
         evaluate=not no_eval,

@@ -12,7 +12,7 @@ from headlab.cli.options import calibration_tokens_option, data_options, guard, 
 from headlab.cli.parsing import parse_list
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.kv.methods import GROUPINGS, KV_METHODS, MLA_BUDGETS, POOLS
+from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS, mla_budget
 
 
 @click.command("gqa-sweep")
@@ -39,8 +39,9 @@ from headlab.kv.methods import GROUPINGS, KV_METHODS, MLA_BUDGETS, POOLS
     "--mla",
     default=None,
     metavar="BUDGETS",
-    help=f"comma list of {', '.join(MLA_BUDGETS)}: add the training-free MLA conversion (convert-mla) at each rung's "
-    "KV budget to the table and the plot: the ladder MHA -> GQA -> MQA -> MLA",
+    help="comma list of convert-mla budgets (gqa, mqa, a count of KV numbers per token per layer such as 48, or a "
+    "fraction of the source's cache): add the training-free MLA conversion at each budget to the table and the plot: "
+    "the ladder MHA -> GQA -> MQA -> MLA",
 )
 @click.option(
     "--kv-budgets",
@@ -77,7 +78,7 @@ def command(
 
     out = out or Path("gqa-sweep")
     guard(out, overwrite, {"model": load.spec}, data=text.data)
-    budgets = tuple(parse_list(mla, str, "mla", MLA_BUDGETS)) if mla else ()
+    budgets = tuple(parse_list(mla, mla_budget, "mla")) if mla else ()
     lengths = lengths_of(long_lengths)
     fractions = tuple(parse_list(kv_budgets, float, "kv-budgets")) if kv_budgets else ()
     for fraction in fractions:  # before loading; the floor of one KV head per layer is checked by the ladder

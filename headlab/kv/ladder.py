@@ -15,7 +15,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
 from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
 from headlab.kv.gqa import gqa_sweep, measured_kv_bytes_per_token, resumable_sweep
-from headlab.kv.methods import KV_METHODS, MLA_BUDGETS
+from headlab.kv.methods import KV_METHODS, MLA_BUDGETS, mla_budget
 from headlab.kv.mla import convert_to_mla, input_grams, plan_mla, rope_phases
 from headlab.measure.costs import budget_units, kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
@@ -26,9 +26,11 @@ from headlab.mechanisms.restore import restoring
 def check_mla_budgets(loaded: LoadedModel, budgets) -> list:
     """Each budget's MlaPlan, validated before any work (one line for an unknown budget or a source MLA cannot
     express)."""
-    unknown = [b for b in budgets if b not in MLA_BUDGETS]
-    if unknown:
-        raise HeadlabError(f"unknown budgets {unknown} in mla=; use some of {', '.join(MLA_BUDGETS)}")
+    for budget in budgets:  # every name read before the first plan's work
+        try:
+            mla_budget(budget)
+        except ValueError as error:
+            raise HeadlabError(f"mla=: {error}") from None
     return [plan_mla(loaded, budget) for budget in budgets]
 
 
@@ -138,7 +140,7 @@ def budget_rows(
 def ladder(
     loaded: LoadedModel,
     *,
-    mla: tuple[str, ...] = MLA_BUDGETS,
+    mla: tuple = MLA_BUDGETS,  # convert-mla budgets (headlab.kv.methods.mla_budget): rungs, counts, fractions
     kv_budgets: tuple[float, ...] = (),
     text: TextSpec,
     calibration_tokens: int = 2048,

@@ -6,6 +6,7 @@ This module imports no torch: the CLI reads choices and help from it at start-up
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from headlab.core.registry import Lazy, Registry
@@ -13,6 +14,45 @@ from headlab.core.registry import Lazy, Registry
 GROUPINGS = ("contiguous", "similarity")  # which KV heads share a group (headlab.kv.grouping)
 POOLS = ("mean", "first", "random")  # how a pooling method makes one head of a group (headlab.kv.grouping.pool_weights)
 MLA_BUDGETS = ("gqa", "mqa")  # KV budgets of the MLA conversion, as rungs of the ladder (headlab.kv.mla)
+MLA_BUDGET_HELP = (
+    "KV numbers per token per layer: gqa (the source's own 2 x KV heads x head_dim), mqa (2 x head_dim), a count "
+    "such as 48, or a fraction of the source's cache such as 0.125 or 12.5%"
+)
+
+
+def mla_budget(text: str | int | float) -> str | int | float:
+    """A convert-mla budget as written: a rung name (MLA_BUDGETS) as is; 'P%' or a number <= 1 is a fraction of the
+    source's cache (float); a whole number above 1 is numbers per token per layer (int). Anything else: ValueError."""
+    if isinstance(text, str) and text.strip().lower() in MLA_BUDGETS:
+        return text.strip().lower()
+    raw = str(text).strip()
+    percent = raw.endswith("%")
+    try:
+        value = float(raw[:-1] if percent else raw)
+    except ValueError:
+        raise ValueError(f"unknown budget {raw!r}: {MLA_BUDGET_HELP}") from None
+    value = value / 100 if percent else value
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"budget {raw!r} must be positive: {MLA_BUDGET_HELP}")
+    if percent or value <= 1:
+        if value > 1:
+            raise ValueError(f"budget {raw} is above the source's whole cache (100%)")
+        return value
+    if value != int(value):
+        raise ValueError(f"budget {raw} must be a whole number of KV numbers per token per layer, or a fraction <= 1")
+    return int(value)
+
+
+def mla_budget_numbers(budget: str | int | float, num_kv_heads: int, head_dim: int) -> int:
+    """KV numbers per token per layer of a parsed budget: gqa 2GD, mqa 2D, a fraction f: round(f x 2GD), a count as is."""
+    full = 2 * num_kv_heads * head_dim
+    if budget == "gqa":
+        return full
+    if budget == "mqa":
+        return 2 * head_dim
+    if isinstance(budget, float):
+        return max(1, round(budget * full))
+    return int(budget)
 
 
 @dataclass(frozen=True)

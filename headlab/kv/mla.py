@@ -48,7 +48,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.gqa import measured_kv_bytes_per_token
 from headlab.kv.grouping import gqa_layers
-from headlab.kv.methods import MLA_BUDGETS
+from headlab.kv.methods import mla_budget, mla_budget_numbers
 from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.capture import capture_attention
@@ -61,8 +61,8 @@ FOLD_TOLERANCE = 1e-7
 # Ridge added to the input Gram and the metric, relative to their mean eigenvalue: keeps every solve well posed on
 # directions the calibration text never excites, and keeps the full-rank latent exact for any input.
 RIDGE = 1e-8
-# Rope dims tried for a budget below full rank, as divisors of the rotary dims: rd, rd/2, rd/4.
-AUTO_ROPE_DIVISORS = (1, 2, 4)
+# Rope dims tried for a budget below full rank: this many of rd, rd/2, rd/4, ... (the largest that leave a latent).
+AUTO_ROPE_CANDIDATES = 3
 # RoPE types whose kept frequencies and magnitude deepseek_v3's rotary embedding reproduces exactly (mla_rope_parameters).
 MLA_ROPE_TYPES = ("default", "llama3", "yarn")
 # Largest relative difference allowed between the source's kept inverse frequencies and the converted model's: float32
@@ -83,9 +83,10 @@ class MlaPlan:
     rotary_dim: int  # rd, the source's rotated dims per head
     kv_lora_rank: int
     rope_dim: int  # qk_rope_head_dim
-    budget: str | None = None  # "gqa", "mqa" or None for explicit numbers
+    budget: str | None = None  # as given: "gqa", "mqa", a count ("48"), a fraction ("0.125"); None: explicit numbers
     rope_choice: str = "given"  # given, full (every frequency, latent at full rank) or measured (on calibration)
     q_bias: bool = False  # the source has a query bias: the q_lora path carries it
+    q_lora_rank: int | None = None  # a low-rank query (q_a: C -> q_lora_rank, q_b: -> H (D + r)); None: full rank
 
     @property
     def full_rank(self) -> int:
@@ -101,6 +102,13 @@ class MlaPlan:
         """Source frequency indices (of rd/2) kept with RoPE: every n-th, n = rd / rope_dim."""
         step = self.rotary_dim // self.rope_dim
         return [j * step for j in range(self.rope_dim // 2)]
+
+    @property
+    def query_rank(self) -> int | None:
+        """deepseek_v3's q_lora_rank: the low rank asked for, H x D to carry a query bias, else None (one q_proj)."""
+        if self.q_lora_rank is not None:
+            return self.q_lora_rank
+        return self.num_heads * self.head_dim if self.q_bias else None
 
     def to_dict(self) -> dict:
         return {**asdict(self), "full_rank": self.full_rank, "cache_numbers": self.cache_numbers}
@@ -136,31 +144,62 @@ def check_source(loaded: LoadedModel) -> None:
 
 
 def plan_mla(
-    loaded: LoadedModel, budget: str | None = None, *, kv_lora_rank: int | None = None, rope_dim: int | None = None
+    loaded: LoadedModel,
+    budget: str | int | float | None = None,
+    *,
+    kv_lora_rank: int | None = None,
+    rope_dim: int | None = None,
+    q_lora_rank: int | None = None,
 ) -> MlaPlan:
-    """Validate and resolve the target: a rung (`budget` gqa: 2GD numbers per token per layer, the source's own
-    cache; mqa: 2D) or explicit numbers. rope_dim None under a budget: every rotary frequency when the latent then
-    reaches full rank, otherwise left to `convert_to_mla` to measure on calibration windows (rope_choice "measured")."""
+    """Validate and resolve the target: a budget (`mla_budget`: gqa = 2GD numbers per token per layer, the source's
+    own cache; mqa = 2D; a count; a fraction of 2GD) or explicit numbers. rope_dim None under a budget: every rotary
+    frequency when the latent then reaches full rank, otherwise left to `convert_to_mla` to measure on calibration
+    windows (rope_choice "measured", among `auto_rope_dims`). q_lora_rank: a low-rank query path (`_low_rank_query`),
+    below the hidden size so that it saves parameters."""
     check_source(loaded)
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
     q_bias = loaded.adapter.read(layers[0]).q_bias is not None
-    if budget is not None and budget not in MLA_BUDGETS:
-        raise HeadlabError(f"unknown budget={budget!r}; use one of {', '.join(MLA_BUDGETS)}")
     if budget is not None and kv_lora_rank is not None:
         raise HeadlabError("give budget= or kv_lora_rank (with rope_dim), not both")
     if budget is None and kv_lora_rank is None:
-        raise HeadlabError("give a KV budget: budget='gqa' or 'mqa', or kv_lora_rank (with rope_dim)")
-    total = {"gqa": 2 * G * D, "mqa": 2 * D}.get(budget, (kv_lora_rank or 0) + (rope_dim or rd))
+        raise HeadlabError("give a KV budget: budget='gqa', 'mqa', a count or a fraction; or kv_lora_rank (with rope_dim)")
+    if budget is not None:
+        try:
+            budget = mla_budget(budget)
+        except ValueError as error:
+            raise HeadlabError(str(error)) from None
+        total = mla_budget_numbers(budget, G, D)
+        if total > 2 * G * D:
+            raise HeadlabError(
+                f"budget {budget} is above the source's own cache of {2 * G * D} numbers per token per layer "
+                f"(2 x {G} KV heads x {D}): a larger MLA cache would only cost memory"
+            )
+    else:
+        total = kv_lora_rank + (rope_dim or rd)
     choice = "given"
     if rope_dim is None:
         rope_dim, choice = rd, "full"
         if budget is not None and total - rd < 2 * G * D - rd:
             choice = "measured"  # convert_to_mla picks among auto_rope_dims(...) on calibration windows
+            candidates = auto_rope_dims(MlaPlan(H, G, D, rd, total - rd, rd))
+            if not candidates:
+                raise HeadlabError(
+                    f"budget {budget} ({total} numbers per token per layer) leaves no room for a latent beside the "
+                    f"smallest rope dim of the {rd} rotary dims"
+                )
+            rope_dim = candidates[0].rope_dim  # the plan holds a valid split; the search replaces it
     _check_rope_dim(rope_dim, rd)
     kv_lora_rank = total - rope_dim if kv_lora_rank is None else kv_lora_rank
-    plan = MlaPlan(H, G, D, rd, kv_lora_rank, rope_dim, budget, choice, q_bias)
+    label = None if budget is None else str(budget)
+    hidden = loaded.model.config.get_text_config().hidden_size
+    if q_lora_rank is not None and not 1 <= q_lora_rank < min(hidden, H * D):
+        raise HeadlabError(
+            f"q_lora_rank={q_lora_rank} must be in [1, {min(hidden, H * D)}): at or above the hidden size {hidden} "
+            f"(or the {H} x {D} query dims) a low-rank query saves nothing"
+        )
+    plan = MlaPlan(H, G, D, rd, kv_lora_rank, rope_dim, label, choice, q_bias, q_lora_rank)
     if kv_lora_rank < 1:
         raise HeadlabError(f"the budget of {total} numbers is not above rope_dim={rope_dim}: no room for a latent")
     if kv_lora_rank > plan.full_rank:
@@ -186,13 +225,16 @@ def _check_rope_dim(rope_dim: int, rotary_dim: int) -> None:
 
 
 def auto_rope_dims(plan: MlaPlan) -> list[MlaPlan]:
-    """The candidate splits of plan's budget: rope_dim rd, rd/2, rd/4 (latent = the rest, at most full rank)."""
-    total, out = plan.cache_numbers, []
-    for n in AUTO_ROPE_DIVISORS:
+    """The candidate splits of plan's budget (cache_numbers): the AUTO_ROPE_CANDIDATES largest even divisors r of the
+    rotary dims (rd, rd/2, rd/4, ...) that leave a latent of at least one number (latent = the rest, at most full
+    rank). At the MQA budget of a 64-dim head: 64, 32, 16; at 48 numbers: 32, 16, 8."""
+    total, out, n = plan.cache_numbers, [], 1
+    while plan.rotary_dim // n >= 2 and len(out) < AUTO_ROPE_CANDIDATES:
         r = plan.rotary_dim // n
-        if r >= 2 and r % 2 == 0 and plan.rotary_dim % r == 0 and total - r >= 1:
+        if r % 2 == 0 and plan.rotary_dim % r == 0 and total - r >= 1:
             kv = min(total - r, 2 * plan.num_kv_heads * plan.head_dim - r)
             out.append(_replace(plan, rope_dim=r, kv_lora_rank=kv))
+        n *= 2
     return out
 
 
@@ -393,6 +435,7 @@ class LayerMla:
     decode: torch.Tensor  # [H, 2D, R]         per head [k_nope_h; v_h] = decode[h] @ c
     balance: float = 1.0
     record: dict = field(default_factory=dict)
+    query_low_rank: tuple[torch.Tensor, torch.Tensor] | None = None  # (q_a [Rq, C+1], q_b [H (D + r), Rq])
 
 
 def _rorope(k_aug: torch.Tensor, Sk: torch.Tensor, query_energy: torch.Tensor, plan: MlaPlan):
@@ -518,7 +561,35 @@ def convert_layer(
     decode = torch.cat([decode_groups[0], decode_groups[1]], 1).repeat_interleave(H // G, 0)  # [H, 2D, R]
     kept = float(lam.flip(-1)[:R].clamp_min(0).sum() / lam.clamp_min(0).sum().clamp_min(1e-300))
     record = {"balance": balance, "latent_energy_kept": kept}
-    return LayerMla(query_map, rope_rows, latent_rows, decode, balance, record)
+    layer = LayerMla(query_map, rope_rows, latent_rows, decode, balance, record)
+    if plan.q_lora_rank is not None:
+        layer.query_low_rank, record["query_energy_kept"] = _low_rank_query(q_aug, layer, sigma, plan)
+    return layer
+
+
+def _low_rank_query(q_aug: torch.Tensor, layer: LayerMla, sigma: torch.Tensor, plan: MlaPlan):
+    """The converted query Q = blockdiag(query_map) q_aug [H (D + r), C+1] at rank Rq = plan.q_lora_rank: reduced-rank
+    regression under the key metric, so what is kept is what moves the logits q.k. Per head the metric is its
+    converted key's Gram E[k k^T] (nope block k_nope_h = decode_k[h] c), with the rotary pairs averaged over their
+    relative rotation: each pair's 2 x 2 block -> (trace / 2) I and no cross terms, the expectation of R k k^T R^T
+    over uniform angles. q_a = U^T B^{1/2} Q, q_b = B^{-1/2} U, U = top eigenvectors of B^{1/2} Q Sigma Q^T B^{1/2}
+    (as the latent, step 2). Returns ((q_a, q_b), fraction of the metric-weighted query energy kept)."""
+    H, D, r, Rq = plan.num_heads, plan.head_dim, plan.rope_dim, plan.q_lora_rank
+    Q = torch.einsum("hed,hdc->hec", layer.query_map, q_aug).reshape(H * (D + r), -1)
+    rope_gram = layer.rope_rows @ sigma @ layer.rope_rows.T  # [r, r], interleaved pairs (2j, 2j + 1)
+    pair = (rope_gram.diagonal()[0::2] + rope_gram.diagonal()[1::2]) / 2
+    rope_metric = torch.diag(pair.repeat_interleave(2))
+    blocks = []
+    for h in range(H):
+        nope = layer.decode[h, :D] @ layer.latent_rows  # [D, C+1]
+        blocks.append(_ridged(torch.block_diag(nope @ sigma @ nope.T, rope_metric)))
+    root = torch.block_diag(*(_sym_power(b, 0.5) for b in blocks))
+    inv_root = torch.block_diag(*(_sym_power(b, -0.5) for b in blocks))
+    M = root @ Q @ sigma @ Q.T @ root
+    lam, U = torch.linalg.eigh((M + M.T) / 2)
+    U = U.flip(-1)[:, :Rq]
+    kept = float(lam.flip(-1)[:Rq].clamp_min(0).sum() / lam.clamp_min(0).sum().clamp_min(1e-300))
+    return (U.T @ root @ Q, inv_root @ U), kept
 
 
 # ---- building the deepseek_v3 model ------------------------------------------------------------------------------
@@ -526,7 +597,7 @@ def convert_layer(
 
 def mla_config(loaded: LoadedModel, plan: MlaPlan):
     """The vanilla deepseek_v3 config of the converted model: dense SwiGLU MLP in every layer (first_k_dense_replace =
-    layer count), q_lora only to carry a query bias, as many KV heads as query heads, consecutive-pair RoPE at
+    layer count), q_lora for a low-rank query or to carry a query bias, as many KV heads as query heads, consecutive-pair RoPE at
     rope_dim with the source's kept frequencies (mla_rope_parameters; checked, refused if they differ). rms_norm_eps
     is the latent norm's 1e-6, since vLLM and llama.cpp read the latent norm's eps from it (the decoder norms' change
     is measured in the record)."""
@@ -552,7 +623,7 @@ def mla_config(loaded: LoadedModel, plan: MlaPlan):
         num_experts_per_tok=1,
         first_k_dense_replace=L,
         kv_lora_rank=plan.kv_lora_rank,
-        q_lora_rank=plan.num_heads * plan.head_dim if plan.q_bias else None,
+        q_lora_rank=plan.query_rank,
         qk_rope_head_dim=plan.rope_dim,
         qk_nope_head_dim=plan.head_dim,
         v_head_dim=plan.head_dim,
@@ -605,6 +676,11 @@ def _write_attention(attn: nn.Module, w, layer: LayerMla, plan: MlaPlan) -> None
     q = w.q.double()  # [H, D, C]
     if attn.q_proj is not None:
         put(attn.q_proj, torch.einsum("hed,hdc->hec", layer.query_map, q).reshape(H * (D + r), C))
+    elif layer.query_low_rank is not None:  # a low-rank query: the bias (if any) rides in q_a's
+        down, up = layer.query_low_rank
+        put(attn.q_a_proj, down[:, :C], down[:, C])
+        put(attn.q_b_proj, up)
+        attn.q_a_layernorm = nn.Identity()
     else:
         put(attn.q_a_proj, q.reshape(H * D, C), w.q_bias.double().reshape(H * D))
         put(attn.q_b_proj, torch.block_diag(*layer.query_map))
@@ -952,25 +1028,43 @@ def convert_to_mla(
             + ("" if mla.meta["rope"]["magnitude"] == [1.0] * 3 else ", with the RoPE magnitude"),
         },
     }
+    # The steps are measured as a chain, each against the one before: source -> full-rank latent (RoPE truncation)
+    # -> the latent at its rank -> the low-rank query; each intermediate build keeps the later steps exact.
+    latent = mla
+    if plan.q_lora_rank is not None:
+        latent = build_mla(loaded, _replace(plan, q_lora_rank=None), grams, phases, qk_multipliers=multipliers)
+    nll_latent = nll if latent is mla else calibration_nll(latent.model, batches, device)
     if plan.kv_lora_rank < plan.full_rank:
-        full = build_mla(loaded, _replace(plan, kv_lora_rank=plan.full_rank), grams, phases, qk_multipliers=multipliers)
+        full_plan = _replace(plan, kv_lora_rank=plan.full_rank, q_lora_rank=None)
+        full = build_mla(loaded, full_plan, grams, phases, qk_multipliers=multipliers)
         nll_full = calibration_nll(full.model, batches, device)
-        rope_diff, latent_diff = _compare(loaded, full, batches), _compare(full, mla, batches)
+        rope_diff, latent_diff = _compare(loaded, full, batches), _compare(full, latent, batches)
         del full
     else:
-        nll_full, rope_diff = nll, _compare(loaded, mla, batches)
+        nll_full, rope_diff = nll_latent, _compare(loaded, latent, batches)
         latent_diff = {"max_abs_logit_diff": 0.0, "attention_output_rel_error_mean": 0.0,
                        "attention_output_rel_error_max": 0.0}  # fmt: skip
     truncated = plan.num_kv_heads > 1 or plan.rope_dim < plan.rotary_dim
     steps["rope_truncation"] = {"exact": not truncated, **rope_diff, "calibration_nll": [nll_source, nll_full],
                                 "mean_rotation": mean_rotation}  # fmt: skip
     steps["latent_rank"] = {"exact": plan.kv_lora_rank >= plan.full_rank, **latent_diff,
-                            "calibration_nll": [nll_full, nll]}  # fmt: skip
+                            "calibration_nll": [nll_full, nll_latent]}  # fmt: skip
+    if latent is not mla:
+        steps["query_rank"] = {"exact": False, **_compare(latent, mla, batches), "calibration_nll": [nll_latent, nll],
+                               "how": f"the query through q_lora_rank {plan.q_lora_rank} (key-metric reduced-rank "
+                                      "regression)"}  # fmt: skip
+        del latent
     steps["decoder_norm_eps"] = {"exact": False, "max_abs_logit_diff": _decoder_eps_diff(loaded, mla, batches)}
     record["rope"] = mla.meta["rope"]
+    record["parameters"] = {"source": _parameter_count(loaded.model), "converted": _parameter_count(mla.model)}
     record.update({"plan": plan.to_dict(), "steps": steps, "calibration_nll_before": nll_source,
                    "calibration_nll_after": nll, "layers": mla.meta["mla_layers"]})  # fmt: skip
     return mla, record
+
+
+def _parameter_count(model: nn.Module) -> int:
+    """Distinct parameters (a tied lm_head counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
 @takes_text(split="eval", seq_len=512, batch_size=1, max_tokens=2048)
@@ -981,6 +1075,7 @@ def convert_mla_checkpoint(
     budget: str | None = None,
     kv_lora_rank: int | None = None,
     rope_dim: int | None = None,
+    q_lora_rank: int | None = None,
     text: TextSpec,
     calibration_tokens: int = 2048,
     evaluate: bool = True,
@@ -993,7 +1088,7 @@ def convert_mla_checkpoint(
     verified by a vanilla reload. Bad input fails before any work; the source is never modified.
     text: the eval text; calibration reads its calibration split (`calibration_tokens` tokens)."""
     check_checkpoint_out(out, overwrite, loaded.source)
-    plan = plan_mla(loaded, budget, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    plan = plan_mla(loaded, budget, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, q_lora_rank=q_lora_rank)
     text = text.resolved()
     record = {"model": loaded.spec, "source": loaded.source, "target": "deepseek_v3 (MLA)"}
     layers = len(gqa_layers(loaded))
