@@ -98,6 +98,7 @@ LIBRARY_NAMES = {
     "minutes": "recover_minutes",
     "lr": "recover_lr",
     "objective": "recover_objective",
+    "parallel": "recover_parallel",
     "max_length": "seq_len",
     "groupings": "grouping",  # gqa-sweep's comma lists
     "pools": "pool",

@@ -8,11 +8,11 @@ from dataclasses import replace
 import click
 
 from headlab.core.data import TextSpec
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL
 
 
 def recovery_options(function):
-    """--recover, --recover-steps, --recover-minutes, --recover-lr, --recover-objective."""
+    """--recover, --recover-steps, --recover-minutes, --recover-lr, --recover-objective, --recover-parallel."""
 
     @click.option(
         "--recover",
@@ -41,14 +41,25 @@ def recovery_options(function):
     @click.option(
         "--recover-objective", type=click.Choice(OBJECTIVES), default="kl", show_default=True, help="uptraining loss"
     )
+    @click.option(
+        "--recover-parallel",
+        type=click.Choice(PARALLEL),
+        default="data",
+        show_default=True,
+        help="uptraining under torchrun: data (whole copies) or fsdp (FSDP2-sharded student, teacher and AdamW "
+        "state; the batch of 4 windows is all processes' together); fsdp needs torchrun",
+    )
     @functools.wraps(function)
-    def wrapper(*args, recover_stages, recover_minutes, recover_steps, recover_lr, recover_objective, **kwargs):
+    def wrapper(
+        *args, recover_stages, recover_minutes, recover_steps, recover_lr, recover_objective, recover_parallel, **kwargs
+    ):
         options = dict(
             stages=recover_stages,
             minutes=recover_minutes,
             steps=recover_steps,
             lr=recover_lr,
             objective=recover_objective,
+            parallel=recover_parallel,
         )
         return function(*args, recovery_options=options, **kwargs)
 
@@ -65,7 +76,7 @@ def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | N
     if not stages:
         return None
     config = UptrainConfig(steps=options["steps"], minutes=options["minutes"], lr=options["lr"])
-    config = replace(config, objective=options["objective"])
+    config = replace(config, objective=options["objective"], parallel=options["parallel"])
     spec = RecoverySpec(stages=stages, minutes=options["minutes"], uptrain=config)
     spec.check()
     return spec

@@ -10,7 +10,7 @@ import click
 from headlab.cli.options import guard, guard_checkpoint_space
 from headlab.core.errors import HeadlabError
 from headlab.core.model_names import DEFAULT_MODEL, DTYPE_NAMES
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL, TRAINED
 
 
 def training_options(function):
@@ -57,6 +57,15 @@ def training_options(function):
         click.option("--no-gradient-checkpointing", is_flag=True, help="keep activations (faster, more memory)"),
         click.option("--bf16/--no-bf16", default=None, help="bfloat16 autocast [default: on CUDA only]"),
         click.option("--seed", type=int, default=0, show_default=True),
+        click.option(
+            "--parallel",
+            type=click.Choice(PARALLEL),
+            default="data",
+            show_default=True,
+            help="under torchrun: data (each process a whole student, teacher and AdamW state, --batch-size windows "
+            "each) or fsdp (FSDP2 shards them over the processes; --batch-size is all processes' together and "
+            "must divide by their number); fsdp needs torchrun",
+        ),
     ]
     for option in reversed(options):
         function = option(function)
@@ -120,7 +129,8 @@ def command(
     guard_checkpoint_space(out, student_model)
     record = recover(student_model, teacher_model, spec, data=data, text_column=text_column)
     meta = {"student": student_model.describe(), "teacher": teacher_model.describe()}
-    if not distributed.is_main():  # torchrun: every rank holds the same weights; rank 0 writes them
+    # torchrun: every rank holds the same weights (under fsdp gathered whole again by uptrain); rank 0 writes them
+    if not distributed.is_main():
         return
     verification = save_recovered(student_model, out, record, meta, overwrite=overwrite)
     curve = record["tables"].get("curve")

@@ -8,6 +8,7 @@ floating-point summation order). Without torchrun everything here is a no-op.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TypeVar
 
 import torch
@@ -21,9 +22,20 @@ def launched() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
-def init(device: torch.device | None = None) -> None:
-    """Join the process group once: NCCL for CUDA devices, gloo otherwise."""
-    if not launched() or (dist.is_available() and dist.is_initialized()):
+def torchrun() -> bool:
+    """True under torchrun (or any env:// launcher: RANK, WORLD_SIZE and MASTER_ADDR set), also with one process."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def launched_world() -> int:
+    """The number of processes the launcher started (WORLD_SIZE), readable before the process group exists."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if torchrun() else 1
+
+
+def init(device: torch.device | None = None, *, even_alone: bool = False) -> None:
+    """Join the process group once: NCCL for CUDA devices, gloo otherwise. even_alone: also in a torchrun world of
+    one process (FSDP2 shards over a process group, even a group of one)."""
+    if not (launched() or (even_alone and torchrun())) or (dist.is_available() and dist.is_initialized()):
         return
     backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend)
@@ -49,6 +61,13 @@ def is_main() -> bool:
 def shard(items: list[T]) -> list[T]:
     """Rank r takes items r, r + N, r + 2N, ... (interleaved, so window lengths stay balanced)."""
     return items[rank() :: world_size()] if active() else list(items)
+
+
+def lockstep(model: torch.nn.Module) -> bool:
+    """True for a model sharded with FSDP2 (fully_shard): its forward all-gathers parameters, so every rank must run
+    it as often as the others, and it reduces its own gradients."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported yet: no model can have been sharded with it
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -166,6 +166,9 @@ def rolling_nll(  # the windows' layout, then how they run
     totals = torch.zeros(2, dtype=torch.float64)  # summed NLL, scored tokens
     start = time.perf_counter()
     batches = list(batch_windows(ids, distributed.shard(windows), batch_size, pad_id))
+    missing = 0  # FSDP2 (lockstep): forwards this rank owes the others, agreed on before any of them runs
+    if distributed.active() and distributed.lockstep(loaded.model) and chunks is None:
+        missing = int(distributed.all_reduce_max(float(len(batches)))) - len(batches)
     for input_ids, attention_mask, group in tqdm(batches, desc="perplexity", disable=not progress, unit="batch"):
         targets = [ids[w.first_target : w.end + 1] for w in group]
         if chunks is None:
@@ -175,9 +178,20 @@ def rolling_nll(  # the windows' layout, then how they run
                 loaded.model, input_ids.to(device), attention_mask.to(device), targets, chunks
             )
         totals += torch.stack([nll_sum.sum(), counts.sum().double()])
+    _forwards_in_step(loaded.model, ids, missing, device)
     distributed.all_reduce_sum(totals)
     seconds = distributed.all_reduce_max(time.perf_counter() - start)
     return float(totals[0]), int(totals[1]), windows, seconds
+
+
+@torch.no_grad()
+def _forwards_in_step(model, ids: torch.Tensor, missing: int, device) -> None:
+    """A sharded (FSDP2) model all-gathers its layers in every forward, on every rank together: a rank whose share of
+    the windows made fewer batches runs the `missing` forwards the rank with the most ran more, on two tokens,
+    unscored."""
+    stand_in = ids[:2][None].to(device)
+    for _ in range(missing):
+        model(input_ids=stand_in, attention_mask=torch.ones_like(stand_in))
 
 
 def check_max_length(loaded: LoadedModel, max_length: int) -> None:

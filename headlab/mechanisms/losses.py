@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headlab.core import distributed
+
 # Bytes of float32 logits per chunk. Every chunk reads the whole [V, C] head weight twice (the projection and the
 # gradient projection), so small chunks are bound by that traffic: at 8 MiB (42 rows of SmolLM2's 49,152 logits) the
 # loss ran 2-2.5x slower than whole logits on CPU, at 32 MiB (170 rows) as fast (scripts/bench_cases/importance.py).
@@ -43,6 +45,8 @@ def _head_slot(model: nn.Module) -> tuple[nn.Module, str, nn.Linear] | None:
     getter = getattr(model, "get_output_embeddings", None)
     head = getter() if getter is not None else None
     if type(head) is not nn.Linear or head.weight.device.type == "meta" or hasattr(head, "_hf_hook"):
+        return None
+    if distributed.lockstep(model):  # FSDP2: the head's weight is whole only inside the model's own forward
         return None
     if torch.is_grad_enabled() and any(p.requires_grad for p in head.parameters()):
         return None  # training the head needs its weight gradient, which the chunked loss does not compute

@@ -5,6 +5,9 @@ COMPENSATIONS = ("ridge", "bias")  # closed-form refits of o_proj (headlab.recov
 STAGES = ("local", "uptrain")  # recovery stages, in pipeline order (headlab.recovery.recover)
 TRAINED = ("attention", "norms", "all")  # parameters uptraining trains (headlab.recovery.uptrain)
 OBJECTIVES = ("kl", "ce", "mixed")
+# Uptraining under torchrun: data (every rank a whole copy, gradients all-reduced) or fsdp (FSDP2: parameters,
+# gradients and AdamW state sharded over the ranks; headlab.recovery.fsdp).
+PARALLEL = ("data", "fsdp")
 # Chosen by measurement on held-out calibration text (never the eval split); the evidence is in docs/recovery.md.
 DEFAULT_LR = 3e-5
 # The default budget: 64 steps of 4 x 256 tokens (65,536 tokens), about what the former 10-minute default trained on a

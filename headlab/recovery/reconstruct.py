@@ -95,12 +95,13 @@ def _zeroing(keep: torch.Tensor):
 
 
 @contextlib.contextmanager
-def dead_heads_kept(loaded: LoadedModel):
+def dead_heads_kept(loaded: LoadedModel, dead_per_layer: list[list[int]] | None = None):
     """While training, dead heads' outputs are zeroed before the output projection, so their (zero) columns get no
-    gradient and stay zero: a pruned head is never revived. Yields the number of dead heads; the hooks go on exit."""
+    gradient and stay zero: a pruned head is never revived. Yields the number of dead heads; the hooks go on exit.
+    dead_per_layer: the dead heads of each layer found earlier (a sharded model's weights cannot be read whole)."""
     site_hooks, count = [], 0
-    for layer in loaded.layers:
-        dead = dead_heads(loaded, layer)
+    for index, layer in enumerate(loaded.layers):
+        dead = dead_heads(loaded, layer) if dead_per_layer is None else dead_per_layer[index]
         if dead:
             keep = torch.ones(layer.num_heads, layer.head_dim)
             keep[dead] = 0

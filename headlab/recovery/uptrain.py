@@ -12,6 +12,9 @@ of its calibration text, never trained on; the state returned has the lowest hel
 over domains of ln perplexity) among the states no worse than the start on any domain, the start included. The eval split only reports the curve.
 Budget: `steps` (tokens = steps x accumulation x batch_size x seq_len), so one command trains the same model on any
 machine; `minutes` is only a cap, which ends the run cleanly with the best state so far and says so in the record.
+Under torchrun, `parallel` data: every rank holds the student, teacher and AdamW state and takes batch_size windows
+per micro-batch, gradients all-reduced here; fsdp: FSDP2 shards them (headlab.recovery.fsdp) and batch_size is the
+whole world's, each rank taking batch_size / N windows, so one command line trains the same model on 1 or N ranks.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.recompute import activation_checkpointing
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, TRAINED
-from headlab.recovery.reconstruct import check_pair, dead_heads_kept
+from headlab.recovery import fsdp
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL, TRAINED
+from headlab.recovery.reconstruct import check_pair, dead_heads, dead_heads_kept
 
 
 @dataclass
@@ -103,6 +107,9 @@ class UptrainConfig:
     gradient_checkpointing: bool = True
     bf16: bool | None = None  # bfloat16 autocast [default: on CUDA only]
     seed: int = 0
+    # Under torchrun: data (whole copies, batch_size windows per rank) or fsdp (FSDP2 shards, batch_size windows over
+    # all ranks together). Without torchrun only data: fsdp there is refused rather than silently ignored.
+    parallel: str = "data"
 
     def check(self) -> None:
         """Bad settings fail before any work, each as one line."""
@@ -134,6 +141,26 @@ class UptrainConfig:
             raise HeadlabError(f"unknown objective={self.objective!r}; use one of {', '.join(OBJECTIVES)}")
         if not (0 <= self.ce_weight <= 1):
             raise HeadlabError(f"ce_weight={self.ce_weight} must be in [0, 1]")
+        self.check_parallel()
+
+    def check_parallel(self) -> None:
+        """fsdp needs torchrun (its processes are what it shards over) and a batch the world divides (each rank takes
+        batch_size / N windows); read from the launcher's environment, before any process group exists."""
+        if self.parallel not in PARALLEL:
+            raise HeadlabError(f"unknown parallel={self.parallel!r}; use one of {', '.join(PARALLEL)}")
+        if self.parallel != "fsdp":
+            return
+        if not distributed.torchrun():
+            raise HeadlabError(
+                "parallel=fsdp shards over torchrun processes; start the command with torchrun --nproc-per-node N "
+                "(N >= 1), or leave parallel=data"
+            )
+        world = distributed.launched_world()
+        if self.batch_size % world:
+            raise HeadlabError(
+                f"batch_size={self.batch_size} is not divisible by the {world} torchrun processes: under parallel=fsdp "
+                f"it is the batch of all of them together, batch_size / {world} windows each"
+            )
 
 
 def check_uptrain(steps: int, lr: float, eval_every: int | None = None, **more) -> UptrainConfig:
@@ -271,15 +298,17 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
             (loss / config.accumulation).backward()
         sums = {k: v + float(x.detach()) / config.accumulation for (k, v), x in zip(sums.items(), (loss, kl, ce))}
         tokens += int(attention_mask.sum())
-    if distributed.active():  # data parallel: every rank applies the mean gradient
-        for p in params:
-            if p.grad is not None:
-                distributed.all_reduce_sum(p.grad).div_(distributed.world_size())
+    if distributed.active():
+        if not distributed.lockstep(model):  # data parallel: every rank applies the mean gradient
+            for p in params:  # (FSDP2 has reduce-scattered the mean gradient's shards in backward already)
+                if p.grad is not None:
+                    distributed.all_reduce_sum(p.grad).div_(distributed.world_size())
         tokens = int(distributed.all_reduce_sum(torch.tensor(float(tokens), dtype=torch.float64)))
         # the curve records the step's loss over every rank's windows, not rank 0's share
         reduced = distributed.all_reduce_sum(torch.tensor(list(sums.values()), dtype=torch.float64))
         sums = dict(zip(sums, (reduced / distributed.world_size()).tolist()))
     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip if config.clip > 0 else math.inf)
+    grad_norm = fsdp.full_value(grad_norm)  # FSDP: the norm over every rank's shards (a collective on each rank)
     for group in optimizer.param_groups:
         group["lr"] = lr
     optimizer.step()
@@ -353,6 +382,7 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
             f"the calibration part of {corpus.spec!r} is too short to hold out {config.heldout_tokens} tokens"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # Every rank runs every held-out batch (the same forwards on each: FSDP's collectives stay in step), whole.
     heldout = heldout_batches(student, sets, config.seq_len, config.batch_size)
     record = {
         **part.describe(),
@@ -361,7 +391,9 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
         "heldout_domains": {name: int(len(ids)) for name, ids in sets.items()},
         "heldout": "per domain, the last tokens of its calibration text; training streams from the rest",
     }
-    if config.long_seq_len:
+    if config.parallel == "fsdp":  # batch_size is the world's: this rank streams its share of each batch
+        config = replace(config, batch_size=config.batch_size // distributed.world_size())
+    if config.long_seq_len:  # one long window per micro-batch and rank (under fsdp too: a window is not split)
         long = replace(config, seq_len=config.long_seq_len, batch_size=1, seed=config.seed + 1)
         record["long_windows"] = {"seq_len": config.long_seq_len, "every": config.long_every}
         streams = (
@@ -434,6 +466,7 @@ class _Run:
     params: list[torch.nn.Parameter]  # the trained ones
     optimizer: torch.optim.Optimizer
     eval_args: dict = field(default_factory=dict)
+    dead: list[list[int]] | None = None  # dead heads per layer, read before any sharding
 
     def stream(self, step: int) -> Iterator:
         """The batches of this step: long windows every long_every-th step when configured, else short ones."""
@@ -473,21 +506,41 @@ def uptrain(
     corpus = _check(student, teacher, data, text_column, config)
     streams, heldout, data_record = _data(student, corpus, config)
     bf16 = student.device.type == "cuda" if config.bf16 is None else config.bf16
-    params, optimizer = _optimiser(student, config)
-    torch.manual_seed(config.seed)
-    eval_args = dict(
-        split="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
-    )
-    run = _Run(student, teacher, config, corpus, streams, heldout, data_record, bf16, params, optimizer, eval_args)
-    start = time.perf_counter()
-    best = _Best.of(params, run.heldout_perplexities())
-    rows = [_first_row(best.perplexity, run.evaluate())]
-    if len(best.start) > 1:
-        rows[0].update({f"heldout_{name}": value for name, value in best.start.items()})
-    loop = _train(run, best, rows, start, progress)
-    curve = pd.DataFrame(rows)
-    final = curve["perplexity"].iloc[-1] if best.step == loop["steps_run"] else run.evaluate()
-    return UptrainResult(curve, _record(run, best, rows, loop, float(final), start))
+    dead = [dead_heads(student, layer) for layer in student.layers]
+    with _parallel(student, teacher, config) as (student, teacher):  # fsdp: sharded copies, values back on exit
+        params, optimizer = _optimiser(student, config)
+        torch.manual_seed(config.seed)
+        eval_args = dict(
+            split="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
+        )
+        run = _Run(student, teacher, config, corpus, streams, heldout, data_record, bf16, params, optimizer, eval_args)
+        run.dead = dead
+        start = time.perf_counter()
+        best = _Best.of(params, run.heldout_perplexities())
+        rows = [_first_row(best.perplexity, run.evaluate())]
+        if len(best.start) > 1:
+            rows[0].update({f"heldout_{name}": value for name, value in best.start.items()})
+        loop = _train(run, best, rows, start, progress)
+        curve = pd.DataFrame(rows)
+        final = curve["perplexity"].iloc[-1] if best.step == loop["steps_run"] else run.evaluate()
+        record = _record(run, best, rows, loop, float(final), start)
+    return UptrainResult(curve, record)
+
+
+@contextlib.contextmanager
+def _parallel(student: LoadedModel, teacher: LoadedModel | None, config: UptrainConfig):
+    """(student, teacher) to train with: the models themselves (data), or FSDP2-sharded copies (fsdp; the trained
+    parameters chosen before sharding, so FSDP reduces gradients for those alone) whose values the models get back
+    on exit (headlab.recovery.fsdp.sharded)."""
+    if config.parallel != "fsdp":
+        yield student, teacher
+        return
+    names = {id(p): name for name, p in student.model.named_parameters()}
+    trained = {names[id(p)] for p in trained_parameters(student, config.trained)}
+    with contextlib.ExitStack() as stack:
+        sharded_student = stack.enter_context(fsdp.sharded(student, trained))
+        sharded_teacher = stack.enter_context(fsdp.sharded(teacher)) if teacher is not None else None
+        yield sharded_student, sharded_teacher
 
 
 def _check(student, teacher, corpus, text_column, config: UptrainConfig) -> Corpus:
@@ -533,7 +586,7 @@ def _train(run: _Run, best: _Best, rows: list[dict], start: float, progress: boo
     frozen = [(p, p.requires_grad) for p in model.parameters()]
     restore = contextlib.ExitStack()
     checkpointing = restore.enter_context(activation_checkpointing(model, config.gradient_checkpointing))
-    kept_dead = restore.enter_context(dead_heads_kept(run.student))  # pruned heads stay pruned
+    kept_dead = restore.enter_context(dead_heads_kept(run.student, run.dead))  # pruned heads stay pruned
     tokens_seen, step = 0, 0
     bar = tqdm(total=total, desc="uptrain", disable=not progress, unit="step")
     try:
@@ -589,6 +642,14 @@ def _checkpoints(run: _Run, best: _Best, row: dict, total: int, last: bool) -> N
 def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, start: float) -> dict:
     """The run's metadata: who trained what with which recipe, the counts, held-out and eval perplexities."""
     config = run.config
+    student_bytes = fsdp.local_bytes(run.student.model, optimizer=run.optimizer)
+    teacher_bytes = fsdp.local_bytes(run.teacher.model if run.teacher is not None else None)["parameters"]
+    memory = {
+        "student_parameters": student_bytes["parameters"],
+        "teacher_parameters": teacher_bytes,
+        "optimiser_state": student_bytes["optimiser_state"],
+        "total": student_bytes["total"] + teacher_bytes,
+    }
     return {
         "student": run.student.describe(),
         "teacher": run.teacher.describe() if run.teacher is not None else None,
@@ -618,6 +679,11 @@ def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, 
         "dead_heads_kept": loop["dead_heads_kept"],
         "bf16_autocast": run.bf16,
         "processes": distributed.world_size(),
+        "parallel": config.parallel if distributed.torchrun() else "none (one process)",
+        # what this process held at the end (local shards under fsdp): the student's and teacher's parameters and
+        # the AdamW state; rank 0's numbers (FSDP's dim-0 shards differ between ranks by padding at most)
+        "bytes_per_process": memory,
+        "sharded_bytes_per_process": memory["total"],
         "calibration": run.data_record,
         "eval": {"data": run.corpus.spec, **run.eval_args},
         "seconds": time.perf_counter() - start,

@@ -1,0 +1,126 @@
+"""Sharded uptraining with torch's FSDP2 (`headlab uptrain --parallel fsdp` under torchrun).
+
+Each decoder layer (the classes transformers names in `_no_split_modules`, the blocks it never splits over devices),
+then the root, is `fully_shard`ed (Zhao et al. 2023, PyTorch FSDP; torch.distributed.fsdp.fully_shard): every rank
+keeps 1/N of each parameter (dim-0 shards), of its gradient and of the AdamW state built on it, and all-gathers a
+layer's parameters only while that layer runs. The teacher is sharded the same way, without an optimiser: streaming
+its logits from one rank would need that rank to hold the whole teacher, the memory FSDP is chosen to avoid.
+
+The model that uptraining shards is a structural copy of the caller's (the same modules, sharing no tensor once
+sharded); the caller's own model gives up its tensors for the run (meta placeholders) and gets the trained values
+back at the end, gathered whole on every rank (`get_model_state_dict(full_state_dict=True)`), so what follows
+(saving on rank 0, perplexity on every rank) sees an ordinary model, the same module objects as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from headlab.core import distributed
+from headlab.core.loading import LoadedModel
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers: modules whose class the model names in `_no_split_modules` (transformers' unit of device
+    placement, one per layer), in model order; none for a model that names none (then only the root is sharded)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if module is not model and type(module).__name__ in names]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameters, gradients and AdamW state); an ordinary tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor (clip_grad_norm_'s total norm over shards: a collective every rank runs)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def local_bytes(*modules: nn.Module | None, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this process holds of the modules' distinct parameters (local shards under FSDP) and of the optimiser's
+    state tensors (AdamW: exp_avg, exp_avg_sq, step): {"parameters", "optimiser_state", "total"}."""
+    seen, parameters = set(), 0
+    for module in modules:
+        for param in module.parameters() if module is not None else ():
+            if id(param) not in seen:
+                seen.add(id(param))
+                shard = local(param)
+                parameters += shard.numel() * shard.element_size()
+    state = 0
+    for values in optimizer.state.values() if optimizer is not None else ():
+        for value in values.values():
+            if isinstance(value, torch.Tensor):
+                shard = local(value)
+                state += shard.numel() * shard.element_size()
+    return {"parameters": parameters, "optimiser_state": state, "total": parameters + state}
+
+
+def _placeholders(model: nn.Module) -> dict[int, nn.Parameter]:
+    """Put a meta tensor of the same shape, dtype and requires_grad in place of every parameter of `model` (one per
+    parameter object, so tied parameters stay tied); returns id(original) -> placeholder."""
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+    return made
+
+
+def _fill(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Give `model` (its parameters meta placeholders) the gathered values, keeping tied parameters one object."""
+    aliases: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+    model.load_state_dict(state, strict=False, assign=True)  # assign: the values become the parameters, no copy
+    for names in aliases.values():
+        loaded = [model.get_parameter(n) for n in names if not model.get_parameter(n).is_meta]
+        for name in names if loaded else ():  # a tied parameter the state dict named once: every alias gets it
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, loaded[0])
+    empty = [name for name, param in model.named_parameters() if param.is_meta]
+    if empty:
+        raise RuntimeError(f"the gathered FSDP state dict lacks {', '.join(empty[:3])}")
+
+
+@contextlib.contextmanager
+def sharded(loaded: LoadedModel, trained: set[str] | None = None) -> Iterator[LoadedModel]:
+    """Yields a LoadedModel of a copy of loaded.model sharded with FSDP2 over the torchrun world (decoder layers,
+    then the root); `trained`: names of the parameters to train (requires_grad set before sharding, so FSDP
+    reduces gradients for those alone), None to keep the flags. On a normal exit loaded.model holds the sharded
+    copy's values, gathered whole on every rank; after an error it is left without them (the command stops).
+    Every rank must enter and leave together (collectives)."""
+    distributed.init(loaded.device, even_alone=True)
+    if loaded.device.type == "cuda":
+        torch.cuda.set_device(loaded.device)  # the mesh's device is the current one: this rank's GPU
+    model = loaded.model
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    work = copy.deepcopy(model, memo=dict(tensors))  # the same modules again, sharing every tensor: no copy of weights
+    _placeholders(model)  # the caller's model lets go of them, so sharding frees the whole tensors
+    if trained is not None:
+        for name, param in work.named_parameters():
+            param.requires_grad_(name in trained)
+    mesh = init_device_mesh(loaded.device.type, (distributed.world_size(),))
+    for block in blocks(work):
+        fully_shard(block, mesh=mesh)
+    fully_shard(work, mesh=mesh)
+    yield replace(loaded, model=work)
+    full = get_model_state_dict(work, options=StateDictOptions(full_state_dict=True))  # every rank: whole tensors
+    del work
+    _fill(model, full)
+
+
+__all__ = ["blocks", "full_value", "local", "local_bytes", "sharded"]
