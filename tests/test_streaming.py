@@ -82,6 +82,20 @@ def test_expand_then_pool_back_is_bit_exact(tmp_path):
     assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
 
 
+def test_a_config_without_architectures_converts(tmp_path):
+    """config.json need not name its class (random-shape checkpoints and some hand-written configs don't): the class
+    comes from the Auto mapping of the config's type, and the output equals the one converted with the name."""
+    tiny_model("llama").save_pretrained(tmp_path / "named")
+    tiny_model("llama").save_pretrained(tmp_path / "nameless")
+    config = json.loads((tmp_path / "nameless" / "config.json").read_text())
+    del config["architectures"]
+    (tmp_path / "nameless" / "config.json").write_text(json.dumps(config))
+    for name in ("named", "nameless"):
+        convert_streaming(tmp_path / name, 1, tmp_path / f"{name}-out", progress=False)
+    named, nameless = stored_tensors(tmp_path / "named-out"), stored_tensors(tmp_path / "nameless-out")
+    assert named.keys() == nameless.keys() and all(torch.equal(named[k], nameless[k]) for k in named)
+
+
 def test_bfloat16_checkpoints_stay_bfloat16(tmp_path):
     tiny_model("qwen3").to(torch.bfloat16).save_pretrained(tmp_path / "source")
     record = convert_streaming(tmp_path / "source", 1, tmp_path / "out", progress=False)

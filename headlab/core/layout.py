@@ -143,12 +143,17 @@ def auto_class(adapter: Adapter):
 
 def model_class(config, adapter):
     """The class the checkpoint was saved from (config.architectures, e.g. a multimodal wrapper whose names differ
-    from its text model's), else the adapter's Auto class."""
+    from its text model's), else the concrete class the adapter's Auto class maps this config to (an Auto class
+    cannot be instantiated from a config directly, and a config written without `architectures` is valid)."""
     for name in getattr(config, "architectures", None) or []:
         cls = getattr(transformers, name, None)
         if cls is not None:
             return cls
-    return auto_class(adapter)
+    auto = auto_class(adapter)
+    try:
+        return auto._model_mapping[type(config)]
+    except KeyError:
+        return auto
 
 
 def load_pruned(source, config, adapter: Adapter, **kwargs):
