@@ -182,6 +182,12 @@ CASES = [
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--steps", "99999999999"], "--steps"),
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--objective", "mse"], "mse"),
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--recover", "local,global"], "global"),
+    # FSDP2 shards over torchrun's processes: without torchrun it is refused, not ignored (tests/test_uptrain_fsdp.py)
+    (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--parallel", "fsdp"], "torchrun"),
+    (
+        ["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "uptrain", "--recover-parallel", "fsdp"],
+        "--recover-parallel fsdp shards over torchrun",
+    ),
     (
         [
             "convert-gqa",

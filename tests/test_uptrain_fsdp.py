@@ -1,0 +1,143 @@
+"""Uptraining sharded with FSDP2 (`--parallel fsdp`) under torchrun on CPU (gloo): 2 processes train as one.
+
+Under fsdp --batch-size is the batch of all processes together (each takes batch / N windows of the same shuffled
+order), so the one-process run compared is the plain run of the same command line. When every window of the steps
+run is full length (tests/test_uptrain_distributed.py checks that premise for these settings), the mean of the
+ranks' per-token means, which FSDP's averaged gradients follow, is the one process's per-token mean."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
+
+from headlab.core.loading import from_model
+from headlab.kv import gqa
+
+STEPS, SEQ_LEN, BATCH, HELDOUT = 3, 32, 4, 128
+
+
+def launch(args: list, nproc: int | None) -> subprocess.CompletedProcess:
+    """`headlab ARGS` under torchrun with `nproc` processes, or as one plain process (nproc None)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launcher = command if nproc is not None else [sys.executable]
+    return subprocess.run(
+        [*launcher, "-m", "headlab", *map(str, args)], capture_output=True, text=True, env=env, timeout=240
+    )
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """(teacher dir, student dir, corpus file): the tiny llama and its 2 -> 1 KV-head mean-pooled copy."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("uptrain-fsdp")
+    teacher = save_tiny("llama", root / "teacher")
+    student = from_model(AutoModelForCausalLM.from_pretrained(teacher))
+    gqa.convert(student, 1)
+    student.model.save_pretrained(root / "student")
+    tiny_tokenizer().save_pretrained(root / "student")
+    corpus = root / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 6)
+    return teacher, root / "student", corpus
+
+
+def common(pair) -> list:
+    teacher, student, corpus = pair
+    return ["uptrain", "--student", student, "--teacher", teacher, "--data", corpus, "--device", "cpu"]
+
+
+def test_two_fsdp_processes_train_as_one_process_with_the_same_command(pair, tmp_path):
+    args = common(pair)
+    # cross-entropy at a high lr: the tiny model learns the text's characters at once, so a trained state is kept
+    args += ["--objective", "ce", "--steps", STEPS, "--lr", "1e-2", "--seq-len", SEQ_LEN, "--batch-size", BATCH]
+    args += ["--heldout-tokens", HELDOUT, "--eval-tokens", "0", "--eval-seq-len", SEQ_LEN, "--no-gradient-checkpointing"]
+    runs, metas = {}, {}
+    for nproc in (None, 2):
+        out = tmp_path / f"up-{nproc}"
+        done = launch([*args, "--out", out, *(["--parallel", "fsdp"] if nproc else [])], nproc)
+        assert done.returncode == 0, done.stderr[:3000]
+        assert done.stdout.count("written:") == 1  # rank 0 alone writes and prints
+        runs[nproc] = (pd.read_csv(out / "recovery" / "curve.csv"), load_file(out / "model.safetensors"))
+        metas[nproc] = json.loads((out / "recovery" / "meta.json").read_text())["uptrain"]
+    (one, weights_one), (two, weights_two) = runs[None], runs[2]
+    assert (metas[None]["processes"], metas[2]["processes"], metas[2]["parallel"]) == (1, 2, "fsdp")
+    assert metas[None]["kept_step"] == metas[2]["kept_step"] > 0
+    assert list(one["tokens"]) == list(two["tokens"]) == [step * BATCH * SEQ_LEN for step in range(STEPS + 1)]
+    for column in ("loss", "ce", "grad_norm"):
+        assert two[column].to_numpy() == pytest.approx(one[column].to_numpy(), abs=1e-5, nan_ok=True), column
+    assert two["heldout_perplexity"].to_numpy() == pytest.approx(one["heldout_perplexity"].to_numpy(), rel=1e-5)
+    assert weights_one.keys() == weights_two.keys()
+    moved, original = 0.0, load_file(pair[1] / "model.safetensors")
+    for name, tensor in weights_one.items():
+        torch.testing.assert_close(weights_two[name], tensor, rtol=0, atol=1e-5, msg=name)
+        moved = max(moved, float((tensor - original[name]).abs().max()))
+    assert moved > 1e-4  # trained weights were compared (kept step > 0), so closeness is not vacuous
+    # each process holds half the shards (plus FSDP's padding) of the student, the teacher and the AdamW state
+    alone, sharded = metas[None]["sharded_bytes_per_process"], metas[2]["sharded_bytes_per_process"]
+    assert metas[None]["bytes_per_process"]["optimiser_state"] > 0
+    assert sharded <= 0.6 * alone, (sharded, alone)
+
+
+def test_fsdp_with_a_teacher_checkpointing_and_uneven_eval_windows(pair, tmp_path):
+    """KL to the sharded teacher, activation checkpointing on, and eval windows that split 3 / 2 over the ranks
+    (the rank with fewer runs a stand-in forward, or FSDP's all-gathers would wait forever): the one process's
+    curve."""
+    args = [*common(pair), "--steps", "2", "--lr", "1e-2", "--seq-len", SEQ_LEN, "--batch-size", "2"]
+    args += ["--heldout-tokens", HELDOUT, "--eval-tokens", "200", "--eval-seq-len", "48"]
+    curves = {}
+    for nproc in (None, 2):
+        out = tmp_path / f"kl-{nproc}"
+        done = launch([*args, "--out", out, *(["--parallel", "fsdp"] if nproc else [])], nproc)
+        assert done.returncode == 0, done.stderr[:3000]
+        curves[nproc] = pd.read_csv(out / "recovery" / "curve.csv")
+    for column in ("kl", "perplexity", "heldout_perplexity"):
+        one, two = curves[None][column].to_numpy(), curves[2][column].to_numpy()
+        assert two == pytest.approx(one, rel=1e-5, nan_ok=True), column
+
+
+def test_a_world_that_does_not_divide_the_batch_stops_every_rank_before_any_work(pair, tmp_path):
+    out = tmp_path / "never"
+    done = launch([*common(pair), "--parallel", "fsdp", "--batch-size", "3", "--out", out], 2)
+    # torchrun exits 1 and reports its ranks' exit status 2 (with its own traceback, after theirs: one line each)
+    assert done.returncode == 1 and "exitcode: 2" in done.stderr
+    ranks = done.stderr.split("torch/distributed/elastic")[0].strip().splitlines()[:-1]  # before the launcher's report
+    assert len(ranks) == 2 and all(line.startswith("headlab: error:") for line in ranks), done.stderr[:2000]
+    assert "--batch-size 3 is not divisible by the 2 torchrun processes" in ranks[0]
+    assert not out.exists()
+
+
+def _bad(args, tmp_path, monkeypatch, capsys) -> str:
+    """Run in-process as torchrun's rank 0 would (its environment); exit 2, one stderr line, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli([str(a) for a in args], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and out == "" and len(lines) == 1 and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+    return lines[0]
+
+
+def test_the_batch_check_reads_the_launchers_world(pair, tmp_path, monkeypatch, capsys):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)  # read before any process group: none is joined
+    line = _bad([*common(pair), "--parallel", "fsdp", "--out", "up"], tmp_path, monkeypatch, capsys)
+    assert "--batch-size 4 is not divisible by the 3 torchrun processes" in line and "--parallel fsdp" in line
+
+
+def test_a_disk_too_small_for_the_checkpoint_stops_fsdp_before_training(pair, tmp_path, monkeypatch, capsys):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)  # a torchrun world of one: no process group before the sharding
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    args = [*common(pair), "--parallel", "fsdp", "--seq-len", SEQ_LEN, "--eval-seq-len", SEQ_LEN, "--out", Path("up")]
+    line = _bad(args, tmp_path, monkeypatch, capsys)
+    assert "1000 B free" in line and "the loaded model's weights" in line, line
