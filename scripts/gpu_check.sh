@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short GPU check for a lent CUDA machine (about 15 minutes of device time): the cuda tests, the CLI on the
-# embedded model, and the stats/importance/eval benchmarks. Logs and benchmark results go to $OUT (or gpu-check/).
+# embedded model, FSDP2 uptraining with NCCL, and the stats/importance/eval benchmarks. Logs and benchmark results go to $OUT (or gpu-check/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-check}"
@@ -29,6 +29,16 @@ step device_map_eval headlab eval --device cuda --device-map auto --dtype bfloat
 step prune_bf16 headlab prune --device cuda --dtype bfloat16 --fraction 0.2 --mode physical --out "$OUT/runs/pruned" --overwrite
 step convert_bf16 headlab convert-gqa --device cuda --dtype bfloat16 --kv-heads 1 --out "$OUT/runs/mqa" --overwrite
 step streaming headlab convert-gqa --streaming --kv-heads 1 --out "$OUT/runs/mqa-streamed" --overwrite
+# FSDP2 uptraining on CUDA with NCCL (issue #34, item 3), under a minute: the MQA student of convert_bf16 towards the
+# embedded model, 4 steps. Two processes where there are two GPUs; with one GPU a torchrun world of one (NCCL refuses
+# two ranks on one device), which checks the FSDP path, the NCCL group and the gathered save, not the sharing.
+NPROC=$(python -c "import torch; print(min(2, torch.cuda.device_count()))" 2>/dev/null || echo 1)
+[ "$NPROC" -ge 1 ] || NPROC=1
+echo "   uptrain_fsdp: --nproc-per-node $NPROC" | tee -a "$OUT/summary.txt"
+step uptrain_fsdp timeout 120 python -m torch.distributed.run --standalone --nproc-per-node "$NPROC" -m headlab uptrain \
+    --student "$OUT/runs/mqa" --device cuda --parallel fsdp --steps 4 --seq-len 128 --batch-size "$((2 * NPROC))" \
+    --heldout-tokens 512 --eval-tokens 0 --out "$OUT/runs/uptrain-fsdp" --overwrite
+step uptrain_fsdp_bytes python -c "import json, sys; m = json.load(open(sys.argv[1]))['uptrain']; print(m['processes'], m['parallel'], m['bytes_per_process'])" "$OUT/runs/uptrain-fsdp/recovery/meta.json"
 step benchmark python scripts/benchmark.py --case stats --case importance --case eval --device cuda --repeats 3
 # Long context at 2k/4k/8k (issues #30 and #32: the rungs' needles and NLL by position, the KV policy against
 # structural compression at equal bytes), at most 5 minutes each: what 2 CPU cores cannot afford (an 8k prompt is

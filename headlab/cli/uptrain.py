@@ -39,7 +39,14 @@ def training_options(function):
         click.option("--objective", type=click.Choice(OBJECTIVES), default="kl", show_default=True),
         click.option("--ce-weight", type=float, default=0.5, show_default=True, help="CE share of --objective mixed"),
         click.option("--seq-len", type=int, default=256, show_default=True, help="tokens per training window"),
-        click.option("--batch-size", type=int, default=4, show_default=True, help="windows per micro-batch"),
+        click.option(
+            "--batch-size",
+            type=int,
+            default=4,
+            show_default=True,
+            help="windows per micro-batch (under torchrun: per process with --parallel data, of all processes "
+            "together with --parallel fsdp)",
+        ),
         click.option(
             "--long-seq-len",
             type=int,
