@@ -2,7 +2,9 @@
 
 Started with `torchrun --nproc-per-node N -m headlab COMMAND ...`, every process loads the model, runs the windows
 `shard()` gives it, and `all_reduce_sum()` adds the accumulators, so the numbers equal one process's (up to
-floating-point summation order). Without torchrun everything here is a no-op.
+floating-point summation order). Without torchrun everything here is a no-op. FSDP2 uptraining (headlab.recovery.fsdp)
+joins a group even of one process (`init(even_alone=True)`), and `lockstep()` tells code that runs forwards per rank
+that a sharded model needs every rank in each of them.
 """
 
 from __future__ import annotations
