@@ -82,6 +82,37 @@ def test_expand_then_pool_back_is_bit_exact(tmp_path):
     assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)
 
 
+def test_shard_writer_writes_safetensors_that_load_back(tmp_path):
+    """The write-through writer's files are ordinary safetensors: every dtype, an empty tensor and a scalar read back
+    equal through safetensors itself, split into shards of at most max_bytes (one tensor alone may exceed it)."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5, dtype=torch.float16),
+        "big": torch.randn(40),
+        "mask": torch.tensor([True, False]),
+    }
+    writer = streaming._ShardWriter(tmp_path, max_bytes=64)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    names = writer.finish()
+    assert len(names) > 1 and not (tmp_path / "spill.bin").exists()
+    back = {}
+    for name in names:
+        part = load_file(tmp_path / name)
+        assert sum(t.numel() * t.element_size() for t in part.values()) <= 64 or len(part) == 1
+        back |= part
+    assert back.keys() == tensors.keys()
+    assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in tensors.items())
+    index = json.loads((tmp_path / streaming.INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == writer.total_bytes
+
+
 def test_a_config_without_architectures_converts(tmp_path):
     """config.json need not name its class (random-shape checkpoints and some hand-written configs don't): the class
     comes from the Auto mapping of the config's type, and the output equals the one converted with the name."""

@@ -87,7 +87,7 @@ def streaming_options(function):
         "--max-shard-size",
         default="5GB",
         show_default=True,
-        help="with --streaming: largest output shard (peak memory is about one shard plus one block)",
+        help="with --streaming: largest output shard (shards are assembled on disk: peak memory is about one block or the largest tensor)",
     )(function)
     return click.option(
         "--streaming",

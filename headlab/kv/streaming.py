@@ -4,7 +4,8 @@ models larger than RAM; the same arithmetic as `headlab.kv.gqa.convert`, without
 The model's skeleton is built on the meta device (no storage) only to learn names and layouts. Every tensor outside
 the attention modules (embeddings, MLPs or experts, norms) is copied through as stored; each attention module is
 materialised from the files, converted through its adapter, written out and dropped. Output shards are cut at
-`max_shard_bytes`, so peak memory is about one output shard plus one attention module, whatever the model's size.
+`max_shard_bytes` and assembled on disk (each tensor spills to a file as it comes), so peak memory is about one
+attention module or the largest single tensor, whatever the model's or the shard's size.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
@@ -78,32 +78,64 @@ def skeleton(config):
     return model, adapter
 
 
+# safetensors' dtype names (the format's header), for the tensors a checkpoint holds.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+COPY_CHUNK = 64 * 2**20  # bytes moved at a time from the spill file into a shard
+
+
 class _ShardWriter:
-    """Collects tensors and writes a shard whenever `max_bytes` would be exceeded; `finish` names them
+    """Writes tensors into safetensors shards of at most `max_bytes` without holding a shard in memory: each tensor's
+    bytes go straight to a spill file as it arrives, and a full shard is assembled on disk (8-byte header length,
+    the JSON header with every tensor's dtype, shape and data offsets, then the bytes, copied in COPY_CHUNK pieces),
+    so memory holds one tensor at a time whatever the shard size. `finish` names the shards
     model-0000i-of-0000n.safetensors (or model.safetensors when one suffices) and writes the index."""
 
     def __init__(self, directory: Path, max_bytes: int):
         self.directory, self.max_bytes = directory, max_bytes
-        self.pending: dict[str, torch.Tensor] = {}
+        self.spill_path = directory / "spill.bin"
+        self.spill = None
+        self.pending: list[tuple[str, str, list[int], int]] = []  # (name, dtype, shape, bytes), in spill order
         self.pending_bytes = 0
         self.shards: list[tuple[str, list[str]]] = []  # (temporary name, keys)
         self.total_bytes = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in SAFETENSORS_DTYPES:
+            raise HeadlabError(f"{name}: dtype {tensor.dtype} has no safetensors name")
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
             self.flush()
-        self.pending[name] = tensor.contiguous()
+        if self.spill is None:
+            self.spill = open(self.spill_path, "wb")  # closed by flush, once the shard is full
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        self.spill.write(memoryview(data.view(torch.uint8).numpy()) if size else b"")
+        self.pending.append((name, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), size))
         self.pending_bytes += size
         self.total_bytes += size
 
     def flush(self) -> None:
         if not self.pending:
             return
+        self.spill.close()
+        self.spill = None
+        header, offset = {}, 0
+        for name, dtype, shape, size in self.pending:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        header["__metadata__"] = {"format": "pt"}
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
         name = f"part-{len(self.shards):05d}.safetensors"
-        save_file(self.pending, str(self.directory / name), metadata={"format": "pt"})
-        self.shards.append((name, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
+        with open(self.directory / name, "wb") as shard, open(self.spill_path, "rb") as spill:
+            shard.write(len(encoded).to_bytes(8, "little"))
+            shard.write(encoded)
+            shutil.copyfileobj(spill, shard, COPY_CHUNK)
+        self.spill_path.unlink()
+        self.shards.append((name, [entry[0] for entry in self.pending]))
+        self.pending, self.pending_bytes = [], 0
 
     def finish(self) -> list[str]:
         self.flush()
