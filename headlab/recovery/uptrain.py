@@ -592,7 +592,7 @@ def _train(run: _Run, best: _Best, rows: list[dict], start: float, progress: boo
     try:
         for p in model.parameters():
             p.requires_grad_(id(p) in trained)
-        while step < total and time.perf_counter() < deadline:
+        while step < total and not _late(deadline):
             step += 1
             lr = learning_rate(step, total, config)
             row = _train_step(
@@ -600,7 +600,7 @@ def _train(run: _Run, best: _Best, rows: list[dict], start: float, progress: boo
             )
             tokens_seen += row["tokens"]
             row.update(step=step, tokens=tokens_seen, heldout_perplexity=math.nan, perplexity=math.nan)
-            _checkpoints(run, best, row, total, last=step >= total or time.perf_counter() >= deadline)
+            _checkpoints(run, best, row, total, last=step >= total or _late(deadline))
             row["seconds"] = time.perf_counter() - start
             rows.append(row)
             bar.update(1)
@@ -622,6 +622,14 @@ def _train(run: _Run, best: _Best, rows: list[dict], start: float, progress: boo
         "gradient_checkpointing": checkpointing,
         "dead_heads_kept": kept_dead,
     }
+
+
+def _late(deadline: float) -> bool:
+    """Past the --minutes deadline, as every rank agrees (the latest clock decides): under torchrun all ranks stop on
+    the same step, or the collectives of the next one (gradients, FSDP's all-gathers) would wait for a rank gone."""
+    if deadline == math.inf:
+        return False
+    return bool(distributed.all_reduce_max(float(time.perf_counter() >= deadline)))
 
 
 def _checkpoints(run: _Run, best: _Best, row: dict, total: int, last: bool) -> None:
