@@ -88,5 +88,7 @@ def all_reduce_max(value: float) -> float:
     if not active():
         return value
     tensor = torch.tensor([value], dtype=torch.float64)
+    if dist.get_backend() == "nccl":  # NCCL reduces CUDA tensors only
+        tensor = tensor.cuda()
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return float(tensor)

@@ -104,7 +104,7 @@ def sharded(loaded: LoadedModel, trained: set[str] | None = None) -> Iterator[Lo
     copy's values, gathered whole on every rank; after an error it is left without them (the command stops).
     Every rank must enter and leave together (collectives)."""
     distributed.init(loaded.device, even_alone=True)
-    if loaded.device.type == "cuda":
+    if loaded.device.type == "cuda" and loaded.device.index is not None:
         torch.cuda.set_device(loaded.device)  # the mesh's device is the current one: this rank's GPU
     model = loaded.model
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
