@@ -185,7 +185,19 @@ CASES = [
     # FSDP2 shards over torchrun's processes: without torchrun it is refused, not ignored (tests/test_uptrain_fsdp.py)
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--parallel", "fsdp"], "torchrun"),
     (
-        ["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "uptrain", "--recover-parallel", "fsdp"],
+        [
+            "prune",
+            "--model",
+            "{llama}",
+            *M,
+            *DATA,
+            "--heads",
+            "0:0",
+            "--recover",
+            "uptrain",
+            "--recover-parallel",
+            "fsdp",
+        ],
         "--recover-parallel fsdp shards over torchrun",
     ),
     (

@@ -61,7 +61,15 @@ def test_two_fsdp_processes_train_as_one_process_with_the_same_command(pair, tmp
     args = common(pair)
     # cross-entropy at a high lr: the tiny model learns the text's characters at once, so a trained state is kept
     args += ["--objective", "ce", "--steps", STEPS, "--lr", "1e-2", "--seq-len", SEQ_LEN, "--batch-size", BATCH]
-    args += ["--heldout-tokens", HELDOUT, "--eval-tokens", "0", "--eval-seq-len", SEQ_LEN, "--no-gradient-checkpointing"]
+    args += [
+        "--heldout-tokens",
+        HELDOUT,
+        "--eval-tokens",
+        "0",
+        "--eval-seq-len",
+        SEQ_LEN,
+        "--no-gradient-checkpointing",
+    ]
     runs, metas = {}, {}
     for nproc in (None, 2):
         out = tmp_path / f"up-{nproc}"
@@ -180,3 +188,12 @@ def test_the_sharded_copy_gives_its_trained_values_back_with_tied_embeddings(tmp
     tests = Path(__file__).parent
     done = subprocess.run([*map(str, command), str(tests)], capture_output=True, text=True, env=env, timeout=240)
     assert done.returncode == 0 and done.stdout.count("round trip ok") == 2, done.stderr[-3000:]
+
+
+def test_a_device_map_and_fsdp_are_refused_together(pair, tmp_path, monkeypatch, capsys):
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    line = _bad(
+        [*common(pair), "--parallel", "fsdp", "--device-map", "auto", "--out", "up"], tmp_path, monkeypatch, capsys
+    )
+    assert "--device-map auto" in line and "--parallel fsdp" in line

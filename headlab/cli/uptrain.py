@@ -122,6 +122,11 @@ def command(
     recipe["gradient_checkpointing"] = not recipe.pop("no_gradient_checkpointing")
     config = UptrainConfig(**recipe, minutes=minutes)
     config.check()  # every setting before any model is loaded
+    if device_map is not None and config.parallel == "fsdp":
+        raise HeadlabError(
+            "--device-map auto spreads one process's model over the GPUs and --parallel fsdp shards it over "
+            "torchrun's processes: choose one"
+        )
     spec = RecoverySpec(stages=parse_stages(stages), minutes=minutes, uptrain=config)
     spec.check()
     out = out or Path("headlab-uptrained")

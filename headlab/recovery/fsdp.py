@@ -75,7 +75,9 @@ def _placeholders(model: nn.Module) -> dict[int, nn.Parameter]:
             if param is None:
                 continue
             if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+                made[id(param)] = nn.Parameter(
+                    torch.empty_like(param, device="meta"), requires_grad=param.requires_grad
+                )
             module._parameters[name] = made[id(param)]
     return made
 

@@ -551,6 +551,9 @@ def _check(student, teacher, corpus, text_column, config: UptrainConfig) -> Corp
     if teacher is not None:
         check_pair(student, teacher)
     check_resident(student, "uptraining")
+    dispatched = [m.spec for m in (student, teacher) if m is not None and getattr(m.model, "hf_device_map", None)]
+    if config.parallel == "fsdp" and dispatched:  # accelerate's hooks move activations; FSDP would shard under them
+        raise HeadlabError(f"parallel=fsdp cannot shard {dispatched[0]}: it is spread over devices by a device map")
     return corpus if isinstance(corpus, Corpus) else load_corpus(corpus, text_column)
 
 
