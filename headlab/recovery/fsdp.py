@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from headlab.core import distributed
@@ -49,9 +49,14 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(*modules: nn.Module | None, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes this process holds of the modules' distinct parameters (local shards under FSDP) and of the optimiser's
-    state tensors (AdamW: exp_avg, exp_avg_sq, step): {"parameters", "optimiser_state", "total"}."""
+    state tensors (AdamW: exp_avg, exp_avg_sq, step): {"parameters", "optimiser_state", "total"}. FSDP modules are
+    resharded first: FSDP2 leaves the root's parameters (embeddings, final norm, LM head) gathered after a forward,
+    for the backward that usually follows, and parameters() would then count them whole."""
     seen, parameters = set(), 0
     for module in modules:
+        for sub in module.modules() if module is not None else ():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()  # frees the gathered copy; local, no collective
         for param in module.parameters() if module is not None else ():
             if id(param) not in seen:
                 seen.add(id(param))
