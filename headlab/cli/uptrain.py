@@ -10,7 +10,7 @@ import click
 from headlab.cli.options import guard, guard_checkpoint_space
 from headlab.core.errors import HeadlabError
 from headlab.core.model_names import DEFAULT_MODEL, DTYPE_NAMES
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL, TRAINED
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED
 
 
 def training_options(function):
@@ -56,6 +56,14 @@ def training_options(function):
         ),
         click.option(
             "--long-every", type=int, default=4, show_default=True, help="every N-th step trains on long windows"
+        ),
+        click.option(
+            "--long-kind",
+            type=click.Choice(LONG_KINDS),
+            default="text",
+            show_default=True,
+            help="what the long windows hold: text (calibration windows) or retrieval (synthetic key-value needle "
+            "prompts over the calibration text, distilled on the answer alone)",
         ),
         click.option("--heldout-tokens", type=int, default=2048, show_default=True, help="held-out calibration"),
         click.option("--eval-every", type=int, default=None, help="steps between eval-split perplexities"),

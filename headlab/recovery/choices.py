@@ -8,6 +8,9 @@ OBJECTIVES = ("kl", "ce", "mixed")
 # Uptraining under torchrun: data (every rank a whole copy, gradients all-reduced) or fsdp (FSDP2: parameters,
 # gradients and AdamW state sharded over the ranks; headlab.recovery.fsdp).
 PARALLEL = ("data", "fsdp")
+# What uptraining's long windows hold: text (calibration windows) or retrieval (synthetic needle prompts over the
+# calibration text, scored on the answer: headlab.recovery.retrieval_windows).
+LONG_KINDS = ("text", "retrieval")
 # Chosen by measurement on held-out calibration text (never the eval split); the evidence is in docs/recovery.md.
 DEFAULT_LR = 3e-5
 # The default budget: 64 steps of 4 x 256 tokens (65,536 tokens), about what the former 10-minute default trained on a

@@ -45,8 +45,9 @@ from headlab.core.loading import LoadedModel, check_resident
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.recompute import activation_checkpointing
 from headlab.recovery import fsdp
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL, TRAINED
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED
 from headlab.recovery.reconstruct import check_pair, dead_heads, dead_heads_kept
+from headlab.recovery.retrieval_windows import RETRIEVAL_TASKS, retrieval_batches
 
 
 @dataclass
@@ -96,6 +97,9 @@ class UptrainConfig:
     # micro-batch, so what recovery restores includes attention over long distances (retrieval), not only 256 tokens.
     long_seq_len: int = 0
     long_every: int = 4
+    # What the long windows hold: text (calibration windows) or retrieval (synthetic key-value needle prompts over the
+    # calibration text, distilled on the answer alone: headlab.recovery.retrieval_windows).
+    long_kind: str = "text"
     trained: str = "attention"  # attention | norms (attention + every norm) | all
     objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed
     ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
@@ -125,6 +129,10 @@ class UptrainConfig:
             raise HeadlabError(f"clip={self.clip} must be >= 0")
         if self.long_seq_len and self.long_seq_len < 2:
             raise HeadlabError(f"long_seq_len={self.long_seq_len} must be 0 (no long windows) or >= 2")
+        if self.long_kind not in LONG_KINDS:
+            raise HeadlabError(f"unknown long_kind={self.long_kind!r}; use one of {', '.join(LONG_KINDS)}")
+        if self.long_kind == "retrieval" and not self.long_seq_len:
+            raise HeadlabError("long_kind='retrieval' needs long_seq_len (the retrieval windows' length)")
         for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len", "long_every"):
             if getattr(self, name) < 1:
                 raise HeadlabError(f"{name}={getattr(self, name)} must be >= 1")
@@ -273,7 +281,7 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
     optimizer.zero_grad(set_to_none=True)
     sums, tokens, epoch = {"loss": 0.0, "kl": 0.0, "ce": 0.0}, 0, 0
     for _ in range(config.accumulation):
-        input_ids, attention_mask, epoch = next(stream)
+        input_ids, attention_mask, epoch, *scored = next(stream)  # retrieval windows add a mask of scored positions
         teacher_logits = None
         if config.objective != "ce":
             with torch.no_grad():
@@ -286,7 +294,7 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
         ids, mask = input_ids.to(device), attention_mask.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        kl, ce = token_losses(logits, teacher_logits, ids, mask.bool())
+        kl, ce = token_losses(logits, teacher_logits, ids, scored[0] if scored else mask.bool())
         loss = objective_value(kl, ce, config)
         if not torch.isfinite(loss):
             raise HeadlabError(
@@ -395,11 +403,13 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
         config = replace(config, batch_size=config.batch_size // distributed.world_size())
     if config.long_seq_len:  # one long window per micro-batch and rank (under fsdp too: a window is not split)
         long = replace(config, seq_len=config.long_seq_len, batch_size=1, seed=config.seed + 1)
-        record["long_windows"] = {"seq_len": config.long_seq_len, "every": config.long_every}
-        streams = (
-            stream_batches(tokenizer, train_text, config, pad_id),
-            stream_batches(tokenizer, train_text, long, pad_id),
-        )
+        record["long_windows"] = {"seq_len": config.long_seq_len, "every": config.long_every, "kind": config.long_kind}
+        if config.long_kind == "retrieval":
+            long_stream = retrieval_batches(tokenizer, train_text, config.long_seq_len, config.seed)
+            record["long_windows"] |= {"tasks": list(RETRIEVAL_TASKS), "loss": "the answer tokens and the newline"}
+        else:
+            long_stream = stream_batches(tokenizer, train_text, long, pad_id)
+        streams = (stream_batches(tokenizer, train_text, config, pad_id), long_stream)
     else:
         streams = (stream_batches(tokenizer, train_text, config, pad_id), None)
     return streams, heldout, record
