@@ -7,46 +7,23 @@ losses, the kept step and the saved weights agree up to floating-point summation
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_text import SAMPLE_TEXT, save_tiny, tiny_tokenizer
+from tiny_text import launch_headlab, saved_kv_pair, tiny_tokenizer
 
 from headlab.core.data import Corpus, split_text
-from headlab.core.loading import from_model
-from headlab.kv import gqa
 from headlab.recovery.uptrain import UptrainConfig, heldout_split, stream_batches
 
 STEPS, SEQ_LEN, BATCH, HELDOUT = 3, 32, 4, 128
 
 
-def torchrun(args: list, nproc: int) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(
-        [*command, "-m", "headlab", *map(str, args)], capture_output=True, text=True, env=env, timeout=240
-    )
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(teacher dir, student dir, corpus file): the tiny llama and its 2 -> 1 KV-head mean-pooled copy."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("uptrain-dist")
-    teacher = save_tiny("llama", root / "teacher")
-    student = from_model(AutoModelForCausalLM.from_pretrained(teacher))
-    gqa.convert(student, 1)
-    student.model.save_pretrained(root / "student")
-    tiny_tokenizer().save_pretrained(root / "student")
-    corpus = root / "text.txt"
-    corpus.write_text(SAMPLE_TEXT * 6)
-    return teacher, root / "student", corpus
+    return saved_kv_pair(tmp_path_factory.mktemp("uptrain-dist"))
 
 
 def test_the_windows_of_the_steps_run_are_full_length(pair):
@@ -72,7 +49,7 @@ def test_two_processes_train_as_one_with_their_batches_together(pair, tmp_path):
     runs, kept = {}, {}
     for nproc in (1, 2):
         out = tmp_path / f"up-{nproc}"
-        done = torchrun([*common, "--batch-size", BATCH // nproc, "--out", out], nproc)
+        done = launch_headlab([*common, "--batch-size", BATCH // nproc, "--out", out], nproc)
         assert done.returncode == 0, done.stderr[:2000]  # the error comes first, the launcher's report after
         assert done.stdout.count("written:") == 1  # rank 0 alone writes and prints
         runs[nproc] = (pd.read_csv(out / "recovery" / "curve.csv"), load_file(out / "model.safetensors"))

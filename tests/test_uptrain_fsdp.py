@@ -18,38 +18,15 @@ import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
-
-from headlab.core.loading import from_model
-from headlab.kv import gqa
+from tiny_text import launch_headlab, run_cli, saved_kv_pair
 
 STEPS, SEQ_LEN, BATCH, HELDOUT = 3, 32, 4, 128
-
-
-def launch(args: list, nproc: int | None) -> subprocess.CompletedProcess:
-    """`headlab ARGS` under torchrun with `nproc` processes, or as one plain process (nproc None)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    launcher = command if nproc is not None else [sys.executable]
-    return subprocess.run(
-        [*launcher, "-m", "headlab", *map(str, args)], capture_output=True, text=True, env=env, timeout=240
-    )
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """(teacher dir, student dir, corpus file): the tiny llama and its 2 -> 1 KV-head mean-pooled copy."""
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("uptrain-fsdp")
-    teacher = save_tiny("llama", root / "teacher")
-    student = from_model(AutoModelForCausalLM.from_pretrained(teacher))
-    gqa.convert(student, 1)
-    student.model.save_pretrained(root / "student")
-    tiny_tokenizer().save_pretrained(root / "student")
-    corpus = root / "text.txt"
-    corpus.write_text(SAMPLE_TEXT * 6)
-    return teacher, root / "student", corpus
+    return saved_kv_pair(tmp_path_factory.mktemp("uptrain-fsdp"))
 
 
 def common(pair) -> list:
@@ -73,7 +50,7 @@ def test_two_fsdp_processes_train_as_one_process_with_the_same_command(pair, tmp
     runs, metas = {}, {}
     for nproc in (None, 2):
         out = tmp_path / f"up-{nproc}"
-        done = launch([*args, "--out", out, *(["--parallel", "fsdp"] if nproc else [])], nproc)
+        done = launch_headlab([*args, "--out", out, *(["--parallel", "fsdp"] if nproc else [])], nproc)
         assert done.returncode == 0, done.stderr[:3000]
         assert done.stdout.count("written:") == 1  # rank 0 alone writes and prints
         runs[nproc] = (pd.read_csv(out / "recovery" / "curve.csv"), load_file(out / "model.safetensors"))
@@ -106,7 +83,7 @@ def test_fsdp_with_a_teacher_checkpointing_and_uneven_eval_windows(pair, tmp_pat
     curves = {}
     for nproc in (None, 2):
         out = tmp_path / f"kl-{nproc}"
-        done = launch([*args, "--out", out, *(["--parallel", "fsdp"] if nproc else [])], nproc)
+        done = launch_headlab([*args, "--out", out, *(["--parallel", "fsdp"] if nproc else [])], nproc)
         assert done.returncode == 0, done.stderr[:3000]
         curves[nproc] = pd.read_csv(out / "recovery" / "curve.csv")
     for column in ("kl", "perplexity", "heldout_perplexity"):
@@ -116,7 +93,7 @@ def test_fsdp_with_a_teacher_checkpointing_and_uneven_eval_windows(pair, tmp_pat
 
 def test_a_world_that_does_not_divide_the_batch_stops_every_rank_before_any_work(pair, tmp_path):
     out = tmp_path / "never"
-    done = launch([*common(pair), "--parallel", "fsdp", "--batch-size", "3", "--out", out], 2)
+    done = launch_headlab([*common(pair), "--parallel", "fsdp", "--batch-size", "3", "--out", out], 2)
     # torchrun exits 1 and reports its ranks' exit status 2 (with its own traceback, after theirs: one line each)
     assert done.returncode == 1 and "exitcode: 2" in done.stderr
     ranks = done.stderr.split("torch/distributed/elastic")[0].strip().splitlines()[:-1]  # before the launcher's report

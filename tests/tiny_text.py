@@ -72,3 +72,35 @@ def parity_generate(loaded, prompts, max_new_tokens: int) -> list[str]:
             token = int(loaded.model(input_ids=ids).logits[0, -1].argmax())
         texts.append(prompt.answers[0] if token % 2 == 0 else "")
     return texts
+
+
+def launch_headlab(args: list, nproc: int | None):
+    """`headlab ARGS` under torchrun with `nproc` CPU processes (gloo), or as one plain process (nproc None)."""
+    import os
+    import subprocess
+    import sys
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    launcher = torchrun if nproc is not None else [sys.executable]
+    return subprocess.run(
+        [*launcher, "-m", "headlab", *map(str, args)], capture_output=True, text=True, env=env, timeout=240
+    )
+
+
+def saved_kv_pair(root: Path) -> tuple[Path, Path, Path]:
+    """(teacher dir, student dir, corpus file) under `root`: the tiny llama and its 2 -> 1 KV-head mean-pooled copy,
+    saved with the tiny tokenizer, and a text file to train on."""
+    from transformers import AutoModelForCausalLM
+
+    from headlab.core.loading import from_model
+    from headlab.kv import gqa
+
+    teacher = save_tiny("llama", root / "teacher")
+    student = from_model(AutoModelForCausalLM.from_pretrained(teacher))
+    gqa.convert(student, 1)
+    student.model.save_pretrained(root / "student")
+    tiny_tokenizer().save_pretrained(root / "student")
+    corpus = root / "text.txt"
+    corpus.write_text(SAMPLE_TEXT * 6)
+    return teacher, root / "student", corpus
