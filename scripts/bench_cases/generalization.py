@@ -18,16 +18,35 @@ PASSKEY = dict(lengths=(2048,), depths=(0.0, 0.5, 1.0), samples=2)  # 6 prompts,
 STEPS = int(os.environ.get("HEADLAB_BENCH_GEN_STEPS", 0)) or None  # None: the default recovery budget
 
 
+def perplexities(loaded, corpora: dict) -> dict:
+    """Perplexity on the first EVAL_TOKENS eval-split tokens of each corpus at SEQ_LEN ({name: corpus})."""
+    from headlab.measure.evaluate import perplexity
+
+    return {
+        name: perplexity(loaded, corpus, split="eval", seq_len=SEQ_LEN, batch_size=4, max_tokens=EVAL_TOKENS,
+                         progress=False).perplexity  # fmt: skip
+        for name, corpus in corpora.items()
+    }
+
+
+def retrieval(loaded, tasks=("passkey",)) -> dict:
+    """{task: [correct, prompts]} of the PASSKEY grid, the haystack from the prose domain's eval split."""
+    from headlab.core.data import TextSpec, load_corpus
+    from headlab.measure.longctx import long_context
+
+    haystack = TextSpec(load_corpus("prose"), split="eval", max_tokens=None)
+    measured = long_context(loaded, text=haystack, tasks=tasks, position_sequences_count=0, progress=False, **PASSKEY)
+    return {row.task: [int(row.correct), int(row.prompts)] for row in measured.lengths.itertuples()}
+
+
 def run(args) -> dict:
     import time
 
     import torch
 
     from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
-    from headlab.core.data import TextSpec, load_corpus
+    from headlab.core.data import load_corpus
     from headlab.core.loading import load_model
-    from headlab.measure.evaluate import perplexity
-    from headlab.measure.longctx import long_context
     from headlab.recovery.recover import RecoverySpec, recover
     from headlab.recovery.uptrain import UptrainConfig
 
@@ -35,19 +54,10 @@ def run(args) -> dict:
     corpora = {name: load_corpus(name) for name in domains}
 
     def ppl(loaded) -> dict:
-        return {
-            name: perplexity(loaded, corpora[name], split="eval", seq_len=SEQ_LEN, batch_size=4,
-                             max_tokens=EVAL_TOKENS, progress=False).perplexity  # fmt: skip
-            for name in domains
-        }
-
-    haystack = TextSpec(load_corpus("prose"), split="eval", max_tokens=None)
+        return perplexities(loaded, corpora)
 
     def passkey(loaded) -> list[int]:
-        measured = long_context(loaded, text=haystack, tasks=("passkey",), position_sequences_count=0,
-                                progress=False, **PASSKEY)  # fmt: skip
-        row = measured.lengths.iloc[0]
-        return [int(row["correct"]), int(row["prompts"])]
+        return retrieval(loaded)["passkey"]
 
     from recovery import _edited  # the edited models exactly as the recovery case (and the commands) build them
 

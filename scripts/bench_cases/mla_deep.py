@@ -6,12 +6,16 @@ query through q_lora_rank 288 and 144 against one full q_proj, training-free."""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))  # the generalization case's measures
 
 TITLE = "Deep MLA budgets (`convert-mla --budget 48`) and a low-rank query (`--q-lora-rank`)"
-EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS = 2048, 512, 2048
+from generalization import CALIB_TOKENS, EVAL_TOKENS, SEQ_LEN  # noqa: E402 - the same measures as that case
+
 DEEP_BUDGET = 48
 QUERY_RANKS = (None, 288, 144)  # at the GQA budget; None: one full q_proj
-PASSKEY = dict(lengths=(2048,), depths=(0.0, 0.5, 1.0), samples=2)  # 6 prompts, haystack: the prose domain's eval split
 STEPS = int(os.environ.get("HEADLAB_BENCH_GEN_STEPS", 0)) or None  # None: the default recovery budget
 COMMAND = "headlab convert-mla --budget 48 [--recover local,uptrain]; headlab convert-mla --budget gqa --q-lora-rank R"
 
@@ -20,13 +24,12 @@ def run(args) -> dict:
     import time
 
     import torch
+    from generalization import perplexities, retrieval
 
     from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
-    from headlab.core.data import TextSpec, calibration_batches, load_corpus
+    from headlab.core.data import calibration_batches, load_corpus
     from headlab.core.loading import load_model
     from headlab.kv.mla import convert_to_mla, plan_mla
-    from headlab.measure.evaluate import perplexity
-    from headlab.measure.longctx import long_context
     from headlab.recovery.recover import RecoverySpec, recover
     from headlab.recovery.uptrain import UptrainConfig
 
@@ -34,19 +37,10 @@ def run(args) -> dict:
     corpora = {name: load_corpus(name) for name in domains}
 
     def ppl(loaded, names=domains) -> dict:
-        return {
-            name: perplexity(loaded, corpora[name], split="eval", seq_len=SEQ_LEN, batch_size=4,
-                             max_tokens=EVAL_TOKENS, progress=False).perplexity  # fmt: skip
-            for name in names
-        }
-
-    haystack = TextSpec(load_corpus("prose"), split="eval", max_tokens=None)
+        return perplexities(loaded, {name: corpora[name] for name in names})
 
     def passkey(loaded) -> list[int]:
-        measured = long_context(loaded, text=haystack, tasks=("passkey",), position_sequences_count=0,
-                                progress=False, **PASSKEY)  # fmt: skip
-        row = measured.lengths.iloc[0]
-        return [int(row["correct"]), int(row["prompts"])]
+        return retrieval(loaded)["passkey"]
 
     def params(model) -> int:
         return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

@@ -22,32 +22,23 @@ def run(args) -> dict:
     import time
 
     import torch
-    from generalization import CALIB_TOKENS, EVAL_TOKENS, PASSKEY, SEQ_LEN
+    from generalization import CALIB_TOKENS, EVAL_TOKENS, perplexities, retrieval
     from recovery import _edited
 
     from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
-    from headlab.core.data import TextSpec, load_corpus
+    from headlab.core.data import load_corpus
     from headlab.core.loading import load_model
-    from headlab.measure.evaluate import perplexity
-    from headlab.measure.longctx import long_context
     from headlab.recovery.recover import RecoverySpec, recover
     from headlab.recovery.uptrain import UptrainConfig
 
     domains = ("pydoc-topics", "broad", *DEFAULT_EVAL_DOMAINS)
     corpora = {name: load_corpus(name) for name in domains}
-    haystack = TextSpec(load_corpus("prose"), split="eval", max_tokens=None)
 
     def ppl(loaded) -> dict:
-        return {
-            name: perplexity(loaded, corpora[name], split="eval", seq_len=SEQ_LEN, batch_size=4,
-                             max_tokens=EVAL_TOKENS, progress=False).perplexity  # fmt: skip
-            for name in domains
-        }
+        return perplexities(loaded, corpora)
 
     def tasks(loaded) -> dict:
-        measured = long_context(loaded, text=haystack, tasks=("passkey", "niah_multikey"), position_sequences_count=0,
-                                progress=False, **PASSKEY)  # fmt: skip
-        return {row.task: [int(row.correct), int(row.prompts)] for row in measured.lengths.itertuples()}
+        return retrieval(loaded, ("passkey", "niah_multikey"))
 
     teacher = load_model(None, device=args.device)
     result = {"long_seq_len": LONG_SEQ_LEN, "long_every": LONG_EVERY, "domains": domains, "rows": [],
