@@ -135,4 +135,6 @@ def markdown(r: dict) -> str:
         ppls = " | ".join(f"{row['ppl'][d]:.2f}" for d in plain)
         lines.append(f"| {name} | {row['parameters']:,} | {ppls} | {error} |")
     lines.append(f"\nThe source has {r['source_parameters']:,} parameters.")
+    if r.get("note"):
+        lines.append(f"\n(This result was {r['note']}.)")
     return "\n".join(lines)
