@@ -545,21 +545,16 @@ def convert_layer(
         # A side with (numerically) nothing to keep, as the residual keys of an MQA source, leaves the metric as is.
         balance = e_v / e_k if min(e_k, e_v) > 1e-12 * max(e_k, e_v) else 1.0
     blocks = [_ridged(b) for b in (*(balance * key_metric), *value_metric)]  # B = blockdiag(blocks), per block
-    root = torch.block_diag(*(_sym_power(b, 0.5) for b in blocks))
-    inv_root = torch.block_diag(*(_sym_power(b, -0.5) for b in blocks))
-    M = root @ SA @ root
-    lam, U = torch.linalg.eigh((M + M.T) / 2)
-    U = U.flip(-1)[:, :R]  # [2GD, R] top components
+    encode, decode_all, lam, kept = _reduced_rank(A, SA, blocks, R)  # [R, C+1], [2GD, R]
     # Latent dim i has calibration mean square lam_i / N, and the eigenvalues fall by orders of magnitude: a quantized
     # KV cache that shares a scale across a token's latent dims (int4 groups) would round the weak dims away. Each
     # dim is scaled to unit mean square (the decode takes the inverse), exact in full precision; a floor at 1e-6 of
     # the strongest keeps unexcited dims from being blown up.
-    energy = lam.flip(-1)[:R].clamp_min(float(lam.max()) * 1e-6).clamp_min(1e-300) / max(float(sigma[-1, -1]), 1.0)
+    energy = lam[:R].clamp_min(float(lam.max()) * 1e-6).clamp_min(1e-300) / max(float(sigma[-1, -1]), 1.0)
     unit = energy.rsqrt()  # [R]
-    latent_rows = unit[:, None] * (U.T @ root @ A)  # [R, C+1]
-    decode_groups = (inv_root @ U / unit[None, :]).reshape(2, G, D, R)  # [k|v, G, D, R]
+    latent_rows = unit[:, None] * encode  # [R, C+1]
+    decode_groups = (decode_all / unit[None, :]).reshape(2, G, D, R)  # [k|v, G, D, R]
     decode = torch.cat([decode_groups[0], decode_groups[1]], 1).repeat_interleave(H // G, 0)  # [H, 2D, R]
-    kept = float(lam.flip(-1)[:R].clamp_min(0).sum() / lam.clamp_min(0).sum().clamp_min(1e-300))
     record = {"balance": balance, "latent_energy_kept": kept}
     layer = LayerMla(query_map, rope_rows, latent_rows, decode, balance, record)
     if plan.q_lora_rank is not None:
@@ -583,13 +578,22 @@ def _low_rank_query(q_aug: torch.Tensor, layer: LayerMla, sigma: torch.Tensor, p
     for h in range(H):
         nope = layer.decode[h, :D] @ layer.latent_rows  # [D, C+1]
         blocks.append(_ridged(torch.block_diag(nope @ sigma @ nope.T, rope_metric)))
+    down, up, _, kept = _reduced_rank(Q, Q @ sigma @ Q.T, blocks, Rq)
+    return (down, up), kept
+
+
+def _reduced_rank(A: torch.Tensor, gram: torch.Tensor, blocks: list[torch.Tensor], rank: int):
+    """Reduced-rank regression of the linear map A [m, C+1] onto `rank` dims under the metric B = blockdiag(blocks),
+    given gram = A Sigma A^T (Sigma the input Gram): encode = U^T B^{1/2} A, decode = B^{-1/2} U with U the top
+    eigenvectors of B^{1/2} gram B^{1/2}, the minimiser of E ||B^{1/2} (A - decode encode) x||^2 (Eckart-Young).
+    Returns (encode [rank, C+1], decode [m, rank], eigenvalues in descending order, fraction of the energy kept)."""
     root = torch.block_diag(*(_sym_power(b, 0.5) for b in blocks))
     inv_root = torch.block_diag(*(_sym_power(b, -0.5) for b in blocks))
-    M = root @ Q @ sigma @ Q.T @ root
+    M = root @ gram @ root
     lam, U = torch.linalg.eigh((M + M.T) / 2)
-    U = U.flip(-1)[:, :Rq]
-    kept = float(lam.flip(-1)[:Rq].clamp_min(0).sum() / lam.clamp_min(0).sum().clamp_min(1e-300))
-    return (U.T @ root @ Q, inv_root @ U), kept
+    lam, U = lam.flip(-1), U.flip(-1)[:, :rank]
+    kept = float(lam[:rank].clamp_min(0).sum() / lam.clamp_min(0).sum().clamp_min(1e-300))
+    return U.T @ root @ A, inv_root @ U, lam, kept
 
 
 # ---- building the deepseek_v3 model ------------------------------------------------------------------------------
