@@ -998,15 +998,7 @@ def convert_to_mla(
     # one H x D x C^2 pass per layer: computed once for every build below (the rope-dim search builds up to five)
     multipliers = all_qk_norm_multipliers(loaded, grams)
     if plan.rope_choice == "measured":
-        tried = []
-        for candidate in auto_rope_dims(plan):
-            model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers).model
-            tried.append({"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
-                          "calibration_nll": calibration_nll(model, batches, device)})  # fmt: skip
-            del model
-        best = min(tried, key=lambda t: t["calibration_nll"])
-        plan = _replace(plan, rope_dim=best["rope_dim"], kv_lora_rank=best["kv_lora_rank"])
-        record["rope_dim_search"] = tried
+        plan, record["rope_dim_search"] = _search_rope_dim(loaded, plan, grams, phases, multipliers, batches)
     mla = build_mla(loaded, plan, grams, phases, progress, qk_multipliers=multipliers)
     nll = calibration_nll(mla.model, batches, device)
     steps = {}
@@ -1069,6 +1061,18 @@ def convert_to_mla(
 def _parameter_count(model: nn.Module) -> int:
     """Distinct parameters (a tied lm_head counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _search_rope_dim(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipliers, batches):
+    """(the candidate of auto_rope_dims(plan) with the lowest calibration NLL, every candidate tried with its NLL)."""
+    tried = []
+    for candidate in auto_rope_dims(plan):
+        model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers).model
+        tried.append({"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
+                      "calibration_nll": calibration_nll(model, batches, loaded.device)})  # fmt: skip
+        del model
+    best = min(tried, key=lambda t: t["calibration_nll"])
+    return _replace(plan, rope_dim=best["rope_dim"], kv_lora_rank=best["kv_lora_rank"]), tried
 
 
 @takes_text(split="eval", seq_len=512, batch_size=1, max_tokens=2048)

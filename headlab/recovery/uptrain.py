@@ -523,8 +523,9 @@ def uptrain(
         eval_args = dict(
             split="eval", seq_len=config.eval_seq_len, max_tokens=config.eval_tokens, batch_size=config.batch_size
         )
-        run = _Run(student, teacher, config, corpus, streams, heldout, data_record, bf16, params, optimizer, eval_args)
-        run.dead = dead
+        run = _Run(
+            student, teacher, config, corpus, streams, heldout, data_record, bf16, params, optimizer, eval_args, dead
+        )
         start = time.perf_counter()
         best = _Best.of(params, run.heldout_perplexities())
         rows = [_first_row(best.perplexity, run.evaluate())]
