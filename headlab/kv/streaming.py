@@ -122,8 +122,8 @@ class _ShardWriter:
         self.spill.close()
         self.spill = None
         header, offset = {}, 0
-        for name, dtype, shape, size in self.pending:
-            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        for key, dtype, shape, size in self.pending:
+            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
             offset += size
         header["__metadata__"] = {"format": "pt"}
         encoded = json.dumps(header, separators=(",", ":")).encode()
