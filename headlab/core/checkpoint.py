@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 from headlab.core.arch import adapter_for
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory, check_out, write_json
-from headlab.core.layout import HEAD_LAYOUT_KEY, load_pruned, model_class
+from headlab.core.layout import HEAD_LAYOUT_KEY, WITHOUT_HUB_KERNELS, load_pruned, model_class
 from headlab.core.loading import LoadedModel, input_device, load_model
 from headlab.core.reload_stream import should_stream, streamed_reload
 from headlab.core.tables import versions
@@ -129,7 +129,9 @@ def reload(path: Path, like: nn.Module) -> tuple[nn.Module, str]:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a mismatch is reported as one line by verify_reload, not as transformers' table
     try:
-        model = auto.from_pretrained(str(path), dtype=parameter.dtype, attn_implementation=attn)
+        model = auto.from_pretrained(
+            str(path), dtype=parameter.dtype, attn_implementation=attn, **WITHOUT_HUB_KERNELS
+        )
     finally:
         hf_logging.set_verbosity(verbosity)
     name = f"transformers.{auto.__name__}.from_pretrained"
@@ -193,7 +195,7 @@ def meta_load_check(path: Path, tolerated: set[str] = frozenset()) -> dict:
             # load_pruned raises on any missing, unexpected or mismatched tensor
             load_pruned(path, config, adapter, device_map="meta")
             return {"loader": "headlab.core.layout.load_pruned(device_map='meta')"}
-        _, info = cls.from_pretrained(path, device_map="meta", output_loading_info=True)
+        _, info = cls.from_pretrained(path, device_map="meta", output_loading_info=True, **WITHOUT_HUB_KERNELS)
     except (OSError, RuntimeError, ValueError) as error:
         first = next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
         raise CheckpointMismatch(f"the saved checkpoint does not load: {first}; nothing was written") from None

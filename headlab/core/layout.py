@@ -19,6 +19,11 @@ from headlab.core.validate import check_layout_record
 HEAD_LAYOUT_KEY = "headlab_head_layout"
 LAYOUT_VERSION = 1
 
+# transformers 5.25 turned Hub kernels on by default: from_pretrained swaps module forwards for kernels fetched from
+# the Hub, and refuses the meta device. headlab checks its numbers against the modeling code's own forwards, hooks
+# those modules and runs offline, so every load of its own asks for the modeling code as written.
+WITHOUT_HUB_KERNELS = {"use_kernels": False}
+
 
 def group_heads(layer: AttentionLayer, g: int) -> range:
     """Original query heads of KV group g: [g * group_size, (g + 1) * group_size)."""
@@ -193,7 +198,9 @@ def load_pruned(source, config, adapter: Adapter, **kwargs):
     # A subclass whose constructor builds the pruned shapes, so transformers' own loading (key renames, tied
     # weights, dtype, device_map) fills them; the class is swapped back to the plain one afterwards.
     pruned_class = type(base.__name__, (base,), {"__init__": __init__, "__module__": base.__module__})
-    model, info = pruned_class.from_pretrained(source, config=config, output_loading_info=True, **kwargs)
+    model, info = pruned_class.from_pretrained(
+        source, config=config, output_loading_info=True, **WITHOUT_HUB_KERNELS, **kwargs
+    )
     model.__class__ = base
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:

@@ -23,7 +23,7 @@ from headlab.core import distributed, validate
 from headlab.core.arch import Adapter, AttentionLayer, adapter_for
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory
-from headlab.core.layout import HEAD_LAYOUT_KEY, auto_class, load_pruned
+from headlab.core.layout import HEAD_LAYOUT_KEY, WITHOUT_HUB_KERNELS, auto_class, load_pruned
 from headlab.core.model_names import (
     DEFAULT_MODEL,
     DEVICE_MAPS,
@@ -162,7 +162,9 @@ def embedded_checkpoint() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **WITHOUT_HUB_KERNELS
+    )
     # A GGUF-loaded model carries a quantizer and refuses save_pretrained: rebuild it from a clean config.
     config = quantized.config
     if hasattr(config, "quantization_config"):
@@ -312,7 +314,7 @@ def _load_weights(spec: str, source: str, config, adapter: Adapter, kwargs: dict
             # instead of raising "look at the above report" about a report it never printed (it is captured); the
             # load report below refuses it by name, so no re-initialised weight is ever used.
             model, info = auto_class(adapter).from_pretrained(
-                source, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+                source, output_loading_info=True, ignore_mismatched_sizes=True, **WITHOUT_HUB_KERNELS, **kwargs
             )
             validate.check_load_report(model, info, config, spec, adapter.blocks_path)
     except pickle.UnpicklingError as error:

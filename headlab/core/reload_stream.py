@@ -15,7 +15,7 @@ from torch import nn
 
 from headlab.core.arch import Adapter, adapter_for
 from headlab.core.errors import HeadlabError
-from headlab.core.layout import HEAD_LAYOUT_KEY, load_pruned
+from headlab.core.layout import HEAD_LAYOUT_KEY, WITHOUT_HUB_KERNELS, load_pruned
 
 # Below this many parameter bytes a second full copy is cheap and the plain reload is kept (it is also faster).
 STREAM_ABOVE_BYTES = 64 * 2**20
@@ -93,7 +93,7 @@ def streamed_reload(path: Path, like: nn.Module, auto_class):
                 model = load_pruned(str(path), config, adapter_for(config), **kwargs)
                 loader = "headlab load_pruned, blocks streamed from disk"
             else:
-                model = auto_class.from_pretrained(str(path), **kwargs)
+                model = auto_class.from_pretrained(str(path), **WITHOUT_HUB_KERNELS, **kwargs)
                 loader = f"transformers.{auto_class.__name__}.from_pretrained, blocks streamed from disk"
         try:
             yield model.eval(), loader
