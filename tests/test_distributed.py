@@ -3,27 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from tiny_text import SAMPLE_TEXT, save_tiny
-
-
-def torchrun(args: list[str], nproc: int) -> subprocess.CompletedProcess:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "headlab",
-        *map(str, args),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
+from tiny_text import launch_headlab as torchrun
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +74,32 @@ def test_two_processes_give_the_table_of_one(setup, tmp_path, command):
     assert one[keys].equals(two[keys])
     value = "importance_raw" if command == "importance" else "value"
     assert one[value].to_numpy() == pytest.approx(two[value].to_numpy(), rel=1e-5, abs=1e-9, nan_ok=True)
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["prune", "--heads", "0:1;1:0,3", "--mode", "physical", "--max-tokens", "64", "--seq-len", "32"],
+        ["convert-gqa", "--kv-heads", "2", "--max-tokens", "64", "--seq-len", "32", "--calibration-tokens", "64"],
+    ],
+    ids=["prune", "convert-gqa"],
+)
+def test_editing_commands_under_torchrun_write_once(setup, tmp_path, command):
+    """Every rank runs the edit (its evaluations all-reduce), only rank 0 writes --out: the checkpoint equals one
+    process's tensor for tensor, the summary is printed once, and the other rank's scratch copy is gone."""
+    from safetensors.torch import load_file
+
+    model, data = setup
+    weights = []
+    for nproc in (1, 2):
+        out, scratch = tmp_path / f"out-{nproc}", tmp_path / f"tmp-{nproc}"
+        scratch.mkdir()
+        done = torchrun([*command, "--model", model, "--data", data, "--out", out], nproc, TMPDIR=str(scratch))
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.count("reload check") == 1
+        assert not any(scratch.glob("headlab-rank*")), "a rank's private output was left behind"
+        weights.append(load_file(out / "model.safetensors"))
+    one, two = weights
+    assert one.keys() == two.keys()
+    for name in one:
+        assert one[name].equal(two[name]), name

@@ -74,14 +74,15 @@ def parity_generate(loaded, prompts, max_new_tokens: int) -> list[str]:
     return texts
 
 
-def launch_headlab(args: list, nproc: int | None):
-    """`headlab ARGS` under torchrun with `nproc` CPU processes (gloo), or as one plain process (nproc None)."""
+def launch_headlab(args: list, nproc: int | None, **env_vars: str):
+    """`headlab ARGS` under torchrun with `nproc` CPU processes (gloo), or as one plain process (nproc None);
+    `env_vars` are added to the environment."""
     import os
     import subprocess
     import sys
 
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env_vars}
     launcher = torchrun if nproc is not None else [sys.executable]
     return subprocess.run(
         [*launcher, "-m", "headlab", *map(str, args)], capture_output=True, text=True, env=env, timeout=240

@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from headlab import __version__
+from headlab.cli._ranks import rank_private_out
 from headlab.core.errors import HeadlabError
 
 SHARED_MODULES = ("options", "parsing")  # helpers of every command, not commands
@@ -42,7 +43,8 @@ class LazyGroup(click.Group):
         module_name = name.replace("-", "_")
         if module_name not in self._modules():
             return None
-        return importlib.import_module(f"{__name__}.{module_name}").command
+        command = importlib.import_module(f"{__name__}.{module_name}").command
+        return rank_private_out(command, name)  # under torchrun only rank 0 writes the user's --out
 
     def invoke(self, ctx):
         try:

@@ -7,6 +7,7 @@ beside the weights: `save_with_record`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
+from headlab.core import distributed
 from headlab.core.arch import adapter_for
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory, check_out, write_json
@@ -213,6 +215,21 @@ def spans_devices(model: nn.Module) -> bool:
     return len(set((getattr(model, "hf_device_map", None) or {}).values())) > 1
 
 
+@contextlib.contextmanager
+def saving_on_every_rank(model: nn.Module):
+    """transformers writes checkpoint files only on rank 0 of an initialised process group. Under torchrun every
+    headlab rank saves its own copy and reads it back (rank 0 into --out, the others into a scratch folder of their
+    own: headlab.cli._ranks), so that whatever follows the save runs the same on every rank."""
+    if not distributed.active():
+        yield
+        return
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process  # shadows transformers' rank-0 rule
+    try:
+        yield
+    finally:
+        del model.should_save_on_this_rank
+
+
 def save_checkpoint(
     model: nn.Module,
     tokenizer,
@@ -233,7 +250,7 @@ def save_checkpoint(
     inputs = probe_inputs(model) if by_logits else None
     expected = logits_of(model, inputs) if by_logits else None
     verification = None
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite) as tmp, saving_on_every_rank(model):
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
