@@ -11,11 +11,13 @@ from models import GQA_TYPES, VLM_TYPES, tiny_model
 from safetensors import safe_open
 from tiny_text import run_cli, save_tiny
 
+from headlab.core import streaming as core_streaming
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
+from headlab.core.streaming import checkpoint_files
 from headlab.kv import gqa, streaming
 from headlab.kv import grouping as kv_grouping
-from headlab.kv.streaming import checkpoint_files, convert_streaming
+from headlab.kv.streaming import convert_streaming
 
 
 def stored_tensors(directory) -> dict[str, torch.Tensor]:
@@ -97,7 +99,7 @@ def test_shard_writer_writes_safetensors_that_load_back(tmp_path):
         "big": torch.randn(40),
         "mask": torch.tensor([True, False]),
     }
-    writer = streaming._ShardWriter(tmp_path, max_bytes=64)
+    writer = core_streaming.ShardWriter(tmp_path, max_bytes=64)
     for name, tensor in tensors.items():
         writer.add(name, tensor)
     names = writer.finish()
@@ -109,7 +111,7 @@ def test_shard_writer_writes_safetensors_that_load_back(tmp_path):
         back |= part
     assert back.keys() == tensors.keys()
     assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in tensors.items())
-    index = json.loads((tmp_path / streaming.INDEX_FILE).read_text())
+    index = json.loads((tmp_path / core_streaming.INDEX_FILE).read_text())
     assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == writer.total_bytes
 
 
@@ -146,7 +148,7 @@ def test_one_attention_module_in_memory_at_a_time(tmp_path, monkeypatch):
         skeletons.append((model, adapter))
         return model, adapter
 
-    add = streaming._ShardWriter.add
+    add = core_streaming.ShardWriter.add
 
     def checking_add(self, name, tensor):
         model, adapter = skeletons[0]
@@ -166,7 +168,7 @@ def test_one_attention_module_in_memory_at_a_time(tmp_path, monkeypatch):
         return pool(weights, *args, **kwargs)
 
     monkeypatch.setattr(streaming, "skeleton", recording_skeleton)
-    monkeypatch.setattr(streaming._ShardWriter, "add", checking_add)
+    monkeypatch.setattr(core_streaming.ShardWriter, "add", checking_add)
     monkeypatch.setattr(streaming, "pool_weights", checking_pool)
     limit = 20_000
     convert_streaming(tmp_path / "source", 1, tmp_path / "out", max_shard_bytes=limit, progress=False)

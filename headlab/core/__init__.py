@@ -16,6 +16,7 @@ __all__ = [
     "registry",
     "reload_stream",
     "shapes",
+    "streaming",
     "tables",
     "units",
     "validate",

@@ -1,33 +1,32 @@
 """Layer-by-layer KV-head conversion of a safetensors checkpoint: one attention module in memory at a time, for
-models larger than RAM; the same arithmetic as `headlab.kv.gqa.convert`, without running the model.
-
-The model's skeleton is built on the meta device (no storage) only to learn names and layouts. Every tensor outside
-the attention modules (embeddings, MLPs or experts, norms) is copied through as stored; each attention module is
-materialised from the files, converted through its adapter, written out and dropped. Output shards are cut at
-`max_shard_bytes` and assembled on disk (each tensor spills to a file as it comes), so peak memory is about one
-attention module or the largest single tensor, whatever the model's or the shard's size.
-"""
+models larger than RAM; the same arithmetic as `headlab.kv.gqa.convert`, without running the model. The reading,
+editing and shard writing are `headlab.core.streaming`'s; this module chooses the edit (pool or expand)."""
 
 from __future__ import annotations
 
-import json
-import shutil
-from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
-from headlab.core.arch import adapter_for
-from headlab.core.checkpoint import META_FILE, check_checkpoint_out, meta_load_check
+from headlab.core.checkpoint import META_FILE
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory, write_json
-from headlab.core.layout import HEAD_LAYOUT_KEY, model_class
+from headlab.core.layout import HEAD_LAYOUT_KEY
 from headlab.core.loading import LoadedModel
+from headlab.core.streaming import (
+    DEFAULT_MAX_SHARD_BYTES,
+    LayerEditor,
+    ShardWriter,
+    TensorReader,
+    copy_side_files,
+    read_source_config,
+    skeleton,
+    stream_tensors,
+    verify_streamed,
+)
 from headlab.core.tables import versions
-from headlab.core.validate import check_config_file, check_config_heads
 from headlab.kv.gqa import Conversion
 from headlab.kv.grouping import (
     POOLS,
@@ -41,175 +40,12 @@ from headlab.kv.grouping import (
 )
 from headlab.measure.costs import kv_bytes_per_token
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-# transformers' own default shard size is 50 GB; 5 GB keeps the peak memory of a conversion near 5 GB + one layer.
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
-# safetensors' dtype codes -> torch dtype names (for KV-cache arithmetic in the stored dtype).
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
-
-
-def checkpoint_files(source: Path) -> list[str]:
-    """The safetensors files of a checkpoint directory, in index order (or the single model.safetensors)."""
-    index = source / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError):
-            raise HeadlabError(f"{index} is not a safetensors index (no weight_map)") from None
-        files = list(dict.fromkeys(weight_map.values()))
-        missing = [name for name in files if not (source / name).is_file()]
-        if missing:
-            raise HeadlabError(f"{index} names shards that are not there: {', '.join(missing[:3])}")
-        return files
-    if (source / SINGLE_FILE).is_file():
-        return [SINGLE_FILE]
-    raise HeadlabError(
-        f"{source} has no {SINGLE_FILE} or {INDEX_FILE}; layer-by-layer conversion reads safetensors checkpoints "
-        "(convert others without streaming, on the loaded model)"
-    )
-
-
-def skeleton(config):
-    """The model class for `config`, built on the meta device: names, shapes and adapters, no storage."""
-    adapter = adapter_for(config)
-    with torch.device("meta"):
-        model = model_class(config, adapter)(config)
-    return model, adapter
-
-
-# safetensors' dtype names (the format's header), for the tensors a checkpoint holds.
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
-    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
-}  # fmt: skip
-COPY_CHUNK = 64 * 2**20  # bytes moved at a time from the spill file into a shard
-
-
-class _ShardWriter:
-    """Writes tensors into safetensors shards of at most `max_bytes` without holding a shard in memory: each tensor's
-    bytes go straight to a spill file as it arrives, and a full shard is assembled on disk (8-byte header length,
-    the JSON header with every tensor's dtype, shape and data offsets, then the bytes, copied in COPY_CHUNK pieces),
-    so memory holds one tensor at a time whatever the shard size. `finish` names the shards
-    model-0000i-of-0000n.safetensors (or model.safetensors when one suffices) and writes the index."""
-
-    def __init__(self, directory: Path, max_bytes: int):
-        self.directory, self.max_bytes = directory, max_bytes
-        self.spill_path = directory / "spill.bin"
-        self.spill = None
-        self.pending: list[tuple[str, str, list[int], int]] = []  # (name, dtype, shape, bytes), in spill order
-        self.pending_bytes = 0
-        self.shards: list[tuple[str, list[str]]] = []  # (temporary name, keys)
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        if tensor.dtype not in SAFETENSORS_DTYPES:
-            raise HeadlabError(f"{name}: dtype {tensor.dtype} has no safetensors name")
-        size = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + size > self.max_bytes:
-            self.flush()
-        if self.spill is None:
-            self.spill = open(self.spill_path, "wb")  # closed by flush, once the shard is full
-        data = tensor.detach().to("cpu").contiguous().reshape(-1)
-        self.spill.write(memoryview(data.view(torch.uint8).numpy()) if size else b"")
-        self.pending.append((name, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), size))
-        self.pending_bytes += size
-        self.total_bytes += size
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        self.spill.close()
-        self.spill = None
-        header, offset = {}, 0
-        for key, dtype, shape, size in self.pending:
-            header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
-            offset += size
-        header["__metadata__"] = {"format": "pt"}
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        name = f"part-{len(self.shards):05d}.safetensors"
-        with open(self.directory / name, "wb") as shard, open(self.spill_path, "rb") as spill:
-            shard.write(len(encoded).to_bytes(8, "little"))
-            shard.write(encoded)
-            shutil.copyfileobj(spill, shard, COPY_CHUNK)
-        self.spill_path.unlink()
-        self.shards.append((name, [entry[0] for entry in self.pending]))
-        self.pending, self.pending_bytes = [], 0
-
-    def finish(self) -> list[str]:
-        self.flush()
-        count = len(self.shards)
-        names = [SINGLE_FILE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        weight_map = {}
-        for (temporary, keys), name in zip(self.shards, names):
-            (self.directory / temporary).rename(self.directory / name)
-            weight_map.update(dict.fromkeys(keys, name))
-        if count > 1:
-            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        return names
-
-
-def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
-    """Where each tensor of `module` (a submodule of `model`) is stored: its state-dict name, or the name
-    save_pretrained writes for it (transformers 5 renames some keys on save and back on load, e.g. multimodal
-    wrappers' "model.language_model." <-> "language_model.model."). Raises HeadlabError if neither is there."""
-    prefix = next(name for name, m in model.named_modules() if m is module) + "."
-    relative = list(module.state_dict())
-    candidates = [{k: prefix + k for k in relative}]
-    try:
-        # Deferred for start-up time (core_model_loading pulls in transformers' modeling code), and inside the try
-        # so that a transformers without it falls back to the plain names.
-        from transformers.core_model_loading import revert_weight_conversion
-
-        renamed = {}
-        for k, t in module.state_dict().items():  # meta tensors: renaming reads no data
-            (saved,) = revert_weight_conversion(model, {prefix + k: t})
-            renamed[k] = saved
-        candidates.append(renamed)
-    except (ImportError, ValueError, TypeError, KeyError):  # an older or newer transformers: plain names only
-        pass
-    stored = set(stored)
-    for names in candidates:
-        if set(names.values()) <= stored:
-            return names
-    raise HeadlabError(
-        f"the checkpoint does not hold {prefix}* under the names {type(model).__name__} uses or saves (renamed "
-        "keys in an older checkpoint?); convert it without streaming, on the loaded model"
-    )
-
-
-def verify_streamed(out: Path, source_keys: set[str]) -> dict:
-    """The vanilla meta-device load of `checkpoint.meta_load_check`, and no tensor name of the source lost or added."""
-    result = meta_load_check(out, tolerated=source_keys)  # names the source held pass through as they were
-    stored = set()
-    for name in checkpoint_files(out):
-        with safe_open(str(out / name), "pt") as handle:
-            stored.update(handle.keys())
-    if stored != source_keys:
-        raise HeadlabError(
-            f"the converted checkpoint changed tensor names: {sorted(stored ^ source_keys)[:3]}; nothing was written"
-        )
-    return {**result, "tensors": len(stored)}
-
 
 def _read_config(source: Path, out: Path, overwrite: bool, pool: str, max_shard_bytes: int):
-    """Refuse a request in one line before anything is read in bulk; returns the checkpoint's files and config."""
-    # Deferred for start-up time: AutoConfig loads transformers' model registries, which `--help` does not need.
-    from transformers import AutoConfig
-
-    if not (source / "config.json").is_file():
-        raise HeadlabError(f"{source} is not a checkpoint directory with config.json")
-    check_checkpoint_out(out, overwrite, source)
+    """The checks of read_source_config, plus the pool and a single head layout (KV conversion needs one)."""
     if pool not in POOLS:
         raise HeadlabError(f"unknown pool={pool!r}; use one of {', '.join(POOLS)}")
-    if max_shard_bytes < 1:
-        raise HeadlabError("the shard size must be positive")
-    files = checkpoint_files(source)
-    check_config_file(source / "config.json", str(source))
-    config = AutoConfig.from_pretrained(source)
-    check_config_heads(config, adapter_for(config), str(source))
+    files, config = read_source_config(source, out, overwrite, max_shard_bytes)
     if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
         raise HeadlabError(
             f"{source} has a per-layer head layout (a pruned checkpoint); KV conversion needs one layout"
@@ -217,98 +53,13 @@ def _read_config(source: Path, out: Path, overwrite: bool, pool: str, max_shard_
     return files, config
 
 
-class _TensorReader:
-    """The source's tensors by name: which file holds each (first file wins, in index order) and its stored dtype."""
-
-    def __init__(self, source: Path, files: list[str]):
-        self.source = source
-        self.where: dict[str, str] = {}  # tensor name -> file holding it
-        self.dtypes: dict[str, str] = {}  # tensor name -> safetensors dtype code
-        for name in files:
-            with safe_open(str(source / name), "pt") as handle:
-                for key in handle.keys():
-                    self.where.setdefault(key, name)
-                    self.dtypes.setdefault(key, handle.get_slice(key).get_dtype())
-
-    def read(self, key: str) -> torch.Tensor:
-        # One open per tensor: the file is unmapped again at once, so its pages do not pile up in the process's
-        # resident set while the rest of the checkpoint streams through (headers are small; opening is cheap).
-        with safe_open(str(self.source / self.where[key]), "pt") as handle:
-            return handle.get_tensor(key)
-
-    def torch_dtype(self, key: str) -> torch.dtype:
-        """The torch dtype `key` is stored in (float32 for a code outside _SAFETENSORS_DTYPES)."""
-        return getattr(torch, _SAFETENSORS_DTYPES.get(self.dtypes[key], "float32"))
-
-
-class _LayerConverter:
-    """Converts one attention module at a time: materialised from the files, pooled or expanded through its
-    adapter, its new tensors returned under their stored names, its storage dropped again."""
-
-    def __init__(self, model, adapter, layers, reader: _TensorReader, action: str, kv_heads: int, pool: str, seed: int):
-        self.model, self.adapter, self.reader = model, adapter, reader
-        self.action, self.kv_heads, self.pool, self.seed = action, kv_heads, pool, seed
-        self.file_keys = [stored_names(model, layer.module, reader.where) for layer in layers]  # module -> file key
-        # file key -> index of the layer whose attention module holds it
-        self.owner = {file_key: layer.index for layer in layers for file_key in self.file_keys[layer.index].values()}
-
-    def convert(self, layer) -> dict[str, torch.Tensor]:
-        """Materialise one attention module from the files, convert it, return its new tensors, free it."""
-        names = self.file_keys[layer.index]
-        state = {key: self.reader.read(stored) for key, stored in names.items()}
-        layer.module.load_state_dict(state, strict=True, assign=True)
-        outside_before = self._outside(layer)
-        with torch.no_grad():
-            weights = self.adapter.read(layer)
-            if self.action == "pool":
-                pooled = pool_weights(weights, self.kv_heads, self.pool, seed=self.seed + layer.index)
-                self.adapter.write(layer, pooled)
-            elif self.action == "expand":
-                self.adapter.write(layer, expand_weights(weights, self.kv_heads))
-        converted = {names[k]: t for k, t in layer.module.state_dict().items()}
-        outside_after = self._outside(layer)
-        if outside_after.keys() != outside_before.keys() or any(
-            outside_after[n] is not p for n, p in outside_before.items()
-        ):
-            # The adapter rewrote weights outside the attention module (BERT-style output projections), which this
-            # path copies through unread: refuse rather than write a half-converted layer.
-            raise HeadlabError(
-                f"{type(self.model).__name__} keeps attention weights outside its attention module; convert it "
-                "without streaming, on the loaded model"
-            )
-        layer.module.to("meta")  # drop the storage before the next layer
-        return converted
-
-    @staticmethod
-    def _outside(layer) -> dict:
-        """The block's parameters that are not the attention module's, by name."""
-        inside = {id(p) for p in layer.module.parameters()}
-        return {n: p for n, p in layer.block_module.named_parameters() if id(p) not in inside}
-
-
-def _stream_tensors(reader: _TensorReader, converter: _LayerConverter, layers, writer: _ShardWriter, progress: bool):
-    """Every source tensor in file order into `writer`: copied through as stored, or, for an attention module,
-    the whole converted module where its first tensor appears."""
-    emitted: set[int] = set()  # layers already written
-    bar = tqdm(total=len(reader.where), desc="converting", unit="tensor", disable=not progress)
-    for key in reader.where:
-        i = converter.owner.get(key)
-        if i is None:
-            writer.add(key, reader.read(key))
-        elif i not in emitted:
-            for name, tensor in converter.convert(layers[i]).items():
-                writer.add(name, tensor)
-            emitted.add(i)
-        bar.update()
-    bar.close()
-
-
-def _copy_side_files(source: Path, tmp: Path) -> None:
-    """Tokenizer files, generation config and the like, copied as they are (not the weights, config or record)."""
-    for item in source.iterdir():
-        skip = item.name in ("config.json", INDEX_FILE, META_FILE) or item.name.endswith(".safetensors")
-        if item.is_file() and not skip:
-            shutil.copy2(item, tmp / item.name)
+def _edit_kv(layer, *, adapter, action: str, kv_heads: int, pool: str, seed: int) -> None:
+    """One attention module pooled (by `pool`, seeded per layer) or expanded to `kv_heads`, through its adapter."""
+    weights = adapter.read(layer)
+    if action == "pool":
+        adapter.write(layer, pool_weights(weights, kv_heads, pool, seed=seed + layer.index))
+    elif action == "expand":
+        adapter.write(layer, expand_weights(weights, kv_heads))
 
 
 def _conversion(G: int, kv_heads: int, action: str, pool: str, seed: int, num_layers: int) -> Conversion:
@@ -349,20 +100,21 @@ def convert_streaming(
     kv_heads = H if kv_heads is None else kv_heads  # expand-kv's default: one KV head per query head
     action = check_kv_heads(H, G, kv_heads)
     check_direction(direction, action, H, G, kv_heads)
-    reader = _TensorReader(source, files)
-    converter = _LayerConverter(model, adapter, layers, reader, action, kv_heads, pool, seed)
+    reader = TensorReader(source, files)
+    edit = partial(_edit_kv, adapter=adapter, action=action, kv_heads=kv_heads, pool=pool, seed=seed)
+    converter = LayerEditor(model, layers, reader, edit)
 
     # KV bytes per token before and after, by arithmetic in the stored dtype (the model is never run here).
     loaded.dtype = reader.torch_dtype(next(iter(converter.file_keys[0].values())))
     kv_bytes_before = kv_bytes_per_token(loaded)
     with atomic_directory(out, overwrite=overwrite) as tmp:
-        writer = _ShardWriter(tmp, max_shard_bytes)
-        _stream_tensors(reader, converter, layers, writer, progress)
+        writer = ShardWriter(tmp, max_shard_bytes)
+        stream_tensors(reader, converter, layers, writer, progress)
         shards = writer.finish()
         kv_bytes_after = kv_bytes_per_token(loaded)  # the meta modules now have the converted shapes
         adapter.set_config_heads(model.config, H, kv_heads, D)
         model.config.save_pretrained(tmp)
-        _copy_side_files(source, tmp)
+        copy_side_files(source, tmp)
         verification = verify_streamed(tmp, set(reader.where))
         record = {
             "model": str(source),

@@ -79,7 +79,7 @@ def _identical(a: Path, b: Path) -> bool:
     import torch
     from safetensors import safe_open
 
-    from headlab.kv.streaming import checkpoint_files
+    from headlab.core.streaming import checkpoint_files
 
     def tensors(directory):
         found = {}
