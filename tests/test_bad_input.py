@@ -174,6 +174,12 @@ CASES = [
     (["expand-kv", "--model", "{llama}", *M, *DATA, "--kv-heads", "4", "--out", "{existing}"], "--overwrite"),
     (["expand-kv", "--model", "{llama}", "--streaming", "--kv-heads", "3", "--out", "e"], "3"),
     (["expand-kv", "--model", "{gpt2}", "--streaming", "--out", "e"], "gpt2"),
+    # prune --streaming never runs the model: heads by name or by a score table only (tests/test_prune_streaming.py)
+    (["prune", "--model", "{llama}", "--streaming", "--out", "p"], "cannot score heads"),
+    (["prune", "--model", "{llama}", "--streaming", "--heads", "0:0", "--compensate", "ridge", "--out", "p"], "--streaming"),
+    (["prune", "--model", "{llama}", "--streaming", "--heads", "0:0", "--dtype", "bfloat16", "--out", "p"], "--dtype"),
+    (["prune", "--model", "org/name", "--streaming", "--heads", "0:0", "--out", "p"], "local checkpoint"),
+    (["prune", "--model", "{llama}", "--streaming", "--heads", "0:9", "--out", "p"], "9"),
     # recovery (--recover on convert-gqa and prune, uptrain --student/--teacher)
     (["uptrain", "--student", "{llama}", "--teacher", "{gpt2}", *M, *DATA, *EVAL32, "--steps", "1"], "not derived"),
     (["uptrain", "--student", "{othertok}", "--teacher", "{llama}", *M, *DATA, *EVAL32, "--steps", "1"], "tokenizers"),

@@ -17,6 +17,7 @@ from headlab.cli.options import (
     guard_checkpoint_space,
     model_options,
     out_option,
+    streaming_options,
 )
 from headlab.cli.parsing import parse_bytes
 from headlab.core.errors import HeadlabError
@@ -79,22 +80,6 @@ def show(record: dict, as_json: bool) -> None:
         click.echo(json.dumps(record, indent=2, default=str))
     else:
         print_summary(record)
-
-
-def streaming_options(function):
-    """--streaming and --max-shard-size, shared with expand-kv."""
-    function = click.option(
-        "--max-shard-size",
-        default="5GB",
-        show_default=True,
-        help="with --streaming: largest output shard (shards are assembled on disk: peak memory is about one block or the largest tensor)",
-    )(function)
-    return click.option(
-        "--streaming",
-        is_flag=True,
-        help="convert a local safetensors checkpoint one block at a time, never holding the whole model (for "
-        "models larger than memory); keeps the stored dtype, checks the result structurally, no perplexity",
-    )(function)
 
 
 def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
@@ -191,7 +176,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 # vocabulary would double the peak memory of an in-memory conversion (see BENCHMARKS.md, memory).
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=1)
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-gqa]")
-@streaming_options
+@streaming_options("convert")
 @recovery_options
 @long_context_option
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")

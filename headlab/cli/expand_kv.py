@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import click
 
-from headlab.cli.convert_gqa import run_streaming, show, streaming_options
-from headlab.cli.options import data_options, guard, guard_checkpoint_space, model_options, out_option
+from headlab.cli.convert_gqa import run_streaming, show
+from headlab.cli.options import (
+    data_options,
+    guard,
+    guard_checkpoint_space,
+    model_options,
+    out_option,
+    streaming_options,
+)
 
 
 @click.command("expand-kv")
@@ -20,7 +27,7 @@ from headlab.cli.options import data_options, guard, guard_checkpoint_space, mod
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option()
-@streaming_options
+@streaming_options("expand")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
 def command(
     load,

@@ -165,6 +165,28 @@ def out_option(required: bool = True, help_text: str = "output directory (writte
     return decorate
 
 
+def streaming_options(verb: str):
+    """--streaming and --max-shard-size, for the commands that can edit a checkpoint layer by layer (`verb`: what
+    they do to it)."""
+
+    def decorate(function):
+        function = click.option(
+            "--max-shard-size",
+            default="5GB",
+            show_default=True,
+            help="with --streaming: largest output shard (shards are assembled on disk: peak memory is about one "
+            "block or the largest tensor)",
+        )(function)
+        return click.option(
+            "--streaming",
+            is_flag=True,
+            help=f"{verb} a local safetensors checkpoint one block at a time, never holding the whole model (for "
+            "models larger than memory); keeps the stored dtype, checks the result structurally, no perplexity",
+        )(function)
+
+    return decorate
+
+
 def _local(spec) -> Path | None:
     """A --data/--scores/--mask value as a local path when it names one (a hub data set or the embedded corpus
     does not)."""

@@ -19,7 +19,9 @@ from headlab.cli.options import (
     low_memory_option,
     model_options,
     out_option,
+    streaming_options,
 )
+from headlab.cli.parsing import parse_bytes
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.pruning.choices import BUDGETS, DEFAULT_CALIBRATION_TOKENS, MODES, SELECTS, UNITS
@@ -97,6 +99,7 @@ from headlab.recovery.choices import COMPENSATIONS
 )
 @recovery_options
 @long_context_option
+@streaming_options("prune")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 @allow_foreign_option
 def command(  # click passes every option as a parameter
@@ -124,6 +127,8 @@ def command(  # click passes every option as a parameter
     compensate,
     recovery_options,
     long_lengths,
+    streaming,
+    max_shard_size,
     as_json,
     allow_foreign_scores,
 ):
@@ -140,11 +145,17 @@ def command(  # click passes every option as a parameter
     guard(out, overwrite, {"model": load.spec}, data=text.data, scores=scores, run_dir_bytes=False)  # before loading
     recovery = recovery_spec(recovery_options)
     lengths = lengths_of(long_lengths)
+    spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
+    if streaming:
+        if compensate is not None or recovery is not None or lengths:
+            raise HeadlabError("--streaming never runs the model: drop --compensate, --recover and --long-context")
+        selection = Selection(heads=heads, scores=scores, iterative=iterative, select=select, budget=budget)
+        return _run_streaming(load, spec, selection, mode, out, overwrite, max_shard_size, as_json,
+                              allow_foreign_scores)  # fmt: skip
     loaded = load()
     text = text.resolved()  # one corpus for scoring, compensation, perplexity and recovery
     guard_checkpoint_space(out, loaded)
     check_table_origin(scores, loaded, "--scores", allow_foreign_scores)
-    spec = PruneSpec(fraction, count, per_layer, unit, uniform, allow_empty_layer)
     selection = Selection(
         heads=heads,
         scores=scores,
@@ -182,6 +193,78 @@ def command(  # click passes every option as a parameter
             click.echo(line)
 
 
+def _run_streaming(load, spec, selection, mode, out, overwrite, max_shard_size, as_json, allow_foreign) -> None:
+    """prune --streaming: files in, files out, one attention module in memory; the model is never run."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.core.checkpoint import describe_check
+    from headlab.core.fsio import check_free_space
+    from headlab.core.loading import local_checkpoint
+    from headlab.pruning.streaming import prune_streaming
+
+    if load.dtype is not None or load.device_map is not None:
+        raise HeadlabError("--streaming never loads the model: it keeps the stored dtype; drop --dtype/--device-map")
+    source = local_checkpoint(load.spec)
+    stored = sum(path.stat().st_size for path in source.glob("*.safetensors"))
+    check_free_space(out, stored, "the source's weight files (pruning only shrinks them)")
+    record = prune_streaming(source, spec, selection, out=out, mode=mode, overwrite=overwrite,
+                             max_shard_bytes=parse_bytes(max_shard_size, "max-shard-size"),
+                             allow_foreign_scores=allow_foreign, progress=not as_json)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(record, indent=2, default=str))
+        return
+    rows = [("pruned heads", f"{record['pruned_heads']} of {record['total_heads']} ({mode} mode, streaming)")]
+    rows += _cost_rows(record["costs_before"], record["costs_after"], "arithmetic")
+    rows += [("checkpoint", str(out)), ("loads with", _LOADERS[record["loader"]])]
+    rows.append(("structural check", describe_check(record["verification"])))
+    rows.append(("shards", f"{len(record['shards'])} ({human_bytes(record['bytes_written'])})"))
+    _print_rows(rows + _notes(record))
+
+
+_LOADERS = {
+    "vanilla": "vanilla AutoModel.from_pretrained",
+    "headlab": "headlab (per-layer layout; vanilla transformers refuses it)",
+}
+
+
+def _cost_rows(b: dict, a: dict, how: str = "") -> list[tuple[str, str]]:
+    """Parameters, heads, attention FLOPs and KV bytes, before -> after (costs() dictionaries)."""
+    kv_how = f" ({how})" if how else ""
+    return [
+        ("parameters", f"{b['parameters']:,} -> {a['parameters']:,}"),
+        ("query heads / KV heads", f"{b['query_heads']} / {b['kv_heads']} -> {a['query_heads']} / {a['kv_heads']}"),
+        (
+            f"attention FLOPs/token @{b['flops_context']}",
+            f"{b['attention_flops_per_token']:,} -> {a['attention_flops_per_token']:,}",
+        ),
+        (
+            "KV cache per token",
+            f"{human_bytes(b['kv_bytes_per_token'])} -> {human_bytes(a['kv_bytes_per_token'])}{kv_how}",
+        ),
+    ]
+
+
+def _notes(meta: dict) -> list[tuple[str, str]]:
+    """The padding-head note and the spanning-norm warning of a prune record."""
+    notes = []
+    if meta.get("padding_heads"):
+        notes.append(
+            (
+                "note",
+                f"{meta['padding_heads']} pruned query heads kept as zero-output padding so that KV groups stay "
+                "equal (--uniform avoids this)",
+            )
+        )
+    if meta.get("approximate"):
+        notes.append(("warning", "this architecture's q/k norm spans heads: physical pruning is approximate"))
+    return notes
+
+
+def _print_rows(rows: list[tuple[str, str]]) -> None:
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
+
+
 def _show(result, mode: str) -> None:
     """The before/after table a prune prints: perplexity, recovery, compensation, costs, checkpoint, notes."""
     # start-up: torch loads when the command runs, not for --help
@@ -205,15 +288,7 @@ def _show(result, mode: str) -> None:
                 f"{compensation['error_after']:.4f} (mean relative, per layer)",
             )
         )
-    rows += [
-        ("parameters", f"{b['parameters']:,} -> {a['parameters']:,}"),
-        ("query heads / KV heads", f"{b['query_heads']} / {b['kv_heads']} -> {a['query_heads']} / {a['kv_heads']}"),
-        (
-            f"attention FLOPs/token @{b['flops_context']}",
-            f"{b['attention_flops_per_token']:,} -> {a['attention_flops_per_token']:,}",
-        ),
-        ("KV cache per token", f"{human_bytes(b['kv_bytes_per_token'])} -> {human_bytes(a['kv_bytes_per_token'])}"),
-    ]
+    rows += _cost_rows(b, a)
     equivalent = result.meta.get("physical_equivalent")
     if equivalent:
         rows.append(
@@ -223,24 +298,7 @@ def _show(result, mode: str) -> None:
                 f"{human_bytes(equivalent['kv_bytes_per_token'])} KV/token",
             )
         )
-    loader = (
-        "vanilla AutoModel.from_pretrained"
-        if result.loader == "vanilla"
-        else "headlab (per-layer layout; vanilla transformers refuses it)"
-    )
-    rows += [("checkpoint", str(result.out)), ("loads with", loader)]
+    rows += [("checkpoint", str(result.out)), ("loads with", _LOADERS[result.loader])]
     if result.verification:
         rows.append(("reload check", describe_check(result.verification)))
-    if result.meta.get("padding_heads"):
-        rows.append(
-            (
-                "note",
-                f"{result.meta['padding_heads']} pruned query heads kept as zero-output padding so that "
-                "KV groups stay equal (--uniform avoids this)",
-            )
-        )
-    if result.meta.get("approximate"):
-        rows.append(("warning", "this architecture's q/k norm spans heads: physical pruning is approximate"))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
+    _print_rows(rows + _notes(result.meta))

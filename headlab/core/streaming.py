@@ -179,8 +179,6 @@ def verify_streamed(out: Path, source_keys: set[str]) -> dict:
     return {**result, "tensors": len(stored)}
 
 
-
-
 def read_source_config(source: Path, out: Path, overwrite: bool, max_shard_bytes: int):
     """Refuse a request in one line before anything is read in bulk; returns the checkpoint's files and config."""
     # Deferred for start-up time: AutoConfig loads transformers' model registries, which `--help` does not need.
@@ -228,9 +226,10 @@ class LayerEditor:
 
     def __init__(self, model, layers, reader: TensorReader, edit: Callable[[AttentionLayer], None]):
         self.model, self.reader, self.edit = model, reader, edit
-        self.file_keys = [stored_names(model, layer.module, reader.where) for layer in layers]  # module -> file key
+        # layer index -> (module key -> file key)
+        self.file_keys = {layer.index: stored_names(model, layer.module, reader.where) for layer in layers}
         # file key -> index of the layer whose attention module holds it
-        self.owner = {file_key: layer.index for layer in layers for file_key in self.file_keys[layer.index].values()}
+        self.owner = {file_key: index for index, names in self.file_keys.items() for file_key in names.values()}
 
     def convert(self, layer) -> dict[str, torch.Tensor]:
         """Materialise one attention module from the files, edit it, return its new tensors, free it."""
@@ -265,13 +264,14 @@ def stream_tensors(reader: TensorReader, editor: LayerEditor, layers, writer: Sh
     """Every source tensor in file order into `writer`: copied through as stored, or, for an attention module,
     the whole edited module where its first tensor appears."""
     emitted: set[int] = set()  # layers already written
+    by_index = {layer.index: layer for layer in layers}  # a hybrid's attention layers are not every block
     bar = tqdm(total=len(reader.where), desc="converting", unit="tensor", disable=not progress)
     for key in reader.where:
         i = editor.owner.get(key)
         if i is None:
             writer.add(key, reader.read(key))
         elif i not in emitted:
-            for name, tensor in editor.convert(layers[i]).items():
+            for name, tensor in editor.convert(by_index[i]).items():
                 writer.add(name, tensor)
             emitted.add(i)
         bar.update()

@@ -105,7 +105,7 @@ def convert_streaming(
     converter = LayerEditor(model, layers, reader, edit)
 
     # KV bytes per token before and after, by arithmetic in the stored dtype (the model is never run here).
-    loaded.dtype = reader.torch_dtype(next(iter(converter.file_keys[0].values())))
+    loaded.dtype = reader.torch_dtype(next(iter(converter.file_keys[layers[0].index].values())))
     kv_bytes_before = kv_bytes_per_token(loaded)
     with atomic_directory(out, overwrite=overwrite) as tmp:
         writer = ShardWriter(tmp, max_shard_bytes)

@@ -107,46 +107,55 @@ def check_not_empty(layers: list[AttentionLayer], pruned: list[set[int]], allow_
 
 def apply_mask(loaded: LoadedModel, pruned: list[set[int]]) -> None:
     """Mask mode, in place: zero the pruned heads' output-projection columns (and their query rows, and the key and
-    value rows of KV heads left without queries), keeping every shape.
+    value rows of KV heads left without queries), keeping every shape (`mask_layer`, layer by layer)."""
+    check_resident(loaded, "mask pruning")
+    with torch.no_grad():
+        for layer, heads in zip(loaded.layers, pruned):
+            mask_layer(loaded.adapter, layer, heads)
+
+
+def mask_layer(adapter, layer: AttentionLayer, heads: set[int]) -> None:
+    """Mask one layer's `heads` through its adapter (no_grad is the caller's).
 
     Output-projection columns alone make the model equal to gating those heads with 0; the query/KV rows are zeroed
     only to make the removal visible in the weights, and not where the q/k norm spans heads (OLMo2), where a zero
     head would change the other heads' normalisation.
     """
-    check_resident(loaded, "mask pruning")
-    adapter = loaded.adapter
-    with torch.no_grad():
-        for layer, heads in zip(loaded.layers, pruned):
-            if not heads:
-                continue
-            w = adapter.read(layer)
-            index = torch.tensor(sorted(heads))
-            w.o[:, index] = 0
-            if not adapter.norm_spans_heads:
-                w.q[index] = 0
-                if w.q_bias is not None:
-                    w.q_bias[index] = 0
-                dead = [g for g in range(layer.num_kv_heads) if all(h in heads for h in group_heads(layer, g))]
-                for t in (w.k, w.v, w.k_bias, w.v_bias):
-                    if t is not None and dead:
-                        t[torch.tensor(dead)] = 0
-            adapter.write(layer, w)
+    if not heads:
+        return
+    w = adapter.read(layer)
+    index = torch.tensor(sorted(heads))
+    w.o[:, index] = 0
+    if not adapter.norm_spans_heads:
+        w.q[index] = 0
+        if w.q_bias is not None:
+            w.q_bias[index] = 0
+        dead = [g for g in range(layer.num_kv_heads) if all(h in heads for h in group_heads(layer, g))]
+        for t in (w.k, w.v, w.k_bias, w.v_bias):
+            if t is not None and dead:
+                t[torch.tensor(dead)] = 0
+    adapter.write(layer, w)
 
 
 def apply_physical(loaded: LoadedModel, layout: list[LayerLayout]) -> None:
-    """Physical mode, in place: slice q/k/v/o weights, biases and per-head norms to the layout through the adapter."""
+    """Physical mode, in place: slice q/k/v/o weights, biases and per-head norms to the layout (`slice_layer`)."""
     check_resident(loaded, "physical pruning")
-    adapter = loaded.adapter
     with torch.no_grad():
         for layer, lay in zip(loaded.layers, layout):
-            unchanged = lay.num_heads == layer.num_heads and lay.kv_heads == list(range(layer.num_kv_heads))
-            if unchanged and not lay.padding:
-                continue
-            w = adapter.read(layer).take(lay.heads, lay.kv_heads)
-            for position, head in enumerate(lay.heads):
-                if head in lay.padding:
-                    w.o[:, position] = 0  # [C, D] block of the padding head: it contributes nothing
-            adapter.write(layer, w)
+            slice_layer(loaded.adapter, layer, lay)
+
+
+def slice_layer(adapter, layer: AttentionLayer, lay: LayerLayout) -> None:
+    """Slice one layer to its layout through the adapter: kept heads and KV heads only, padding heads' output
+    columns zeroed (no_grad is the caller's)."""
+    unchanged = lay.num_heads == layer.num_heads and lay.kv_heads == list(range(layer.num_kv_heads))
+    if unchanged and not lay.padding:
+        return
+    w = adapter.read(layer).take(lay.heads, lay.kv_heads)
+    for position, head in enumerate(lay.heads):
+        if head in lay.padding:
+            w.o[:, position] = 0  # [C, D] block of the padding head: it contributes nothing
+    adapter.write(layer, w)
 
 
 @contextlib.contextmanager
@@ -168,7 +177,7 @@ def prepare_config(loaded: LoadedModel, layout: list[LayerLayout] | None) -> str
     config = loaded.model.config
     if layout is None:  # mask mode: shapes unchanged
         return "headlab" if getattr(config, HEAD_LAYOUT_KEY, None) else "vanilla"
-    if is_uniform(layout, loaded.adapter):
+    if is_uniform(layout, loaded.adapter, config, loaded.layers[0].head_dim):
         lay = layout[0]
         loaded.adapter.set_config_heads(config, lay.num_heads, lay.num_kv_heads, loaded.layers[0].head_dim)
         if hasattr(config, HEAD_LAYOUT_KEY):
@@ -209,14 +218,14 @@ def save_pruned(
     def write_record(staging: Path) -> None:
         write_run(staging / RECORD_DIR, {"heads": table}, result_meta, overwrite=False)
         # The model may no longer have the original shapes: the mask is indexed by the original heads.
-        write_mask(staging / RECORD_DIR / "mask.csv", gates, _original_layers(table))
+        write_mask(staging / RECORD_DIR / "mask.csv", gates, original_layers(table))
         if recovery is not None:
             write_recovery(staging / RECOVERY_DIR, recovery, f"recovery of {loaded.spec}")
 
     return checkpoint.save_with_record(loaded, Path(out), result_meta, write_record, overwrite=overwrite)
 
 
-def _original_layers(table: pd.DataFrame):
+def original_layers(table: pd.DataFrame):
     """Minimal layer views (index, num_heads) of the original model, from the pruning record."""
     return [
         SimpleNamespace(index=int(layer), num_heads=int(len(group)))
@@ -346,7 +355,7 @@ def prune(
     text = text.resolved() if reads_text else text
     request = ScoreRequest(text.but(split="calibration", max_tokens=selection.calibration_tokens), progress,
                            selection.seed, table=scores, low_memory=selection.low_memory)  # fmt: skip
-    choice = _select_heads(loaded, spec, request, selection, budget=budget, joint=joint, compensate=compensate)
+    choice = choose_heads(loaded, spec, request, selection, budget=budget, joint=joint, compensate=compensate)
     gates = gates_from_pruned(loaded.layers, choice.pruned)  # on the original heads, before physical surgery
     eval_text = text.but(split="eval", max_tokens=eval_tokens)
     evaluation = eval_text if evaluate else None
@@ -355,7 +364,7 @@ def prune(
     record = dict(heads=heads, scores=scores, method=method, iterative=iterative, select=selection.select,
                   budget=budget, calibration_tokens=selection.calibration_tokens, joint=choice.joint_meta,
                   seed=selection.seed)  # fmt: skip
-    meta = _prune_record(loaded, mode, measured, _selection_record(record, spec), choice.pruned, eval_text)
+    meta = _prune_record(loaded, mode, measured, selection_record(record, spec), choice.pruned, eval_text)
     verification = None
     if out is not None:
         verification = save_pruned(
@@ -378,7 +387,7 @@ class _Choice:
     grams: list | None = None  # the calibration Grams the selection computed (--compensate refits from the same)
 
 
-def _select_heads(loaded, spec: PruneSpec, request: ScoreRequest, selection: Selection, *, budget, joint,
+def choose_heads(loaded, spec: PruneSpec, request: ScoreRequest, selection: Selection, *, budget, joint,
                   compensate) -> _Choice:  # fmt: skip
     """The selection step: explicit heads, score -> plan (iterated), or (`joint`) a joint selection / budget
     search. `budget`: the budget _budget resolved from `selection` and `spec`."""
@@ -445,7 +454,7 @@ def _prune_record(loaded, mode, measured: dict, selection: dict, pruned, eval_te
     return meta
 
 
-def _selection_record(options: dict, spec: PruneSpec) -> dict:
+def selection_record(options: dict, spec: PruneSpec) -> dict:
     """The meta.json `selection` entry, in the key order earlier records used; `options`: the Selection's fields
     as prune resolved them (heads, scores, method, iterative, select, budget, calibration_tokens, joint, seed)."""
     heads, scores, method, select = options["heads"], options["scores"], options["method"], options["select"]
