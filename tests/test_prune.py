@@ -475,3 +475,15 @@ def test_the_record_counts_the_heads_the_model_had_before_pruning(mode, tmp_path
     result = P.prune(loaded, P.PruneSpec(count=4, uniform=True), P.Selection(calibration_tokens=128),
                      data=str(corpus), seq_len=32, eval_tokens=64, mode=mode, progress=False)  # fmt: skip
     assert result.meta["total_heads"] == before and result.meta["pruned_heads"] == 4
+
+
+def test_a_uniform_prune_the_config_class_refuses_keeps_the_layout_record(tmp_path):
+    """Llama's config refuses hidden_size 64 over 3 heads on save (though its attention reads head_dim): one head
+    pruned from every layer of the 4-head MHA llama is saved with the per-layer layout instead, and reloads exactly."""
+    loaded = from_model(tiny_model("llama_mha"), tiny_tokenizer())
+    selection = P.Selection(heads="0:3;1:0")
+    result = P.prune(loaded, P.PruneSpec(), selection, mode="physical", evaluate=False, out=tmp_path / "out", progress=False)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert result.loader == "headlab" and HEAD_LAYOUT_KEY in config and config["num_attention_heads"] == 4
+    assert result.verification["max_abs_diff"] == 0.0
+    assert [layer.num_heads for layer in load_model(str(tmp_path / "out"), device="cpu").layers] == [3, 3]

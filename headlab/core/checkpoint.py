@@ -189,7 +189,8 @@ def meta_load_check(path: Path, tolerated: set[str] = frozenset()) -> dict:
     config = AutoConfig.from_pretrained(path)
     adapter = adapter_for(config)
     cls = model_class(config, adapter)
-    pruned = getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None
+    # the layout record sits on the top-level config (a multimodal model's too), as prune writes it
+    pruned = any(getattr(part, HEAD_LAYOUT_KEY, None) is not None for part in (config, config.get_text_config()))
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # transformers prints its own mismatch table; headlab reports one line
     try:

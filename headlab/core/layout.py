@@ -6,10 +6,12 @@ Below loading: load_model reads this record, and pruning, checkpoints and stream
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 
 from headlab.core.arch import Adapter, AttentionLayer
 from headlab.core.errors import HeadlabError
@@ -102,13 +104,31 @@ def physical_layout(layers: list[AttentionLayer], pruned: list[set[int]]) -> lis
     return out
 
 
-def is_uniform(layout: list[LayerLayout], adapter: Adapter) -> bool:
-    """Every layer has the same counts and the config can say so (free head_dim): vanilla from_pretrained loads it."""
+def is_uniform(layout: list[LayerLayout], adapter: Adapter, config=None, head_dim: int | None = None) -> bool:
+    """Every layer has the same counts and the config can say so (free head_dim): vanilla from_pretrained loads it.
+    With `config` and `head_dim`, also that the config class accepts those counts (`config_accepts_heads`)."""
     counts = {(lay.num_heads, lay.num_kv_heads) for lay in layout}
     if len(counts) != 1 or not adapter.free_head_dim:
         return False
     H, G = counts.pop()
-    return adapter.supports_gqa or H == G
+    if not (adapter.supports_gqa or H == G):
+        return False
+    return config is None or config_accepts_heads(config, adapter, H, G, head_dim)
+
+
+def config_accepts_heads(config, adapter: Adapter, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether `config`'s class takes these uniform head counts when it is saved. Some validate more than their
+    modeling needs: Llama's config (transformers 5) refuses a hidden_size that is not a multiple of the heads, though
+    its attention reads head_dim; such a prune keeps the per-layer layout record instead."""
+    trial = copy.deepcopy(config)
+    try:
+        adapter.set_config_heads(trial, num_heads, num_kv_heads, head_dim)
+        for part in {id(trial): trial, id(trial.get_text_config()): trial.get_text_config()}.values():
+            if hasattr(part, "validate"):
+                part.validate()
+    except (HeadlabError, ValueError, TypeError, StrictDataclassError):
+        return False
+    return True
 
 
 def compose(config, layout: list[LayerLayout]) -> list[LayerLayout]:
