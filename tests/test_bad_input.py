@@ -174,6 +174,8 @@ CASES = [
     (["expand-kv", "--model", "{llama}", *M, *DATA, "--kv-heads", "4", "--out", "{existing}"], "--overwrite"),
     (["expand-kv", "--model", "{llama}", "--streaming", "--kv-heads", "3", "--out", "e"], "3"),
     (["expand-kv", "--model", "{gpt2}", "--streaming", "--out", "e"], "gpt2"),
+    (["eval", "--model", "{llama}", "--max-memory", "1GB"], "--device-map auto"),
+    (["eval", "--model", "{llama}", "--device-map", "auto", "--max-memory", "lots"], "--max-memory"),
     # prune --streaming never runs the model: heads by name or by a score table only (tests/test_prune_streaming.py)
     (["prune", "--model", "{llama}", "--streaming", "--out", "p"], "cannot score heads"),
     (["prune", "--model", "{llama}", "--streaming", "--heads", "0:0", "--compensate", "ridge", "--out", "p"], "--streaming"),

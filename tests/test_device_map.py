@@ -122,6 +122,30 @@ def test_cli_eval_with_device_map_auto_equals_without(models, tmp_path, capsys):
     assert with_map["perplexity"] == pytest.approx(without["perplexity"], rel=1e-5)
 
 
+def test_cli_max_memory_offloads_to_disk_and_equals_without(models, capsys, monkeypatch):
+    """--max-memory caps the CPU's share of --device-map auto: the layers past it wait on disk and stream in per
+    forward (`disk_offload`), with the perplexity of the model loaded plainly."""
+    from headlab.core import loading
+
+    plain, _, corpus = models
+    placed = {}
+    original = loading.disk_offload
+
+    def recording(device, max_memory):
+        placed.update(original(device, max_memory))
+        return placed
+
+    monkeypatch.setattr(loading, "disk_offload", recording)
+    args = ["eval", "--model", plain.source, "--data", corpus, "--seq-len", "32", "--device", "cpu", "--json"]
+    code, out, err = run_cli(args, capsys)
+    assert code == 0, err
+    code, out_map, err = run_cli([*args, "--device-map", "auto", "--max-memory", "60KB"], capsys)
+    assert code == 0, err
+    assert placed["max_memory"] == {"cpu": 60_000} and placed["device_map"] == "auto"
+    without, offloaded = json.loads(out), json.loads(out_map)
+    assert offloaded["perplexity"] == pytest.approx(without["perplexity"], rel=1e-5)
+
+
 def test_input_device_prefers_the_embeddings_execution_device():
     """A GPU dispatch as accelerate records it (execution_device an index or a name, one hook or a SequentialHook),
     faked on the hook attribute because init_hook would move the weights to a GPU this machine lacks."""

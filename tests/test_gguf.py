@@ -572,3 +572,22 @@ def test_llamacpp_runs_smollm2_shaped_mla(tmp_path, rank, rope):
     result = compare_logprobs(loaded, tmp_path / "m.gguf", _windows(loaded, n=2, length=96))
     assert result["max_abs_logit"] > 1.0 and result["relative_difference"] < 1e-4, result
     assert result["max_abs_logit_diff"] < 1e-4 * max(1.0, result["max_abs_logit"]), result
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_model_offloaded_to_disk_exports_the_same_file(tmp_path, tie):
+    """Under `--device-map auto --max-memory` the weights wait on disk (meta placeholders): each is read in with its
+    module when it is written, and the tied-head rule does not mistake two placeholders for one tensor."""
+    from headlab.core.loading import load_model, offloaded_modules
+
+    plain = tiny(tie_word_embeddings=tie, num_hidden_layers=3)
+    plain.model.save_pretrained(tmp_path / "model")
+    plain.tokenizer.save_pretrained(tmp_path / "model")
+    offloaded = load_model(str(tmp_path / "model"), device="cpu", device_map="auto", max_memory=60_000)
+    assert "model.layers.2.self_attn.q_proj" in offloaded_modules(offloaded.model)
+    export_gguf(plain, tmp_path / "plain.gguf", outtype="f16", progress=False)
+    export_gguf(offloaded, tmp_path / "offloaded.gguf", outtype="f16", progress=False)
+    (_, expected), (_, got) = read(tmp_path / "plain.gguf"), read(tmp_path / "offloaded.gguf")
+    assert got.keys() == expected.keys() and ("output.weight" in got) != tie
+    for name in expected:
+        np.testing.assert_array_equal(got[name].data, expected[name].data, err_msg=name)

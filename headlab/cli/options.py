@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from headlab.cli.parsing import parse_bytes
 from headlab.core.data import PARTS, TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import RUN_DIR_BYTES, check_free_space, check_replaceable, guard_output
@@ -26,19 +27,20 @@ class ModelSpec:
     dtype: str | None = None
     device_map: str | None = None
     check_weights: bool = True
+    max_memory: int | None = None  # bytes per device under --device-map auto; the rest offloaded to disk
 
     def load(self, **overrides):
         """The LoadedModel, with any load_model keyword overridden (e.g. dtype="float32")."""
         from headlab.core.loading import load_model  # start-up: torch and transformers load with the first model
 
-        options = dict(device=self.device, dtype=self.dtype, device_map=self.device_map)
+        options = dict(device=self.device, dtype=self.dtype, device_map=self.device_map, max_memory=self.max_memory)
         return load_model(self.spec, **(options | {"check_weights": self.check_weights} | overrides))
 
     __call__ = load
 
 
 def model_options(function):
-    """--model, --device, --dtype, --device-map, --check-weights."""
+    """--model, --device, --dtype, --device-map, --max-memory, --check-weights."""
 
     @click.option(
         "--model",
@@ -61,16 +63,26 @@ def model_options(function):
         help="spread a model larger than one GPU over the available devices (accelerate)",
     )
     @click.option(
+        "--max-memory",
+        default=None,
+        metavar="SIZE",
+        help="with --device-map auto: the most the layers may take on each device (e.g. 8GiB); the rest is offloaded "
+        "to disk and read back at every forward pass (slow, but a model larger than memory runs)",
+    )
+    @click.option(
         "--check-weights/--no-check-weights",
         default=True,
         show_default=True,
         help="refuse a model with a non-finite (nan/inf) weight, naming the tensor (one cheap pass on load)",
     )
     @functools.wraps(function)
-    def wrapper(*args, model_spec, device, dtype, device_map, check_weights, **kwargs):
+    def wrapper(*args, model_spec, device, dtype, device_map, max_memory, check_weights, **kwargs):
         # The command receives the model as a spec it loads by calling it (load(), load(dtype=...)); commands that
         # read checkpoint files without loading the model (convert-gqa --streaming) use its fields.
-        load = ModelSpec(model_spec, device, dtype, device_map, check_weights)
+        if max_memory is not None and device_map is None:
+            raise HeadlabError("--max-memory caps what --device-map auto puts on each device: add --device-map auto")
+        limit = None if max_memory is None else parse_bytes(max_memory, "max-memory")
+        load = ModelSpec(model_spec, device, dtype, device_map, check_weights, limit)
         return function(*args, load=load, **kwargs)
 
     return wrapper

