@@ -591,3 +591,16 @@ def test_a_model_offloaded_to_disk_exports_the_same_file(tmp_path, tie):
     assert got.keys() == expected.keys() and ("output.weight" in got) != tie
     for name in expected:
         np.testing.assert_array_equal(got[name].data, expected[name].data, err_msg=name)
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_encoding_a_block_of_rows_at_a_time_writes_the_same_bytes(tmp_path, monkeypatch, outtype):
+    """Large matrices are converted and encoded a block of rows at a time (to bound the export's memory); with a
+    block of a few rows every tensor still has the bytes of the whole-tensor encoding."""
+    loaded = tiny()
+    export_gguf(loaded, tmp_path / "whole.gguf", outtype=outtype, progress=False)
+    monkeypatch.setattr(gguf_export, "ENCODE_BLOCK_BYTES", 3 * 4 * 64)  # three rows of a 64-wide matrix
+    export_gguf(loaded, tmp_path / "blocks.gguf", outtype=outtype, progress=False)
+    (_, whole), (_, blocks) = read(tmp_path / "whole.gguf"), read(tmp_path / "blocks.gguf")
+    for name in whole:
+        np.testing.assert_array_equal(blocks[name].data, whole[name].data, err_msg=name)

@@ -176,7 +176,8 @@ class _OffloadedTensor:
 
     def read(self) -> torch.Tensor:
         with weights_in_memory(self.module):
-            return getattr(self.module, self.attribute).detach().to("cpu", copy=True)
+            # the tensor accelerate read in stays alive through this reference when the module goes back to meta
+            return getattr(self.module, self.attribute).detach().to("cpu")
 
 
 def _resident(tensor) -> torch.Tensor:
@@ -605,6 +606,28 @@ def _converted(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torc
     return data.numpy()
 
 
+ENCODE_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows converted and encoded at a time
+
+
+def _encoded(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torch.Tensor, qtype) -> np.ndarray:
+    """_encode(_converted(...)), a block of rows at a time for a matrix whose rows stay in place (every one but the
+    RoPE-permuted q/k): the embeddings of an 8B model then cost their encoded copy plus one float32 block, not a
+    float32 copy of the whole (2 GiB). The same bytes, since every GGUF type encodes a row on its own."""
+    rope_rows = gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias"))
+    permuted = plan.target.interleaved_rope and block is not None and rope_rows
+    if tensor.dim() != 2 or permuted:
+        return _encode(_converted(plan, gguf_name, block, tensor), qtype)
+    rows = tensor.shape[0]
+    step = max(1, ENCODE_BLOCK_BYTES // (4 * tensor.shape[1]))
+    out = None
+    for start in range(0, rows, step):
+        part = _encode(tensor[start : start + step].detach().to("cpu", torch.float32).numpy(), qtype)
+        if out is None:
+            out = np.empty((rows, *part.shape[1:]), dtype=part.dtype)
+        out[start : start + len(part)] = part
+    return out
+
+
 def _file_type(outtype: str) -> int:
     """GGUF's general.file_type code for the output type (llama.cpp's LLAMA_FTYPE; 0 for a type it has none for)."""
     file_type = {"f32": 0, "f16": 1, "bf16": 32}.get(outtype)
@@ -688,7 +711,7 @@ def export_gguf(
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
-            writer.write_tensor_data(_encode(_converted(plan, name, block, _resident(tensor)), types[name]))
+            writer.write_tensor_data(_encoded(plan, name, block, _resident(tensor), types[name]))
         writer.close()
 
     # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
