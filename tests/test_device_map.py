@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
+from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
 from headlab.core.loading import from_model, input_device, load_model
 from headlab.measure.evaluate import perplexity
@@ -291,3 +291,17 @@ def test_cli_edits_with_device_map_auto_write_the_same_weights(models, tmp_path,
         outputs[name] = load_file(tmp_path / name / "model.safetensors")
     assert outputs["plain"].keys() == outputs["mapped"].keys()
     assert all(torch.equal(outputs["plain"][k], outputs["mapped"][k]) for k in outputs["plain"])
+
+
+def test_offloading_keeps_the_stored_dtype(tmp_path):
+    """A bf16 checkpoint offloaded under max_memory stays bf16 (a float32 load would convert every weight first, twice
+    the checkpoint in memory); an explicit dtype still wins, and without offloading the CPU default is float32."""
+    from models import tiny_model
+
+    tiny_model("llama").to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    tiny_tokenizer().save_pretrained(tmp_path / "model")
+    offloaded = load_model(str(tmp_path / "model"), device="cpu", device_map="auto", max_memory=20_000)
+    assert offloaded.dtype == torch.bfloat16
+    asked = load_model(str(tmp_path / "model"), device="cpu", dtype="float32", device_map="auto", max_memory=20_000)
+    assert asked.dtype == torch.float32
+    assert load_model(str(tmp_path / "model"), device="cpu").dtype == torch.float32

@@ -243,7 +243,8 @@ def load_model(
     Validated before use (headlab.core.validate): the config's head arithmetic before transformers builds the model, the
     safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
     max_memory (bytes, with device_map="auto"): the most the layers may take on each device; accelerate offloads
-    the rest to disk and streams it in at every forward (`disk_offload`).
+    the rest to disk and streams it in at every forward (`disk_offload`); without `dtype` the checkpoint's stored
+    dtype is kept.
     """
     from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
 
@@ -296,6 +297,12 @@ def load_model(
     validate.check_config_heads(config, adapter, spec)
     if Path(source).is_dir():
         validate.check_weight_files(source)
+    if max_memory is not None and dtype is None:
+        # Offloading: the stored dtype, since a float32 load of a bf16 checkpoint converts every weight first (twice
+        # the checkpoint in memory while loading, and twice its bytes in the offload folder).
+        stored = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
+        stored = getattr(torch, stored.removeprefix("torch."), None) if isinstance(stored, str) else stored
+        torch_dtype = stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch_dtype
 
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
     if device_map == "auto":
