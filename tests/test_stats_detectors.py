@@ -505,3 +505,21 @@ def test_embedded_induction_and_duplicate_scores_agree_with_a_transformer_lens_s
         assert len(heads) == 270
         rho = spearman(pd.Series([wide.loc[h, name] for h in heads]), pd.Series([values[h] for h in heads]))
         assert rho >= 0.95, (name, rho)
+
+
+@pytest.mark.parametrize("name", list(FINAL_NORM))
+def test_an_ov_circuit_of_some_tokens_gives_their_logits(name):
+    """ov_circuit(loaded, tokens) keeps only those rows of W_E and W_U (an 8B vocabulary's are 2 GiB each in float32):
+    the same logits for them, and a one-line refusal for a token it does not hold or for the whole vocabulary."""
+    loaded = _randomised(name)
+    inputs, outputs = torch.tensor([40, 3, 17, 3]), torch.tensor([99, 17, 5])
+    some = ov_circuit(loaded, torch.cat([inputs, outputs]))
+    assert some.embed.shape[0] == 5
+    for layer in loaded.layers:
+        whole = torch.cat([b for _, b in ov_logits(loaded, layer, inputs, outputs)], dim=1)
+        torch.testing.assert_close(torch.cat([b for _, b in ov_logits(loaded, layer, inputs, outputs, circuit=some)],
+                                             dim=1), whole, atol=0, rtol=0)  # fmt: skip
+    with pytest.raises(HeadlabError, match="other tokens"):
+        next(ov_logits(loaded, loaded.layers[0], torch.tensor([41]), outputs, circuit=some))
+    with pytest.raises(HeadlabError, match="whole vocabulary"):
+        next(ov_logits(loaded, loaded.layers[0], inputs, circuit=some))

@@ -52,23 +52,38 @@ SUCCESSION_MIN = 3  # single-token elements a sequence form needs (with 2, "abov
 @dataclass
 class OVCircuit:
     """The token-side weights of the effective OV circuit: W_E [V_in, C] and W_U diag(g) [V_out, C], g the final
-    norm's per-channel gain (as the norm applies it), in a float dtype of at least float32."""
+    norm's per-channel gain (as the norm applies it), in a float dtype of at least float32. `ids`: the token ids
+    whose rows it holds (sorted), None for the whole vocabulary."""
 
     embed: torch.Tensor
     unembed: torch.Tensor
+    ids: torch.Tensor | None = None
+
+    def rows(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Row positions of token ids `tokens` in embed and unembed."""
+        if self.ids is None:
+            return tokens
+        tokens = tokens.to(self.ids.device)
+        position = torch.searchsorted(self.ids, tokens).clamp(max=len(self.ids) - 1)
+        if not bool((self.ids[position] == tokens).all()):
+            raise HeadlabError("the OV circuit was built for other tokens than it is asked about")
+        return position
 
 
-def ov_circuit(loaded) -> OVCircuit:
-    """The model's effective-OV weights; a one-line HeadlabError where the approximation does not apply (encoders,
-    no final norm beside the blocks, embeddings narrower or wider than the residual stream)."""
+def ov_circuit(loaded, tokens: torch.Tensor | None = None) -> OVCircuit:
+    """The model's effective-OV weights (only the rows of token ids `tokens`, when given: an 8B model's float32
+    embedding and unembedding are 2 GiB each); a one-line HeadlabError where the approximation does not apply
+    (encoders, no final norm beside the blocks, embeddings narrower or wider than the residual stream)."""
     model, adapter = loaded.model, loaded.adapter
-    # a device map may have offloaded these weights: read them loaded, and keep copies
+    ids = None if tokens is None else torch.unique(torch.as_tensor(tokens, dtype=torch.long))  # sorted
+    # a device map may have offloaded these weights: read them loaded, and keep copies of the rows needed
     with weights_in_memory(
         model.get_input_embeddings(), model.get_output_embeddings(), adapter.final_norm(model).module
     ):
         gain = adapter.final_norm(model).gain.detach().clone()
-        unembed = adapter.unembedding(model)[0].detach().clone()
-        embed = model.get_input_embeddings().weight.detach().clone()
+        unembed, embed = adapter.unembedding(model)[0].detach(), model.get_input_embeddings().weight.detach()
+        unembed = unembed.clone() if ids is None else unembed[ids.to(unembed.device)]
+        embed = embed.clone() if ids is None else embed[ids.to(embed.device)]
     dtype = torch.promote_types(embed.dtype, torch.float32)
     if embed.shape[1] != unembed.shape[1] or gain.shape[0] != unembed.shape[1]:
         raise HeadlabError(
@@ -76,7 +91,7 @@ def ov_circuit(loaded) -> OVCircuit:
             "no direct embedding path into the heads"
         )
     device = embed.device
-    return OVCircuit(embed.to(dtype), (unembed.to(device, dtype) * gain.to(device, dtype)))
+    return OVCircuit(embed.to(dtype), (unembed.to(device, dtype) * gain.to(device, dtype)), ids)
 
 
 def ov_logits(
@@ -91,11 +106,13 @@ def ov_logits(
         v, o = (w.detach().clone() for w in loaded.adapter.ov_weights(layer))  # [G, D, C], [C, H, D]
     device, dtype = circuit.embed.device, circuit.embed.dtype
     v, o = v.to(device, dtype), o.to(device, dtype)
-    unembed = circuit.unembed if outputs is None else circuit.unembed[outputs.to(device)]
+    if outputs is None and circuit.ids is not None:
+        raise HeadlabError("logits over the whole vocabulary need an OV circuit of the whole vocabulary")
+    unembed = circuit.unembed if outputs is None else circuit.unembed[circuit.rows(outputs).to(device)]
     right = torch.einsum("uc,chd->hdu", unembed, o)  # [H, D, n_out]: W_U diag(g) W_O,h
     inputs = inputs.to(device)
     for first in range(0, len(inputs), chunk):
-        x = circuit.embed[inputs[first : first + chunk]]  # [c, C]
+        x = circuit.embed[circuit.rows(inputs[first : first + chunk])]  # [c, C]
         z = torch.einsum("tc,gdc->gtd", x, v).repeat_interleave(layer.group_size, dim=0)  # [H, c, D], repeat_kv order
         yield slice(first, first + len(x)), z @ right
 

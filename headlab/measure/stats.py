@@ -712,15 +712,17 @@ def _ov_statistics(loaded, means: dict, frequency: torch.Tensor) -> dict:
         "tokens": 0,
         "source": f"the {SUPPRESSION_TOKENS} most frequent text-pass tokens",
     }
+    forms = succession_forms(loaded.tokenizer) if loaded.tokenizer is not None else []
+    tokens = frequent_tokens(frequency, SUPPRESSION_TOKENS, special_token_ids(loaded))
+    used = torch.tensor([i for _, ids in forms for i in ids if i is not None] + tokens.tolist(), dtype=torch.long)
     try:
-        circuit = ov_circuit(loaded)
+        circuit = ov_circuit(loaded, used)  # the rows of the tokens scored only, not the whole vocabulary
     except HeadlabError as error:  # the approximation does not apply to this model: NaN, and the reason in meta
         reason = str(error)
         return {"successor": dict(successor, skipped=reason), "copy_suppression": dict(suppression, skipped=reason)}
     if loaded.tokenizer is None:
         successor["skipped"] = "the model has no tokenizer"
     else:
-        forms = succession_forms(loaded.tokenizer)
         successor["sequences"] = [name for name, _ in forms]
         scores = successor_scores(loaded, forms, circuit=circuit)
         for index, values in scores.items():
@@ -728,7 +730,6 @@ def _ov_statistics(loaded, means: dict, frequency: torch.Tensor) -> dict:
         successor["pairs"] = int(next(iter(scores.values()))[1]) if scores else 0
         if not successor["pairs"]:
             successor["skipped"] = "no ordinal sequence has consecutive single-token elements"
-    tokens = frequent_tokens(frequency, SUPPRESSION_TOKENS, special_token_ids(loaded))
     suppression["tokens"] = len(tokens)
     if len(tokens) <= SUPPRESSION_K:
         suppression["skipped"] = f"{len(tokens)} distinct tokens in the text pass, not more than k={SUPPRESSION_K}"
