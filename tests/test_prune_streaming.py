@@ -123,3 +123,22 @@ def test_cli_streaming_prune(tmp_path, capsys):
                               "--out", tmp_path / "other"], capsys)  # fmt: skip
     assert code == 2 and "--streaming" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "qwen3_next", "gpt2"])
+def test_info_reads_the_structure_only_and_equals_a_full_load(name, tmp_path):
+    """`headlab info` builds the model on the meta device (an 8B model costs its config, not 16-32 GB): the same
+    numbers as model_info of the loaded model, for a plain and a per-layer pruned checkpoint."""
+    from headlab.core.loading import load_model
+    from headlab.core.streaming import load_structure
+    from headlab.measure.costs import model_info
+
+    save_tiny(name, tmp_path / "plain")
+    loaded = load_model(str(tmp_path / "plain"), device="cpu")
+    prune(loaded, PruneSpec(), Selection(heads=uneven_heads(loaded)), mode="physical", evaluate=False,
+          out=tmp_path / "pruned", progress=False)  # fmt: skip
+    for directory in (tmp_path / "plain", tmp_path / "pruned"):
+        structure = load_structure(str(directory), device="cpu")
+        assert {p.device.type for p in structure.model.parameters()} == {"meta"}
+        expected = model_info(load_model(str(directory), device="cpu"))
+        assert model_info(structure) == expected, directory.name
