@@ -1,8 +1,13 @@
 """Real shapes on this machine: random-weight Llama-3.1-8B-shaped checkpoints (bf16, `scripts/make_shape.py`) at 8,
-16 and 32 layers, and the streaming commands that edit them (`convert-gqa --streaming` 8 -> 4 KV heads at every
-depth; 8 -> 2 and 8 -> 1, and `expand-kv --streaming` 4 -> 8, at 32 layers), each a fresh process timed as a whole
-with its peak resident set (GNU time's maximum RSS), against the bytes of one decoder layer and of the embeddings.
-Outputs are deleted after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
+16 and 32 layers, and the commands that edit or read them, each a fresh process timed as a whole with its peak
+resident set (GNU time's maximum RSS), against the bytes of one decoder layer and of the embeddings:
+- convert: `convert-gqa --streaming` 8 -> 4 KV heads at every depth; 8 -> 2 and 8 -> 1, and `expand-kv --streaming`
+  4 -> 8, at the deepest;
+- prune: `prune --streaming --mode physical` of named heads (uneven layers) at every depth;
+- export: `export-gguf` f16 with `--device-map auto --max-memory 64MB` (every block offloaded to disk) at every depth;
+- info, eval, stats, importance: at the deepest, the last three on 256 tokens under the same offloading.
+HEADLAB_SCALE_STEPS=prune,export,... runs some steps and keeps the saved rows of the others. Outputs are deleted
+after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
 
 from __future__ import annotations
 
@@ -18,6 +23,13 @@ from pathlib import Path
 TITLE = "Real shapes: the 8B-shaped checkpoint on this machine (`convert-gqa --streaming`, `expand-kv --streaming`)"
 SHAPE = "llama-3.1-8b"
 DEPTHS = tuple(int(x) for x in os.environ.get("HEADLAB_SCALE_LAYERS", "8,16,32").split(","))
+STEPS = ("convert", "prune", "export", "info", "eval", "stats", "importance")
+CHOSEN = tuple(os.environ.get("HEADLAB_SCALE_STEPS", ",".join(STEPS)).split(","))
+OFFLOAD = ("--device-map", "auto", "--max-memory", "64MB")  # every block to disk: the embeddings alone are 0.98 GiB
+TOKENS = ("--max-tokens", "256", "--seq-len", "256", "--batch-size", "1")
+# Query heads pruned by `prune --streaming`: a whole KV group (4 heads) of layer 0, two heads of layer 1 (padded)
+PRUNED_HEADS = "0:0,1,2,3;1:5,9"
+READERS = ("info", "eval", "stats", "importance")
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -39,41 +51,83 @@ def _headlab(*args: str) -> list[str]:
 
 
 def run(args) -> dict:
+    from benchmark import saved_result
+
     from headlab.core.shapes import SHAPES
 
     shape = SHAPES[SHAPE]
     work = Path(os.environ.get("HEADLAB_SCALE_DIR") or tempfile.mkdtemp(prefix="headlab-scale-"))
     work.mkdir(parents=True, exist_ok=True)
+    kept = [row for row in saved_result("scale").get("rows", []) if _kind(row["step"]) not in CHOSEN]
     rows = []
     try:
         for layers in DEPTHS:
-            source, out = work / f"src-{layers}", work / f"out-{layers}"
+            source = work / f"src-{layers}"
             make = [sys.executable, str(ROOT / "scripts" / "make_shape.py"), SHAPE, "--layers", str(layers),
                     "--out", str(source), "--overwrite"]  # fmt: skip
             rows.append({"layers": layers, "step": "make_shape", **_timed(make)})
             print(rows[-1], flush=True)
-            files = sorted(source.glob("*.safetensors"))
-            model_bytes = sum(p.stat().st_size for p in files)
-            kv_counts = (4, 2, 1) if layers == max(DEPTHS) else (4,)
-            for kv in kv_counts:
-                convert = _headlab("convert-gqa", "--model", str(source), "--streaming", "--kv-heads", str(kv),
-                                   "--out", str(out), "--overwrite")  # fmt: skip
-                rows.append({"layers": layers, "step": f"convert-gqa --streaming 8 -> {kv}", "model_bytes": model_bytes,
-                             **_timed(convert)})  # fmt: skip
+            model_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
+            for step, command in _commands(source, work / f"out-{layers}", layers):
+                rows.append({"layers": layers, "step": step, "model_bytes": model_bytes, **_timed(command)})
                 print(rows[-1], flush=True)
-                if kv == 4 and layers == max(DEPTHS):
-                    back = work / "expanded"
-                    expand = _headlab("expand-kv", "--model", str(out), "--streaming", "--kv-heads", "8",
-                                      "--out", str(back), "--overwrite")  # fmt: skip
-                    rows.append({"layers": layers, "step": "expand-kv --streaming 4 -> 8", **_timed(expand)})
-                    print(rows[-1], flush=True)
-                    shutil.rmtree(back, ignore_errors=True)
-                shutil.rmtree(out, ignore_errors=True)
+                for leftover in work.glob("out-*"):
+                    shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
             shutil.rmtree(source, ignore_errors=True)
     finally:
         if "HEADLAB_SCALE_DIR" not in os.environ:
             shutil.rmtree(work, ignore_errors=True)
-    return {"shape": SHAPE, "config": _sizes(shape), "rows": rows, "load": list(os.getloadavg())}
+    made = {row["layers"] for row in rows}
+    kept = [row for row in kept if row["step"] != "make_shape" or row["layers"] not in made]
+    return {"shape": SHAPE, "config": _sizes(shape), "rows": _ordered(kept + rows), "load": list(os.getloadavg()),
+            "steps_run": list(CHOSEN)}  # fmt: skip
+
+
+def _kind(step: str) -> str:
+    """The HEADLAB_SCALE_STEPS name of a row's step ("convert-gqa --streaming 8 -> 4" -> "convert")."""
+    command = step.split()[0].rstrip(",")
+    return {"convert-gqa": "convert", "expand-kv": "convert", "export-gguf": "export", "make_shape": "make"}.get(
+        command, command
+    )
+
+
+def _ordered(rows: list[dict]) -> list[dict]:
+    order = ["make", *STEPS]
+    return sorted(rows, key=lambda row: (row["layers"], order.index(_kind(row["step"]))))
+
+
+def _commands(source: Path, out: Path, layers: int):
+    """(step label, command) of the chosen steps at this depth; outputs go to `out` (deleted after each)."""
+    deepest = layers == max(DEPTHS)
+    if "convert" in CHOSEN:
+        for kv in (4, 2, 1) if deepest else (4,):
+            # at the deepest, the 4-head output stays (as kept-<layers>) for expand-kv to read back
+            target = out.with_name(f"kept-{layers}") if kv == 4 and deepest else out
+            yield f"convert-gqa --streaming 8 -> {kv}", _headlab("convert-gqa", "--model", str(source), "--streaming",
+                                                                 "--kv-heads", str(kv), "--out", str(target))  # fmt: skip
+            if target != out:
+                yield "expand-kv --streaming 4 -> 8", _headlab("expand-kv", "--model", str(target), "--streaming",
+                                                               "--kv-heads", "8", "--out", str(out))  # fmt: skip
+                shutil.rmtree(target, ignore_errors=True)
+    if "prune" in CHOSEN:
+        yield "prune --streaming --mode physical", _headlab("prune", "--streaming", "--model", str(source), "--heads",
+                                                            PRUNED_HEADS, "--mode", "physical", "--out", str(out))  # fmt: skip
+    if "export" in CHOSEN:
+        yield "export-gguf f16, offloaded", _headlab("export-gguf", "--model", str(source), *OFFLOAD, "--no-verify",
+                                                     "--out", str(out) + ".gguf")  # fmt: skip
+    if not deepest:
+        return
+    if "info" in CHOSEN:
+        yield "info", _headlab("info", "--model", str(source))
+    if "eval" in CHOSEN:
+        yield "eval, offloaded, 256 tokens", _headlab("eval", "--model", str(source), *OFFLOAD, *TOKENS,
+                                                      "--domains", "none")  # fmt: skip
+    if "stats" in CHOSEN:
+        yield "stats, offloaded, 256 tokens", _headlab("stats", "--model", str(source), *OFFLOAD, *TOKENS,
+                                                       "--out", str(out))  # fmt: skip
+    if "importance" in CHOSEN:
+        yield "importance, offloaded, 256 tokens", _headlab("importance", "--model", str(source), *OFFLOAD, *TOKENS,
+                                                            "--out", str(out))  # fmt: skip
 
 
 def _sizes(shape: dict) -> dict:
@@ -105,14 +159,17 @@ def markdown(r: dict) -> str:
         ok = "yes" if row["peak_rss"] <= limit else "no"
         if row["step"] == "make_shape":  # the benchmark's own generator (one 2 GiB shard), not an editing command
             ok = "(the generator)"
+        elif _kind(row["step"]) in READERS:  # the goal's limit is for commands that edit weights
+            ok = "(reads; no limit set)"
         lines.append(
             f"| {row['layers']} | `{row['step']}` | {size} | {row['seconds']:.0f} | {row['peak_rss'] / gib:.2f} GiB | "
             f"{ok} |"
         )
-    converts = [row for row in r["rows"] if row["step"] == "convert-gqa --streaming 8 -> 4"]
-    if len(converts) > 1:
-        per_layer = ", ".join(f"{row['layers']}: {row['seconds'] / row['layers']:.1f} s" for row in converts)
-        lines.append(f"\n`convert-gqa --streaming 8 -> 4` seconds per layer (linear time is a constant): {per_layer}.")
+    for step in ("convert-gqa --streaming 8 -> 4", "prune --streaming --mode physical", "export-gguf f16, offloaded"):
+        runs = [row for row in r["rows"] if row["step"] == step]
+        if len(runs) > 1:
+            per_layer = ", ".join(f"{row['layers']}: {row['seconds'] / row['layers']:.1f} s" for row in runs)
+            lines.append(f"\n`{step}` seconds per layer (linear time is a constant): {per_layer}.")
     return "\n".join(lines)
 
 
