@@ -4,6 +4,7 @@ own log-probabilities against transformers' on tiny models (the embedded model: 
 
 from __future__ import annotations
 
+import math
 import sys
 
 import numpy as np
@@ -604,3 +605,19 @@ def test_encoding_a_block_of_rows_at_a_time_writes_the_same_bytes(tmp_path, monk
     (_, whole), (_, blocks) = read(tmp_path / "whole.gguf"), read(tmp_path / "blocks.gguf")
     for name in whole:
         np.testing.assert_array_equal(blocks[name].data, whole[name].data, err_msg=name)
+
+
+def test_a_disk_too_small_is_refused_before_any_tensor_with_the_bytes_needed(tmp_path, monkeypatch):
+    """The export checks free space first (numbers x bytes of the type; a llama.cpp type adds its f32 scratch
+    file): one line naming both sizes, and nothing written."""
+    import shutil
+
+    loaded = tiny()
+    numbers = sum(math.prod(t.shape) for _, _, t in gguf_export._gguf_names(loaded.model).values())
+    assert gguf_export.export_bytes(list(gguf_export._gguf_names(loaded.model).values()), "f16", False)[0] == 2 * numbers
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    converted = []
+    monkeypatch.setattr(gguf_export, "_encode", lambda *a: converted.append(a))
+    with pytest.raises(HeadlabError, match=r"1000 B free .* needs about .*numbers at 2 bytes"):
+        export_gguf(loaded, tmp_path / "m.gguf", outtype="f16", progress=False)
+    assert converted == [] and list(tmp_path.iterdir()) == []

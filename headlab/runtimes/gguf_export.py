@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from headlab import __version__
 from headlab.core.errors import HeadlabError
-from headlab.core.fsio import GGUF_MARK, atomic_file, check_out, check_output_name, scratch_file
+from headlab.core.fsio import GGUF_MARK, atomic_file, check_free_space, check_out, check_output_name, scratch_file
 from headlab.core.loading import LoadedModel, weights_in_memory
 from headlab.runtimes import llamacpp
 from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_ALIASES, LLAMACPP_TYPES
@@ -692,6 +692,7 @@ def export_gguf(
         items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
     ftype = LLAMACPP_TYPES.get(outtype)  # None: headlab writes the type itself
     written = QUANTIZE_FROM if ftype else outtype
+    check_free_space(out, *export_bytes(items, outtype, ftype is not None))  # before any tensor is converted
     types = {name: _tensor_type("f32" if plan.kept_f32(name) else written, name, tuple(t.shape))
              for name, _, t in items}  # fmt: skip
     kept = sorted({name.split(".", 2)[-1] for name, _, _ in items if plan.kept_f32(name)})
@@ -755,6 +756,17 @@ def export_gguf(
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
+
+
+def export_bytes(items: list, outtype: str, by_llamacpp: bool) -> tuple[int, str]:
+    """(bytes, how estimated) the export needs on the output's file system: the written numbers at 4 bytes (f32) or
+    2 (f16, bf16, and as a bound for gguf's own quantized types); a llama.cpp type also needs its f32 scratch file
+    beside the output, 4 bytes a number, while the output (at most 2 bytes a number) is written."""
+    numbers = sum(math.prod(tensor.shape) for _, _, tensor in items)
+    if by_llamacpp:
+        return 6 * numbers, f"{numbers:,} numbers: the f32 file llama.cpp quantizes, plus its {outtype} output"
+    size = 4 if outtype == "f32" else 2
+    return size * numbers, f"{numbers:,} numbers at {size} bytes"
 
 
 QUANTIZED_BY = "headlab.quantized_by"  # metadata key: which quantizer wrote the file's quantized tensors
