@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One short GPU check for a lent CUDA machine (about 15 minutes of device time): the cuda tests, the CLI on the
-# embedded model, FSDP2 uptraining with NCCL, and the stats/importance/eval benchmarks. Logs and benchmark results go to $OUT (or gpu-check/).
+# embedded model, the 8B shape at 8 layers, FSDP2 uptraining with NCCL, and the stats/importance/eval benchmarks. Logs and benchmark results go to $OUT (or gpu-check/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu-check}"
@@ -29,6 +29,20 @@ step device_map_eval headlab eval --device cuda --device-map auto --dtype bfloat
 step prune_bf16 headlab prune --device cuda --dtype bfloat16 --fraction 0.2 --mode physical --out "$OUT/runs/pruned" --overwrite
 step convert_bf16 headlab convert-gqa --device cuda --dtype bfloat16 --kv-heads 1 --out "$OUT/runs/mqa" --overwrite
 step streaming headlab convert-gqa --streaming --kv-heads 1 --out "$OUT/runs/mqa-streamed" --overwrite
+# The Llama-3.1-8B shape at 8 layers (5.2 GiB of random bf16 weights, scripts/make_shape.py): in memory on the GPU,
+# then spread over GPU, CPU and disk by --max-memory (docs/scaling.md).
+SHAPE="$OUT/runs/llama8b-8layers"
+step shape_8b python scripts/make_shape.py llama-3.1-8b --layers 8 --out "$SHAPE" --overwrite
+step shape_8b_eval headlab eval --model "$SHAPE" --device cuda --dtype bfloat16 --max-tokens 2048 --domains none
+step shape_8b_importance headlab importance --model "$SHAPE" --device cuda --dtype bfloat16 --max-tokens 2048 \
+    --out "$OUT/runs/importance-8b" --overwrite
+step shape_8b_convert headlab convert-gqa --model "$SHAPE" --device cuda --dtype bfloat16 --kv-heads 2 \
+    --max-tokens 1024 --out "$OUT/runs/gqa2-8b" --overwrite
+step shape_8b_offloaded headlab eval --model "$SHAPE" --device cuda --device-map auto --max-memory 2GiB \
+    --max-tokens 512 --domains none
+step shape_8b_prune_streaming headlab prune --streaming --model "$SHAPE" --scores "$OUT/runs/importance-8b" \
+    --fraction 0.25 --uniform --mode physical --out "$OUT/runs/pruned-8b" --overwrite
+rm -rf "$SHAPE" "$OUT/runs/gqa2-8b" "$OUT/runs/pruned-8b"  # 5 GB each: nothing to bring back
 # FSDP2 uptraining on CUDA with NCCL (issue #34, item 3), under a minute: the MQA student of convert_bf16 towards the
 # embedded model, 4 steps. Two processes where there are two GPUs; with one GPU a torchrun world of one (NCCL refuses
 # two ranks on one device), which checks the FSDP path, the NCCL group and the gathered save, not the sharing.
