@@ -116,3 +116,21 @@ def test_available_memory_reads_the_host():
     from headlab.measure.importance import available_memory
 
     assert available_memory("cpu") > 0
+
+
+def test_a_model_larger_than_the_memory_available_is_refused_before_loading(tmp_path, monkeypatch):
+    """load_model compares the weights' bytes in the dtype asked (safetensors bytes scaled from the stored dtype) with
+    the memory available and refuses in one line naming the ways around it; a device map is not checked (it places
+    what fits and offloads the rest)."""
+    from tiny_text import save_tiny
+
+    from headlab.core import loading
+    from headlab.core.errors import HeadlabError
+
+    directory = save_tiny("llama", tmp_path / "model")
+    stored = sum(p.stat().st_size for p in directory.glob("*.safetensors"))  # float32 on disk
+    monkeypatch.setattr(loading, "available_memory", lambda device: stored // 2 + 1000)
+    with pytest.raises(HeadlabError, match=r"GiB in float32.*--dtype bfloat16.*--max-memory.*--streaming"):
+        loading.load_model(str(directory), device="cpu")
+    assert loading.load_model(str(directory), device="cpu", dtype="bfloat16").dtype == torch.bfloat16  # half fits
+    assert loading.load_model(str(directory), device="cpu", device_map="auto").model is not None

@@ -215,6 +215,48 @@ def check_model_path(spec: str) -> None:
     raise HeadlabError(f"model {spec} is not a regular file or folder (a FIFO or device?)")
 
 
+def available_memory(device) -> int | None:
+    """Bytes the device can still give: CUDA's free memory, or the host's MemAvailable (/proc/meminfo, which counts
+    reclaimable caches; os.sysconf's free pages where there is no /proc). None when it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_room_for(source: str, config, dtype: torch.dtype, device: torch.device, spec: str) -> None:
+    """Refuse in one line, before anything is loaded, a local checkpoint whose weights in `dtype` exceed the memory
+    the device can still give (available_memory): the load would be killed by the system or swap for minutes. The
+    weights' bytes are the safetensors files' scaled from the stored dtype to `dtype`."""
+    files = list(Path(source).glob("*.safetensors")) if Path(source).is_dir() else []
+    available = available_memory(device) if files else None
+    if available is None:
+        return
+    stored = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
+    stored = getattr(torch, stored.removeprefix("torch."), None) if isinstance(stored, str) else stored
+    stored_size = stored.itemsize if isinstance(stored, torch.dtype) and stored.is_floating_point else dtype.itemsize
+    needed = sum(path.stat().st_size for path in files) * dtype.itemsize // stored_size
+    if needed > available:
+        gib = 2**30
+        raise HeadlabError(
+            f"{spec}: its weights take about {needed / gib:.1f} GiB in {str(dtype).removeprefix('torch.')}, the "
+            f"{device.type} has {available / gib:.1f} GiB available; load it in bfloat16 (--dtype bfloat16), spread "
+            "it over devices and disk (--device-map auto --max-memory SIZE), or edit it layer by layer (--streaming)"
+        )
+
+
 def disk_offload(device: torch.device, max_memory: int) -> dict:
     """from_pretrained keywords that cap each device at `max_memory` bytes and offload the rest to disk: accelerate
     places whole blocks in order (GPUs, then the CPU, then disk) and reads the disk ones back at every forward. Only
@@ -312,6 +354,8 @@ def load_model(
             kwargs.update(disk_offload(torch_device, max_memory))
     elif max_memory is not None:
         raise HeadlabError("max_memory caps what device_map='auto' puts on each device; pass device_map='auto'")
+    if device_map is None:
+        check_room_for(source, config, torch_dtype, torch_device, spec)
     model, tokenizer = _load_weights(spec, source, config, adapter, kwargs, load_kwargs)
     adapter.attention_layers(model)  # a model whose heads headlab cannot find fails here, as one line
     if check_weights:

@@ -17,7 +17,6 @@ masked-LM encoders the NLL of the fixed-seed 15% masked tokens, as in headlab.me
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 from headlab.core import distributed
 from headlab.core.data import MLM_SEED, TextSpec, masked_lm_batch, takes_text
 from headlab.core.errors import HeadlabError
-from headlab.core.loading import LoadedModel
+from headlab.core.loading import LoadedModel, available_memory
 from headlab.core.tables import head_table
 from headlab.measure.costs import peak_memory
 from headlab.measure.importance_methods import BERTOLOGY_DEFINITION, IMPORTANCE_METHODS
@@ -148,27 +147,6 @@ ACTIVATION_MLP_VECTORS = 4
 # Whole-batch passes are chosen when the estimate is at most this share of the memory available, leaving the rest
 # for the logit chunks, the allocator's slack and other processes.
 BATCH_MEMORY_SHARE = 0.5
-
-
-def available_memory(device) -> int | None:
-    """Bytes the device can still give: CUDA's free memory, or the host's MemAvailable (/proc/meminfo, which counts
-    reclaimable caches; os.sysconf's free pages where there is no /proc). None when it cannot be read."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def gradient_pass_bytes(loaded: LoadedModel, rows: int, seq_len: int) -> int:
