@@ -130,7 +130,30 @@ def test_a_model_larger_than_the_memory_available_is_refused_before_loading(tmp_
     directory = save_tiny("llama", tmp_path / "model")
     stored = sum(p.stat().st_size for p in directory.glob("*.safetensors"))  # float32 on disk
     monkeypatch.setattr(loading, "available_memory", lambda device: stored // 2 + 1000)
-    with pytest.raises(HeadlabError, match=r"GiB in float32.*--dtype bfloat16.*--max-memory.*--streaming"):
+    with pytest.raises(HeadlabError, match=r"B in float32.*--dtype bfloat16.*--max-memory.*--streaming"):
         loading.load_model(str(directory), device="cpu")
     assert loading.load_model(str(directory), device="cpu", dtype="bfloat16").dtype == torch.bfloat16  # half fits
     assert loading.load_model(str(directory), device="cpu", device_map="auto").model is not None
+
+
+def test_convert_mla_refuses_when_the_second_model_would_not_fit(tmp_path, monkeypatch, capsys):
+    """convert-mla builds the MLA model beside the loaded one: with less memory available than the loaded model's
+    bytes it stops in one line, before converting, and writes nothing."""
+    from tiny_text import run_cli, save_tiny
+
+    from headlab.core import loading
+
+    directory = save_tiny("llama", tmp_path / "model")
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 4)
+    real = loading.available_memory
+    calls = []
+
+    def shrinking(device):  # enough to load the model, too little for a second copy
+        calls.append(device)
+        return real(device) if len(calls) == 1 else 1000
+
+    monkeypatch.setattr(loading, "available_memory", shrinking)
+    code, _, err = run_cli(["convert-mla", "--model", directory, "--data", tmp_path / "text.txt", "--budget", "gqa",
+                            "--out", tmp_path / "out"], capsys)  # fmt: skip
+    assert code == 2 and "builds the MLA model beside the loaded one" in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "out").exists()

@@ -123,7 +123,9 @@ def command(  # click passes every option as a parameter
 
     With --recover, the converted model is trained towards the original without its latent norms (plain linear
     latent attention) and the norms are folded in at save (docs/mla.md)."""
-    from headlab.kv.mla import convert_mla_checkpoint  # start-up: torch loads when the command runs, not for --help
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.core.loading import check_room_for_copy
+    from headlab.kv.mla import convert_mla_checkpoint
 
     recovery = recovery_spec(recovery_options)
     lengths = lengths_of(long_lengths)
@@ -142,6 +144,7 @@ def command(  # click passes every option as a parameter
         )
     loaded = load()
     guard_checkpoint_space(out, loaded)
+    check_room_for_copy(loaded, "convert-mla builds the MLA model beside the loaded one")
     before = measure(loaded, text, lengths, not as_json) if lengths else None
     record = convert_mla_checkpoint(
         loaded,

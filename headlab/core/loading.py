@@ -35,6 +35,7 @@ from headlab.core.model_names import (
     EMBEDDED_INSTALL,
     EMBEDDED_PACKAGE,
 )
+from headlab.core.units import human_bytes
 
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
@@ -249,11 +250,21 @@ def check_room_for(source: str, config, dtype: torch.dtype, device: torch.device
     stored_size = stored.itemsize if isinstance(stored, torch.dtype) and stored.is_floating_point else dtype.itemsize
     needed = sum(path.stat().st_size for path in files) * dtype.itemsize // stored_size
     if needed > available:
-        gib = 2**30
         raise HeadlabError(
-            f"{spec}: its weights take about {needed / gib:.1f} GiB in {str(dtype).removeprefix('torch.')}, the "
-            f"{device.type} has {available / gib:.1f} GiB available; load it in bfloat16 (--dtype bfloat16), spread "
+            f"{spec}: its weights take about {human_bytes(needed)} in {str(dtype).removeprefix('torch.')}, the "
+            f"{device.type} has {human_bytes(available)} available; load it in bfloat16 (--dtype bfloat16), spread "
             "it over devices and disk (--device-map auto --max-memory SIZE), or edit it layer by layer (--streaming)"
+        )
+
+
+def check_room_for_copy(loaded: LoadedModel, what: str) -> None:
+    """Refuse in one line a command that builds a second model beside the loaded one (`what` says why) when the
+    device cannot give that model's bytes again (its size is about the loaded one's)."""
+    needed, available = weight_bytes(loaded.model), available_memory(loaded.device)
+    if available is not None and needed > available:
+        raise HeadlabError(
+            f"{what}: about {human_bytes(needed)} more, and the {loaded.device.type} has {human_bytes(available)} "
+            "available; load the model in bfloat16 (--dtype bfloat16) or use a machine with more memory"
         )
 
 
