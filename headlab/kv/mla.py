@@ -114,9 +114,11 @@ class MlaPlan:
         return {**asdict(self), "full_rank": self.full_rank, "cache_numbers": self.cache_numbers}
 
 
-def check_source(loaded: LoadedModel) -> None:
-    """Refuse (one line) an attention that deepseek_v3 cannot express, before any work."""
-    check_resident(loaded, "MLA conversion")
+def check_source(loaded: LoadedModel, resident: bool = True) -> None:
+    """Refuse (one line) an attention that deepseek_v3 cannot express, before any work. resident=False: the weights
+    may wait offloaded (convert-mla --streaming reads them from the files, the model only runs calibration)."""
+    if resident:
+        check_resident(loaded, "MLA conversion")
     adapter, config = loaded.adapter, loaded.model.config.get_text_config()
     name = config.model_type
     if adapter.is_encoder or not adapter.rotary or adapter.gated:
@@ -150,13 +152,14 @@ def plan_mla(
     kv_lora_rank: int | None = None,
     rope_dim: int | None = None,
     q_lora_rank: int | None = None,
+    resident: bool = True,
 ) -> MlaPlan:
     """Validate and resolve the target: a budget (`mla_budget`: gqa = 2GD numbers per token per layer, the source's
     own cache; mqa = 2D; a count; a fraction of 2GD) or explicit numbers. rope_dim None under a budget: every rotary
     frequency when the latent then reaches full rank, otherwise left to `convert_to_mla` to measure on calibration
     windows (rope_choice "measured", among `auto_rope_dims`). q_lora_rank: a low-rank query path (`_low_rank_query`),
-    below the hidden size so that it saves parameters."""
-    check_source(loaded)
+    below the hidden size so that it saves parameters. resident: as check_source's."""
+    check_source(loaded, resident)
     layers = gqa_layers(loaded)
     H, G, D = layers[0].num_heads, layers[0].num_kv_heads, layers[0].head_dim
     rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
@@ -164,7 +167,9 @@ def plan_mla(
     if budget is not None and kv_lora_rank is not None:
         raise HeadlabError("give budget= or kv_lora_rank (with rope_dim), not both")
     if budget is None and kv_lora_rank is None:
-        raise HeadlabError("give a KV budget: budget='gqa', 'mqa', a count or a fraction; or kv_lora_rank (with rope_dim)")
+        raise HeadlabError(
+            "give a KV budget: budget='gqa', 'mqa', a count or a fraction; or kv_lora_rank (with rope_dim)"
+        )
     if budget is not None:
         try:
             budget = mla_budget(budget)
@@ -354,16 +359,28 @@ def input_grams(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
     """Per attention layer, Sigma = sum_t x_t x_t^T [C+1, C+1] (float64) of the attention input x (after the input
     norm) augmented by a constant 1 (biases), over the unpadded calibration tokens. Every Gram the conversion needs is
     W Sigma W^T of a projection W."""
-    layers = gqa_layers(loaded)
     grams: dict[int, torch.Tensor] = {}
+
+    def add(index: int, gram: torch.Tensor) -> None:
+        grams[index] = grams[index] + gram if index in grams else gram
+
+    layers = _gram_pass(loaded, batches, progress, add)
+    if len(grams) != len(layers) or float(grams[layers[0].index][-1, -1]) == 0:
+        raise HeadlabError("no calibration tokens to convert to MLA on")
+    return [grams[layer.index] for layer in layers]
+
+
+def _gram_pass(loaded: LoadedModel, batches, progress: bool, add) -> list:
+    """One forward pass over `batches` calling add(layer index, x^T x of this batch's augmented attention inputs)
+    for every attention layer; returns the layers."""
+    layers = gqa_layers(loaded)
     valid: list[torch.Tensor] = []
 
     def hook_for(layer):
         def hook(x):
             x = x[valid[0].to(x.device)].double()  # [N, C]
             x = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)  # [N, C+1]
-            gram = (x.T @ x).cpu()
-            grams[layer.index] = grams[layer.index] + gram if layer.index in grams else gram
+            add(layer.index, (x.T @ x).cpu())
 
         return hook
 
@@ -372,9 +389,7 @@ def input_grams(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
         for input_ids, attention_mask, *_ in tqdm(batches, desc="MLA calibration", disable=not progress):
             valid[:] = [attention_mask.bool()]
             model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-    if len(grams) != len(layers) or float(grams[0][-1, -1]) == 0:
-        raise HeadlabError("no calibration tokens to convert to MLA on")
-    return [grams[layer.index] for layer in layers]
+    return layers
 
 
 @torch.no_grad()
@@ -393,10 +408,14 @@ def rope_phases(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
         c, Tk = probs.shape[2:]
         distance = chunk.rows[:, None].cpu() - torch.arange(Tk)[None, :]  # [c, Tk], t - s
         index = distance.clamp_min(0).reshape(-1).expand(H, -1)
-        counts = torch.zeros(H, loaded.max_positions or 65536, dtype=torch.float64)
+        counts = torch.zeros(H, Tk, dtype=torch.float64)  # distances < Tk: as long as the window, not the model
         counts.scatter_add_(1, index, probs.sum(0).reshape(H, c * Tk).cpu())
         i = chunk.layer.index
-        hist[i] = hist[i] + counts if i in hist else counts
+        if i in hist:  # windows of different lengths: the shorter histogram is padded with zeros
+            longest = max(hist[i].shape[1], Tk)
+            hist[i] = _padded(hist[i], longest) + _padded(counts, longest)
+        else:
+            hist[i] = counts
 
     model, device = loaded.model, loaded.device
     with capture_attention(model, layers, on_chunk):
@@ -409,6 +428,10 @@ def rope_phases(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
         mean = torch.complex(counts @ angles.cos(), -(counts @ angles.sin()))
         phases.append(mean / counts.sum(1, keepdim=True).clamp_min(1e-300))
     return phases
+
+
+def _padded(counts: torch.Tensor, length: int) -> torch.Tensor:
+    return torch.nn.functional.pad(counts, (0, length - counts.shape[1]))
 
 
 # ---- the algebra of one layer --------------------------------------------------------------------------------------
@@ -773,6 +796,16 @@ def constant_qk_norms(loaded: LoadedModel, multipliers: list):
             del module.forward
 
 
+def convert_into(w, gram, plan: MlaPlan, attn: nn.Module, *, phase=None, magnitude=(1.0, 1.0, 1.0), multipliers=None):
+    """Convert one layer's HeadWeights `w` (its input Gram, rope phases and q/k-norm multipliers, if any) into the
+    DeepseekV3Attention module `attn` (latent norms off); returns the layer's record."""
+    if multipliers is not None:  # per-head q/k norms: their calibrated constant, folded into the rows
+        w = fold_qk_norm(w, multipliers)
+    converted = convert_layer(w, gram, plan, phases=phase, magnitude=magnitude)
+    _write_attention(attn, w, converted, plan)
+    return converted.record
+
+
 def build_mla(
     loaded: LoadedModel,
     plan: MlaPlan,
@@ -796,13 +829,11 @@ def build_mla(
     magnitude = rope_magnitudes(loaded, config)
     multipliers = qk_multipliers if qk_multipliers is not None else all_qk_norm_multipliers(loaded, grams)
     for layer in tqdm(layers, desc="MLA layers", disable=not progress, unit="layer"):
-        w = loaded.adapter.read(layer)
-        if multipliers is not None:  # per-head q/k norms: their calibrated constant, folded into the rows
-            w = fold_qk_norm(w, multipliers[layer.index])
         phase = None if phases is None else phases[layer.index]
-        converted = convert_layer(w, grams[layer.index], plan, phases=phase, magnitude=magnitude)
-        _write_attention(model.model.layers[layer.block].self_attn, w, converted, plan)
-        records.append(converted.record)
+        multiplier = None if multipliers is None else multipliers[layer.index]
+        attn = model.model.layers[layer.block].self_attn
+        records.append(convert_into(loaded.adapter.read(layer), grams[layer.index], plan, attn, phase=phase,
+                                    magnitude=magnitude, multipliers=multiplier))  # fmt: skip
     model.tie_weights()
     model.to(loaded.device)
     try:
@@ -843,25 +874,34 @@ def fold_latent_norm(model: nn.Module, eps: float = LATENT_NORM_EPS) -> list[dic
     """Replace each identity latent norm (and q_a norm) of a converted deepseek_v3 model by transformers' RMSNorm
     with the eps-dominance fold, in place; layers already holding a norm are left alone. float16 is refused: the
     scaled latents would underflow."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm  # start-up: lazy module
-
     dtype = next(model.parameters()).dtype
     if dtype == torch.float16:
         raise HeadlabError("float16 cannot hold the latent-norm fold (the scaled latents underflow); use fp32 or bf16")
     folds = []
     for index, block in enumerate(model.model.layers):
-        attn, gamma = block.self_attn, block.input_layernorm.weight
-        pairs = [("kv_a_layernorm", attn.kv_a_proj_with_mqa, attn.kv_lora_rank, attn.kv_b_proj)]
-        if attn.q_lora_rank is not None:
-            pairs.append(("q_a_layernorm", attn.q_a_proj, attn.q_lora_rank, attn.q_b_proj))
-        for name, proj, rows, reader in pairs:
-            if not isinstance(getattr(attn, name), nn.Identity):
-                continue
-            fold = _fold_one(proj, rows, gamma, reader, eps)
-            norm = DeepseekV3RMSNorm(rows, eps=eps).to(device=proj.weight.device, dtype=dtype)
-            norm.weight.data.fill_(fold["norm_weight"])
-            setattr(attn, name, norm)
-            folds.append({"layer": index, "norm": name, **fold})
+        folds += fold_block_norms(block.self_attn, block.input_layernorm.weight, index, dtype, eps)
+    return folds
+
+
+def fold_block_norms(
+    attn: nn.Module, gamma: torch.Tensor, index: int, dtype: torch.dtype, eps: float = LATENT_NORM_EPS
+):
+    """fold_latent_norm for one DeepseekV3Attention (`gamma`: its block's input-norm weight): each identity latent
+    (and q_a) norm becomes an RMSNorm with the eps-dominance fold; returns the folds' records."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm  # start-up: lazy module
+
+    pairs = [("kv_a_layernorm", attn.kv_a_proj_with_mqa, attn.kv_lora_rank, attn.kv_b_proj)]
+    if attn.q_lora_rank is not None:
+        pairs.append(("q_a_layernorm", attn.q_a_proj, attn.q_lora_rank, attn.q_b_proj))
+    folds = []
+    for name, proj, rows, reader in pairs:
+        if not isinstance(getattr(attn, name), nn.Identity):
+            continue
+        fold = _fold_one(proj, rows, gamma, reader, eps)
+        norm = DeepseekV3RMSNorm(rows, eps=eps).to(device=proj.weight.device, dtype=dtype)
+        norm.weight.data.fill_(fold["norm_weight"])
+        setattr(attn, name, norm)
+        folds.append({"layer": index, "norm": name, **fold})
     return folds
 
 
