@@ -130,6 +130,28 @@ CASES = [
     ),
     (["convert-gqa", "--model", "{mha}", "--streaming", "--kv-heads", "2", "--max-shard-size", "0", "--out", "c"], "1"),
     # convert-mla
+    # convert-mla --streaming: the rope-dim search runs whole models; recovery trains one (tests/test_mla_streaming.py)
+    (["convert-mla", "--model", "{llama}", *M, *DATA, "--streaming", "--budget", "mqa", "--out", "c"], "--rope-dim"),
+    (
+        [
+            "convert-mla",
+            "--model",
+            "{llama}",
+            *M,
+            *DATA,
+            "--streaming",
+            "--kv-lora-rank",
+            "24",
+            "--rope-dim",
+            "8",
+            "--recover",
+            "local",
+            "--out",
+            "c",
+        ],
+        "--streaming",
+    ),
+    (["convert-mla", "--model", "org/name", "--streaming", "--budget", "gqa", "--out", "c"], "local checkpoint"),
     (
         ["convert-mla", "--model", "{llama}", *M, *DATA, "--kv-lora-rank", "60", "--rope-dim", "8", "--out", "c"],
         "full rank",
@@ -178,7 +200,10 @@ CASES = [
     (["eval", "--model", "{llama}", "--device-map", "auto", "--max-memory", "lots"], "--max-memory"),
     # prune --streaming never runs the model: heads by name or by a score table only (tests/test_prune_streaming.py)
     (["prune", "--model", "{llama}", "--streaming", "--out", "p"], "cannot score heads"),
-    (["prune", "--model", "{llama}", "--streaming", "--heads", "0:0", "--compensate", "ridge", "--out", "p"], "--streaming"),
+    (
+        ["prune", "--model", "{llama}", "--streaming", "--heads", "0:0", "--compensate", "ridge", "--out", "p"],
+        "--streaming",
+    ),
     (["prune", "--model", "{llama}", "--streaming", "--heads", "0:0", "--dtype", "bfloat16", "--out", "p"], "--dtype"),
     (["prune", "--model", "org/name", "--streaming", "--heads", "0:0", "--out", "p"], "local checkpoint"),
     (["prune", "--model", "{llama}", "--streaming", "--heads", "0:9", "--out", "p"], "9"),

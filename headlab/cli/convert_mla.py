@@ -17,6 +17,7 @@ from headlab.cli.options import (
     guard_checkpoint_space,
     model_options,
     out_option,
+    streaming_options,
 )
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
@@ -33,6 +34,54 @@ def _step_line(step: dict) -> str:
         before, after = step["calibration_nll"]
         how += f", calibration NLL {before:.4f} -> {after:.4f}"
     return how
+
+
+STREAMING_MEMORY = "1GiB"  # --streaming without --max-memory: what the calibration passes may hold of the weights
+
+
+def _run_streaming(load, plan: dict, text, calibration_tokens, out, overwrite, max_shard_size, as_json) -> None:
+    """convert-mla --streaming: calibration on the source with its blocks offloaded (--max-memory, default
+    STREAMING_MEMORY), then one attention layer converted and written at a time (headlab.kv.mla_streaming)."""
+    # start-up: torch loads when the command runs, not for --help
+    from headlab.cli.parsing import parse_bytes
+    from headlab.core.checkpoint import describe_check
+    from headlab.core.fsio import check_free_space
+    from headlab.core.loading import local_checkpoint
+    from headlab.kv.mla import plan_mla
+    from headlab.kv.mla_streaming import check_streamable, convert_mla_streaming, gram_bytes
+
+    source = local_checkpoint(load.spec)
+    max_shard_bytes = parse_bytes(max_shard_size, "max-shard-size")
+    limit = load.max_memory or parse_bytes(STREAMING_MEMORY, "max-memory")
+    loaded = load.load(device_map="auto", max_memory=limit)
+    mla_plan = plan_mla(loaded, **plan, resident=False)
+    check_streamable(mla_plan)  # before the calibration passes
+    stored = sum(path.stat().st_size for path in source.glob("*.safetensors"))
+    check_free_space(out, stored + gram_bytes(loaded), "the source's weight files, plus the layers' calibration Grams")
+    calibration = text.resolved().but(split="calibration", max_tokens=calibration_tokens, batch_size=4)
+    batches = calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
+    record = convert_mla_streaming(loaded, source, out, mla_plan, batches, overwrite=overwrite,
+                                   max_shard_bytes=max_shard_bytes, progress=not as_json)  # fmt: skip
+    if as_json:
+        click.echo(json.dumps(record, indent=2, default=str))
+        return
+    layout = record["plan"]
+    rows = [
+        ("MLA layout", f"latent {layout['kv_lora_rank']} + rope {layout['rope_dim']} per token per layer (streaming)"),
+        (
+            "KV cache per token",
+            f"{human_bytes(record['kv_bytes_per_token_before'])} -> "
+            f"{human_bytes(record['kv_bytes_per_token_after'])} (arithmetic)",
+        ),  # fmt: skip
+        ("latent norms folded", str(record["latent_norm_fold"]["norms_folded"])),
+        ("structural check", describe_check(record["verification"])),
+        ("shards", f"{len(record['shards'])} ({human_bytes(record['bytes_written'])})"),
+        ("measured", record["measured"]),
+        ("written", record["out"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")
 
 
 def print_summary(record: dict) -> None:
@@ -103,6 +152,7 @@ def print_summary(record: dict) -> None:
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-mla]")
 @recovery_options
 @long_context_option
+@streaming_options("convert")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")
 def command(  # click passes every option as a parameter
     load,
@@ -117,6 +167,8 @@ def command(  # click passes every option as a parameter
     overwrite,
     recovery_options,
     long_lengths,
+    streaming,
+    max_shard_size,
     as_json,
 ):
     """Convert GQA/MHA attention to multi-head latent attention (a deepseek_v3 checkpoint) at a KV budget.
@@ -142,6 +194,11 @@ def command(  # click passes every option as a parameter
         raise HeadlabError(
             "--dtype float16 cannot hold the latent-norm fold (its tiny latents underflow); use float32 or bfloat16"
         )
+    if streaming:
+        if recovery is not None or lengths:
+            raise HeadlabError("--streaming never holds the converted model: drop --recover and --long-context")
+        plan = dict(budget=budget, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, q_lora_rank=q_lora_rank)
+        return _run_streaming(load, plan, text, calibration_tokens, out, overwrite, max_shard_size, as_json)
     loaded = load()
     guard_checkpoint_space(out, loaded)
     check_room_for_copy(loaded, "convert-mla builds the MLA model beside the loaded one")

@@ -2,4 +2,4 @@
 converter and the KV ladder.
 """
 
-__all__ = ["budget", "gqa", "grouping", "ladder", "merge", "methods", "mla", "policy", "streaming"]
+__all__ = ["budget", "gqa", "grouping", "ladder", "merge", "methods", "mla", "mla_streaming", "policy", "streaming"]
