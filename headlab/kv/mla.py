@@ -370,6 +370,7 @@ def input_grams(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
     return [grams[layer.index] for layer in layers]
 
 
+@torch.no_grad()  # statistics only: no graph (under a device map it would hold every block's weights)
 def _gram_pass(loaded: LoadedModel, batches, progress: bool, add) -> list:
     """One forward pass over `batches` calling add(layer index, x^T x of this batch's augmented attention inputs)
     for every attention layer; returns the layers."""
