@@ -4,6 +4,8 @@ resident set (GNU time's maximum RSS), against the bytes of one decoder layer an
 - convert: `convert-gqa --streaming` 8 -> 4 KV heads at every depth; 8 -> 2 and 8 -> 1, and `expand-kv --streaming`
   4 -> 8, at the deepest;
 - prune: `prune --streaming --mode physical` of named heads (uneven layers) at every depth;
+- mla: `convert-mla --streaming` to latent 448 + rope 64 (a quarter of the GQA-8 cache), 256 calibration tokens,
+  at the deepest;
 - export: `export-gguf` f16 with `--device-map auto --max-memory 64MB` (every block offloaded to disk) at every depth;
 - info, eval, stats, importance: at the deepest, the last three on 256 tokens under the same offloading.
 HEADLAB_SCALE_STEPS=prune,export,... runs some steps and keeps the saved rows of the others. Outputs are deleted
@@ -23,7 +25,7 @@ from pathlib import Path
 TITLE = "Real shapes: the 8B-shaped checkpoint on this machine (`convert-gqa --streaming`, `expand-kv --streaming`)"
 SHAPE = "llama-3.1-8b"
 DEPTHS = tuple(int(x) for x in os.environ.get("HEADLAB_SCALE_LAYERS", "8,16,32").split(","))
-STEPS = ("convert", "prune", "export", "info", "eval", "stats", "importance")
+STEPS = ("convert", "prune", "mla", "export", "info", "eval", "stats", "importance")
 CHOSEN = tuple(os.environ.get("HEADLAB_SCALE_STEPS", ",".join(STEPS)).split(","))
 OFFLOAD = ("--device-map", "auto", "--max-memory", "64MB")  # every block to disk: the embeddings alone are 0.98 GiB
 TOKENS = ("--max-tokens", "256", "--seq-len", "256", "--batch-size", "1")
@@ -86,9 +88,8 @@ def run(args) -> dict:
 def _kind(step: str) -> str:
     """The HEADLAB_SCALE_STEPS name of a row's step ("convert-gqa --streaming 8 -> 4" -> "convert")."""
     command = step.split()[0].rstrip(",")
-    return {"convert-gqa": "convert", "expand-kv": "convert", "export-gguf": "export", "make_shape": "make"}.get(
-        command, command
-    )
+    kinds = {"convert-gqa": "convert", "expand-kv": "convert", "convert-mla": "mla", "export-gguf": "export"}
+    return kinds.get(command, "make" if command == "make_shape" else command)
 
 
 def _ordered(rows: list[dict]) -> list[dict]:
@@ -112,6 +113,11 @@ def _commands(source: Path, out: Path, layers: int):
     if "prune" in CHOSEN:
         yield "prune --streaming --mode physical", _headlab("prune", "--streaming", "--model", str(source), "--heads",
                                                             PRUNED_HEADS, "--mode", "physical", "--out", str(out))  # fmt: skip
+    if "mla" in CHOSEN and deepest:  # a quarter of the GQA-8 cache: latent 448 + rope 64 numbers per token per layer
+        yield "convert-mla --streaming 448+64", _headlab("convert-mla", "--streaming", "--model", str(source),
+                                                         "--kv-lora-rank", "448", "--rope-dim", "64",
+                                                         "--calibration-tokens", "256", "--seq-len", "256",
+                                                         "--out", str(out))  # fmt: skip
     if "export" in CHOSEN:
         yield "export-gguf f16, offloaded", _headlab("export-gguf", "--model", str(source), *OFFLOAD, "--no-verify",
                                                      "--out", str(out) + ".gguf")  # fmt: skip
