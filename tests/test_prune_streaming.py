@@ -129,8 +129,7 @@ def test_cli_streaming_prune(tmp_path, capsys):
 def test_info_reads_the_structure_only_and_equals_a_full_load(name, tmp_path):
     """`headlab info` builds the model on the meta device (an 8B model costs its config, not 16-32 GB): the same
     numbers as model_info of the loaded model, for a plain and a per-layer pruned checkpoint."""
-    from headlab.core.loading import load_model
-    from headlab.core.streaming import load_structure
+    from headlab.core.loading import load_model, load_structure
     from headlab.measure.costs import model_info
 
     save_tiny(name, tmp_path / "plain")

@@ -20,7 +20,6 @@ from pathlib import Path
 import click
 
 from headlab import __version__
-from headlab.cli._ranks import rank_private_out
 from headlab.core.errors import HeadlabError
 
 SHARED_MODULES = ("options", "parsing")  # helpers of every command, not commands
@@ -44,6 +43,9 @@ class LazyGroup(click.Group):
         if module_name not in self._modules():
             return None
         command = importlib.import_module(f"{__name__}.{module_name}").command
+        # start-up: imported with the command it wraps, so that `headlab --help` imports no module of this package
+        from headlab.cli._ranks import rank_private_out
+
         return rank_private_out(command, name)  # under torchrun only rank 0 writes the user's --out
 
     def invoke(self, ctx):

@@ -33,14 +33,14 @@ from headlab.measure.choices import DTYPE_BYTES
 def command(load, context, batch, cache_dtype, kv_budget, as_json):
     """Model type, heads, parameters and KV-cache bytes (with the MHA / GQA / MQA ladder and the MLA rung)."""
     # start-up: torch loads when the command runs, not for --help
-    from headlab.core.streaming import load_structure
+    from headlab.core.loading import load_structure
     from headlab.measure.costs import model_info
 
     if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading
         raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the model's KV cache in (0, 1]")
     if load.device_map is not None or load.max_memory is not None:
         raise HeadlabError("info reads no weights (the model's structure only): drop --device-map and --max-memory")
-    loaded = load_structure(load.spec, device=load.device, dtype=load.dtype)
+    loaded = load_structure(load.spec, device=load.device, dtype=load.dtype, check_weights=load.check_weights)
     info = model_info(loaded, context=context, batch=batch, cache_dtype=cache_dtype, kv_budget=kv_budget)
     if as_json:
         click.echo(json.dumps(info, indent=2))

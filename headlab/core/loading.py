@@ -237,6 +237,14 @@ def available_memory(device) -> int | None:
         return None
 
 
+def load_structure(spec: str | None, *, device: str | None = "auto", dtype: str | None = None, **options):
+    """The model's modules on the meta device, checked as load_model checks them but with no weight in memory
+    (names, shapes, head layout, parameter counts), for what needs only its structure (`headlab info`): an 8B model
+    costs its config and one tensor at a time, not 16-32 GB. A .gguf file is loaded whole (its weights are
+    dequantized on load). `options`: load_model's (check_weights)."""
+    return load_model(spec, device=device, dtype=dtype, weights=False, **options)
+
+
 def check_room_for(source: str, config, dtype: torch.dtype, device: torch.device, spec: str) -> None:
     """Refuse in one line, before anything is loaded, a local checkpoint whose weights in `dtype` exceed the memory
     the device can still give (available_memory): the load would be killed by the system or swap for minutes. The
@@ -290,6 +298,7 @@ def load_model(
     attn_implementation: str = "sdpa",
     check_weights: bool = True,
     max_memory: int | None = None,
+    weights: bool = True,
 ) -> LoadedModel:
     """Load a model for analysis: `spec` is None / "smollm2-135m" (embedded), a local directory, a .gguf file or a hub id.
 
@@ -297,7 +306,8 @@ def load_model(
     safetensors headers, no weight missing from the checkpoint, and (check_weights) every weight finite.
     max_memory (bytes, with device_map="auto"): the most the layers may take on each device; accelerate offloads
     the rest to disk and streams it in at every forward (`disk_offload`); without `dtype` the checkpoint's stored
-    dtype is kept.
+    dtype is kept. weights=False (`load_structure`): every check, but the modules are built on the meta device and
+    no weight is loaded; check_weights then reads the files one tensor at a time.
     """
     from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
 
@@ -365,12 +375,20 @@ def load_model(
             kwargs.update(disk_offload(torch_device, max_memory))
     elif max_memory is not None:
         raise HeadlabError("max_memory caps what device_map='auto' puts on each device; pass device_map='auto'")
-    if device_map is None:
+    structure_only = not weights and "gguf_file" not in load_kwargs  # a GGUF's weights are dequantized on load
+    if structure_only:
+        kwargs["device_map"] = "meta"  # names and shapes checked against the config, no storage
+    elif device_map is None:
         check_room_for(source, config, torch_dtype, torch_device, spec)
     model, tokenizer = _load_weights(spec, source, config, adapter, kwargs, load_kwargs)
     adapter.attention_layers(model)  # a model whose heads headlab cannot find fails here, as one line
     if check_weights:
-        validate.check_finite_weights(model, spec)
+        if structure_only:
+            validate.check_finite_files(Path(source), spec)
+        else:
+            validate.check_finite_weights(model, spec)
+    if structure_only:
+        return LoadedModel(model.eval(), tokenizer, adapter, spec, source, torch_device, torch_dtype)
     if device_map is None:
         model.to(torch_device)
     else:

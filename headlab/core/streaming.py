@@ -23,8 +23,7 @@ from tqdm.auto import tqdm
 from headlab.core.arch import AttentionLayer, adapter_for
 from headlab.core.checkpoint import META_FILE, check_checkpoint_out, meta_load_check
 from headlab.core.errors import HeadlabError
-from headlab.core.layout import HEAD_LAYOUT_KEY, load_pruned, model_class
-from headlab.core.loading import LoadedModel, load_model, local_checkpoint, resolve_device, resolve_dtype
+from headlab.core.layout import model_class
 from headlab.core.validate import check_config_file, check_config_heads
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -285,29 +284,3 @@ def copy_side_files(source: Path, tmp: Path) -> None:
         skip = item.name in ("config.json", INDEX_FILE, META_FILE) or item.name.endswith(".safetensors")
         if item.is_file() and not skip:
             shutil.copy2(item, tmp / item.name)
-
-
-def load_structure(spec: str | None, *, device: str | None = "auto", dtype: str | None = None) -> LoadedModel:
-    """The model's modules on the meta device, no weight read (names, shapes, head layout, parameter counts), for
-    what needs only its structure (`headlab info`), so an 8B model costs its config and not 16-32 GB: a local
-    safetensors checkpoint (or the embedded default's), a per-layer pruned one included; a hub id or a .gguf file is
-    loaded whole (load_model). The dtype is the one load_model would use, so KV bytes read the same."""
-    # Deferred for start-up time: AutoConfig loads transformers' model registries, which `--help` does not need.
-    from transformers import AutoConfig
-
-    try:
-        source = local_checkpoint(spec)
-        checkpoint_files(source)
-    except HeadlabError:
-        return load_model(spec, device=device, dtype=dtype, check_weights=False)
-    check_config_file(source / "config.json", str(source))
-    config = AutoConfig.from_pretrained(source)
-    adapter = adapter_for(config)
-    check_config_heads(config, adapter, str(source))
-    torch_device = resolve_device(device)
-    if any(getattr(part, HEAD_LAYOUT_KEY, None) is not None for part in (config, config.get_text_config())):
-        model = load_pruned(str(source), config, adapter, device_map="meta")
-    else:
-        model, _ = skeleton(config)
-    name = str(spec or source)
-    return LoadedModel(model.eval(), None, adapter, name, str(source), torch_device, resolve_dtype(dtype, torch_device))

@@ -188,6 +188,36 @@ def error_line(error: BaseException) -> str:
     return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
+FINITE_BLOCK = 1 << 24  # elements summed at a time: a float64 copy of a block, not of an 8B model's 2 GiB embedding
+
+
+def finite_sum(tensor) -> bool:
+    """Whether every element is finite, by float64 sums of FINITE_BLOCK elements at a time (a nan/inf makes its
+    block's sum non-finite; finite float32/bf16 values cannot overflow a float64 sum)."""
+    import torch  # start-up: the file validators run before torch is needed (CLI checks)
+
+    flat = tensor.detach().reshape(-1)
+    return all(bool(torch.isfinite(part.sum(dtype=torch.float64))) for part in flat.split(FINITE_BLOCK))
+
+
+def check_finite_files(directory, where: str) -> None:
+    """check_finite_weights on a checkpoint's safetensors files, one tensor in memory at a time (load_structure)."""
+    import torch  # start-up: the file validators run before torch is needed (CLI checks)
+    from safetensors import safe_open
+
+    with torch.no_grad():
+        for path in sorted(directory.glob("*.safetensors")):
+            with safe_open(str(path), "pt") as handle:
+                for name in handle.keys():
+                    tensor = handle.get_tensor(name)
+                    if tensor.is_floating_point() and not finite_sum(tensor):
+                        bad = int((~torch.isfinite(tensor)).sum())
+                        raise HeadlabError(
+                            f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {tensor.numel()}; "
+                            "the checkpoint is damaged (check_weights=False loads it anyway)"
+                        )
+
+
 def check_finite_weights(model, where: str) -> None:
     """Every floating-point parameter is finite; the first that is not is named with its count of nan/inf.
     One read of each weight and no temporary tensor: a nan/inf anywhere makes its float64 sum non-finite (finite
@@ -198,7 +228,7 @@ def check_finite_weights(model, where: str) -> None:
         for name, parameter in model.named_parameters():
             if not parameter.is_floating_point() or parameter.device.type == "meta":
                 continue
-            if bool(torch.isfinite(parameter.sum(dtype=torch.float64))):
+            if finite_sum(parameter):
                 continue
             bad = int((~torch.isfinite(parameter)).sum())
             raise HeadlabError(
