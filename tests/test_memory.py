@@ -157,3 +157,19 @@ def test_convert_mla_refuses_when_the_second_model_would_not_fit(tmp_path, monke
                             "--out", tmp_path / "out"], capsys)  # fmt: skip
     assert code == 2 and "builds the MLA model beside the loaded one" in err.strip().splitlines()[-1], err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_offloaded_to_disk_scores_in_the_low_memory_mode(tmp_path):
+    """Every block on disk (one device in the map): a whole-batch gradient pass would keep each block's weights, read
+    in for the forward, until the backward (16 GB for the 8B shape), so the low-memory mode is chosen."""
+    from tiny_text import save_tiny
+
+    from headlab.core.loading import load_model, offloaded_modules
+    from headlab.measure import importance
+
+    directory = save_tiny("llama", tmp_path / "model")
+    offloaded = load_model(str(directory), device="cpu", device_map="auto", max_memory=1000)
+    assert set(offloaded.model.hf_device_map.values()) == {"disk"} and offloaded_modules(offloaded.model)
+    assert importance.choose_low_memory(offloaded, 1, 8, available=10**12) is True
+    plain = load_model(str(directory), device="cpu")
+    assert importance.choose_low_memory(plain, 1, 8, available=10**12) is False

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from headlab.core import distributed
 from headlab.core.data import MLM_SEED, TextSpec, masked_lm_batch, takes_text
 from headlab.core.errors import HeadlabError
-from headlab.core.loading import LoadedModel, available_memory
+from headlab.core.loading import LoadedModel, available_memory, offloaded_modules
 from headlab.core.tables import head_table
 from headlab.measure.costs import peak_memory
 from headlab.measure.importance_methods import BERTOLOGY_DEFINITION, IMPORTANCE_METHODS
@@ -169,9 +169,11 @@ def choose_low_memory(loaded: LoadedModel, rows: int, seq_len: int, *, available
     That mode gives the same scores in a fraction of the memory but about 3x the time on a CPU (BENCHMARKS.md,
     "Calibration budget"), so it is chosen only when the whole-batch estimate (gradient_pass_bytes) exceeds
     BATCH_MEMORY_SHARE of the memory available (available_memory), when that memory cannot be read, and for
-    models spread over several devices by a device map. `available`: bytes, instead of asking the device."""
+    models spread over several devices or offloaded by a device map. `available`: bytes, instead of asking the device."""
     if len(set(getattr(loaded.model, "hf_device_map", {}).values())) > 1:
         return True  # a model that needs several devices has no memory to spare for whole batches
+    if offloaded_modules(loaded.model):
+        return True  # autograd would keep every offloaded block's weights, read in for the forward, until backward
     if available is None:
         available = available_memory(loaded.device)
     if available is None:
