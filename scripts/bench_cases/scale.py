@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-TITLE = "Real shapes: the 8B-shaped checkpoint on this machine (`convert-gqa --streaming`, `expand-kv --streaming`)"
+TITLE = "Real shapes: the 8B-shaped checkpoint on this machine (streaming edits, offloaded reads)"
 SHAPE = "llama-3.1-8b"
 DEPTHS = tuple(int(x) for x in os.environ.get("HEADLAB_SCALE_LAYERS", "8,16,32").split(","))
 STEPS = ("convert", "prune", "mla", "export", "info", "eval", "stats", "importance")
@@ -171,6 +171,9 @@ def markdown(r: dict) -> str:
             f"| {row['layers']} | `{row['step']}` | {size} | {row['seconds']:.0f} | {row['peak_rss'] / gib:.2f} GiB | "
             f"{ok} |"
         )
+    if r.get("steps_run") and set(r["steps_run"]) != set(STEPS):
+        lines.append(f"\nThis run measured the steps {', '.join(r['steps_run'])} (and the shapes they needed); the "
+                     "other rows are carried over from the run before it (HEADLAB_SCALE_STEPS).")  # fmt: skip
     for step in ("convert-gqa --streaming 8 -> 4", "prune --streaming --mode physical", "export-gguf f16, offloaded"):
         runs = [row for row in r["rows"] if row["step"] == step]
         if len(runs) > 1:
