@@ -260,12 +260,13 @@ class LayerEditor:
         return {n: p for n, p in layer.block_module.named_parameters() if id(p) not in inside}
 
 
-def stream_tensors(reader: TensorReader, editor: LayerEditor, layers, writer: ShardWriter, progress: bool):
+def stream_tensors(reader: TensorReader, editor, layers, writer: ShardWriter, progress: bool, desc: str = "converting"):
     """Every source tensor in file order into `writer`: copied through as stored, or, for an attention module,
-    the whole edited module where its first tensor appears."""
+    the whole edited module where its first tensor appears. `editor`: a LayerEditor, or anything with its `owner`
+    (file key -> layer index) and `convert(layer)` (the layer's new tensors by name)."""
     emitted: set[int] = set()  # layers already written
     by_index = {layer.index: layer for layer in layers}  # a hybrid's attention layers are not every block
-    bar = tqdm(total=len(reader.where), desc="converting", unit="tensor", disable=not progress)
+    bar = tqdm(total=len(reader.where), desc=desc, unit="tensor", disable=not progress)
     for key in reader.where:
         i = editor.owner.get(key)
         if i is None:

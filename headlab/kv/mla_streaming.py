@@ -16,7 +16,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 from transformers.utils import logging as hf_logging
 
 from headlab.core.checkpoint import META_FILE
@@ -29,6 +28,7 @@ from headlab.core.streaming import (
     TensorReader,
     copy_side_files,
     read_source_config,
+    stream_tensors,
     verify_streamed,
 )
 from headlab.core.tables import versions
@@ -114,6 +114,7 @@ class _LayerConverter:
         self.magnitude = rope_magnitudes(loaded, config)
         self.norms = any(m is not None for layer in gqa_layers(loaded) for m in loaded.adapter.qk_norm_modules(layer))
         self.phases, self.records, self.folds = None, [], []
+        self.owner: dict[str, int] = {}  # file key -> attention layer index (stream_tensors reads it)
 
     def convert(self, layer) -> dict[str, torch.Tensor]:
         gram = torch.load(self.grams[layer.index])
@@ -168,7 +169,9 @@ def convert_mla_streaming(
         converter.phases = rope_phases(loaded, batches, progress)
         with atomic_directory(out, overwrite=overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes)
-            _stream(reader, converter, layers, writer, progress)
+            # each attention tensor belongs to its block's layer: model.layers.<block>.self_attn.*
+            converter.owner = {k: layers[int(k.split(".")[2])].index for k in reader.where if ATTENTION in k}
+            stream_tensors(reader, converter, list(layers.values()), writer, progress, desc="MLA layers")
             shards = writer.finish()
             # what save_pretrained of the model would write: the class that loads it, the weights' dtype
             config.architectures, config.dtype = ["DeepseekV3ForCausalLM"], loaded.dtype
@@ -186,21 +189,3 @@ def convert_mla_streaming(
             }
             write_json(tmp / META_FILE, record)
     return record
-
-
-def _stream(reader: TensorReader, converter: _LayerConverter, layers: dict, writer: ShardWriter, progress: bool):
-    """Every source tensor in file order: copied as stored, or, for an attention module, the whole converted module
-    where its first tensor appears."""
-    emitted: set[int] = set()
-    bar = tqdm(total=len(reader.where), desc="MLA layers", unit="tensor", disable=not progress)
-    for key in reader.where:
-        if ATTENTION not in key:
-            writer.add(key, reader.read(key))
-        else:
-            block = int(key.split(".")[2])  # model.layers.<block>.self_attn.*
-            if block not in emitted:
-                for name, tensor in converter.convert(layers[block]).items():
-                    writer.add(name, tensor)
-                emitted.add(block)
-        bar.update()
-    bar.close()
