@@ -141,3 +141,19 @@ def test_info_reads_the_structure_only_and_equals_a_full_load(name, tmp_path):
         assert {p.device.type for p in structure.model.parameters()} == {"meta"}
         expected = model_info(load_model(str(directory), device="cpu"))
         assert model_info(structure) == expected, directory.name
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_a_checkpoint_pruned_per_layer_is_refused_by_the_streaming_edits(name, tmp_path):
+    """The layout record sits on the top-level config, a multimodal model's too (as prune writes it): both streaming
+    edits refuse the checkpoint in one line instead of reading shapes it does not have."""
+    from headlab.kv.streaming import convert_streaming
+
+    loaded = from_model(tiny_model(name), tiny_tokenizer())
+    prune(loaded, PruneSpec(), Selection(heads=uneven_heads(loaded)), mode="physical", evaluate=False,
+          out=tmp_path / "pruned", progress=False)  # fmt: skip
+    with pytest.raises(HeadlabError, match="already pruned per layer"):
+        prune_streaming(tmp_path / "pruned", PruneSpec(), Selection(heads="0:0"), out=tmp_path / "again")
+    with pytest.raises(HeadlabError, match="per-layer head layout"):
+        convert_streaming(tmp_path / "pruned", 1, tmp_path / "pooled", progress=False)
+    assert not (tmp_path / "again").exists() and not (tmp_path / "pooled").exists()

@@ -21,7 +21,7 @@ from headlab.core import distributed
 from headlab.core.arch import adapter_for
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory, check_out, write_json
-from headlab.core.layout import HEAD_LAYOUT_KEY, WITHOUT_HUB_KERNELS, load_pruned, model_class
+from headlab.core.layout import HEAD_LAYOUT_KEY, WITHOUT_HUB_KERNELS, has_head_layout, load_pruned, model_class
 from headlab.core.loading import LoadedModel, input_device, load_model
 from headlab.core.reload_stream import should_stream, streamed_reload
 from headlab.core.tables import versions
@@ -131,9 +131,7 @@ def reload(path: Path, like: nn.Module) -> tuple[nn.Module, str]:
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # a mismatch is reported as one line by verify_reload, not as transformers' table
     try:
-        model = auto.from_pretrained(
-            str(path), dtype=parameter.dtype, attn_implementation=attn, **WITHOUT_HUB_KERNELS
-        )
+        model = auto.from_pretrained(str(path), dtype=parameter.dtype, attn_implementation=attn, **WITHOUT_HUB_KERNELS)
     finally:
         hf_logging.set_verbosity(verbosity)
     name = f"transformers.{auto.__name__}.from_pretrained"
@@ -189,8 +187,7 @@ def meta_load_check(path: Path, tolerated: set[str] = frozenset()) -> dict:
     config = AutoConfig.from_pretrained(path)
     adapter = adapter_for(config)
     cls = model_class(config, adapter)
-    # the layout record sits on the top-level config (a multimodal model's too), as prune writes it
-    pruned = any(getattr(part, HEAD_LAYOUT_KEY, None) is not None for part in (config, config.get_text_config()))
+    pruned = has_head_layout(config)
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # transformers prints its own mismatch table; headlab reports one line
     try:

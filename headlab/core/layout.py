@@ -27,6 +27,12 @@ LAYOUT_VERSION = 1
 WITHOUT_HUB_KERNELS = {"use_kernels": False}
 
 
+def has_head_layout(config) -> bool:
+    """Whether a config records a per-layer head layout: on the top-level config, where prune writes it (a multimodal
+    model's too), or on its text config."""
+    return any(getattr(part, HEAD_LAYOUT_KEY, None) is not None for part in (config, config.get_text_config()))
+
+
 def group_heads(layer: AttentionLayer, g: int) -> range:
     """Original query heads of KV group g: [g * group_size, (g + 1) * group_size)."""
     return range(g * layer.group_size, (g + 1) * layer.group_size)

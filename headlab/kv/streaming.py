@@ -13,7 +13,7 @@ from transformers.utils import logging as hf_logging
 from headlab.core.checkpoint import META_FILE
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory, write_json
-from headlab.core.layout import HEAD_LAYOUT_KEY
+from headlab.core.layout import has_head_layout
 from headlab.core.loading import LoadedModel
 from headlab.core.streaming import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -46,7 +46,7 @@ def _read_config(source: Path, out: Path, overwrite: bool, pool: str, max_shard_
     if pool not in POOLS:
         raise HeadlabError(f"unknown pool={pool!r}; use one of {', '.join(POOLS)}")
     files, config = read_source_config(source, out, overwrite, max_shard_bytes)
-    if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
+    if has_head_layout(config):
         raise HeadlabError(
             f"{source} has a per-layer head layout (a pruned checkpoint); KV conversion needs one layout"
         )

@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 from headlab.core.checkpoint import META_FILE
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory, write_json
-from headlab.core.layout import HEAD_LAYOUT_KEY, physical_layout
+from headlab.core.layout import HEAD_LAYOUT_KEY, has_head_layout, physical_layout
 from headlab.core.loading import LoadedModel
 from headlab.core.streaming import (
     DEFAULT_MAX_SHARD_BYTES,
@@ -66,7 +66,7 @@ def check_streamable(selection: Selection) -> None:
 def _source_model(source: Path, out: Path, overwrite: bool, max_shard_bytes: int):
     """The checkpoint's files, its skeleton as a LoadedModel on the meta device (stored dtype), and its reader."""
     files, config = read_source_config(source, out, overwrite, max_shard_bytes)
-    if getattr(config.get_text_config(), HEAD_LAYOUT_KEY, None) is not None:
+    if has_head_layout(config):
         raise HeadlabError(f"{source} is already pruned per layer ({HEAD_LAYOUT_KEY}); prune it again in memory")
     model, adapter = skeleton(config)
     loaded = LoadedModel(model, None, adapter, str(source), str(source), torch.device("meta"), torch.float32)
