@@ -89,8 +89,9 @@ def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
     from transformers import AutoConfig  # here, not at the top: importing transformers costs start-up time
 
     from headlab.core.arch import adapter_for  # start-up: torch loads with the adapters
+    from headlab.core.loading import weight_file_bytes
 
-    total = sum(path.stat().st_size for path in source.glob("*.safetensors"))
+    total = weight_file_bytes(source)
     if direction != "expand":
         return total
     config = AutoConfig.from_pretrained(source)
@@ -104,14 +105,10 @@ def streaming_bytes(source, direction: str, kv_heads: int | None) -> int:
 def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, as_json, pool="mean", seed=0):
     """The --streaming path of convert-gqa and expand-kv: files in, files out, the model is never run."""
     # start-up: torch loads when the command runs, not for --help
-    from headlab.core.loading import local_checkpoint
     from headlab.kv.streaming import convert_streaming
 
-    if load.dtype is not None or load.device_map is not None:
-        # Nothing is loaded onto a device: tensors are read and written in their stored dtype.
-        raise HeadlabError("--streaming never loads the model: it keeps the stored dtype; drop --dtype/--device-map")
+    source = load.streamed_source()
     max_bytes = parse_bytes(max_shard_size, "max-shard-size")
-    source = local_checkpoint(load.spec)
     check_free_space(out, streaming_bytes(source, direction, kv_heads), "the source's weight files, plus KV growth")
     record = convert_streaming(
         source,

@@ -46,7 +46,7 @@ def _run_streaming(load, plan: dict, text, calibration_tokens, out, overwrite, m
     from headlab.cli.parsing import parse_bytes
     from headlab.core.checkpoint import describe_check
     from headlab.core.fsio import check_free_space
-    from headlab.core.loading import local_checkpoint
+    from headlab.core.loading import local_checkpoint, weight_file_bytes
     from headlab.kv.mla import plan_mla
     from headlab.kv.mla_streaming import check_streamable, convert_mla_streaming, gram_bytes
 
@@ -56,8 +56,8 @@ def _run_streaming(load, plan: dict, text, calibration_tokens, out, overwrite, m
     loaded = load.load(device_map="auto", max_memory=limit)
     mla_plan = plan_mla(loaded, **plan, resident=False)
     check_streamable(mla_plan)  # before the calibration passes
-    stored = sum(path.stat().st_size for path in source.glob("*.safetensors"))
-    check_free_space(out, stored + gram_bytes(loaded), "the source's weight files, plus the layers' calibration Grams")
+    needed = weight_file_bytes(source) + gram_bytes(loaded)
+    check_free_space(out, needed, "the source's weight files, plus the layers' calibration Grams")
     calibration = text.resolved().but(split="calibration", max_tokens=calibration_tokens, batch_size=4)
     batches = calibration.batches(loaded.tokenizer, max_positions=loaded.max_positions)
     record = convert_mla_streaming(loaded, source, out, mla_plan, batches, overwrite=overwrite,

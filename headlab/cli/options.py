@@ -38,6 +38,17 @@ class ModelSpec:
 
     __call__ = load
 
+    def streamed_source(self):
+        """The local checkpoint directory a --streaming edit reads; --dtype and --device-map are refused, since
+        nothing is loaded onto a device (tensors are read and written in their stored dtype)."""
+        from headlab.core.loading import local_checkpoint  # start-up: torch loads with it, not for --help
+
+        if self.dtype is not None or self.device_map is not None:
+            raise HeadlabError(
+                "--streaming never loads the model: it keeps the stored dtype; drop --dtype/--device-map"
+            )
+        return local_checkpoint(self.spec)
+
 
 def model_options(function):
     """--model, --device, --dtype, --device-map, --max-memory, --check-weights."""

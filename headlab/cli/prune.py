@@ -198,14 +198,11 @@ def _run_streaming(load, spec, selection, mode, out, overwrite, max_shard_size, 
     # start-up: torch loads when the command runs, not for --help
     from headlab.core.checkpoint import describe_check
     from headlab.core.fsio import check_free_space
-    from headlab.core.loading import local_checkpoint
+    from headlab.core.loading import weight_file_bytes
     from headlab.pruning.streaming import prune_streaming
 
-    if load.dtype is not None or load.device_map is not None:
-        raise HeadlabError("--streaming never loads the model: it keeps the stored dtype; drop --dtype/--device-map")
-    source = local_checkpoint(load.spec)
-    stored = sum(path.stat().st_size for path in source.glob("*.safetensors"))
-    check_free_space(out, stored, "the source's weight files (pruning only shrinks them)")
+    source = load.streamed_source()
+    check_free_space(out, weight_file_bytes(source), "the source's weight files (pruning only shrinks them)")
     record = prune_streaming(source, spec, selection, out=out, mode=mode, overwrite=overwrite,
                              max_shard_bytes=parse_bytes(max_shard_size, "max-shard-size"),
                              allow_foreign_scores=allow_foreign, progress=not as_json)  # fmt: skip

@@ -245,18 +245,28 @@ def load_structure(spec: str | None, *, device: str | None = "auto", dtype: str 
     return load_model(spec, device=device, dtype=dtype, weights=False, **options)
 
 
+def weight_file_bytes(directory: Path) -> int:
+    """Bytes of a checkpoint directory's safetensors files (the weights as stored)."""
+    return sum(path.stat().st_size for path in directory.glob("*.safetensors"))
+
+
+def stored_dtype(config) -> torch.dtype | None:
+    """The floating dtype a config says its weights are stored in (`dtype`, on the text config or the top level), or
+    None where it names none."""
+    stored = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
+    stored = getattr(torch, stored.removeprefix("torch."), None) if isinstance(stored, str) else stored
+    return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else None
+
+
 def check_room_for(source: str, config, dtype: torch.dtype, device: torch.device, spec: str) -> None:
     """Refuse in one line, before anything is loaded, a local checkpoint whose weights in `dtype` exceed the memory
     the device can still give (available_memory): the load would be killed by the system or swap for minutes. The
     weights' bytes are the safetensors files' scaled from the stored dtype to `dtype`."""
-    files = list(Path(source).glob("*.safetensors")) if Path(source).is_dir() else []
-    available = available_memory(device) if files else None
+    stored_bytes = weight_file_bytes(Path(source)) if Path(source).is_dir() else 0
+    available = available_memory(device) if stored_bytes else None
     if available is None:
         return
-    stored = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
-    stored = getattr(torch, stored.removeprefix("torch."), None) if isinstance(stored, str) else stored
-    stored_size = stored.itemsize if isinstance(stored, torch.dtype) and stored.is_floating_point else dtype.itemsize
-    needed = sum(path.stat().st_size for path in files) * dtype.itemsize // stored_size
+    needed = stored_bytes * dtype.itemsize // (stored_dtype(config) or dtype).itemsize
     if needed > available:
         raise HeadlabError(
             f"{spec}: its weights take about {human_bytes(needed)} in {str(dtype).removeprefix('torch.')}, the "
@@ -363,9 +373,7 @@ def load_model(
     if max_memory is not None and dtype is None:
         # Offloading: the stored dtype, since a float32 load of a bf16 checkpoint converts every weight first (twice
         # the checkpoint in memory while loading, and twice its bytes in the offload folder).
-        stored = getattr(config.get_text_config(), "dtype", None) or getattr(config, "dtype", None)
-        stored = getattr(torch, stored.removeprefix("torch."), None) if isinstance(stored, str) else stored
-        torch_dtype = stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch_dtype
+        torch_dtype = stored_dtype(config) or torch_dtype
 
     kwargs = dict(dtype=torch_dtype, attn_implementation=attn_implementation, **load_kwargs)
     if device_map == "auto":

@@ -200,6 +200,17 @@ def finite_sum(tensor) -> bool:
     return all(bool(torch.isfinite(part.sum(dtype=torch.float64))) for part in flat.split(FINITE_BLOCK))
 
 
+def _non_finite(where: str, name: str, tensor) -> HeadlabError:
+    """The one-line refusal of a weight holding nan or inf, with their count."""
+    import torch  # start-up: the file validators run before torch is needed (CLI checks)
+
+    bad = int((~torch.isfinite(tensor)).sum())
+    return HeadlabError(
+        f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {tensor.numel()}; "
+        "the checkpoint is damaged (check_weights=False loads it anyway)"
+    )
+
+
 def check_finite_files(directory, where: str) -> None:
     """check_finite_weights on a checkpoint's safetensors files, one tensor in memory at a time (load_structure)."""
     import torch  # start-up: the file validators run before torch is needed (CLI checks)
@@ -211,17 +222,13 @@ def check_finite_files(directory, where: str) -> None:
                 for name in handle.keys():
                     tensor = handle.get_tensor(name)
                     if tensor.is_floating_point() and not finite_sum(tensor):
-                        bad = int((~torch.isfinite(tensor)).sum())
-                        raise HeadlabError(
-                            f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {tensor.numel()}; "
-                            "the checkpoint is damaged (check_weights=False loads it anyway)"
-                        )
+                        raise _non_finite(where, name, tensor)
 
 
 def check_finite_weights(model, where: str) -> None:
     """Every floating-point parameter is finite; the first that is not is named with its count of nan/inf.
-    One read of each weight and no temporary tensor: a nan/inf anywhere makes its float64 sum non-finite (finite
-    float32/bf16 values cannot overflow a float64 sum), and only then are the elements counted."""
+    One read of each weight, summed a block at a time (finite_sum): a nan/inf anywhere makes its float64 sum
+    non-finite, and only then are the elements counted."""
     import torch  # start-up: the file validators run before torch is needed (CLI checks)
 
     with torch.no_grad():
@@ -230,11 +237,7 @@ def check_finite_weights(model, where: str) -> None:
                 continue
             if finite_sum(parameter):
                 continue
-            bad = int((~torch.isfinite(parameter)).sum())
-            raise HeadlabError(
-                f"{where}: weight {name} holds {bad} non-finite value(s) (nan or inf) of {parameter.numel()}; "
-                "the checkpoint is damaged (check_weights=False loads it anyway)"
-            )
+            raise _non_finite(where, name, parameter)
 
 
 def config_fields_holding(raw, value, prefix: str = "") -> list[str]:
