@@ -109,12 +109,16 @@ class _LayerConverter:
     """One attention layer at a time: the source's weights read in with their module, converted into a materialised
     DeepseekV3Attention, its latent norms folded, its tensors returned under their checkpoint names, then dropped."""
 
-    def __init__(self, loaded: LoadedModel, target, plan: MlaPlan, grams: dict, reader: TensorReader, config):
-        self.loaded, self.target, self.plan, self.grams, self.reader = loaded, target, plan, grams, reader
+    def __init__(self, loaded: LoadedModel, target, plan: MlaPlan, calibration: tuple, reader: TensorReader, config):
+        self.loaded, self.target, self.plan, self.reader = loaded, target, plan, reader
+        self.grams, self.phases = calibration  # layer index -> Gram file; per-layer rope phases
         self.magnitude = rope_magnitudes(loaded, config)
-        self.norms = any(m is not None for layer in gqa_layers(loaded) for m in loaded.adapter.qk_norm_modules(layer))
-        self.phases, self.records, self.folds = None, [], []
-        self.owner: dict[str, int] = {}  # file key -> attention layer index (stream_tensors reads it)
+        layers = gqa_layers(loaded)
+        self.norms = any(m is not None for layer in layers for m in loaded.adapter.qk_norm_modules(layer))
+        by_block = {layer.block: layer.index for layer in layers}
+        # file key -> attention layer index, for stream_tensors: model.layers.<block>.self_attn.*
+        self.owner = {k: by_block[int(k.split(".")[2])] for k in reader.where if ATTENTION in k}
+        self.records, self.folds = [], []
 
     def convert(self, layer) -> dict[str, torch.Tensor]:
         gram = torch.load(self.grams[layer.index])
@@ -123,8 +127,8 @@ class _LayerConverter:
         with weights_in_memory(layer.module):  # offloaded by the device map: read it in for this layer only
             w = self.loaded.adapter.read(layer)
             multipliers = qk_norm_multipliers(self.loaded, layer, w, gram) if self.norms else None
-            phase = None if self.phases is None else self.phases[layer.index]
-            self.records.append(convert_into(w, gram, self.plan, attn, phase=phase, magnitude=self.magnitude,
+            self.records.append(convert_into(w, gram, self.plan, attn, phase=self.phases[layer.index],
+                                             magnitude=self.magnitude,
                                              multipliers=multipliers))  # fmt: skip
         gamma = self.reader.read(f"model.layers.{layer.block}.input_layernorm.weight").to(self.loaded.dtype)
         with torch.no_grad():
@@ -158,20 +162,16 @@ def convert_mla_streaming(
     config = mla_config(loaded, plan)
     target, names = _target_skeleton(config)
     _check_shared(reader, names, loaded.model.config.model_type)
-    layers = {layer.block: layer for layer in gqa_layers(loaded)}
     record = {"model": loaded.spec, "source": str(source), "target": "deepseek_v3 (MLA)", "streaming": True,
               "plan": plan.to_dict(), "calibration": getattr(batches, "meta", None),
               "kv_bytes_per_token_before": kv_bytes_per_token(loaded),
-              "kv_bytes_per_token_after": mla_kv_bytes_per_token(plan, len(layers), loaded.dtype)}  # fmt: skip
+              "kv_bytes_per_token_after": mla_kv_bytes_per_token(plan, len(gqa_layers(loaded)), loaded.dtype)}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix=".headlab-grams-", dir=out.expanduser().absolute().parent) as scratch:
-        converter = _LayerConverter(loaded, target, plan, gram_files(loaded, batches, Path(scratch), progress),
-                                    reader, config)  # fmt: skip
-        converter.phases = rope_phases(loaded, batches, progress)
+        calibration = gram_files(loaded, batches, Path(scratch), progress), rope_phases(loaded, batches, progress)
+        converter = _LayerConverter(loaded, target, plan, calibration, reader, config)
         with atomic_directory(out, overwrite=overwrite) as tmp:
             writer = ShardWriter(tmp, max_shard_bytes)
-            # each attention tensor belongs to its block's layer: model.layers.<block>.self_attn.*
-            converter.owner = {k: layers[int(k.split(".")[2])].index for k in reader.where if ATTENTION in k}
-            stream_tensors(reader, converter, list(layers.values()), writer, progress, desc="MLA layers")
+            stream_tensors(reader, converter, gqa_layers(loaded), writer, progress, desc="MLA layers")
             shards = writer.finish()
             # what save_pretrained of the model would write: the class that loads it, the weights' dtype
             config.architectures, config.dtype = ["DeepseekV3ForCausalLM"], loaded.dtype
