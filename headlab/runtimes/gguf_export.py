@@ -595,15 +595,23 @@ def _hparams(writer, plan: ExportPlan, config, loaded: LoadedModel, file_type: i
     writer.add_file_type(file_type)
 
 
+def _rope_heads(plan: ExportPlan, gguf_name: str, block: int | None) -> int | None:
+    """The head count whose rows llama.cpp wants permuted to its interleaved RoPE (q: query heads, k: KV heads), or
+    None for a tensor written as it is."""
+    if not plan.target.interleaved_rope or block is None:
+        return None
+    if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
+        return plan.heads[block]
+    if gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
+        return plan.kv_heads[block]
+    return None
+
+
 def _converted(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torch.Tensor) -> np.ndarray:
     """The tensor as llama.cpp reads it: float32 numpy, q/k rows permuted for interleaved-RoPE architectures."""
     data = tensor.detach().to("cpu", torch.float32)
-    if plan.target.interleaved_rope and block is not None:
-        if gguf_name.endswith(("attn_q.weight", "attn_q.bias")):
-            data = interleave_rope_rows(data, plan.heads[block])
-        elif gguf_name.endswith(("attn_k.weight", "attn_k.bias")):
-            data = interleave_rope_rows(data, plan.kv_heads[block])
-    return data.numpy()
+    heads = _rope_heads(plan, gguf_name, block)
+    return (data if heads is None else interleave_rope_rows(data, heads)).numpy()
 
 
 ENCODE_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows converted and encoded at a time
@@ -613,9 +621,7 @@ def _encoded(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torch.
     """_encode(_converted(...)), a block of rows at a time for a matrix whose rows stay in place (every one but the
     RoPE-permuted q/k): the embeddings of an 8B model then cost their encoded copy plus one float32 block, not a
     float32 copy of the whole (2 GiB). The same bytes, since every GGUF type encodes a row on its own."""
-    rope_rows = gguf_name.endswith(("attn_q.weight", "attn_q.bias", "attn_k.weight", "attn_k.bias"))
-    permuted = plan.target.interleaved_rope and block is not None and rope_rows
-    if tensor.dim() != 2 or permuted:
+    if tensor.dim() != 2 or _rope_heads(plan, gguf_name, block) is not None:
         return _encode(_converted(plan, gguf_name, block, tensor), qtype)
     rows = tensor.shape[0]
     step = max(1, ENCODE_BLOCK_BYTES // (4 * tensor.shape[1]))
