@@ -17,6 +17,7 @@ from headlab.cli.options import (
     guard_checkpoint_space,
     model_options,
     out_option,
+    print_rows,
     streaming_options,
 )
 from headlab.cli.parsing import parse_bytes
@@ -69,9 +70,7 @@ def print_summary(record: dict) -> None:
     if "shards" in record:
         rows.append(("shards", f"{len(record['shards'])} ({human_bytes(record['bytes_written'])})"))
     rows.append(("written", record["out"]))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
+    print_rows(rows)
 
 
 def show(record: dict, as_json: bool) -> None:

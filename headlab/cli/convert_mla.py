@@ -17,6 +17,7 @@ from headlab.cli.options import (
     guard_checkpoint_space,
     model_options,
     out_option,
+    print_rows,
     streaming_options,
 )
 from headlab.core.errors import HeadlabError
@@ -79,9 +80,7 @@ def _run_streaming(load, plan: dict, text, calibration_tokens, out, overwrite, m
         ("measured", record["measured"]),
         ("written", record["out"]),
     ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
+    print_rows(rows)
 
 
 def print_summary(record: dict) -> None:
@@ -123,9 +122,7 @@ def print_summary(record: dict) -> None:
     rows.append(("step latent_norm_fold", f"eps dominance, max |logit diff| {fold['max_abs_logit_diff']:.3g}"))
     rows.append(("reload check", describe_check(record["verification"])))
     rows.append(("written", record["out"]))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
+    print_rows(rows)
 
 
 @click.command("convert-mla")

@@ -13,6 +13,7 @@ from headlab.cli.options import (
     kv_policy_option,
     model_options,
     out_option,
+    print_rows,
     task_options,
 )
 from headlab.cli.parsing import parse_list
@@ -148,9 +149,7 @@ def command(  # click passes every option as a parameter
     if under is not None:
         fraction = under["kv_fraction_at"]["fraction"]
         rows.append(("KV policy", f"{kv_policy}: {fraction:.3f} of the cache at max-length (masked)"))
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
+    print_rows(rows)
     if table is not None:
         click.echo("\neval split of each text (docs/evaluation.md, Out-of-domain perplexity):")
         _echo_domains(table)

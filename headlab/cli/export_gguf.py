@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, guard, model_options
+from headlab.cli.options import data_options, guard, model_options, print_rows
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_TYPES
@@ -98,9 +98,7 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
             )
         )
     rows += [("note", note) for note in record["notes"]]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
+    print_rows(rows)
 
 
 def _counts(heads: list[int], kv_heads: list[int]) -> str:

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from headlab.cli.options import model_options
+from headlab.cli.options import model_options, print_rows
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.measure.choices import DTYPE_BYTES
@@ -60,9 +60,7 @@ def command(load, context, batch, cache_dtype, kv_budget, as_json):
         (f"KV cache per token ({info['cache_dtype']})", human_bytes(info["kv_bytes_per_token"])),
         (f"KV cache, {context:,} tokens x {batch}", human_bytes(info["kv_bytes"])),
     ]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
+    print_rows(rows)
     if info["ladder"]:
         click.echo(f"\nKV-cache ladder ({context:,} tokens x {batch}, {info['cache_dtype']}):")
         for step in info["ladder"]:

@@ -346,3 +346,10 @@ def read_text_option(text, text_file) -> str | None:
         return text_file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise HeadlabError(f"--text-file {text_file}: cannot read it as UTF-8 text ({type(error).__name__})") from None
+
+
+def print_rows(rows: list[tuple[str, str]]) -> None:
+    """The two-column summary every command prints: each fact's name, padded to the longest, then its value."""
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        click.echo(f"{name:<{width}}  {value}")

@@ -19,6 +19,7 @@ from headlab.cli.options import (
     low_memory_option,
     model_options,
     out_option,
+    print_rows,
     streaming_options,
 )
 from headlab.cli.parsing import parse_bytes
@@ -214,7 +215,7 @@ def _run_streaming(load, spec, selection, mode, out, overwrite, max_shard_size, 
     rows += [("checkpoint", str(out)), ("loads with", _LOADERS[record["loader"]])]
     rows.append(("structural check", describe_check(record["verification"])))
     rows.append(("shards", f"{len(record['shards'])} ({human_bytes(record['bytes_written'])})"))
-    _print_rows(rows + _notes(record))
+    print_rows(rows + _notes(record))
 
 
 _LOADERS = {
@@ -256,12 +257,6 @@ def _notes(meta: dict) -> list[tuple[str, str]]:
     return notes
 
 
-def _print_rows(rows: list[tuple[str, str]]) -> None:
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        click.echo(f"{name:<{width}}  {value}")
-
-
 def _show(result, mode: str) -> None:
     """The before/after table a prune prints: perplexity, recovery, compensation, costs, checkpoint, notes."""
     # start-up: torch loads when the command runs, not for --help
@@ -298,4 +293,4 @@ def _show(result, mode: str) -> None:
     rows += [("checkpoint", str(result.out)), ("loads with", _LOADERS[result.loader])]
     if result.verification:
         rows.append(("reload check", describe_check(result.verification)))
-    _print_rows(rows + _notes(result.meta))
+    print_rows(rows + _notes(result.meta))
