@@ -324,6 +324,8 @@ CASES = [
     (["speed", "{llama}", "--device", "cpu", "--contexts", "100", "--runtime", "transformers"], "maximum positions"),
     (["speed", "{llama}", "--device", "cpu", "--contexts", "16", "--out", "{existing}"], "--overwrite"),
     (["speed", "{llama}", "--device", "cpu", "--contexts", "0"], "--contexts"),
+    (["speed", "{llama}", "--device", "cpu", "--kv-cache", "fp8", "--kv-policy", "{emptydir}"], "--kv-cache"),
+    (["speed", "{llama}", "--device", "cpu", "--contexts", "16", "--kv-policy", "{emptydir}"], "kv-policy run"),
     # plot
     (["plot", "{emptydir}"], "{emptydir}"),
     (["plot", "{missing}"], "{missing}"),

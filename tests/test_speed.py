@@ -1,6 +1,7 @@
 """`headlab speed` on a tiny model: every point measured, the KV bytes held equal the cache's arithmetic, a KV
-conversion holds proportionally fewer bytes, and llama.cpp (when installed) adds a row per point; its batched
-sequences decode what one sequence alone decodes, and a copied cache is the prefilled one."""
+conversion holds proportionally fewer bytes, a KV-cache policy's real cache holds what its streaming heads keep, and
+llama.cpp (when installed) adds a row per point; its batched sequences decode what one sequence alone decodes, and a
+copied cache is the prefilled one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 from test_gguf import LLAMACPP, kv_converted, needs_llamacpp, tiny
 
+from headlab.core.errors import HeadlabError
+from headlab.kv.policy import CachePolicy
 from headlab.runtimes.gguf_export import export_gguf
 from headlab.runtimes.speed import SpeedSpec, measure_model, relative_to_first
 
@@ -36,6 +39,39 @@ def test_speed_table_measures_every_point_and_the_kv_bytes_held():
         expected = 2 * 2 * cpp["kv_heads"] // 2 * 16 * 2 * 256 * cpp["batch"]
         assert (cpp["kv_cache_bytes"] == expected).all()
         assert (cpp.loc[cpp["model"] == "mqa", "kv_ratio"] == 0.5).all()
+
+
+def test_speed_under_a_policy_holds_sinks_and_window_for_its_streaming_heads():
+    """KV head 1 of each layer streams with 2 sinks + a 4-token window: after decoding it holds sinks + window - 1 = 5
+    slots per sequence (what the next query can see), KV head 0 the whole context; prefilled and synthetic caches
+    alike."""
+    loaded = tiny()
+    table = pd.DataFrame(
+        {
+            "layer": [0, 0, 1, 1],
+            "kv_head": [0, 1, 0, 1],
+            "head_dim": 16,
+            "score": [1.0, 0.0, 1.0, 0.0],
+            "policy": ["full", "streaming", "full", "streaming"],
+        }  # fmt: skip
+    )
+    policy = CachePolicy(table, sinks=2, window=4, context=32)
+    spec = SpeedSpec(contexts=(16, 32), batches=(1, 2), decode_tokens=2, prefill_limit=32, runtimes=("transformers",))
+    measured = relative_to_first(measure_model(loaded, "gqa", spec, progress=False, policy=policy))
+    under = measured[measured["model"] == "gqa + kv-policy"]
+    assert len(under) == 4 and set(under["kv_cache"]) == {"kv-policy"} and (under["decode_tokens_per_s"] > 0).all()
+    assert set(under["cache_fill"]) == {"prefill", "synthetic"}
+    # 2 layers x (K and V) x 16 dims x 4 bytes x batch x (the full head's context + the streaming head's 5 slots)
+    expected = 2 * 2 * 16 * 4 * under["batch"] * (under["context"] + 5)
+    assert (under["kv_cache_bytes"] == expected).all()
+    assert np.allclose(under["kv_ratio"], (under["context"] + 5) / (2 * under["context"]))
+
+
+def test_speed_refuses_a_policy_for_another_layout():
+    table = pd.DataFrame({"layer": [0], "kv_head": [0], "head_dim": 16, "score": [1.0], "policy": ["streaming"]})
+    spec = SpeedSpec(contexts=(16,), batches=(1,), decode_tokens=2, runtimes=("transformers",))
+    with pytest.raises(HeadlabError, match="policy covers layers"):
+        measure_model(tiny(), "gqa", spec, progress=False, policy=CachePolicy(table, sinks=2, window=4, context=16))
 
 
 @needs_llamacpp

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import guard, kv_cache_option
+from headlab.cli.options import guard, kv_cache_option, kv_policy_option
+from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.runtimes.choices import RUNTIMES
 
@@ -53,22 +54,47 @@ def _ints(ctx, param, value):
 )
 @click.option("--overwrite", is_flag=True, help="replace an existing --out")
 @kv_cache_option
+@kv_policy_option
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
 def command(  # click passes every option as a parameter
-    models, device, dtype, contexts, batches, decode_tokens, prefill_limit, runtimes, out, overwrite, kv_cache, as_json
+    models,
+    device,
+    dtype,
+    contexts,
+    batches,
+    decode_tokens,
+    prefill_limit,
+    runtimes,
+    out,
+    overwrite,
+    kv_cache,
+    kv_policy,
+    as_json,
 ):
     """Measure each MODEL (hub id, checkpoint directory or .gguf; default the embedded SmolLM2-135M): prefill and
     decode tokens/s with the KV cache at every context x batch, peak memory and KV-cache bytes held. The first
     model is the reference of decode_speedup and kv_ratio. --kv-cache: transformers decodes from that cache (its
-    bytes as stored); llama.cpp keeps its f16 cells."""
+    bytes as stored); llama.cpp keeps its f16 cells. --kv-policy: each model is measured again in transformers
+    under that policy, from a cache whose streaming heads store only sinks + window ("MODEL + kv-policy" rows)."""
     # start-up: torch, pandas and matplotlib load when the command runs, not for --help
+    from headlab.kv.policy import read_policy
     from headlab.runtimes.speed import SpeedSpec, run_speed
 
+    if kv_policy is not None and kv_cache != "full":
+        raise HeadlabError("--kv-policy decodes from headlab's policy cache: not with --kv-cache")
+    policy = read_policy(kv_policy) if kv_policy is not None else None
     spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes), kv_cache=kv_cache)
     if out is not None:  # never onto, around or inside a model it measures (symlinks resolved)
         guard(out, overwrite, {f"model {name or '(embedded)'}": name for name in (list(models) or [None])})
     table, figure_path = run_speed(
-        list(models) or [None], spec, device=device, dtype=dtype, out=out, overwrite=overwrite, progress=not as_json
+        list(models) or [None],
+        spec,
+        device=device,
+        dtype=dtype,
+        out=out,
+        overwrite=overwrite,
+        progress=not as_json,
+        policy=policy,
     )
     if as_json:
         click.echo(table.to_json(orient="records", indent=2))

@@ -23,6 +23,7 @@ from headlab.core.fsio import check_out
 from headlab.core.loading import LoadedModel, load_model, local_checkpoint
 from headlab.core.model_names import DEFAULT_MODEL
 from headlab.core.tables import write_run
+from headlab.mechanisms.head_cache import HeadPolicyCache, StreamingHeadsLayer, cache_bytes, head_policy, policy_cache
 from headlab.mechanisms.quantized_cache import check_kv_cache, new_kv_cache, quantized_cache_bytes
 from headlab.runtimes.choices import RUNTIMES
 from headlab.runtimes.gguf_export import export_gguf
@@ -90,25 +91,55 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: torch.Generator, kv_cache: str = "full"):
-    """A `kv_cache` cache (new_kv_cache: DynamicCache for full) holding `context` random keys and values per layer in the model's per-layer shapes
-    (adapter.cache_shapes: [B, G_l, T, D]; MLA's latent and rotary key): decoding cost depends on the cache's size, not on its values."""
-    cache = new_kv_cache(loaded.model.config, kv_cache)
+def synthetic_cache(loaded: LoadedModel, batch: int, context: int, generator: torch.Generator, cache):
+    """`cache` (empty) filled with `context` random keys and values per layer in the model's per-layer shapes
+    (adapter.cache_shapes: [B, G_l, T, D]; MLA's latent and rotary key): decoding cost depends on the cache's size,
+    not on its values. A policy cache's streaming heads then drop what their sinks + window do not keep, as a
+    prefill would."""
     for layer in loaded.layers:
         key_shape, value_shape = loaded.adapter.cache_shapes(layer, batch, context)  # MLA: the latent, the rotary key
         keys = torch.randn(key_shape, generator=generator, dtype=torch.float32).to(loaded.device, loaded.dtype)
         values = torch.randn(value_shape, generator=generator, dtype=torch.float32).to(loaded.device, loaded.dtype)
-        cache.update(keys, values, getattr(layer.module, "layer_idx", layer.block))
+        block = getattr(layer.module, "layer_idx", layer.block)
+        cache.update(keys, values, block)
+        if isinstance(cache.layers[block], StreamingHeadsLayer):
+            cache.layers[block].evict()
     return cache
 
 
+class PointCache:
+    """The cache a speed point decodes with: spec.kv_cache's (new_kv_cache), or with `policies` ({layer index:
+    LayerStreaming}, the model running under head_policy) a HeadPolicyCache whose streaming heads store only sinks +
+    window. `writing(cache)` is the context its forwards run in; `held(cache)` the bytes it stores."""
+
+    def __init__(self, loaded: LoadedModel, spec: SpeedSpec, policies: dict | None = None):
+        self.config, self.kv_cache = loaded.model.config, spec.kv_cache
+        self.by_block = None
+        if policies is not None:
+            self.by_block = {layer.block: policies[layer.index] for layer in loaded.layers if layer.index in policies}
+
+    def new(self):
+        if self.by_block is None:
+            return new_kv_cache(self.config, self.kv_cache)
+        return HeadPolicyCache(self.config, self.by_block)
+
+    def writing(self, cache):
+        return contextlib.nullcontext() if self.by_block is None else policy_cache(cache)
+
+    def held(self, cache) -> int:
+        return quantized_cache_bytes(cache) if self.by_block is None else cache_bytes(cache)
+
+
 @torch.no_grad()
-def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: SpeedSpec) -> dict:
+def transformers_point(
+    loaded: LoadedModel, context: int, batch: int, spec: SpeedSpec, caches: PointCache | None = None
+) -> dict:
     """Prefill of context - decode_tokens tokens (timed, last-position logits only as in generation) or a synthetic
     cache of that length, then `decode_tokens` greedy steps of one token per sequence, so the cache ends holding
-    `context` tokens; tokens/s = tokens processed / wall time. The cache is spec.kv_cache's (quantized: the prefill
-    writes it quantized, every decode step reads it back), its bytes quantized_cache_bytes: what it stores."""
+    `context` tokens; tokens/s = tokens processed / wall time. The cache is `caches`' (default spec.kv_cache's;
+    quantized: the prefill writes it quantized, every decode step reads it back), its bytes what it stores."""
     model, device = loaded.model, loaded.device
+    caches = caches or PointCache(loaded, spec)
     context = context - spec.decode_tokens  # tokens in the cache before decoding
     generator = torch.Generator().manual_seed(spec.seed)
     vocab = model.config.get_text_config().vocab_size
@@ -119,22 +150,24 @@ def transformers_point(loaded: LoadedModel, context: int, batch: int, spec: Spee
         if fill == "prefill":
             _sync(device)
             start = time.perf_counter()
-            cache = new_kv_cache(model.config, spec.kv_cache)
-            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            cache = caches.new()
+            with caches.writing(cache):
+                out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill_s = time.perf_counter() - start
             cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         else:
-            cache, token = synthetic_cache(loaded, batch, context, generator, spec.kv_cache), ids[:, -1:]
+            cache, token = synthetic_cache(loaded, batch, context, generator, caches.new()), ids[:, -1:]
         position = torch.full((batch, 1), context, dtype=torch.long, device=device)
         _sync(device)
         start = time.perf_counter()
-        for step in range(spec.decode_tokens):
-            out = model(input_ids=token, past_key_values=cache, position_ids=position + step, use_cache=True)
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        with caches.writing(cache):
+            for step in range(spec.decode_tokens):
+                out = model(input_ids=token, cache=cache, position_ids=position + step, use_cache=True)
+                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         _sync(device)
         decode_s = time.perf_counter() - start
-    held = quantized_cache_bytes(cache)
+    held = caches.held(cache)
     return {
         "kv_cache": spec.kv_cache,
         "cache_fill": fill,
@@ -210,9 +243,12 @@ def _gguf_copy(loaded: LoadedModel, spec: SpeedSpec):
         yield path
 
 
-def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bool = True) -> pd.DataFrame:
-    """Every (runtime, context, batch) point for one model: a tidy table, one row per point."""
+def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bool = True, policy=None) -> pd.DataFrame:
+    """Every (runtime, context, batch) point for one model: a tidy table, one row per point. With `policy` (a
+    headlab.kv.policy.CachePolicy), transformers also decodes under it, from a cache whose streaming heads store only
+    sinks + window: rows labelled "<label> + kv-policy"."""
     check_contexts(loaded.max_positions, spec, label)
+    policies = policy.layers(loaded) if policy is not None else None  # refuses a policy for another layout
     rows = []
     base = {
         "model": label,
@@ -232,6 +268,13 @@ def measure_model(loaded: LoadedModel, label: str, spec: SpeedSpec, progress: bo
                 **transformers_point(loaded, context, batch, spec),
             }
         )
+    if policies is not None:
+        caches = PointCache(loaded, spec, policies)
+        with head_policy(loaded.model, loaded.layers, policies):
+            for context, batch in tqdm(points, desc=f"speed {label} + kv-policy", disable=not progress, unit="point"):
+                point = transformers_point(loaded, context, batch, spec, caches)
+                rows.append({**base, "model": f"{label} + kv-policy", "runtime": "transformers", "context": context,
+                             "batch": batch, **point, "kv_cache": "kv-policy"})  # fmt: skip
     if "llama.cpp" in spec.runtimes and not unavailable():
         # f16 cells; MLA: the latent and rotary key only (measured: llama.cpp keeps no separate V for deepseek2)
         kv_per_token = sum(loaded.adapter.kv_cache_numbers(layer) * 2 for layer in loaded.layers)
@@ -294,15 +337,19 @@ def run_speed(
     out: Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    policy=None,
 ) -> tuple[pd.DataFrame, Path | None]:
-    """Measure every model (loaded one at a time) and write the table, metadata and the decode plot to `out`."""
+    """Measure every model (loaded one at a time) and write the table, metadata and the decode plot to `out`; with
+    `policy` (CachePolicy) each model also under that per-KV-head cache policy (measure_model)."""
     check_out(out, overwrite)
     check_kv_cache(spec.kv_cache)
+    if policy is not None and spec.kv_cache != "full":
+        raise HeadlabError("--kv-policy decodes from headlab's policy cache: not with --kv-cache")
     _check_positions_first(models, spec)
     frames = []
     for model in models:
         loaded = load_model(model, device=device, dtype=dtype)
-        frames.append(measure_model(loaded, _label(model), spec, progress=progress))
+        frames.append(measure_model(loaded, _label(model), spec, progress=progress, policy=policy))
         del loaded
     table = relative_to_first(pd.concat(frames, ignore_index=True))
     if out is None:
@@ -311,5 +358,8 @@ def run_speed(
     png = figure_bytes(figure)
     plt.close(figure)
     meta = {"command": "speed", "models": [_label(m) for m in models], "spec": spec.to_dict()}
+    if policy is not None:
+        meta["kv_policy"] = {"sinks": policy.sinks, "window": policy.window, "context": policy.context,
+                             "streaming_kv_heads": int((policy.table["policy"] == "streaming").sum())}  # fmt: skip
     write_run(Path(out), {"speed": table}, meta, overwrite=overwrite, extra_files={"speed.png": png})
     return table, Path(out) / "speed.png"
