@@ -3,9 +3,11 @@ embedded model, training-free: retrieval accuracy (passkey and multi-key needles
 (HEADLAB_BENCH_POLICY_LENGTHS=4096,8192 on a GPU), with the policy's cache bytes measured on a real cache.
 
 Rows: the original; the policy chosen by the default retrieval-then-streaming ranking, by the retrieval score alone and
-by the streaming score alone at half the cache; the first two at a quarter; per-layer GQA at half the cache (convert-gqa --kv-budget 0.5 --method svd); uniform MQA
-(svd) and MLA at the MQA budget, a third of the cache; and the retrieval policy at half on top of per-layer GQA at two
-thirds (a third in all)."""
+by the streaming score alone at half the cache; the first two at a quarter; two baselines at half the cache, a
+per-layer streaming policy (whole layers full or streaming, by their mean default score) and a random one (seeded);
+per-layer GQA at half the cache (convert-gqa --kv-budget 0.5 --method svd); uniform MQA (svd) and MLA at the MQA
+budget, a third of the cache; and the retrieval policy at half on top of per-layer GQA at two thirds (a third in
+all). HEADLAB_BENCH_POLICY_DEPTHS and _SAMPLES override the needle grid."""
 
 from __future__ import annotations
 
@@ -23,7 +25,31 @@ def _lengths() -> tuple[int, ...]:
     return tuple(int(n) for n in value.split(","))
 
 
+def _grid() -> tuple[tuple[float, ...], int]:
+    """Needle depths and prompts per depth: DEPTHS and SAMPLES, or HEADLAB_BENCH_POLICY_DEPTHS / _SAMPLES."""
+    depths = os.environ.get("HEADLAB_BENCH_POLICY_DEPTHS")
+    samples = os.environ.get("HEADLAB_BENCH_POLICY_SAMPLES")
+    return (tuple(float(d) for d in depths.split(",")) if depths else DEPTHS), int(samples or SAMPLES)
+
+
+def _layer_scores(scores):
+    """Every KV head scored by its layer's mean: the policy then keeps or streams whole layers (a per-layer
+    streaming policy at the same budget, the baseline the head-level choice has to beat)."""
+    return scores.assign(score=scores.groupby("layer")["score"].transform("mean"))
+
+
+def _random_scores(scores, seed: int = 0):
+    """Scores drawn uniformly at random (seeded): a random policy at the same budget."""
+    import numpy as np
+
+    return scores.assign(score=np.random.default_rng(seed).random(len(scores)))
+
+
 def run(args) -> dict:
+    return measure(args)
+
+
+def measure(args, dtype: str | None = None) -> dict:
     import copy
     import time
 
@@ -43,14 +69,16 @@ def run(args) -> dict:
     lengths = _lengths()
     context = max(lengths)
     corpus = load_corpus("broad")
-    teacher = load_model(None, device=args.device)
+    depths, samples = _grid()
+    teacher = load_model(None, device=args.device, dtype=dtype)
     calibration = TextSpec(corpus, split="calibration", seq_len=512, batch_size=4)
     merge_batches = calibration.but(max_tokens=CALIB_TOKENS).batches(teacher.tokenizer)
     eval_text = TextSpec(corpus, split="eval", max_tokens=None)
     original_bytes = kv_bytes_per_token(teacher)
     result = {"lengths": list(lengths), "context": context, "sinks": SINKS, "window": WINDOW, "tasks": list(TASKS),
-              "depths": list(DEPTHS), "samples": SAMPLES, "position_sequences": POSITION_SEQUENCES,
-              "threads": torch.get_num_threads(), "rows": []}  # fmt: skip
+              "depths": list(depths), "samples": samples, "position_sequences": POSITION_SEQUENCES,
+              "threads": torch.get_num_threads(), "dtype": str(teacher.dtype).removeprefix("torch."),
+              "device": args.device, "rows": []}  # fmt: skip
 
     def scores_of(loaded, score):
         tidy = head_statistics(loaded, text=calibration.but(max_tokens=STATS_TOKENS), induction=False,
@@ -61,7 +89,7 @@ def run(args) -> dict:
         start = time.perf_counter()
         record: list[dict] = []
         layers = policy.layers(loaded) if policy is not None else None
-        options = dict(text=eval_text, tasks=TASKS, lengths=lengths, depths=DEPTHS, samples=SAMPLES,
+        options = dict(text=eval_text, tasks=TASKS, lengths=lengths, depths=depths, samples=samples,
                        position_sequences_count=POSITION_SEQUENCES, progress=False,
                        generate=measured_generate(loaded, layers, record))  # fmt: skip
         if policy is None:
@@ -81,8 +109,11 @@ def run(args) -> dict:
     original = measure("original", teacher, 1.0)
     original_cache = original["cache_bytes_per_prompt"]
 
-    def policy_row(name, loaded, score, budget, scale=1.0):
-        policy = choose_policy(scores_of(loaded, score), budget=budget, context=context, sinks=SINKS, window=WINDOW,
+    def policy_row(name, loaded, score, budget, scale=1.0, rescore=None):
+        scores = scores_of(loaded, score)
+        if rescore is not None:
+            scores = rescore(scores)
+        policy = choose_policy(scores, budget=budget, context=context, sinks=SINKS, window=WINDOW,
                                score=score)  # fmt: skip
         row = measure(name, loaded, None, policy)
         row["kv_fraction"] = scale * policy.kv_fraction()
@@ -93,6 +124,9 @@ def run(args) -> dict:
         policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
         policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
     policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
+    policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming", 0.5,
+               rescore=_layer_scores)  # fmt: skip
+    policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
 
     spec = BudgetSpec(1.0, method="svd", search_tokens=SEARCH_TOKENS)
     search_batches = calibration.but(max_tokens=SEARCH_TOKENS).batches(teacher.tokenizer)
@@ -122,7 +156,8 @@ def markdown(r: dict) -> str:
     buckets = list(r["rows"][0]["nll"])
     prompts = len(r["depths"]) * r["samples"]
     lines = [
-        f"Embedded SmolLM2-135M (30 layers x 3 KV heads, float32, {r['threads']} threads), training-free. Policies: "
+        f"Embedded SmolLM2-135M (30 layers x 3 KV heads, {r.get('dtype', 'float32')}, {r.get('device', 'cpu')}, "
+        f"{r['threads']} threads), training-free. Policies: "
         f"streaming KV heads keep {r['sinks']} sinks + {r['window']} recent tokens, the budget counted at "
         f"{r['context']:,} tokens; scores from 4,096 `broad` calibration tokens and four 1k passkey prompts. "
         f"Structural rows: svd merges calibrated on 2,048 calibration tokens. Retrieval: {prompts} prompts per task "

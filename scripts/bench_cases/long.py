@@ -52,16 +52,24 @@ def _model(name, teacher, corpus):
     return _edited({"mla_mqa": "mla"}.get(name, name), teacher, corpus, None)
 
 
-def _saved_rows(lengths: list[int]) -> list[dict]:
-    """The rows of an earlier run on the same lengths, so a run of some models adds to the table rather than
-    replacing it."""
+def _saved_rows(case: str, lengths: list[int]) -> list[dict]:
+    """The rows of an earlier run of `case` on the same lengths, so a run of some models adds to the table rather
+    than replacing it."""
     from benchmark import saved_result
 
-    earlier = saved_result("long")
+    earlier = saved_result(case)
     return list(earlier.get("rows", [])) if earlier.get("lengths") == lengths else []
 
 
 def run(args) -> dict:
+    return measure(args, "long")
+
+
+def measure(args, case: str, dtype: str | None = None) -> dict:
+    """The case's rows for every rung in HEADLAB_BENCH_LONG_MODELS, in `dtype` (default: load_model's for the
+    device), keeping the saved rows of `case` for the rungs not measured. Each row is printed whole as it is
+    measured (JSON), so a run stopped by a time limit still leaves its finished rows in the log."""
+    import json
     import time
 
     import torch
@@ -75,11 +83,11 @@ def run(args) -> dict:
     models = os.environ.get("HEADLAB_BENCH_LONG_MODELS", ",".join(MODELS)).split(",")
     recover = os.environ.get("HEADLAB_BENCH_LONG_RECOVER") == "1"
     from recovery import UPTRAIN_STEPS  # the uptraining budget of recovered rows (HEADLAB_BENCH_UPTRAIN_STEPS)
-    teacher = load_model(None, device=args.device)
+    teacher = load_model(None, device=args.device, dtype=dtype)
     text = TextSpec(corpus, split="eval", max_tokens=None)
     result = {"lengths": lengths, "depths": depths, "samples": samples, "tasks": list(TASKS), "recover": recover,
               "threads": torch.get_num_threads(), "dtype": str(teacher.dtype), "device": args.device,
-              "load": os.getloadavg(), "rows": _saved_rows(lengths)}  # fmt: skip
+              "load": os.getloadavg(), "rows": _saved_rows(case, lengths)}  # fmt: skip
     if recover:
         result["uptrain_steps"] = UPTRAIN_STEPS
     for name in models:
@@ -101,9 +109,7 @@ def run(args) -> dict:
                    "cells": measured.cells.to_dict("records"),
                    "per_prompt_seconds": float(measured.prompts["seconds"].median())}  # fmt: skip
             result["rows"] = [r for r in result["rows"] if r["model"] != row["model"]] + [row]
-            print(
-                name + suffix, measured.lengths[["task", "length", "correct", "prompts"]].to_dict("records"), flush=True
-            )
+            print("row", json.dumps(row, default=float), flush=True)
     return result
 
 
