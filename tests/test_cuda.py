@@ -1,5 +1,6 @@
 """CUDA in bfloat16 against CPU in float32 on tiny models: perplexity, statistics, importance, physical pruning,
-GQA conversion, and the CLI with --device cuda --dtype bfloat16. Skipped without a GPU (marker `cuda`)."""
+GQA conversion, and the CLI with --device cuda --dtype bfloat16; the MLA conversion of a model on CUDA against the
+same conversion on CPU. Skipped without a GPU (marker `cuda`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny, tiny_tokenizer
 
+from headlab.core.data import TextSpec
 from headlab.core.loading import from_model
-from headlab.kv import gqa
+from headlab.kv import gqa, mla
 from headlab.measure.evaluate import perplexity
 from headlab.measure.importance import head_importance
 from headlab.measure.stats import head_statistics
@@ -121,3 +123,18 @@ def test_cli_eval_on_cuda_bfloat16(tmp_path, capsys):
         return float(line.split()[-1])
 
     assert abs(ppl(gpu_out) - ppl(cpu_out)) / ppl(cpu_out) < 0.05
+
+
+def test_convert_mla_of_a_model_on_cuda_matches_cpu(tmp_path):
+    """The conversion's algebra runs on the CPU beside the Grams whatever device the model is on (a model on CUDA
+    once failed there on a bias-free layer); float32 on both sides, so only the Grams' summation order differs."""
+    model = tiny_model(NAME)
+    text = TextSpec(data=_corpus(tmp_path), split="calibration", seq_len=16, batch_size=4, max_tokens=256)
+    results = []
+    for device in ("cpu", "cuda"):
+        loaded = from_model(copy.deepcopy(model).to(device), tiny_tokenizer())
+        batches = text.batches(loaded.tokenizer, max_positions=64)
+        converted, _ = mla.convert_to_mla(loaded, mla.plan_mla(loaded, budget="gqa"), batches, progress=False)
+        results.append(_logits(converted))
+    reference, result = results
+    assert float((result - reference).abs().max()) <= 1e-3 * float(reference.abs().max()) + 1e-4

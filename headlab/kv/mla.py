@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 from torch import nn
@@ -797,9 +797,16 @@ def constant_qk_norms(loaded: LoadedModel, multipliers: list):
             del module.forward
 
 
+def _on_cpu(w: HeadWeights) -> HeadWeights:
+    """The layer's weights on the CPU, beside its Gram (calibration accumulates the Grams there): the conversion's
+    float64 algebra runs there whatever device the model is on."""
+    return replace(w, **{f.name: getattr(w, f.name).cpu() for f in fields(w) if torch.is_tensor(getattr(w, f.name))})
+
+
 def convert_into(w, gram, plan: MlaPlan, attn: nn.Module, *, phase=None, magnitude=(1.0, 1.0, 1.0), multipliers=None):
     """Convert one layer's HeadWeights `w` (its input Gram, rope phases and q/k-norm multipliers, if any) into the
     DeepseekV3Attention module `attn` (latent norms off); returns the layer's record."""
+    w = _on_cpu(w)
     if multipliers is not None:  # per-head q/k norms: their calibrated constant, folded into the rows
         w = fold_qk_norm(w, multipliers)
     converted = convert_layer(w, gram, plan, phases=phase, magnitude=magnitude)
@@ -857,7 +864,7 @@ def _fold_one(proj: nn.Linear, rows: int, gamma: torch.Tensor, reader: nn.Linear
     RMSNorm(c) = c / sqrt(eps + mean c^2) = c / sqrt(eps) (1 - m / 2eps); the norm weight 2^b and reader's columns
     undo the scale: sqrt(eps) / (alpha 2^b)."""
     W = proj.weight.detach().double()[:rows]  # [rows, C]
-    b = proj.bias.detach().double()[:rows] if proj.bias is not None else torch.zeros(rows, dtype=torch.float64)
+    b = proj.bias.detach().double()[:rows] if proj.bias is not None else W.new_zeros(rows)
     C = W.shape[1]
     bound = float(torch.linalg.matrix_norm(W * gamma.detach().double()[None, :], ord=2)) * math.sqrt(C)
     bound = (bound + float(b.norm())) ** 2 / rows  # max mean(c^2)
