@@ -15,6 +15,7 @@ from headlab.core.loading import from_model
 from headlab.mechanisms.head_cache import (
     HeadPolicyCache,
     LayerStreaming,
+    StreamingHeadsLayer,
     cache_bytes,
     head_policy,
     policy_cache,
@@ -107,6 +108,27 @@ def test_real_cache_gives_the_masked_logits_and_holds_only_sinks_and_window(llam
     expected = head_slot_bytes * (full_heads * slots + streaming_heads * (SINKS + WINDOW - 1))
     assert cache_bytes(cache) == expected
     assert cache_bytes(masked.past_key_values) == head_slot_bytes * 4 * slots
+
+
+@pytest.mark.parametrize("sinks, window", [(0, 1), (2, 5), (4, 3), (6, 2)])
+def test_eviction_keeps_exactly_the_sinks_and_the_window_over_uneven_updates(sinks, window):
+    """The streaming part after each update and eviction holds the positions j < sinks or j > seen - window of
+    everything written, in order, by a slow reference that keeps the whole history."""
+    policy = LayerStreaming((1,), num_kv_heads=2, group_size=1, sinks=sinks, window=window)
+    layer = StreamingHeadsLayer(policy)
+    generator = torch.Generator().manual_seed(0)
+    history = []
+    for size in (1, 3, 1, 1, 7, 2, 1, 1, 4, 1):  # a prefill shorter than the sinks, then mixed chunks
+        keys = torch.randn(1, 2, size, 4, generator=generator)
+        layer.update(keys, keys + 1)
+        layer.evict()
+        history.append(keys[:, 1])
+        written = torch.cat(history, dim=1)  # [1, seen, 4], the streaming head's keys
+        seen = written.shape[1]
+        kept = [j for j in range(seen) if j < sinks or j > seen - window]
+        assert layer.slots.tolist() == kept
+        torch.testing.assert_close(layer.stream_keys[:, 0], written[:, kept], atol=0, rtol=0)
+        torch.testing.assert_close(layer.stream_values[:, 0], written[:, kept] + 1, atol=0, rtol=0)
 
 
 def test_policy_refuses_a_sliding_window_layer_and_bad_sizes():

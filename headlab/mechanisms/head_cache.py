@@ -14,6 +14,7 @@ re-rotates, which only matters past the trained positions).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,59 +57,79 @@ class LayerStreaming:
         return (key_slots[None, :] < self.sinks) | (distance < self.window)
 
 
+@functools.cache
+def _head_indices(policy: LayerStreaming, device: torch.device) -> dict[str, torch.Tensor]:
+    """The layer's KV and query head indices on `device`, made once: a decode step then copies nothing from the host
+    (a host-to-device copy per layer and step held a GPU decode back)."""
+
+    def index(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return {"full": index(policy.full), "stream": index(policy.streaming),
+            "full_queries": index(policy.query_heads(policy.full)),
+            "stream_queries": index(policy.query_heads(policy.streaming))}  # fmt: skip
+
+
 class StreamingHeadsLayer(DynamicLayer):
     """One layer's cache: the full KV heads as a DynamicLayer (`keys`, `values`), the streaming heads' sinks + window
-    apart (`stream_keys`, `stream_values` [B, G_s, m, D] at slots `slots` [m]).
+    apart (`stream_keys`, `stream_values` [B, G_s, m, D]).
 
-    `update` returns the full heads' states only; headlab's policy attention function reads the streaming part and
-    calls `evict` once the layer has attended, so after every forward a streaming head holds at most
-    sinks + window - 1 slots (what the next query can see)."""
+    The streaming part holds the slots [0, sink_end) and [recent_start, seen), in that order (`slots`): the sinks are
+    never evicted and the recent slots stay contiguous, so eviction is two slices computed from these counts on the
+    host, with no device sync. `update` returns the full heads' states only; headlab's policy attention function reads
+    the streaming part and calls `evict` once the layer has attended, so after every forward a streaming head holds at
+    most sinks + window - 1 slots (what the next query can see)."""
 
     def __init__(self, policy: LayerStreaming):
         super().__init__()
         self.policy = policy
-        self.full_index = torch.tensor(policy.full, dtype=torch.long)
-        self.stream_index = torch.tensor(policy.streaming, dtype=torch.long)
-        self.stream_keys = self.stream_values = self.slots = None
-        self.seen = 0
+        self.stream_keys = self.stream_values = None
+        self.seen = self.sink_end = self.recent_start = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
         super().lazy_initialization(key_states, value_states)
         self.stream_keys = key_states.new_empty(0)
         self.stream_values = value_states.new_empty(0)
-        self.slots = torch.empty(0, dtype=torch.long, device=key_states.device)
-        self.seen = 0
+        self.seen = self.sink_end = self.recent_start = 0
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        device = key_states.device
-        full, stream = self.full_index.to(device), self.stream_index.to(device)
-        self.keys = torch.cat([self.keys, key_states.index_select(1, full)], dim=-2)
-        self.values = torch.cat([self.values, value_states.index_select(1, full)], dim=-2)
-        self.stream_keys = torch.cat([self.stream_keys, key_states.index_select(1, stream)], dim=-2)
-        self.stream_values = torch.cat([self.stream_values, value_states.index_select(1, stream)], dim=-2)
-        new = torch.arange(self.seen, self.seen + key_states.shape[-2], device=device)
-        self.slots = torch.cat([self.slots, new])
+        heads = _head_indices(self.policy, key_states.device)
+        self.keys = torch.cat([self.keys, key_states.index_select(1, heads["full"])], dim=-2)
+        self.values = torch.cat([self.values, value_states.index_select(1, heads["full"])], dim=-2)
+        self.stream_keys = torch.cat([self.stream_keys, key_states.index_select(1, heads["stream"])], dim=-2)
+        self.stream_values = torch.cat([self.stream_values, value_states.index_select(1, heads["stream"])], dim=-2)
         self.seen += key_states.shape[-2]
         return self.keys, self.values
 
+    @property
+    def slots(self) -> torch.Tensor:
+        """[m] the cache slot of each stored streaming position."""
+        device = self.stream_keys.device
+        sinks = torch.arange(self.sink_end, device=device)
+        return torch.cat([sinks, torch.arange(self.recent_start, self.seen, device=device)])
+
     def evict(self) -> None:
-        """Drop the streaming heads' slots no later query can see: keep j < sinks or j > last - window + 1."""
-        keep = (self.slots < self.policy.sinks) | (self.slots > self.seen - self.policy.window)
-        if not bool(keep.all()):
-            index = keep.nonzero()[:, 0]
-            self.stream_keys = self.stream_keys.index_select(-2, index)
-            self.stream_values = self.stream_values.index_select(-2, index)
-            self.slots = self.slots[index]
+        """Drop the streaming heads' slots no later query can see: keep j < sinks or j > seen - window."""
+        sink_end = min(self.policy.sinks, self.seen)
+        recent_start = max(self.seen - self.policy.window + 1, sink_end)
+        if sink_end == self.sink_end and recent_start == self.recent_start:
+            return
+        # the stored recent slots start at recent_start of the last eviction, sink_end rows in
+        first_recent = self.sink_end + (recent_start - self.recent_start)
+        for name in ("stream_keys", "stream_values"):
+            states = getattr(self, name)
+            setattr(self, name, torch.cat([states[..., :sink_end, :], states[..., first_recent:, :]], dim=-2))
+        self.sink_end, self.recent_start = sink_end, recent_start
 
     def get_seq_length(self) -> int:
         return self.seen if self.is_initialized else 0
 
     def reset(self) -> None:
         super().reset()
-        self.stream_keys = self.stream_values = self.slots = None
-        self.seen = 0
+        self.stream_keys = self.stream_values = None
+        self.seen = self.sink_end = self.recent_start = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise HeadlabError("a streaming-heads cache cannot be cropped (evicted slots are gone)")
@@ -169,28 +190,31 @@ def _policy_attention(module, query, key, value, attention_mask, **kwargs):
     real = isinstance(layer, StreamingHeadsLayer)
     Tk = layer.seen if real else key.shape[2]
     device = query.device
-    visible, bias, _ = _visibility(attention_mask, module, kwargs, Tq, Tk, device)  # [B|1, 1, Tq, Tk]
-    if bias is not None:
-        raise HeadlabError("a head policy needs a boolean attention mask (sdpa's); got an additive one")
-    query_slots = torch.arange(Tk - Tq, Tk, device=device)
-    full, stream = list(policy.full), list(policy.streaming)
+    heads = _head_indices(policy, device)
     if real:
-        stream_keys, stream_values, key_slots = layer.stream_keys, layer.stream_values, layer.slots
+        stream_keys, stream_values = layer.stream_keys, layer.stream_values
         full_keys, full_values = key, value
     else:
-        index = torch.tensor(stream, device=device)
-        stream_keys, stream_values = key.index_select(1, index), value.index_select(1, index)
-        key_slots = torch.arange(Tk, device=device)
-        full_index = torch.tensor(full, dtype=torch.long, device=device)
-        full_keys, full_values = key.index_select(1, full_index), value.index_select(1, full_index)
-    stream_visible = visible.index_select(-1, key_slots) & policy.band(query_slots, key_slots)
+        stream_keys, stream_values = key.index_select(1, heads["stream"]), value.index_select(1, heads["stream"])
+        full_keys, full_values = key.index_select(1, heads["full"]), value.index_select(1, heads["full"])
+    if real and Tq == 1 and attention_mask is None:
+        # one query at the last slot, no padding: it sees every slot a real cache still holds (the sinks and the
+        # window - 1 slots before it, evicted to that after the last forward), so no mask is built
+        stream_visible = None
+    else:
+        visible, bias, _ = _visibility(attention_mask, module, kwargs, Tq, Tk, device)  # [B|1, 1, Tq, Tk]
+        if bias is not None:
+            raise HeadlabError("a head policy needs a boolean attention mask (sdpa's); got an additive one")
+        key_slots = layer.slots if real else torch.arange(Tk, device=device)
+        query_slots = torch.arange(Tk - Tq, Tk, device=device)
+        stream_visible = visible.index_select(-1, key_slots) & policy.band(query_slots, key_slots)
     output = query.new_empty(B, Tq, H, value.shape[-1])
-    stream_queries = torch.tensor(policy.query_heads(stream), device=device)
+    stream_queries = heads["stream_queries"]
     output[:, :, stream_queries] = _attend(
         module, query.index_select(1, stream_queries), stream_keys, stream_values, stream_visible, kwargs
     )
-    if full:
-        full_queries = torch.tensor(policy.query_heads(full), device=device)
+    if policy.full:
+        full_queries = heads["full_queries"]
         # the full heads read the mask transformers built (None: sdpa's causal rule) over every slot
         output[:, :, full_queries] = _attend(
             module, query.index_select(1, full_queries), full_keys, full_values, attention_mask, kwargs

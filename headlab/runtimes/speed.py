@@ -155,7 +155,7 @@ def transformers_point(
                 out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             _sync(device)
             prefill_s = time.perf_counter() - start
-            cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)  # the model wrote `cache` in place
         else:
             cache, token = synthetic_cache(loaded, batch, context, generator, caches.new()), ids[:, -1:]
         position = torch.full((batch, 1), context, dtype=torch.long, device=device)
@@ -164,7 +164,7 @@ def transformers_point(
         with caches.writing(cache):
             for step in range(spec.decode_tokens):
                 out = model(input_ids=token, cache=cache, position_ids=position + step, use_cache=True)
-                cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)  # the model wrote `cache` in place
         _sync(device)
         decode_s = time.perf_counter() - start
     held = caches.held(cache)
