@@ -184,8 +184,9 @@ def _measured_line(result: dict) -> str:
     info = result["machine"]
     commit = f", commit {info['commit']}" if info.get("commit") else ""
     return (
-        f"Measured {result['date']} on {info['cpu']} ({info['cores']} cores, {info['torch_threads']} torch "
-        f"threads{', ' + info['cuda'] if info['cuda'] else ''}), torch {info['torch']}, "
+        f"Measured {result['date']} on {info['cpu']} ({info['cores']} cores"
+        f"{', ' + str(info['torch_threads']) + ' torch threads' if info.get('torch_threads') else ''}"
+        f"{', ' + info['cuda'] if info['cuda'] else ''}), torch {info['torch']}, "
         f"transformers {info['transformers']}, headlab {info['headlab']}{commit}."
     )
 

@@ -157,14 +157,14 @@ def markdown(r: dict) -> str:
     prompts = len(r["depths"]) * r["samples"]
     lines = [
         f"Embedded SmolLM2-135M (30 layers x 3 KV heads, {r.get('dtype', 'float32')}, {r.get('device', 'cpu')}, "
-        f"{r['threads']} threads), training-free. Policies: "
+        f"{r['threads'] or 'default'} threads), training-free. Policies: "
         f"streaming KV heads keep {r['sinks']} sinks + {r['window']} recent tokens, the budget counted at "
         f"{r['context']:,} tokens; scores from 4,096 `broad` calibration tokens and four 1k passkey prompts. "
         f"Structural rows: svd merges calibrated on 2,048 calibration tokens. Retrieval: {prompts} prompts per task "
         f"and length (depths {', '.join(f'{d:g}' for d in r['depths'])}), haystacks from the `broad` eval split; NLL "
         f"by position over {r['position_sequences']} eval sequences of {max(lengths):,} tokens. `KV kept`: the "
         "cache's bytes over the original's at the context: measured on the real cache for policies (in brackets), "
-        "from the layout for structural methods.",
+        "from the layout for structural methods." + (f" {r['note']}" if r.get("note") else ""),
         "",
         "| method | KV kept | " + " | ".join(columns) + " | " + " | ".join(f"NLL {b}" for b in buckets) + " |",
         "|---|---|" + "---|" * (len(columns) + len(buckets)),

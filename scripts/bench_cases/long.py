@@ -122,15 +122,19 @@ def markdown(r: dict) -> str:
     lengths = r["lengths"]
     cells = [f"{t} @ {n:,}" for n in lengths for t in r["tasks"]]
     buckets = [f"[{p['start']:,}, {p['end']:,})" for p in r["rows"][0]["positions"]]
+    where = f"{r['dtype'].removeprefix('torch.')}, {r['device']}"
+    if r.get("load"):  # absent from rows recovered from a stopped run's log
+        where += f", {r['threads']} threads; load averages {', '.join(f'{x:.1f}' for x in r['load'])} at the start"
     lines = [
-        f"Embedded SmolLM2-135M ({r['dtype'].removeprefix('torch.')}, {r['device']}, {r['threads']} threads; load "
-        f"averages {', '.join(f'{x:.1f}' for x in r['load'])} at the start), haystacks from the eval split; each "
+        f"Embedded SmolLM2-135M ({where}), haystacks from the eval split; each "
         f"accuracy is correct/prompts over depths {', '.join(f'{d:g}' for d in r['depths'])} x {r['samples']} "
         "prompts, with its 95% Wilson interval; NLL by position over one eval-split sequence of the longest length.",
         "",
         "| model | " + " | ".join(cells) + " | " + " | ".join(f"NLL {b}" for b in buckets) + " | s / prompt |",
         "|---|" + "---|" * (len(cells) + len(buckets) + 1),
     ]
+    if r.get("note"):
+        lines[0] += " " + r["note"]
     if any("+" in row["model"] for row in r["rows"]):
         lines[0] += (f" Recovered rows: local reconstruction, then {r.get('uptrain_steps', 'the recovery case')} "
                      "uptraining steps of 4 x 128 calibration tokens (the recovery case's `_stage`).")  # fmt: skip
