@@ -7,7 +7,8 @@ by the streaming score alone at half the cache; the first two at a quarter; two 
 per-layer streaming policy (whole layers full or streaming, by their mean default score) and a random one (seeded);
 per-layer GQA at half the cache (convert-gqa --kv-budget 0.5 --method svd); uniform MQA (svd) and MLA at the MQA
 budget, a third of the cache; and the retrieval policy at half on top of per-layer GQA at two thirds (a third in
-all). HEADLAB_BENCH_POLICY_DEPTHS and _SAMPLES override the needle grid."""
+all). HEADLAB_BENCH_POLICY_DEPTHS and _SAMPLES override the needle grid; HEADLAB_BENCH_POLICY_ONLY ("|"-separated
+method prefixes, e.g. "per-layer streaming|random") measures the original and those rows and keeps the saved rest."""
 
 from __future__ import annotations
 
@@ -46,10 +47,32 @@ def _random_scores(scores, seed: int = 0):
 
 
 def run(args) -> dict:
-    return measure(args)
+    return measure(args, case="kv_policy")
 
 
-def measure(args, dtype: str | None = None) -> dict:
+def _kind(method: str) -> int:
+    """Where a row sits in the table: the original, then the policies, then the structural methods."""
+    return 0 if method == "original" else 1 if method.startswith(("policy", "per-layer streaming", "random")) else 2
+
+
+def _with_saved(result: dict, case: str) -> dict:
+    """With HEADLAB_BENCH_POLICY_ONLY, the saved rows of the methods this run left out (same lengths and grid),
+    the measured ones replacing theirs: a run of some rows adds to the table."""
+    if os.environ.get("HEADLAB_BENCH_POLICY_ONLY") is None:
+        return result
+    from benchmark import saved_result
+
+    saved = saved_result(case)
+    grid = ("lengths", "context", "sinks", "window", "depths", "samples")
+    if any(saved.get(key) != result[key] for key in grid):
+        return result
+    measured = {row["method"] for row in result["rows"]}
+    rows = [row for row in saved.get("rows", []) if row["method"] not in measured] + result["rows"]
+    result["rows"] = sorted(rows, key=lambda row: _kind(row["method"]))
+    return result
+
+
+def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
     import copy
     import time
 
@@ -68,6 +91,11 @@ def measure(args, dtype: str | None = None) -> dict:
 
     lengths = _lengths()
     context = max(lengths)
+    only = os.environ.get("HEADLAB_BENCH_POLICY_ONLY")
+
+    def wanted(prefix: str) -> bool:
+        return only is None or any(prefix.startswith(p) or p.startswith(prefix) for p in only.split("|"))
+
     corpus = load_corpus("broad")
     depths, samples = _grid()
     teacher = load_model(None, device=args.device, dtype=dtype)
@@ -86,6 +114,7 @@ def measure(args, dtype: str | None = None) -> dict:
         return kv_head_scores(wide_statistics(tidy), loaded, score, WINDOW, STREAMING_WINDOWS)
 
     def measure(name, loaded, fraction_of_original, policy=None):
+        """One row; printed whole (policy rows once policy_row completes them), so a stopped run's log keeps it."""
         start = time.perf_counter()
         record: list[dict] = []
         layers = policy.layers(loaded) if policy is not None else None
@@ -103,7 +132,8 @@ def measure(args, dtype: str | None = None) -> dict:
         row = {"method": name, "kv_fraction": fraction_of_original, "accuracy": accuracy, "nll": positions,
                "cache_bytes_per_prompt": cache, "seconds": time.perf_counter() - start}  # fmt: skip
         result["rows"].append(row)
-        print(row, flush=True)
+        if policy is None:
+            print(row, flush=True)
         return row
 
     original = measure("original", teacher, 1.0)
@@ -119,20 +149,28 @@ def measure(args, dtype: str | None = None) -> dict:
         row["kv_fraction"] = scale * policy.kv_fraction()
         row["kv_fraction_measured"] = {n: row["cache_bytes_per_prompt"][n] / original_cache[n] for n in original_cache}
         row["full_kv_heads"] = policy.meta["full_kv_heads"]
+        print(row, flush=True)
 
     for budget, label in ((0.5, "1/2"), (0.25, "1/4")):
-        policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
-        policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
-    policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
-    policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming", 0.5,
-               rescore=_layer_scores)  # fmt: skip
-    policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
+        if wanted(f"policy, retrieval-streaming (default), {label}"):
+            policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
+        if wanted(f"policy, retrieval score, {label}"):
+            policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
+    if wanted("policy, streaming score, 1/2"):
+        policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
+    if wanted("per-layer streaming"):
+        policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming", 0.5,
+                   rescore=_layer_scores)  # fmt: skip
+    if wanted("random policy"):
+        policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
+    if not wanted("per-layer GQA") and not wanted("uniform MQA") and not wanted("MLA"):
+        return _with_saved(result, case)
 
     spec = BudgetSpec(1.0, method="svd", search_tokens=SEARCH_TOKENS)
     search_batches = calibration.but(max_tokens=SEARCH_TOKENS).batches(teacher.tokenizer)
     costs = layer_costs(from_model(copy.deepcopy(teacher.model), teacher.tokenizer), spec, merge_batches,
                         search_batches, progress=False)  # fmt: skip
-    for fraction, then_policy in ((0.5, False), (2 / 3, True)):
+    for fraction, then_policy in ((0.5, False), (2 / 3, True)) if wanted("per-layer GQA") else ():
         student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
         apply_counts(student, allocation(teacher, costs, fraction), spec, merge_batches, progress=False)
         kept = kv_bytes_per_token(student) / original_bytes
@@ -141,13 +179,15 @@ def measure(args, dtype: str | None = None) -> dict:
         else:
             measure(f"per-layer GQA (svd), {kept:.2f}", student, kept)
         del student
-    student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
-    gqa.convert(student, 1, method="svd", batches=merge_batches)
-    measure("uniform MQA (svd)", student, kv_bytes_per_token(student) / original_bytes)
-    del student
-    mla, _ = convert_to_mla(teacher, plan_mla(teacher, "mqa"), merge_batches, progress=False)
-    measure("MLA at the MQA budget", mla, kv_bytes_per_token(mla) / original_bytes)
-    return result
+    if wanted("uniform MQA"):
+        student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+        gqa.convert(student, 1, method="svd", batches=merge_batches)
+        measure("uniform MQA (svd)", student, kv_bytes_per_token(student) / original_bytes)
+        del student
+    if wanted("MLA"):
+        mla, _ = convert_to_mla(teacher, plan_mla(teacher, "mqa"), merge_batches, progress=False)
+        measure("MLA at the MQA budget", mla, kv_bytes_per_token(mla) / original_bytes)
+    return _with_saved(result, case)
 
 
 def markdown(r: dict) -> str:

@@ -19,7 +19,7 @@ os.environ.setdefault("HEADLAB_BENCH_POLICY_SAMPLES", "2")
 
 
 def run(args) -> dict:
-    return base.measure(args, dtype="float32")
+    return base.measure(args, dtype="float32", case="kv_policy_gpu")
 
 
 markdown = base.markdown
