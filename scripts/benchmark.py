@@ -233,6 +233,26 @@ def _render_case(name: str, module) -> list[str]:
     return lines
 
 
+def _payload(name: str, args, result: dict, info: dict) -> dict:
+    command = f"python scripts/benchmark.py --case {name}" + (
+        f" --device {args.device}" if args.device != "cpu" else ""
+    )
+    return {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": info, "result": result}
+
+
+def partial_path(name: str) -> Path:
+    return RESULTS / f"{name}.partial.json"
+
+
+def checkpoint(name: str, args, result: dict) -> None:
+    """A case's result so far, in benchmarks/results/<name>.partial.json, written as each row finishes (atomically):
+    what a run stopped by a time limit leaves (scripts/gpu_check.sh brings it back). The finished run removes it."""
+    path = partial_path(name)
+    scratch = path.with_suffix(".tmp")
+    scratch.write_text(json.dumps(_payload(name, args, result, machine()), indent=2, default=str) + "\n")
+    scratch.replace(path)
+
+
 def load_case(path: Path):
     spec = importlib.util.spec_from_file_location(f"bench_cases.{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -271,12 +291,10 @@ def main() -> None:
             print(f"== {name}", flush=True)
             module = load_case(cases()[name])
             result = module.run(args)
-            command = f"python scripts/benchmark.py --case {name}" + (
-                f" --device {args.device}" if args.device != "cpu" else ""
-            )
             info = machine()
-            payload = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": info, "result": result}
-            result_path(name, module, machine_kind(info, args.device)).write_text(json.dumps(payload, indent=2) + "\n")
+            path = result_path(name, module, machine_kind(info, args.device))
+            path.write_text(json.dumps(_payload(name, args, result, info), indent=2) + "\n")
+            partial_path(name).unlink(missing_ok=True)
             print(module.markdown(result))
     for name in args.case or sorted(cases()):
         draw_figures(name, load_case(cases()[name]))

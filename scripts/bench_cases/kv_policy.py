@@ -77,6 +77,7 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
     import time
 
     import torch
+    from benchmark import checkpoint
 
     from headlab.core.data import TextSpec, load_corpus
     from headlab.core.loading import from_model, load_model
@@ -134,6 +135,7 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
         result["rows"].append(row)
         if policy is None:
             print(row, flush=True)
+            checkpoint(case, args, result)
         return row
 
     original = measure("original", teacher, 1.0)
@@ -150,6 +152,7 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
         row["kv_fraction_measured"] = {n: row["cache_bytes_per_prompt"][n] / original_cache[n] for n in original_cache}
         row["full_kv_heads"] = policy.meta["full_kv_heads"]
         print(row, flush=True)
+        checkpoint(case, args, result)
 
     for budget, label in ((0.5, "1/2"), (0.25, "1/4")):
         if wanted(f"policy, retrieval-streaming (default), {label}"):

@@ -68,11 +68,13 @@ def run(args) -> dict:
 def measure(args, case: str, dtype: str | None = None) -> dict:
     """The case's rows for every rung in HEADLAB_BENCH_LONG_MODELS, in `dtype` (default: load_model's for the
     device), keeping the saved rows of `case` for the rungs not measured. Each row is printed whole as it is
-    measured (JSON), so a run stopped by a time limit still leaves its finished rows in the log."""
+    measured (JSON) and checkpointed (benchmark.checkpoint), so a run stopped by a time limit still leaves its finished
+    rows."""
     import json
     import time
 
     import torch
+    from benchmark import checkpoint
 
     from headlab.core.data import TextSpec, load_corpus
     from headlab.core.loading import load_model
@@ -110,6 +112,7 @@ def measure(args, case: str, dtype: str | None = None) -> dict:
                    "per_prompt_seconds": float(measured.prompts["seconds"].median())}  # fmt: skip
             result["rows"] = [r for r in result["rows"] if r["model"] != row["model"]] + [row]
             print("row", json.dumps(row, default=float), flush=True)
+            checkpoint(case, args, result)
     return result
 
 
