@@ -13,6 +13,10 @@
 #   .whl/          wheels of this project's transformers and gguf, installed into $SITE (the image's torch stays)
 #   .gpu_payload/  the embedded GGUF in parts (the file is larger than one call may carry): each part is kept in
 #                  $STASH, so two calls to a warm machine bring it whole; the sha256 file checks the joined file
+# With the device tool: `run` `scripts/gpu_check.sh setup cuda` carrying .whl and .gpu_payload/a, then at once (a
+# machine goes back after 30 idle seconds) `scripts/gpu_check.sh setup long` carrying .gpu_payload/b, then `cli`,
+# `shape8b` or `bench` with what is left. `scripts/gpu_payload.sh` makes the wheels and the parts (the GGUF split at
+# 47,000,000 bytes, its sha256 beside the second part).
 # Output: $OUT/summary.txt (one line a step), $OUT/log.txt (every step's output) and $OUT/results.tgz (benchmark
 # results and small run files), refreshed after every step, so a call stopped by its time limit still returns them.
 set -uo pipefail
@@ -77,14 +81,18 @@ group_cuda() {
 
 group_long() {
     step embedded 120 headlab info
-    step long_gpu 240 "$PY" scripts/benchmark.py --case long_gpu --device cuda
     # decode under a policy at half the cache at 8k, from the real cache (issue #32: no slower than the full cache)
     step kv_policy_cli 60 headlab kv-policy --device cuda --dtype float32 --budget 0.5 --context 8192 \
         --out "$RUNS/policy" --overwrite
     step speed_policy 90 headlab speed --device cuda --dtype float32 --contexts 2048,8192 --batches 1,8 \
         --decode-tokens 32 --prefill-limit 0 --runtime transformers --kv-policy "$RUNS/policy" \
         --out "$RUNS/speed-policy" --overwrite
-    step kv_policy_gpu 300 "$PY" scripts/benchmark.py --case kv_policy_gpu --device cuda
+    # The rows the first H200 run (2026-12-04) did not reach; the saved rows of the others are kept. LONG_MODELS=
+    # original,svd,mla_gqa,mla_mqa,pruned and POLICY_ONLY= with every method prefix measure everything again.
+    step long_gpu 240 env HEADLAB_BENCH_LONG_MODELS="${LONG_MODELS:-mla_gqa,mla_mqa,pruned}" \
+        "$PY" scripts/benchmark.py --case long_gpu --device cuda
+    step kv_policy_gpu 300 env HEADLAB_BENCH_POLICY_ONLY="${POLICY_ONLY:-random policy|per-layer GQA|uniform MQA|MLA}" \
+        "$PY" scripts/benchmark.py --case kv_policy_gpu --device cuda
 }
 
 group_cli() {
