@@ -60,15 +60,23 @@ def _with_saved(result: dict, case: str) -> dict:
     the measured ones replacing theirs: a run of some rows adds to the table."""
     if os.environ.get("HEADLAB_BENCH_POLICY_ONLY") is None:
         return result
-    from benchmark import saved_result
+    import json
 
-    saved = saved_result(case)
+    from benchmark import RESULTS
+
+    path = RESULTS / f"{case}.json"
+    payload = json.loads(path.read_text()) if path.is_file() else {"result": {}}
+    saved = payload["result"]
     grid = ("lengths", "context", "sinks", "window", "depths", "samples")
     if any(saved.get(key) != result[key] for key in grid):
         return result
     measured = {row["method"] for row in result["rows"]}
-    rows = [row for row in saved.get("rows", []) if row["method"] not in measured] + result["rows"]
-    result["rows"] = sorted(rows, key=lambda row: _kind(row["method"]))
+    kept = [row for row in saved.get("rows", []) if row["method"] not in measured]
+    result["rows"] = sorted(kept + result["rows"], key=lambda row: _kind(row["method"]))
+    if kept:
+        commit = payload.get("machine", {}).get("commit")
+        result["note"] = (f"Rows measured in this run: {', '.join(sorted(measured))}; the others are kept from the "
+                          f"run of {payload.get('date')}" + (f" (commit {commit})" if commit else "") + ".")  # fmt: skip
     return result
 
 
