@@ -76,7 +76,7 @@ setup() {
 }
 
 group_cuda() {
-    step pytest_cuda 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py
+    step pytest_cuda 150 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_head_cache.py
 }
 
 group_long() {

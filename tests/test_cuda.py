@@ -1,7 +1,6 @@
 """CUDA in bfloat16 against CPU in float32 on tiny models: perplexity, statistics, importance, physical pruning,
 GQA conversion, and the CLI with --device cuda --dtype bfloat16; the MLA conversion of a model on CUDA against the
-same conversion on CPU; a KV-cache policy's real cache on CUDA against its masked run. Skipped without a GPU (marker
-`cuda`)."""
+same conversion on CPU. Skipped without a GPU (marker `cuda`; tests/test_head_cache.py has a cuda case too)."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from headlab.kv import gqa, mla
 from headlab.measure.evaluate import perplexity
 from headlab.measure.importance import head_importance
 from headlab.measure.stats import head_statistics
-from headlab.mechanisms.head_cache import HeadPolicyCache, LayerStreaming, cache_bytes, head_policy, policy_cache
 from headlab.pruning import prune as P
 
 pytestmark = [
@@ -140,30 +138,3 @@ def test_convert_mla_of_a_model_on_cuda_matches_cpu(tmp_path):
         results.append(_logits(converted))
     reference, result = results
     assert float((result - reference).abs().max()) <= 1e-3 * float(reference.abs().max()) + 1e-4
-
-
-def test_policy_real_cache_on_cuda_gives_the_masked_logits():
-    """The real cache's eviction (slices from host-side counts, no device sync) on CUDA: the same greedy tokens and
-    scores as the masked policy, float32, and only sinks + window - 1 slots held by a streaming head."""
-    model = tiny_model(NAME, attn_implementation="sdpa", max_position_embeddings=128).to("cuda")
-    loaded = from_model(model)
-    sinks, window = 2, 5
-    policies = {
-        layer.index: LayerStreaming(
-            (1,) if layer.index == 0 else (0, 1), layer.num_kv_heads, layer.group_size, sinks, window
-        )  # fmt: skip
-        for layer in loaded.layers
-    }
-    ids = torch.randint(10, 100, (2, 33), generator=torch.Generator().manual_seed(2)).to("cuda")
-    options = dict(max_new_tokens=9, do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0)
-    with head_policy(model, loaded.layers, policies):
-        masked = model.generate(ids, **options)
-    cache = HeadPolicyCache(model.config, {layer.block: policies[layer.index] for layer in loaded.layers})
-    with head_policy(model, loaded.layers, policies), policy_cache(cache):
-        real = model.generate(ids, cache=cache, **options)
-    assert torch.equal(masked.sequences, real.sequences)
-    for step_masked, step_real in zip(masked.scores, real.scores):
-        torch.testing.assert_close(step_real, step_masked, atol=1e-4, rtol=1e-4)
-    slots = 33 + 9 - 1
-    head_slot_bytes = 2 * 2 * loaded.layers[0].head_dim * 4  # batch 2, keys and values, float32
-    assert cache_bytes(cache) == head_slot_bytes * (1 * slots + 3 * (sinks + window - 1))
