@@ -722,6 +722,9 @@ def plot_speed(table: pd.DataFrame, title: str = ""):
     for ax in grid.axes.flat:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        # plain numbers (15, 16, 20), not 1.5 x 10^1: a panel often spans less than a decade
+        ax.yaxis.set_major_formatter(matplotlib.ticker.LogFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
         ax.set_xticks(sorted(table["context"].unique()))
         ax.set_xticklabels([f"{c:,}" for c in sorted(table["context"].unique())])
     grid.set_axis_labels("context (tokens in the KV cache)", "decode tokens/s (all sequences)")
