@@ -103,6 +103,8 @@ group_cli() {
     step prune_bf16 90 headlab prune --device cuda --dtype bfloat16 --fraction 0.2 --mode physical \
         --out "$RUNS/pruned" --overwrite
     step convert_bf16 60 headlab convert-gqa --device cuda --dtype bfloat16 --kv-heads 1 --out "$RUNS/mqa" --overwrite
+    # MLA on CUDA: the first H200 run found a device bug here (in the long-context case), fixed since
+    step convert_mla 120 headlab convert-mla --device cuda --dtype bfloat16 --budget mqa --out "$RUNS/mla" --overwrite
     # FSDP2 uptraining with NCCL (issue #34, item 3): the MQA student towards the embedded model, 4 steps. Two
     # processes where there are two GPUs; with one GPU a torchrun world of one (NCCL refuses two ranks on one
     # device), which checks the FSDP path, the NCCL group and the gathered save, not the sharing.
@@ -111,7 +113,8 @@ group_cli() {
     step uptrain_fsdp 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m headlab uptrain \
         --student "$RUNS/mqa" --device cuda --parallel fsdp --steps 4 --seq-len 128 --batch-size "$((2 * nproc))" \
         --heldout-tokens 512 --eval-tokens 0 --out "$RUNS/uptrain-fsdp" --overwrite
-    rm -rf "$RUNS/pruned/"*.safetensors "$RUNS/mqa/"*.safetensors "$RUNS/uptrain-fsdp/"*.safetensors
+    rm -rf "$RUNS/pruned/"*.safetensors "$RUNS/mqa/"*.safetensors "$RUNS/mla/"*.safetensors \
+        "$RUNS/uptrain-fsdp/"*.safetensors
 }
 
 group_shape8b() {
