@@ -180,3 +180,45 @@ def test_long_runtimes_table_counts_same_answers_and_lists_each_difference():
     assert "| original | passkey | 1,024 | 5/6 | 4/6 | 3/6 |" in text
     assert "- original, passkey at 1,024, depth 0.5 (answer 12345): transformers `12345`, llama.cpp `12346`" in text
     assert "Every prompt" in case.markdown({**base, "rows": [row], "differences": []})
+
+
+def test_a_kv_policy_run_of_some_rows_keeps_the_saved_rest_in_table_order(tmp_path, monkeypatch):
+    """HEADLAB_BENCH_POLICY_ONLY: the measured rows replace theirs, the other saved rows stay, policies before the
+    structural methods, and the table says which rows are whose; another grid keeps nothing."""
+    import json
+    import sys
+
+    benchmark = _benchmark()
+    monkeypatch.setattr(benchmark, "RESULTS", tmp_path)
+    monkeypatch.setitem(sys.modules, "benchmark", benchmark)
+    monkeypatch.setenv("HEADLAB_BENCH_POLICY_ONLY", "random policy")
+    case = _case("kv_policy")
+    grid = {"lengths": [2048], "context": 2048, "sinks": 4, "window": 256, "depths": [0.0, 0.5, 1.0], "samples": 2}
+    saved_rows = [{"method": m, "n": 0} for m in ("original", "policy, streaming score, 1/2", "uniform MQA (svd)")]
+    payload = {"date": "2026-12-03", "machine": {"commit": "abc1234"}, "result": {**grid, "rows": saved_rows}}
+    (tmp_path / "kv_policy.json").write_text(json.dumps(payload))
+    measured = [{"method": "original", "n": 1}, {"method": "random policy (seed 0), 1/2", "n": 1}]
+    merged = case._with_saved({**grid, "rows": list(measured)}, "kv_policy")
+    assert [(r["method"], r["n"]) for r in merged["rows"]] == [
+        ("original", 1),
+        ("policy, streaming score, 1/2", 0),
+        ("random policy (seed 0), 1/2", 1),
+        ("uniform MQA (svd)", 0),
+    ]
+    assert "kept from the run of 2026-12-03 (commit abc1234)" in merged["note"]
+    other = case._with_saved({**grid, "samples": 4, "rows": list(measured)}, "kv_policy")
+    assert other["rows"] == measured and "note" not in other
+
+
+def test_checkpoint_writes_the_rows_so_far_and_the_finished_run_replaces_them(tmp_path, monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    benchmark = _benchmark()
+    monkeypatch.setattr(benchmark, "RESULTS", tmp_path)
+    monkeypatch.setattr(benchmark, "machine", lambda: {"commit": "abc1234"})
+    benchmark.checkpoint("long_gpu", SimpleNamespace(device="cuda"), {"rows": [{"model": "original"}]})
+    saved = json.loads(benchmark.partial_path("long_gpu").read_text())
+    assert saved["command"] == "python scripts/benchmark.py --case long_gpu --device cuda"
+    assert saved["result"]["rows"] == [{"model": "original"}] and saved["machine"]["commit"] == "abc1234"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long_gpu.partial.json"]  # no scratch file left
