@@ -166,11 +166,17 @@ def result_path(name: str, module, kind: str) -> Path:
     return RESULTS / (f"{name}@{kind}.json" if getattr(module, "PER_MACHINE", False) else f"{name}.json")
 
 
-def saved_result(name: str) -> dict:
-    """The saved result of a (not per-machine) case, benchmarks/results/<name>.json, or {}: what a run of some of a
-    case's models carries over for the others."""
+def saved_payload(name: str) -> dict:
+    """The saved run of a (not per-machine) case, benchmarks/results/<name>.json (command, date, machine, result), or
+    {}."""
     path = RESULTS / f"{name}.json"
-    return json.loads(path.read_text())["result"] if path.is_file() else {}
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def saved_result(name: str) -> dict:
+    """The saved result of a (not per-machine) case, or {}: what a run of some of a case's models carries over for
+    the others."""
+    return saved_payload(name).get("result", {})
 
 
 def previous_result(name: str, kind: str) -> dict | None:

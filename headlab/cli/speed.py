@@ -7,7 +7,6 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import guard, kv_cache_option, kv_policy_option
-from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.runtimes.choices import RUNTIMES
 
@@ -78,10 +77,10 @@ def command(  # click passes every option as a parameter
     under that policy, from a cache whose streaming heads store only sinks + window ("MODEL + kv-policy" rows)."""
     # start-up: torch, pandas and matplotlib load when the command runs, not for --help
     from headlab.kv.policy import read_policy
-    from headlab.runtimes.speed import SpeedSpec, run_speed
+    from headlab.runtimes.speed import SpeedSpec, check_policy_cache, run_speed
 
-    if kv_policy is not None and kv_cache != "full":
-        raise HeadlabError("--kv-policy decodes from headlab's policy cache: not with --kv-cache")
+    if kv_policy is not None:  # before reading the policy: the conflict is the first thing to say
+        check_policy_cache(kv_cache)
     policy = read_policy(kv_policy) if kv_policy is not None else None
     spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes), kv_cache=kv_cache)
     if out is not None:  # never onto, around or inside a model it measures (symlinks resolved)

@@ -328,6 +328,12 @@ def _check_positions_first(models: list[str | None], spec: SpeedSpec) -> None:
         check_contexts(limit if isinstance(limit, int) else None, spec, _label(model))
 
 
+def check_policy_cache(kv_cache: str) -> None:
+    """A KV-cache policy decodes from headlab's own cache (HeadPolicyCache): refuse a quantized --kv-cache beside it."""
+    if kv_cache != "full":
+        raise HeadlabError("--kv-policy decodes from headlab's policy cache: not with --kv-cache")
+
+
 def run_speed(
     models: list[str | None],
     spec: SpeedSpec,
@@ -343,8 +349,8 @@ def run_speed(
     `policy` (CachePolicy) each model also under that per-KV-head cache policy (measure_model)."""
     check_out(out, overwrite)
     check_kv_cache(spec.kv_cache)
-    if policy is not None and spec.kv_cache != "full":
-        raise HeadlabError("--kv-policy decodes from headlab's policy cache: not with --kv-cache")
+    if policy is not None:
+        check_policy_cache(spec.kv_cache)
     _check_positions_first(models, spec)
     frames = []
     for model in models:

@@ -60,13 +60,10 @@ def _with_saved(result: dict, case: str) -> dict:
     the measured ones replacing theirs: a run of some rows adds to the table."""
     if os.environ.get("HEADLAB_BENCH_POLICY_ONLY") is None:
         return result
-    import json
+    from benchmark import saved_payload
 
-    from benchmark import RESULTS
-
-    path = RESULTS / f"{case}.json"
-    payload = json.loads(path.read_text()) if path.is_file() else {"result": {}}
-    saved = payload["result"]
+    payload = saved_payload(case)
+    saved = payload.get("result", {})
     grid = ("lengths", "context", "sinks", "window", "depths", "samples")
     if any(saved.get(key) != result[key] for key in grid):
         return result
@@ -150,6 +147,8 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
     original_cache = original["cache_bytes_per_prompt"]
 
     def policy_row(name, loaded, score, budget, scale=1.0, rescore=None):
+        if not wanted(name):
+            return
         scores = scores_of(loaded, score)
         if rescore is not None:
             scores = rescore(scores)
@@ -163,17 +162,12 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
         checkpoint(case, args, result)
 
     for budget, label in ((0.5, "1/2"), (0.25, "1/4")):
-        if wanted(f"policy, retrieval-streaming (default), {label}"):
-            policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
-        if wanted(f"policy, retrieval score, {label}"):
-            policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
-    if wanted("policy, streaming score, 1/2"):
-        policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
-    if wanted("per-layer streaming"):
-        policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming", 0.5,
-                   rescore=_layer_scores)  # fmt: skip
-    if wanted("random policy"):
-        policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
+        policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
+        policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
+    policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
+    policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming", 0.5,
+               rescore=_layer_scores)  # fmt: skip
+    policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
     if not wanted("per-layer GQA") and not wanted("uniform MQA") and not wanted("MLA"):
         return _with_saved(result, case)
 
