@@ -31,6 +31,7 @@ NO_MODEL = ["--model", "{missing}", *M]
 DATA = ["--data", "{text}", "--seq-len", "32"]
 EVAL32 = ["--eval-seq-len", "32"]
 TEXT = ["--data", "{text}"]  # report and demo take no --seq-len
+ONTO_POLICY = ["--kv-policy", "{emptydir}", "--out", "{emptydir}", "--overwrite"]  # --out onto the policy it reads
 CASES = [
     # info
     (["info", *NO_MODEL], "{missing}"),
@@ -400,6 +401,9 @@ CASES = [
     (["export-gguf", "--model", "{llama}", *M, *DATA, "--out", "{text}", "--overwrite"], "is the corpus"),
     (["speed", "{llama}", "--device", "cpu", "--out", "{llama}", "--overwrite"], "is the model"),
     (["speed", "{snapshot}", "--device", "cpu", "--out", "{snapshot}/run"], "lies inside the model"),
+    # a KV-cache policy run is an input too: never replaced by the run that reads it
+    (["speed", "{llama}", "--device", "cpu", *ONTO_POLICY], "--kv-policy"),
+    (["longeval", "--model", "{llama}", *M, *TEXT, *ONTO_POLICY], "--kv-policy"),
     # ---- issue 19: outputs that cannot be written, checked before any work ----
     (["stats", "--model", "{llama}", *M, *DATA, "--out", "{badmask}/x"], "not a directory"),
     # ---- issue 19: validation of what is loaded ----
@@ -515,6 +519,7 @@ if importlib.util.find_spec("lm_eval") is not None:
         ([*TASKS, "tiny_mc", "--include-path", "{missing}"], "not a directory"),
         ([*TASKS, ",", "--include-path", "{tasks}"], "--tasks is empty"),
         ([*TASKS, "tiny_mc", "--include-path", "{tasks}", "--out", "{existing}"], "--overwrite"),
+        ([*TASKS, "tiny_mc", "--include-path", "{tasks}", *ONTO_POLICY], "--kv-policy"),
     ]
 
 

@@ -181,7 +181,7 @@ def _run_tasks(  # click's options, passed on
     names = parse_list(tasks, str, "tasks")
     manager = task_manager(names, include_path)
     if out is not None:
-        guard(out, overwrite, {"model": load.spec}, **{"include-path": include_path})
+        guard(out, overwrite, {"model": load.spec}, **{"include-path": include_path, "kv-policy": kv_policy})
     policy = read_policy(kv_policy) if kv_policy is not None else None
     loaded = load()
     with applied_policy(loaded, policy):

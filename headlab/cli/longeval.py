@@ -112,7 +112,7 @@ def command(  # click passes every option as a parameter
     if runtime == "llamacpp" and kv_policy is not None:
         raise HeadlabError("--kv-policy runs in transformers (headlab's cache), not with --runtime llamacpp")
     out = out or DEFAULT_OUT
-    guard(out, overwrite, {"model": load.spec}, data=data)
+    guard(out, overwrite, {"model": load.spec}, data=data, **{"kv-policy": kv_policy})
     # start-up: torch, pandas and seaborn load when the command runs, not for --help
     from headlab.core.tables import write_run
     from headlab.kv.policy import applied_policy, measured_generate, policy_record, read_policy

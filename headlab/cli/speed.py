@@ -81,10 +81,11 @@ def command(  # click passes every option as a parameter
 
     if kv_policy is not None:  # before reading the policy: the conflict is the first thing to say
         check_policy_cache(kv_cache)
-    policy = read_policy(kv_policy) if kv_policy is not None else None
     spec = SpeedSpec(contexts, batches, decode_tokens, prefill_limit, tuple(runtimes), kv_cache=kv_cache)
-    if out is not None:  # never onto, around or inside a model it measures (symlinks resolved)
-        guard(out, overwrite, {f"model {name or '(embedded)'}": name for name in (list(models) or [None])})
+    if out is not None:  # never onto, around or inside a model it measures or the policy it reads (symlinks resolved)
+        inputs = {f"model {name or '(embedded)'}": name for name in (list(models) or [None])}
+        guard(out, overwrite, inputs, **{"kv-policy": kv_policy})
+    policy = read_policy(kv_policy) if kv_policy is not None else None
     table, figure_path = run_speed(
         list(models) or [None],
         spec,
