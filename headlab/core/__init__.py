@@ -1,11 +1,13 @@
-"""The ground every wing stands on: architecture adapters, loading, corpora and windows, checkpoints, head
-layouts, validation, tables and atomic files, data parallelism, the one error type. Imports nothing above it.
+"""The ground every wing stands on: architecture adapters, loading (with float32 products for 16-bit models on CPUs
+without 16-bit kernels), corpora and windows, checkpoints, head layouts, validation, tables and atomic files, data
+parallelism, the one error type. Imports nothing above it.
 """
 
 __all__ = [
     "arch",
     "checkpoint",
     "corpora",
+    "cpu_matmul",
     "data",
     "distributed",
     "errors",

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from headlab.core import distributed, validate
+from headlab.core import cpu_matmul, distributed, validate
 from headlab.core.arch import Adapter, AttentionLayer, adapter_for
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory
@@ -403,11 +403,13 @@ def load_model(
         # accelerate placed the layers; inputs (and every tensor made to meet them) go where the embeddings run.
         torch_device = input_device(model)
     model.eval()
+    meta = _products_on_this_cpu(model, torch_device, torch_dtype)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     validate.check_tokenizer_fits(model, tokenizer, spec)
     fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""), _fingerprint_cache())
-    meta = {"fingerprint": fingerprint} if fingerprint else {}
+    if fingerprint:
+        meta["fingerprint"] = fingerprint
     return LoadedModel(model, tokenizer, adapter, spec, source, torch_device, torch_dtype, meta)
 
 
@@ -574,4 +576,15 @@ def from_model(model: nn.Module, tokenizer=None, spec: str = "in-memory") -> Loa
     its inputs go (`input_device`), also for a model dispatched over several devices by accelerate."""
     adapter = adapter_for(model)
     dtype = next(model.parameters()).dtype
-    return LoadedModel(model.eval(), tokenizer, adapter, spec, spec, input_device(model), dtype)
+    device = input_device(model)
+    meta = _products_on_this_cpu(model, device, dtype)
+    return LoadedModel(model.eval(), tokenizer, adapter, spec, spec, device, dtype, meta)
+
+
+def _products_on_this_cpu(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
+    """A 16-bit model on a CPU without native 16-bit kernels computes its products in float32 (hooks installed,
+    headlab.core.cpu_matmul); the metadata records it."""
+    if not cpu_matmul.needs_float32_products(device, dtype):
+        return {}
+    cpu_matmul.install(model)
+    return {"cpu_products": "float32"}

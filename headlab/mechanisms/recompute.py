@@ -9,6 +9,8 @@ import functools
 
 import torch
 
+from headlab.core import cpu_matmul
+
 
 def _checkpoint_in_eval(layer, function, *args, **kwargs):
     """torch.utils.checkpoint of one block whose forward (and its recomputation) runs with layer.training False."""
@@ -17,7 +19,8 @@ def _checkpoint_in_eval(layer, function, *args, **kwargs):
         flag = layer.training
         layer.training = False  # the block's own dropout stays off; its submodules are in eval mode already
         try:
-            return function(*inner_args, **inner_kwargs)
+            with cpu_matmul.products_of(layer):  # the recomputation runs the raw forward, which no hook sees
+                return function(*inner_args, **inner_kwargs)
         finally:
             layer.training = flag
 
