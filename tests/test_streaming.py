@@ -103,7 +103,7 @@ def test_shard_writer_writes_safetensors_that_load_back(tmp_path):
     for name, tensor in tensors.items():
         writer.add(name, tensor)
     names = writer.finish()
-    assert len(names) > 1 and not (tmp_path / "spill.bin").exists()
+    assert len(names) > 1 and sorted(p.name for p in tmp_path.iterdir()) == sorted([*names, core_streaming.INDEX_FILE])
     back = {}
     for name in names:
         part = load_file(tmp_path / name)
@@ -113,6 +113,27 @@ def test_shard_writer_writes_safetensors_that_load_back(tmp_path):
     assert all(back[k].dtype == t.dtype and torch.equal(back[k], t) for k, t in tensors.items())
     index = json.loads((tmp_path / core_streaming.INDEX_FILE).read_text())
     assert set(index["weight_map"]) == set(tensors) and index["metadata"]["total_size"] == writer.total_bytes
+
+
+@pytest.mark.parametrize("room", [core_streaming.HEADER_ROOM, 64])
+def test_shards_are_written_in_place_and_a_header_larger_than_its_room_moves_the_data(tmp_path, monkeypatch, room):
+    """Each byte is written once into its shard; a header that outgrows the room left for it (64 bytes here) is
+    written before the data all the same, 8-byte aligned, and safetensors reads either file back."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setattr(core_streaming, "HEADER_ROOM", room)
+    tensors = {f"layer.{i}.weight": torch.randn(4, 3) for i in range(5)}
+    writer = core_streaming.ShardWriter(tmp_path, max_bytes=10**6)
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    assert writer.finish() == [core_streaming.SINGLE_FILE]
+    raw = (tmp_path / core_streaming.SINGLE_FILE).read_bytes()
+    header_bytes = int.from_bytes(raw[:8], "little")
+    assert header_bytes % 8 == 0 and len(raw) == 8 + header_bytes + sum(t.numel() * 4 for t in tensors.values())
+    assert (header_bytes == room) == (room > 64)  # 1 MiB holds five tensors' header, 64 bytes do not
+    back = load_file(tmp_path / core_streaming.SINGLE_FILE)
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], t) for k, t in tensors.items())
+    assert [p.name for p in tmp_path.iterdir()] == [core_streaming.SINGLE_FILE]
 
 
 def test_a_config_without_architectures_converts(tmp_path):

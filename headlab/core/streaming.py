@@ -3,8 +3,8 @@
 The model's skeleton is built on the meta device (no storage) only to learn names and layouts. Every tensor outside
 the attention modules (embeddings, MLPs or experts, norms) is copied through as stored; each attention module is
 materialised from the files, edited through its adapter (`LayerEditor`'s `edit`: KV pooling, head slicing), written
-out and dropped. Output shards are cut at `max_shard_bytes` and assembled on disk (each tensor spills to a file as
-it comes), so peak memory is about one attention module or the largest single tensor, whatever the model's or the
+out and dropped. Output shards are cut at `max_shard_bytes` and written in place (each tensor's bytes as they come,
+the header into room left before them), so peak memory is about one attention module or the largest single tensor, whatever the model's or the
 shard's size. Users: `headlab.kv.streaming` (convert-gqa / expand-kv --streaming), `headlab.pruning.streaming`
 (prune --streaming).
 """
@@ -68,24 +68,32 @@ SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }  # fmt: skip
-COPY_CHUNK = 64 * 2**20  # bytes moved at a time from the spill file into a shard
+COPY_CHUNK = 64 * 2**20  # bytes moved at a time when a header outgrows its room and the data must move
+# Room left for a shard's JSON header before its data: the data are written in place as they arrive, and the header,
+# known only when the shard is full, is written into the room afterwards, padded with spaces (safetensors pads its
+# header the same way). About 150 bytes a tensor, so 1 MiB holds the header of a shard of about 7,000 tensors (a
+# 405B checkpoint has about 1,100 in all); a larger header moves the data once (COPY_CHUNK at a time).
+HEADER_ROOM = 2**20
 
 
 class ShardWriter:
     """Writes tensors into safetensors shards of at most `max_bytes` without holding a shard in memory: each tensor's
-    bytes go straight to a spill file as it arrives, and a full shard is assembled on disk (8-byte header length,
-    the JSON header with every tensor's dtype, shape and data offsets, then the bytes, copied in COPY_CHUNK pieces),
-    so memory holds one tensor at a time whatever the shard size. `finish` names the shards
-    model-0000i-of-0000n.safetensors (or model.safetensors when one suffices) and writes the index."""
+    bytes go straight into the shard file after HEADER_ROOM bytes left for its header, and when the shard is full the
+    8-byte header length and the JSON header (every tensor's dtype, shape and data offsets, padded with spaces) are
+    written into that room. Every byte is written once and never read back, so the disk traffic is the output's own
+    size. `finish` names the shards model-0000i-of-0000n.safetensors (or model.safetensors when one suffices) and
+    writes the index."""
 
     def __init__(self, directory: Path, max_bytes: int):
         self.directory, self.max_bytes = directory, max_bytes
-        self.spill_path = directory / "spill.bin"
-        self.spill = None
-        self.pending: list[tuple[str, str, list[int], int]] = []  # (name, dtype, shape, bytes), in spill order
+        self.shard = None  # the open shard file, its data starting at HEADER_ROOM + 8
+        self.pending: list[tuple[str, str, list[int], int]] = []  # (name, dtype, shape, bytes), in file order
         self.pending_bytes = 0
         self.shards: list[tuple[str, list[str]]] = []  # (temporary name, keys)
         self.total_bytes = 0
+
+    def _part(self, index: int) -> Path:
+        return self.directory / f"part-{index:05d}.safetensors"
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         if tensor.dtype not in SAFETENSORS_DTYPES:
@@ -93,10 +101,11 @@ class ShardWriter:
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
             self.flush()
-        if self.spill is None:
-            self.spill = open(self.spill_path, "wb")  # closed by flush, once the shard is full
+        if self.shard is None:
+            self.shard = open(self._part(len(self.shards)), "wb")  # closed by flush, once the shard is full
+            self.shard.seek(8 + HEADER_ROOM)
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
-        self.spill.write(memoryview(data.view(torch.uint8).numpy()) if size else b"")
+        self.shard.write(memoryview(data.view(torch.uint8).numpy()) if size else b"")
         self.pending.append((name, SAFETENSORS_DTYPES[tensor.dtype], list(tensor.shape), size))
         self.pending_bytes += size
         self.total_bytes += size
@@ -104,22 +113,23 @@ class ShardWriter:
     def flush(self) -> None:
         if not self.pending:
             return
-        self.spill.close()
-        self.spill = None
         header, offset = {}, 0
         for key, dtype, shape, size in self.pending:
             header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
             offset += size
         header["__metadata__"] = {"format": "pt"}
         encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-        name = f"part-{len(self.shards):05d}.safetensors"
-        with open(self.directory / name, "wb") as shard, open(self.spill_path, "rb") as spill:
-            shard.write(len(encoded).to_bytes(8, "little"))
-            shard.write(encoded)
-            shutil.copyfileobj(spill, shard, COPY_CHUNK)
-        self.spill_path.unlink()
-        self.shards.append((name, [entry[0] for entry in self.pending]))
+        path = self._part(len(self.shards))
+        if len(encoded) <= HEADER_ROOM:
+            self.shard.seek(0)
+            self.shard.write(HEADER_ROOM.to_bytes(8, "little"))
+            self.shard.write(encoded + b" " * (HEADER_ROOM - len(encoded)))  # the data start where they were written
+            self.shard.close()
+        else:
+            self.shard.close()
+            _move_data(path, encoded)
+        self.shard = None
+        self.shards.append((path.name, [entry[0] for entry in self.pending]))
         self.pending, self.pending_bytes = [], 0
 
     def finish(self) -> list[str]:
@@ -134,6 +144,19 @@ class ShardWriter:
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
             (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         return names
+
+
+def _move_data(path: Path, encoded: bytes) -> None:
+    """Rewrite the shard at `path` with a header larger than HEADER_ROOM: the data, copied from after the room,
+    follow the 8-byte-aligned header in a new file that replaces it."""
+    encoded += b" " * (-len(encoded) % 8)  # the data start 8-byte aligned, as safetensors writes them
+    moved = path.with_suffix(".moving")
+    with open(path, "rb") as old, open(moved, "wb") as new:
+        new.write(len(encoded).to_bytes(8, "little"))
+        new.write(encoded)
+        old.seek(8 + HEADER_ROOM)
+        shutil.copyfileobj(old, new, COPY_CHUNK)
+    moved.replace(path)
 
 
 def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
