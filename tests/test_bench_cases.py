@@ -222,3 +222,23 @@ def test_checkpoint_writes_the_rows_so_far_and_the_finished_run_replaces_them(tm
     assert saved["command"] == "python scripts/benchmark.py --case long_gpu --device cuda"
     assert saved["result"]["rows"] == [{"model": "original"}] and saved["machine"]["commit"] == "abc1234"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long_gpu.partial.json"]  # no scratch file left
+
+
+def test_scale_time_model_solves_fixed_and_per_layer_cost_from_two_depths_and_predicts_the_third():
+    case = _case("scale")
+    step = "prune --streaming --mode physical"
+    rows = [{"layers": layers, "step": "copy (reference)", "seconds": copy, "peak_rss": 1, "cold": True}
+            for layers, copy in ((8, 10.0), (16, 20.0), (32, 40.0))]  # fmt: skip
+    # t = 5 + copy + 2 x layers at 8 and 16 layers; the 32-layer run took 100 s against a predicted 109
+    rows += [{"layers": layers, "step": step, "seconds": seconds, "peak_rss": 1, "cold": True}
+             for layers, seconds in ((8, 31.0), (16, 57.0), (32, 100.0))]  # fmt: skip
+    # a row of another regime (a warm page cache, an older run) never enters the fit
+    rows.append({"layers": 64, "step": step, "seconds": 1.0, "peak_rss": 1})
+    table = case.time_model(rows)
+    assert [(t["layers"], t["fitted"]) for t in table] == [(8, True), (16, True), (32, False)]
+    deepest = table[-1]
+    assert abs(deepest["fixed"] - 5.0) < 1e-9 and abs(deepest["per_layer"] - 2.0) < 1e-9
+    assert abs(deepest["predicted"] - 109.0) < 1e-9
+    text = "\n".join(case._time_model(rows))
+    assert "| `prune --streaming --mode physical` | 32 | 40 | 5.0 | 2.00 | 109 | 100 | +9% |" in text
+    assert case.time_model(rows[:5]) == []  # two depths fit the model and leave nothing to predict

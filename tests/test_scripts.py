@@ -18,6 +18,7 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 def load_script(name: str):
     spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
@@ -81,3 +82,23 @@ def test_gqa_study_skips_models_without_kv_heads(models, tmp_path, capsys):
     assert (out / study.slug(str(models["llama"])) / "sweep.csv").is_file()
     with pytest.raises(Exception, match="--pools"):
         study.main([str(models["llama"]), "--pools", "median", "--out", str(tmp_path / "x")])
+
+
+def test_cost_model_formulas_against_hand_counts():
+    """The cost model's sizes are the shape's own tensors counted by hand, and its times add the terms it names."""
+    cost = load_script("cost_model")
+    tiny = cost.Shape("tiny", layers=2, hidden=8, mlp=16, heads=2, kv_heads=1, head_dim=4, vocab=32)
+    # per layer: q and o 8x8 each, k and v 8x4 each, gate/up/down 8x16 each, two norms of 8
+    assert tiny.layer_parameters == 2 * 64 + 2 * 32 + 3 * 128 + 16
+    assert tiny.parameters == 2 * 32 * 8 + 2 * tiny.layer_parameters + 8
+    assert tiny.attention_parameters == 2 * (2 * 64 + 2 * 32)
+    assert cost.memory_streaming(tiny) == cost.R0 + 32 * 8 * 2
+    assert cost.memory_offloaded(tiny, 100, export=True) == cost.R0 + 100 + 2 * (32 * 8 * 2)
+    assert cost.reader_flops(tiny, 10, "importance") == 3 * cost.reader_flops(tiny, 10, "eval")
+    assert cost.reader_flops(tiny, 10, "eval") == 2 * (tiny.parameters - 32 * 8) * 10
+    W = tiny.parameters * 2
+    assert cost.time_streaming(tiny, copy_rate=W, fixed=5.0, per_layer_byte=0.0) == 6.0
+    fsdp = cost.memory_uptrain(tiny, processes=2)
+    assert fsdp["load"] == 2 * W and fsdp["peak"] == max(fsdp["training"], fsdp["load"])
+    llama8b = cost.shape("llama-3.1-8b")
+    assert abs(llama8b.parameters - 8.03e9) < 0.01e9  # the published 8.03B

@@ -8,7 +8,12 @@ resident set (GNU time's maximum RSS), against the bytes of one decoder layer an
   at the deepest;
 - export: `export-gguf` f16 with `--device-map auto --max-memory 64MB` (every block offloaded to disk) at every depth;
 - info, eval, stats, importance: at the deepest, the last three on 256 tokens under the same offloading.
-HEADLAB_SCALE_STEPS=prune,export,... runs some steps and keeps the saved rows of the others. Outputs are deleted
+Each depth also times a plain copy of the checkpoint (read once, written once: the machine's disk rate, the time
+model's reference, measured in the same run). Where the page cache can be dropped (root), it is dropped before each
+timed command, so every command reads from disk as a model larger than memory must (HEADLAB_SCALE_COLD=0 keeps it);
+a command's seconds include flushing what it wrote (sync).
+HEADLAB_SCALE_STEPS=prune,export,... runs some steps and HEADLAB_SCALE_LAYERS=32 some depths, and the saved rows of
+the others are kept (the steps at the deepest depth run are the deepest-only ones). Outputs are deleted
 after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ from pathlib import Path
 TITLE = "Real shapes: the 8B-shaped checkpoint on this machine (streaming edits, offloaded reads)"
 SHAPE = "llama-3.1-8b"
 DEPTHS = tuple(int(x) for x in os.environ.get("HEADLAB_SCALE_LAYERS", "8,16,32").split(","))
-STEPS = ("convert", "prune", "mla", "export", "info", "eval", "stats", "importance")
+STEPS = ("copy", "read", "convert", "prune", "mla", "export", "info", "eval", "stats", "importance")
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+COLD = os.environ.get("HEADLAB_SCALE_COLD", "1") != "0"
+# The time model (markdown): seconds = the copy's seconds at that depth + layers x a per-layer cost fitted at the
+# shallowest depth, for the commands that move the whole checkpoint through once.
+TIMED_STEPS = ("convert-gqa --streaming 8 -> 4", "prune --streaming --mode physical", "export-gguf f16, offloaded")
 CHOSEN = tuple(os.environ.get("HEADLAB_SCALE_STEPS", ",".join(STEPS)).split(","))
 OFFLOAD = ("--device-map", "auto", "--max-memory", "64MB")  # every block to disk: the embeddings alone are 0.98 GiB
 TOKENS = ("--max-tokens", "256", "--seq-len", "256", "--batch-size", "1")
@@ -35,8 +45,22 @@ READERS = ("info", "eval", "stats", "importance")
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _cold() -> bool:
+    """Flush and drop the page cache (root only); whether it was dropped."""
+    if not COLD:
+        return False
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
 def _timed(command: list[str]) -> dict:
-    """Wall seconds and peak RSS (bytes) of one command as a fresh process (GNU time -f '%e %M')."""
+    """Wall seconds and peak RSS (bytes) of one command as a fresh process (GNU time -f '%e %M'), started on a cold
+    page cache where it can be dropped; its seconds include the sync that writes its output to disk."""
+    cold = _cold()
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
         start = time.perf_counter()
         done = subprocess.run(["/usr/bin/time", "-o", report.name, "-f", "%e %M", *command], capture_output=True,
@@ -45,7 +69,11 @@ def _timed(command: list[str]) -> dict:
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
         seconds, kilobytes = report.read().split()[-2:]
-    return {"command": " ".join(command), "seconds": float(seconds), "wall": wall, "peak_rss": int(kilobytes) * 1024}
+        start = time.perf_counter()
+        os.sync()
+        flush = time.perf_counter() - start
+    return {"command": " ".join(command), "seconds": float(seconds) + flush, "flush": flush, "wall": wall + flush,
+            "peak_rss": int(kilobytes) * 1024, "cold": cold}  # fmt: skip
 
 
 def _headlab(*args: str) -> list[str]:
@@ -60,7 +88,9 @@ def run(args) -> dict:
     shape = SHAPES[SHAPE]
     work = Path(os.environ.get("HEADLAB_SCALE_DIR") or tempfile.mkdtemp(prefix="headlab-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    kept = [row for row in saved_result("scale").get("rows", []) if _kind(row["step"]) not in CHOSEN]
+    # rows of steps not run, and of depths not run, are carried over from the saved run
+    saved = saved_result("scale").get("rows", [])
+    kept = [row for row in saved if _kind(row["step"]) not in CHOSEN or row["layers"] not in DEPTHS]
     rows = []
     try:
         for layers in DEPTHS:
@@ -82,7 +112,24 @@ def run(args) -> dict:
     made = {row["layers"] for row in rows}
     kept = [row for row in kept if row["step"] != "make_shape" or row["layers"] not in made]
     return {"shape": SHAPE, "config": _sizes(shape), "rows": _ordered(kept + rows), "load": list(os.getloadavg()),
-            "steps_run": list(CHOSEN)}  # fmt: skip
+            "steps_run": list(CHOSEN), "depths_run": list(DEPTHS), "gemm_gflops": gemm_gflops()}  # fmt: skip
+
+
+def gemm_gflops(repeats: int = 5) -> float:
+    """Median float32 GFLOP/s of this process's torch threads on one MLP-sized product of the shape, [256, 4096] @
+    [4096, 14336]: the compute rate of the time model's readers (float32 products, headlab.core.cpu_matmul)."""
+    import statistics
+
+    import torch
+
+    x, w = torch.randn(256, 4096), torch.randn(14336, 4096)
+    torch.nn.functional.linear(x, w)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        times.append(time.perf_counter() - start)
+    return 2 * 256 * 4096 * 14336 / statistics.median(times) / 1e9
 
 
 def _kind(step: str) -> str:
@@ -100,6 +147,14 @@ def _ordered(rows: list[dict]) -> list[dict]:
 def _commands(source: Path, out: Path, layers: int):
     """(step label, command) of the chosen steps at this depth; outputs go to `out` (deleted after each)."""
     deepest = layers == max(DEPTHS)
+    if "copy" in CHOSEN:  # the reference: every byte read once and written once, nothing computed
+        yield "copy (reference)", [sys.executable, "-c", "import shutil, sys; shutil.copytree(*sys.argv[1:])",
+                                   str(source), str(out)]  # fmt: skip
+    if "read" in CHOSEN:  # the reference of the offloaded readers: every byte read once, nothing written
+        yield (
+            "read (reference)",
+            ["sh", "-c", 'cat "$@" > /dev/null', "read", *map(str, sorted(source.glob("*.safetensors")))],
+        )
     if "convert" in CHOSEN:
         for kv in (4, 2, 1) if deepest else (4,):
             # at the deepest, the 4-head output stays (as kept-<layers>) for expand-kv to read back
@@ -136,6 +191,64 @@ def _commands(source: Path, out: Path, layers: int):
                                                             "--out", str(out))  # fmt: skip
 
 
+def _cold_runs(rows: list[dict], step: str) -> tuple[dict, list[dict]]:
+    """The plain copy's seconds by depth and `step`'s rows at those depths, by depth, of runs on a dropped page cache
+    (flush included): one regime, so rows of older warm-cache runs never enter the model."""
+    rows = [row for row in rows if row.get("cold")]
+    copies = {row["layers"]: row["seconds"] for row in rows if _kind(row["step"]) == "copy"}
+    runs = sorted((row for row in rows if row["step"] == step and row["layers"] in copies), key=lambda r: r["layers"])
+    return copies, runs
+
+
+def streaming_fit(rows: list[dict], step: str) -> dict | None:
+    """t0 and c of t(L) = t0 + copy(L) + c x L, solved from the two shallowest depths of `step`; None without two."""
+    copies, runs = _cold_runs(rows, step)
+    if len(runs) < 2:
+        return None
+    (l1, e1), (l2, e2) = ((r["layers"], r["seconds"] - copies[r["layers"]]) for r in runs[:2])
+    per_layer = (e2 - e1) / (l2 - l1)
+    return {"fixed": e1 - per_layer * l1, "per_layer": per_layer, "depths": [l1, l2]}
+
+
+def time_model(rows: list[dict]) -> list[dict]:
+    """Predicted against measured seconds of the commands that move the checkpoint through once: t(L) = t0 +
+    copy(L) + c x L, with copy(L) the plain copy's seconds at that depth in the same run (the disk rate, which varies
+    with the size moved), t0 the command's fixed cost (start-up, the embeddings' own work) and c its per-layer
+    work, both solved from the two shallowest depths (streaming_fit); the deeper rows are predictions."""
+    table = []
+    for step in TIMED_STEPS:
+        copies, runs = _cold_runs(rows, step)
+        fit = streaming_fit(rows, step)
+        if fit is None or len(runs) < 3:
+            continue
+        for i, row in enumerate(runs):
+            predicted = fit["fixed"] + copies[row["layers"]] + fit["per_layer"] * row["layers"]
+            table.append({"step": step, "layers": row["layers"], "copy": copies[row["layers"]], "fixed": fit["fixed"],
+                          "per_layer": fit["per_layer"], "predicted": predicted, "measured": row["seconds"],
+                          "fitted": i < 2})  # fmt: skip
+    return table
+
+
+def _time_model(rows: list[dict]) -> list[str]:
+    table = time_model(rows)
+    if not table:
+        return []
+    lines = [
+        "",
+        "Time model: seconds = t0 + the plain copy's seconds at that depth (same run, cold cache: the disk rate) + "
+        "layers x c, with the fixed t0 and the per-layer c solved from the two shallowest depths; deeper rows are "
+        "predictions.",
+        "",
+        "| command | layers | copy s | t0 s | c s/layer | predicted s | measured s | error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for t in table:
+        error = "(fitted)" if t["fitted"] else f"{t['predicted'] / t['measured'] - 1:+.0%}"
+        lines.append(f"| `{t['step']}` | {t['layers']} | {t['copy']:.0f} | {t['fixed']:.1f} | {t['per_layer']:.2f} | "
+                     f"{t['predicted']:.0f} | {t['measured']:.0f} | {error} |")  # fmt: skip
+    return lines
+
+
 def _sizes(shape: dict) -> dict:
     """Bytes (bf16) of one decoder layer and of the embedding matrix of the shape (headlab.core.shapes.SHAPES)."""
     C, H, G, D, I, V = (shape[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -165,20 +278,19 @@ def markdown(r: dict) -> str:
         ok = "yes" if row["peak_rss"] <= limit else "no"
         if row["step"] == "make_shape":  # the benchmark's own generator (one 2 GiB shard), not an editing command
             ok = "(the generator)"
+        elif _kind(row["step"]) in ("copy", "read"):
+            ok = "(the disk-rate reference)"
         elif _kind(row["step"]) in READERS:  # the goal's limit is for commands that edit weights
             ok = "(reads; no limit set)"
         lines.append(
             f"| {row['layers']} | `{row['step']}` | {size} | {row['seconds']:.0f} | {row['peak_rss'] / gib:.2f} GiB | "
             f"{ok} |"
         )
-    if r.get("steps_run") and set(r["steps_run"]) != set(STEPS):
-        lines.append(f"\nThis run measured the steps {', '.join(r['steps_run'])} (and the shapes they needed); the "
-                     "other rows are carried over from the run before it (HEADLAB_SCALE_STEPS).")  # fmt: skip
-    for step in ("convert-gqa --streaming 8 -> 4", "prune --streaming --mode physical", "export-gguf f16, offloaded"):
-        runs = [row for row in r["rows"] if row["step"] == step]
-        if len(runs) > 1:
-            per_layer = ", ".join(f"{row['layers']}: {row['seconds'] / row['layers']:.1f} s" for row in runs)
-            lines.append(f"\n`{step}` seconds per layer (linear time is a constant): {per_layer}.")
+    if r.get("steps_run") and set(r["steps_run"]) != set(STEPS) or r.get("depths_run", list(DEPTHS)) != list(DEPTHS):
+        depths = ", ".join(str(d) for d in r.get("depths_run", DEPTHS))
+        lines.append(f"\nThe last run measured the steps {', '.join(r['steps_run'])} at {depths} layers; the other "
+                     "rows are carried over from earlier runs (HEADLAB_SCALE_STEPS, HEADLAB_SCALE_LAYERS).")  # fmt: skip
+    lines += _time_model(r["rows"])
     return "\n".join(lines)
 
 

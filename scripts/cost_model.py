@@ -1,0 +1,309 @@
+#!/usr/bin/env python
+"""The cost model of docs/scaling.md: peak memory and time of headlab's commands from 135M to 405B, as formulas over
+a model's shape and a machine's rates, checked against every point the benchmarks measured.
+
+    python scripts/cost_model.py            # markdown: measured points against predictions, then 8B / 70B / 405B
+
+Rates and fitted constants come from the saved benchmark results (benchmarks/results/scale.json: the 8B-shaped
+runs with a plain copy and read of the checkpoint and a float32 GEMM rate, measured in the same run;
+benchmarks/results/memory.json: the embedded model in memory). Hardware the project has not measured (an H200
+node's disk, the GPU's achieved FLOP rate) enters as a stated assumption, named in the output.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "bench_cases")]
+
+GIB = 2**30
+R0 = 0.48 * GIB  # Python, torch, transformers and headlab: the peak of the same commands on a tiny model
+BF16 = 2
+# Assumptions for hardware not measured here (stated wherever they are used):
+H200_BYTES = 139 * GIB  # the device tool's H200 (about 139 GiB usable)
+H200_FLOPS = 989e12  # dense bf16 peak of an H200 (NVIDIA's datasheet, without sparsity)
+GPU_EFFICIENCY = 0.35  # achieved share of that peak for transformers' forward/backward (assumed, not measured)
+NODE_DISK = 2e9  # bytes/s an H200 node reads and writes its checkpoint disk at (assumed NVMe)
+HOST_BYTES = 24 * GIB  # this machine
+
+
+@dataclass(frozen=True)
+class Shape:
+    """Sizes of a decoder-only model with untied embeddings (Llama-3.1 layout)."""
+
+    name: str
+    layers: int
+    hidden: int
+    mlp: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @property
+    def layer_parameters(self) -> int:
+        C, D = self.hidden, self.head_dim
+        return 2 * C * self.heads * D + 2 * C * self.kv_heads * D + 3 * C * self.mlp + 2 * C
+
+    @property
+    def embedding_parameters(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def parameters(self) -> int:  # embeddings and the untied LM head, the layers, the final norm
+        return 2 * self.embedding_parameters + self.layers * self.layer_parameters + self.hidden
+
+    @property
+    def attention_parameters(self) -> int:  # what uptraining trains by default (--train attention)
+        C, D = self.hidden, self.head_dim
+        return self.layers * (2 * C * self.heads * D + 2 * C * self.kv_heads * D)
+
+    def matmul_parameters(self) -> int:
+        """Parameters a token multiplies through (everything but the input embedding's lookup)."""
+        return self.parameters - self.embedding_parameters
+
+
+def shape(name: str, layers: int | None = None) -> Shape:
+    from headlab.core.shapes import SHAPES
+
+    s = SHAPES[name]
+    return Shape(name, layers or s["num_hidden_layers"], s["hidden_size"], s["intermediate_size"],
+                 s["num_attention_heads"], s["num_key_value_heads"], s["head_dim"], s["vocab_size"])  # fmt: skip
+
+
+# ---- memory (bytes): four kinds of command --------------------------------------------------------------------------
+
+
+def memory_in_memory(weights_file: float, converted: float, rows: int, seq_len: int, vocab: int) -> float:
+    """R0 + W_file + W_converted + 2 x logits: the checkpoint's mapped pages (transformers 5 makes parameters views of
+    them when the load keeps the stored dtype), a converted copy when --dtype differs, and the largest pass tensors,
+    the float32 logits of one batch and their log-softmax or gradient."""
+    return R0 + weights_file + converted + 2 * rows * seq_len * vocab * 4
+
+
+def memory_streaming(s: Shape) -> float:
+    """R0 + E: one tensor the size of the embedding matrix at a time (read, edited, written)."""
+    return R0 + s.embedding_parameters * BF16
+
+
+def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, gradient: bool = False,
+                     tokens: int = 256) -> float:  # fmt: skip
+    """R0 + M + E (+ E for export-gguf's encoded copy); a gradient pass (importance) also keeps the LM head's weight
+    for its backward (E) and the float32 logits with their log-softmax and gradient (3 x T x V x 4)."""
+    E = s.embedding_parameters * BF16
+    extra = E if export else 0
+    if gradient:
+        extra += E + 3 * tokens * s.vocab * 4
+    return R0 + max_memory + E + extra
+
+
+def memory_uptrain(s: Shape, processes: int = 1) -> dict[str, float]:
+    """Per process: training (W_student + W_teacher + 6 T) / N plus one gathered layer, and the two peaks FSDP does
+    not shard yet: the load (each process loads student and teacher whole before sharding) and the end (the trained
+    values gathered whole on every rank)."""
+    W = s.parameters * BF16
+    T = s.attention_parameters
+    training = (2 * W + 6 * T) / processes + (s.layer_parameters * BF16 if processes > 1 else 0)
+    load = 2 * W
+    return {"training": training, "load": load, "peak": max(training, load)}
+
+
+# ---- time (seconds) -------------------------------------------------------------------------------------------------
+
+
+def time_streaming(s: Shape, copy_rate: float, fixed: float, per_layer_byte: float) -> float:
+    """t0 + W / copy_rate + c x (layer bytes x L): the checkpoint read once and written once at the machine's copy
+    rate, the command's fixed cost, and its per-layer work in proportion to the layer's bytes."""
+    W = s.parameters * BF16
+    return fixed + W / copy_rate + per_layer_byte * s.layer_parameters * BF16 * s.layers
+
+
+def reader_flops(s: Shape, tokens: int, command: str) -> float:
+    """2 N T for a forward pass (N the parameters a token multiplies through); importance's recomputing pass runs
+    the forward twice and the input-gradient backward once (frozen weights: 2 N T), 6 N T in all."""
+    passes = {"eval": 1, "stats": 1, "importance": 3}[command]
+    return passes * 2 * s.matmul_parameters() * tokens
+
+
+def time_offloaded_reader(s: Shape, tokens: int, command: str, read_rate: float, flops: float, start: float) -> float:
+    """start + (weights read per pass) / read_rate + FLOPs / rate: every block read from disk at every pass (the
+    recomputing importance reads them twice) and float32 products at the measured GEMM rate."""
+    reads = 2 if command == "importance" else 1
+    return start + reads * s.parameters * BF16 / read_rate + reader_flops(s, tokens, command) / flops
+
+
+def time_gpu_reader(s: Shape, tokens: int, command: str, gpus: int = 1) -> float:
+    """Load (the checkpoint read once per node at NODE_DISK) + FLOPs / (gpus x H200_FLOPS x GPU_EFFICIENCY)."""
+    return s.parameters * BF16 / NODE_DISK + reader_flops(s, tokens, command) / (gpus * H200_FLOPS * GPU_EFFICIENCY)
+
+
+def time_uptrain_step(s: Shape, tokens: int, gpus: int, flops: float) -> float:
+    """Teacher forward 2NT, student forward 2NT, student backward: input gradients 2NT plus the trained (attention)
+    weights' gradients 2 N_attn T; at `flops` per second per device over `gpus` devices."""
+    N, A = s.matmul_parameters(), s.attention_parameters
+    return (6 * N + 2 * A) * tokens / (gpus * flops)
+
+
+# ---- the saved measurements -----------------------------------------------------------------------------------------
+
+
+def _saved(name: str) -> dict:
+    path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    return json.loads(path.read_text())["result"] if path.exists() else {}
+
+
+def rates(scale: dict) -> dict:
+    """Copy and read rates (bytes/s) of the deepest depth measured, the float32 GEMM rate, and each streaming
+    command's fitted fixed cost and per-layer-byte cost (the scale case's time model)."""
+    import scale as case
+
+    rows = scale["rows"]
+    deepest = max(row["layers"] for row in rows if row["step"] == "copy (reference)")
+    by = {(row["layers"], row["step"]): row for row in rows}
+    copy = by[(deepest, "copy (reference)")]
+    read = by.get((deepest, "read (reference)"))
+    layer_bytes = scale["config"]["layer_bytes"]
+    fits = {}
+    for step in case.TIMED_STEPS:
+        fit = case.streaming_fit(rows, step)
+        if fit is not None:
+            fits[step] = {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer"] / layer_bytes}
+    return {"copy": copy["model_bytes"] / copy["seconds"],
+            "read": read["model_bytes"] / read["seconds"] if read else None,
+            "gemm": scale.get("gemm_gflops", 0) * 1e9, "fits": fits, "deepest": deepest}  # fmt: skip
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:,.2f} GiB"
+
+
+def _seconds(x: float) -> str:
+    if x < 120:
+        return f"{x:,.0f} s"
+    if x < 2 * 3600:
+        return f"{x / 60:,.0f} min"
+    return f"{x / 3600:,.1f} h"
+
+
+def _error(predicted: float, measured: float) -> str:
+    return f"{predicted / measured - 1:+.0%}"
+
+
+def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, str, str]]:
+    """(point, measured, predicted, error) for every measured point the formulas cover."""
+    import scale as case
+
+    points = []
+    for row in memory.get("rows", []):  # the embedded model in memory, float32 as stored (nothing converted)
+        if row["code"] != "after":
+            continue
+        rows, seq = {"convert-gqa": (1, 512)}.get(row["command"], (4, 256))
+        predicted = memory_in_memory(memory["model_bytes"], 0, rows, seq, 49152)
+        points.append((f"`{row['command']}`, embedded 135M in memory (float32)", _gib(row["peak_rss"]),
+                       _gib(predicted), _error(predicted, row["peak_rss"])))  # fmt: skip
+    offload = 64e6
+    for row in scale["rows"]:
+        kind, layers = case._kind(row["step"]), row["layers"]
+        s = shape("llama-3.1-8b", layers)
+        if kind in ("convert", "prune"):
+            predicted = memory_streaming(s)
+        elif kind == "export":
+            predicted = memory_offloaded(s, offload, export=True)
+        elif kind in ("eval", "stats"):
+            predicted = memory_offloaded(s, offload)
+        elif kind == "importance":
+            predicted = memory_offloaded(s, offload, gradient=True)
+        elif kind == "mla":
+            predicted = memory_offloaded(s, GIB)  # its calibration pass offloads beyond 1 GiB
+        else:
+            continue
+        points.append((f"`{row['step']}`, 8B shape, {layers} layers", _gib(row["peak_rss"]), _gib(predicted),
+                       _error(predicted, row["peak_rss"])))  # fmt: skip
+    for t in case.time_model(scale["rows"]):
+        if not t["fitted"]:
+            points.append((f"`{t['step']}` time, {t['layers']} layers (t0 and c fitted at the two shallower depths)",
+                           _seconds(t["measured"]), _seconds(t["predicted"]), _error(t["predicted"], t["measured"])))  # fmt: skip
+    if r["read"] and r["gemm"]:
+        start = _start_seconds(scale)
+        for row in scale["rows"]:
+            kind = case._kind(row["step"])
+            if kind in ("eval", "importance") and row["layers"] == r["deepest"]:
+                s = shape("llama-3.1-8b", row["layers"])
+                predicted = time_offloaded_reader(s, 256, kind, r["read"], r["gemm"], start)
+                points.append((f"`{row['step']}` time, {row['layers']} layers", _seconds(row["seconds"]),
+                               _seconds(predicted), _error(predicted, row["seconds"])))  # fmt: skip
+    return points
+
+
+def _start_seconds(scale: dict) -> float:
+    """A command's start-up on this machine: `info` of the deepest shape (imports, config, the checks; no weights)."""
+    info = [row["seconds"] for row in scale["rows"] if row["step"] == "info"]
+    return info[0] if info else 0.0
+
+
+def predictions(r: dict, scale: dict) -> list[str]:
+    """Markdown rows: each command kind at 8B, 70B and 405B on this machine, one H200 and eight."""
+    lines = ["| command | where | 8B | 70B | 405B |", "|---|---|---|---|---|"]
+    shapes = [shape(n) for n in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b")]
+    fit = r["fits"]["prune --streaming --mode physical"]
+    start = _start_seconds(scale)
+
+    def row(command, where, cells):
+        lines.append(f"| {command} | {where} | " + " | ".join(cells) + " |")
+
+    row("`convert-gqa` / `prune` / `expand-kv --streaming`", "this machine",
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_streaming(s, r['copy'], fit['fixed'], fit['per_layer_byte']))}"
+         for s in shapes])  # fmt: skip
+    row("the same", "an H200 node (CPU work; disk at 2 GB/s)",
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_streaming(s, NODE_DISK / 2, fit['fixed'], fit['per_layer_byte']))}"
+         for s in shapes])  # fmt: skip
+    for command, tokens in (("eval", 256), ("importance", 256)):
+        row(f"`{command}` on {tokens} tokens, offloaded (`--max-memory 64MB`)", "this machine",
+            [f"{_gib(memory_offloaded(s, 64e6, gradient=command == 'importance'))}; "
+             f"{_seconds(time_offloaded_reader(s, tokens, command, r['read'], r['gemm'], start))}" for s in shapes])  # fmt: skip
+    for command, tokens in (("eval", 65536), ("importance", 65536)):
+        for gpus in (1, 8):
+            cells = []
+            for s in shapes:
+                W = s.parameters * BF16
+                fits = W / gpus + 2 * GIB <= H200_BYTES  # layers spread by --device-map auto; 2 GiB of activations
+                memory = f"{_gib(W / gpus)} a GPU" + ("" if fits else ": does not fit")
+                cells.append(f"{memory}; {_seconds(time_gpu_reader(s, tokens, command, gpus))}")
+            where = "one H200" if gpus == 1 else "8 H200s (`--device-map auto` or torchrun)"
+            row(f"`{command}` on {tokens:,} tokens, bf16", where, cells)
+    for gpus in (1, 8):
+        cells = []
+        for s in shapes:
+            m = memory_uptrain(s, gpus)
+            step = time_uptrain_step(s, 32 * 2048, gpus, H200_FLOPS * GPU_EFFICIENCY)
+            fits = m["peak"] <= H200_BYTES
+            cells.append(f"{_gib(m['training'])} training, {_gib(m['load'])} at load"
+                         + ("" if fits else ": does not fit") + f"; {_seconds(step)} a step")  # fmt: skip
+        where = "one H200" if gpus == 1 else "8 H200s, `--parallel fsdp`"
+        row("`uptrain` (attention trained), 32 x 2,048 tokens a step", where, cells)
+    return lines
+
+
+def main() -> None:
+    scale, memory = _saved("scale"), _saved("memory")
+    if not scale:
+        sys.exit("benchmarks/results/scale.json is missing: run `python scripts/benchmark.py --case scale` first")
+    r = rates(scale)
+    print(
+        f"Rates of this machine (scale benchmark, deepest run): copy {r['copy'] / 1e9:.2f} GB/s, read "
+        f"{(r['read'] or 0) / 1e9:.2f} GB/s, float32 GEMM {r['gemm'] / 1e9:.0f} GFLOP/s; start-up "
+        f"{_start_seconds(scale):.0f} s.\n"
+    )
+    print("| point | measured | predicted | error |\n|---|---|---|---|")
+    for point in measured_points(scale, memory, r):
+        print("| " + " | ".join(point) + " |")
+    print()
+    print("\n".join(predictions(r, scale)))
+
+
+if __name__ == "__main__":
+    main()
