@@ -92,12 +92,13 @@ def memory_streaming(s: Shape) -> float:
 
 def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, gradient: bool = False,
                      tokens: int = 256) -> float:  # fmt: skip
-    """R0 + M + E (+ E for export-gguf's encoded copy); a gradient pass (importance) also keeps the LM head's weight
-    for its backward (E) and the float32 logits with their log-softmax and gradient (3 x T x V x 4)."""
+    """R0 + M + E (+ E for export-gguf's encoded copy); a gradient pass (importance) adds the float32 logits with their
+    log-softmax and gradient (3 x T x V x 4). The weights a backward keeps are the checkpoint's mapped pages, which
+    the kernel may keep resident beside but can reclaim: not counted."""
     E = s.embedding_parameters * BF16
     extra = E if export else 0
     if gradient:
-        extra += E + 3 * tokens * s.vocab * 4
+        extra += 3 * tokens * s.vocab * 4
     return R0 + max_memory + E + extra
 
 
@@ -239,10 +240,12 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
     return points
 
 
+START_SECONDS = 8.0  # a command's start-up here (imports, config, skeleton): `headlab eval` of a tiny model
+
+
 def _start_seconds(scale: dict) -> float:
-    """A command's start-up on this machine: `info` of the deepest shape (imports, config, the checks; no weights)."""
-    info = [row["seconds"] for row in scale["rows"] if row["step"] == "info"]
-    return info[0] if info else 0.0
+    """A command's start-up on this machine (`info` is no measure of it: it reads every tensor for its finite check)."""
+    return START_SECONDS
 
 
 def predictions(r: dict, scale: dict) -> list[str]:
@@ -270,10 +273,14 @@ def predictions(r: dict, scale: dict) -> list[str]:
             cells = []
             for s in shapes:
                 W = s.parameters * BF16
-                fits = W / gpus + 2 * GIB <= H200_BYTES  # layers spread by --device-map auto; 2 GiB of activations
-                memory = f"{_gib(W / gpus)} a GPU" + ("" if fits else ": does not fit")
-                cells.append(f"{memory}; {_seconds(time_gpu_reader(s, tokens, command, gpus))}")
-            where = "one H200" if gpus == 1 else "8 H200s (`--device-map auto` or torchrun)"
+                if gpus > 1 and W + 2 * GIB <= H200_BYTES:  # torchrun: a whole copy per GPU, the windows shared
+                    memory, seconds, how = W, time_gpu_reader(s, tokens, command, gpus), "torchrun"
+                else:  # --device-map auto: the layers spread, run one GPU after the other (one process)
+                    memory, seconds, how = W / gpus, time_gpu_reader(s, tokens, command, 1), "device map"
+                fits = memory + 2 * GIB <= H200_BYTES  # 2 GiB of activations
+                note = "" if fits else ": does not fit"
+                cells.append(f"{_gib(memory)} a GPU{note}; {_seconds(seconds)}" + (f" ({how})" if gpus > 1 else ""))
+            where = "one H200" if gpus == 1 else "8 H200s"
             row(f"`{command}` on {tokens:,} tokens, bf16", where, cells)
     for gpus in (1, 8):
         cells = []
