@@ -19,31 +19,21 @@ from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory
 from headlab.core.loading import embedded_checkpoint
 
-# Published configurations (config.json of meta-llama/Llama-3.1-8B, -70B, -405B and Qwen/Qwen3-8B), the fields that set shapes and
-# RoPE; anything else takes transformers' defaults.
+# Published configurations (config.json of meta-llama/Llama-3.1-8B, -70B, -405B and Qwen/Qwen3-8B), the fields that
+# set shapes and RoPE; anything else takes transformers' defaults. The Llama-3.1 family shares 8 KV heads of 128, the
+# 128,256-token vocabulary, untied embeddings and llama3 RoPE.
+_LLAMA_3_1 = dict(
+    model_type="llama", architectures=["LlamaForCausalLM"], num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+)  # fmt: skip
 SHAPES = {
-    "llama-3.1-8b": dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ),
-    # the cost model's larger points (docs/scaling.md): the published 70B and 405B configs, same RoPE as the 8B
-    "llama-3.1-70b": dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ),
-    "llama-3.1-405b": dict(
-        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
-        num_key_value_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-    ),
+    "llama-3.1-8b": dict(_LLAMA_3_1, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
+    # the cost model's larger points (docs/scaling.md)
+    "llama-3.1-70b": dict(_LLAMA_3_1, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
+    "llama-3.1-405b": dict(_LLAMA_3_1, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                           num_attention_heads=128),
     "qwen3-8b": dict(
         model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
