@@ -197,8 +197,8 @@ def streaming_options(verb: str):
             "--max-shard-size",
             default="5GB",
             show_default=True,
-            help="with --streaming: largest output shard (shards are written in place on disk: peak memory is about one "
-            "block or the largest tensor)",
+            help="with --streaming: largest output shard (shards are written in place on disk: peak memory is "
+            "about one block or the largest tensor)",
         )(function)
         return click.option(
             "--streaming",
