@@ -91,12 +91,13 @@ def memory_streaming(s: Shape) -> float:
 
 
 def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, gradient: bool = False,
-                     tokens: int = 256) -> float:  # fmt: skip
-    """R0 + M + E (+ E for export-gguf's encoded copy); a gradient pass (importance) adds the float32 logits with their
-    log-softmax and gradient (3 x T x V x 4). The weights a backward keeps are the checkpoint's mapped pages, which
-    the kernel may keep resident beside but can reclaim: not counted."""
+                     unembedding: bool = False, tokens: int = 256) -> float:  # fmt: skip
+    """R0 + M + E (+ E for export-gguf's encoded copy, + E for stats' unembedding beside the embedding in its
+    OV-circuit scores); a gradient pass (importance) adds the float32 logits with their log-softmax and gradient
+    (3 x T x V x 4). The weights a backward keeps are the checkpoint's mapped pages, which the kernel may keep resident
+    beside but can reclaim: not counted."""
     E = s.embedding_parameters * BF16
-    extra = E if export else 0
+    extra = E if export or unembedding else 0
     if gradient:
         extra += 3 * tokens * s.vocab * 4
     return R0 + max_memory + E + extra
@@ -215,7 +216,7 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
         elif kind == "export":
             predicted = memory_offloaded(s, offload, export=True)
         elif kind in ("eval", "stats"):
-            predicted = memory_offloaded(s, offload)
+            predicted = memory_offloaded(s, offload, unembedding=kind == "stats")
         elif kind == "importance":
             predicted = memory_offloaded(s, offload, gradient=True)
         elif kind == "mla":
