@@ -12,13 +12,15 @@ node's disk, the GPU's achieved FLOP rate) enters as a stated assumption, named 
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts" / "bench_cases")]
+# A command's start-up here (imports, config, skeleton): `headlab eval` of a tiny test model, median of 3 runs. The
+# scale case's `info` is no measure of it: it reads every tensor for its finite-weight check.
+START_SECONDS = 6.4
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "scripts" / "bench_cases")]
 
 GIB = 2**30
 R0 = 0.48 * GIB  # Python, torch, transformers and headlab: the peak of the same commands on a tiny model
@@ -153,11 +155,6 @@ def time_uptrain_step(s: Shape, tokens: int, gpus: int, flops: float) -> float:
 # ---- the saved measurements -----------------------------------------------------------------------------------------
 
 
-def _saved(name: str) -> dict:
-    path = ROOT / "benchmarks" / "results" / f"{name}.json"
-    return json.loads(path.read_text())["result"] if path.exists() else {}
-
-
 def rates(scale: dict) -> dict:
     """Copy and read rates (bytes/s) of the deepest depth measured, the float32 GEMM rate, and each streaming
     command's fitted fixed cost and per-layer-byte cost (the scale case's time model)."""
@@ -230,7 +227,7 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
             points.append((f"`{t['step']}` time, {t['layers']} layers (t0 and c fitted at the two shallower depths)",
                            _seconds(t["measured"]), _seconds(t["predicted"]), _error(t["predicted"], t["measured"])))  # fmt: skip
     if r["read"] and r["gemm"]:
-        start = _start_seconds(scale)
+        start = START_SECONDS
         for row in scale["rows"]:
             kind = case._kind(row["step"])
             if kind in ("eval", "importance") and row["layers"] == r["deepest"]:
@@ -241,20 +238,12 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
     return points
 
 
-START_SECONDS = 8.0  # a command's start-up here (imports, config, skeleton): `headlab eval` of a tiny model
-
-
-def _start_seconds(scale: dict) -> float:
-    """A command's start-up on this machine (`info` is no measure of it: it reads every tensor for its finite check)."""
-    return START_SECONDS
-
-
-def predictions(r: dict, scale: dict) -> list[str]:
+def predictions(r: dict) -> list[str]:
     """Markdown rows: each command kind at 8B, 70B and 405B on this machine, one H200 and eight."""
     lines = ["| command | where | 8B | 70B | 405B |", "|---|---|---|---|---|"]
     shapes = [shape(n) for n in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b")]
     fit = r["fits"]["prune --streaming --mode physical"]
-    start = _start_seconds(scale)
+    start = START_SECONDS
 
     def row(command, where, cells):
         lines.append(f"| {command} | {where} | " + " | ".join(cells) + " |")
@@ -297,20 +286,22 @@ def predictions(r: dict, scale: dict) -> list[str]:
 
 
 def main() -> None:
-    scale, memory = _saved("scale"), _saved("memory")
+    from benchmark import saved_result
+
+    scale, memory = saved_result("scale"), saved_result("memory")
     if not scale:
         sys.exit("benchmarks/results/scale.json is missing: run `python scripts/benchmark.py --case scale` first")
     r = rates(scale)
     print(
         f"Rates of this machine (scale benchmark, deepest run): copy {r['copy'] / 1e9:.2f} GB/s, read "
         f"{(r['read'] or 0) / 1e9:.2f} GB/s, float32 GEMM {r['gemm'] / 1e9:.0f} GFLOP/s; start-up "
-        f"{_start_seconds(scale):.0f} s.\n"
+        f"{START_SECONDS:.1f} s.\n"
     )
     print("| point | measured | predicted | error |\n|---|---|---|---|")
     for point in measured_points(scale, memory, r):
         print("| " + " | ".join(point) + " |")
     print()
-    print("\n".join(predictions(r, scale)))
+    print("\n".join(predictions(r)))
 
 
 if __name__ == "__main__":

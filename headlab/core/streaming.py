@@ -5,8 +5,8 @@ the attention modules (embeddings, MLPs or experts, norms) is copied through as 
 materialised from the files, edited through its adapter (`LayerEditor`'s `edit`: KV pooling, head slicing), written
 out and dropped. Output shards are cut at `max_shard_bytes` and written in place (each tensor's bytes as they come,
 the header into room left before them), so peak memory is about one attention module or the largest single
-tensor, whatever the model's or the shard's size. Users: `headlab.kv.streaming` (convert-gqa / expand-kv --streaming), `headlab.pruning.streaming`
-(prune --streaming).
+tensor, whatever the model's or the shard's size. Users: `headlab.kv.streaming` (convert-gqa / expand-kv
+--streaming), `headlab.pruning.streaming` (prune --streaming).
 """
 
 from __future__ import annotations

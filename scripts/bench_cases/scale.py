@@ -33,8 +33,7 @@ DEPTHS = tuple(int(x) for x in os.environ.get("HEADLAB_SCALE_LAYERS", "8,16,32")
 STEPS = ("copy", "read", "convert", "prune", "mla", "export", "info", "eval", "stats", "importance")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 COLD = os.environ.get("HEADLAB_SCALE_COLD", "1") != "0"
-# The time model (markdown): seconds = the copy's seconds at that depth + layers x a per-layer cost fitted at the
-# shallowest depth, for the commands that move the whole checkpoint through once.
+# The time model (markdown, time_model): the commands that move the whole checkpoint through once.
 TIMED_STEPS = ("convert-gqa --streaming 8 -> 4", "prune --streaming --mode physical", "export-gguf f16, offloaded")
 CHOSEN = tuple(os.environ.get("HEADLAB_SCALE_STEPS", ",".join(STEPS)).split(","))
 OFFLOAD = ("--device-map", "auto", "--max-memory", "64MB")  # every block to disk: the embeddings alone are 0.98 GiB
@@ -200,14 +199,17 @@ def _cold_runs(rows: list[dict], step: str) -> tuple[dict, list[dict]]:
     return copies, runs
 
 
-def streaming_fit(rows: list[dict], step: str) -> dict | None:
-    """t0 and c of t(L) = t0 + copy(L) + c x L, solved from the two shallowest depths of `step`; None without two."""
-    copies, runs = _cold_runs(rows, step)
+def _fit(copies: dict, runs: list[dict]) -> dict | None:
     if len(runs) < 2:
         return None
     (l1, e1), (l2, e2) = ((r["layers"], r["seconds"] - copies[r["layers"]]) for r in runs[:2])
     per_layer = (e2 - e1) / (l2 - l1)
-    return {"fixed": e1 - per_layer * l1, "per_layer": per_layer, "depths": [l1, l2]}
+    return {"fixed": e1 - per_layer * l1, "per_layer": per_layer}
+
+
+def streaming_fit(rows: list[dict], step: str) -> dict | None:
+    """t0 and c of t(L) = t0 + copy(L) + c x L, solved from the two shallowest depths of `step`; None without two."""
+    return _fit(*_cold_runs(rows, step))
 
 
 def time_model(rows: list[dict]) -> list[dict]:
@@ -218,7 +220,7 @@ def time_model(rows: list[dict]) -> list[dict]:
     table = []
     for step in TIMED_STEPS:
         copies, runs = _cold_runs(rows, step)
-        fit = streaming_fit(rows, step)
+        fit = _fit(copies, runs)
         if fit is None or len(runs) < 3:
             continue
         for i, row in enumerate(runs):
