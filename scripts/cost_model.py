@@ -192,6 +192,23 @@ def _error(predicted: float, measured: float) -> str:
     return f"{predicted / measured - 1:+.0%}"
 
 
+def predicted_memory(kind: str, layers: int, offload: float = 64e6) -> float | None:
+    """The formula's peak for a scale-case row (its step's kind, `scale._kind`) at the 8B shape with `layers` layers;
+    None for the references and the generator."""
+    s = shape("llama-3.1-8b", layers)
+    if kind in ("convert", "prune"):
+        return memory_streaming(s)
+    if kind == "export":
+        return memory_offloaded(s, offload, export=True)
+    if kind in ("eval", "stats"):
+        return memory_offloaded(s, offload, unembedding=kind == "stats")
+    if kind == "importance":
+        return memory_offloaded(s, offload, gradient=True)
+    if kind == "mla":
+        return memory_offloaded(s, GIB)  # its calibration pass offloads beyond 1 GiB
+    return None
+
+
 def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, str, str]]:
     """(point, measured, predicted, error) for every measured point the formulas cover."""
     import scale as case
@@ -204,24 +221,22 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
         predicted = memory_in_memory(memory["model_bytes"], 0, rows, seq, 49152)
         points.append((f"`{row['command']}`, embedded 135M in memory (float32)", _gib(row["peak_rss"]),
                        _gib(predicted), _error(predicted, row["peak_rss"])))  # fmt: skip
-    offload = 64e6
     for row in scale["rows"]:
         kind, layers = case._kind(row["step"]), row["layers"]
-        s = shape("llama-3.1-8b", layers)
-        if kind in ("convert", "prune"):
-            predicted = memory_streaming(s)
-        elif kind == "export":
-            predicted = memory_offloaded(s, offload, export=True)
-        elif kind in ("eval", "stats"):
-            predicted = memory_offloaded(s, offload, unembedding=kind == "stats")
-        elif kind == "importance":
-            predicted = memory_offloaded(s, offload, gradient=True)
-        elif kind == "mla":
-            predicted = memory_offloaded(s, GIB)  # its calibration pass offloads beyond 1 GiB
-        else:
+        predicted = predicted_memory(kind, layers)
+        if predicted is None or "cap" in row:
             continue
-        points.append((f"`{row['step']}`, 8B shape, {layers} layers", _gib(row["peak_rss"]), _gib(predicted),
-                       _error(predicted, row["peak_rss"])))  # fmt: skip
+        where = f"`{row['step']}`, 8B shape, {layers} layers"
+        if "peak_need" in row:  # sampled: the resident set less the checkpoint's reclaimable mapped pages
+            points.append((where + " (resident less the mapped checkpoint)", _gib(row["peak_need"]), _gib(predicted),
+                           _error(predicted, row["peak_need"])))  # fmt: skip
+        else:
+            points.append((where, _gib(row["peak_rss"]), _gib(predicted), _error(predicted, row["peak_rss"])))
+    for row in scale["rows"]:
+        if "cap" in row:
+            points.append((f"`{row['step']}` of the prediction, {row['layers']} layers: {_gib(row['cap'])}",
+                           row["outcome"] + (f" in {_seconds(row['seconds'])}" if row["outcome"] == "finished" else ""),
+                           _gib(row["predicted"]), ""))  # fmt: skip
     for t in case.time_model(scale["rows"]):
         if not t["fitted"]:
             points.append((f"`{t['step']}` time, {t['layers']} layers (t0 and c fitted at the two shallower depths)",

@@ -242,3 +242,55 @@ def test_scale_time_model_solves_fixed_and_per_layer_cost_from_two_depths_and_pr
     text = "\n".join(case._time_model(rows))
     assert "| `prune --streaming --mode physical` | 32 | 40 | 5.0 | 2.00 | 109 | 100 | +9% |" in text
     assert case.time_model(rows[:5]) == []  # two depths fit the model and leave nothing to predict
+
+
+_HOLDS = """
+import mmap, sys, time
+from pathlib import Path
+anonymous = bytearray(int(sys.argv[1]) * 2**20)
+anonymous[:: 4096] = b"x" * len(anonymous[:: 4096])  # touch every page
+with open(sys.argv[2], "rb") as f:
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    total = sum(mapped[i] for i in range(0, len(mapped), 4096))  # every page of the file resident
+    time.sleep(1.5)
+"""
+
+
+def _holding(tmp_path, anonymous_mib: int) -> list[str]:
+    import sys
+
+    weights = tmp_path / "weights.safetensors"
+    weights.write_bytes(b"\1" * (64 * 2**20))
+    return [sys.executable, "-c", _HOLDS, str(anonymous_mib), str(weights)]
+
+
+def test_scale_sampler_separates_the_mapped_checkpoint_from_what_the_command_needs(tmp_path, monkeypatch):
+    case = _case("scale")
+    monkeypatch.setattr(case, "COLD", False)
+    row = case._timed(_holding(tmp_path, 96), mapped_dir=tmp_path)
+    assert row["samples"] >= 1
+    # the 64 MiB file mapped and read whole, counted apart; the 96 MiB bytearray is anonymous and in the need
+    assert 60 * 2**20 <= row["checkpoint_pages_at_peak"] <= 65 * 2**20
+    assert 96 * 2**20 <= row["anonymous_at_peak"] <= row["peak_need"] < row["peak_rss"]
+    assert row["peak_need"] + row["checkpoint_pages_at_peak"] <= row["peak_rss"] + 4 * 2**20
+
+
+def test_scale_capped_run_reports_a_kill_for_memory_and_a_finish_without_raising(tmp_path, monkeypatch):
+    import pytest
+
+    case = _case("scale")
+    monkeypatch.setattr(case, "COLD", False)
+    monkeypatch.setattr(case, "CGROUP", tmp_path / "no-cgroup-here")
+    assert case._timed(["true"], cap=2**30)["outcome"] == "no cgroup (not root?)"  # no controller: said, not raised
+    monkeypatch.undo()
+    monkeypatch.setattr(case, "COLD", False)
+    if case._cgroup(2**30) is None:
+        pytest.skip("no writable cgroup-v1 memory controller (needs root)")
+    case._release(case._cgroup(2**30))
+    killed = case._timed(_holding(tmp_path, 256), mapped_dir=tmp_path, cap=128 * 2**20, timeout=60)
+    assert killed["outcome"] == "killed for memory" and "peak_rss" not in killed
+    # 48 MiB anonymous, the interpreter and the 64 MiB file read whole exceed a 96 MiB cap: the file's clean pages
+    # are reclaimed under it, and the run finishes
+    finished = case._timed(_holding(tmp_path, 48), mapped_dir=tmp_path, cap=96 * 2**20, timeout=60)
+    assert finished["outcome"] == "finished" and finished["peak_rss"] > 0
+    assert not list(case.CGROUP.glob("headlab-scale-*"))  # every group removed

@@ -18,12 +18,15 @@ after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +35,7 @@ SHAPE = "llama-3.1-8b"
 DEPTHS = tuple(int(x) for x in os.environ.get("HEADLAB_SCALE_LAYERS", "8,16,32").split(","))
 STEPS = ("copy", "read", "convert", "prune", "mla", "export", "info", "eval", "stats", "importance")
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1 memory controller: the capped runs of the readers
 COLD = os.environ.get("HEADLAB_SCALE_COLD", "1") != "0"
 # The time model (markdown, time_model): the commands that move the whole checkpoint through once.
 TIMED_STEPS = ("convert-gqa --streaming 8 -> 4", "prune --streaming --mode physical", "export-gguf f16, offloaded")
@@ -41,6 +45,9 @@ TOKENS = ("--max-tokens", "256", "--seq-len", "256", "--batch-size", "1")
 # Query heads pruned by `prune --streaming`: a whole KV group (4 heads) of layer 0, two heads of layer 1 (padded)
 PRUNED_HEADS = "0:0,1,2,3;1:5,9"
 READERS = ("info", "eval", "stats", "importance")
+# The readers also run capped at these multiples of the cost model's memory (`_capped`); HEADLAB_SCALE_CAPS="" skips
+CAPPED = ("eval", "importance")
+CAP_FACTORS = tuple(float(x) for x in os.environ.get("HEADLAB_SCALE_CAPS", "1.25,0.75").split(",") if x)
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -56,23 +63,137 @@ def _cold() -> bool:
     return True
 
 
-def _timed(command: list[str]) -> dict:
+class _MemorySampler(threading.Thread):
+    """Samples, every `interval` seconds, the resident set of a process and its descendants from /proc/<pid>/smaps:
+    the whole, and the part that is pages mapped from files under `mapped_dir` (the checkpoint: clean file pages the
+    kernel can reclaim whenever it needs the memory, so they are no part of what the command needs). Keeps the peak
+    of the rest, `peak_need` (the resident set less the checkpoint's pages), with the breakdown at that moment."""
+
+    def __init__(self, pid: int, mapped_dir: Path, interval: float = 0.5):
+        super().__init__(daemon=True)
+        self.pid, self.prefix, self.interval = pid, str(mapped_dir), interval
+        self.done = threading.Event()
+        self.peak = {"peak_need": 0, "anonymous_at_peak": 0, "checkpoint_pages_at_peak": 0, "samples": 0}
+
+    def _pids(self) -> list[int]:
+        pids, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            try:
+                todo += [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            except OSError:
+                pass
+        return pids
+
+    def sample(self) -> dict:
+        """{"rss", "anonymous", "checkpoint_pages"} in bytes, summed over the process tree now."""
+        total = {"rss": 0, "anonymous": 0, "checkpoint_pages": 0}
+        for pid in self._pids():
+            try:
+                text = Path(f"/proc/{pid}/smaps").read_text()
+            except OSError:  # the process ended between the listing and the read
+                continue
+            mapped = False
+            for line in text.splitlines():
+                field, _, rest = line.partition(":")
+                if " " in field:  # a mapping's header: "start-end perms offset dev inode [path]"
+                    mapped = line.split(None, 5)[-1].startswith(self.prefix) if line.count(" ") >= 5 else False
+                elif field == "Rss":
+                    kib = int(rest.split()[0]) * 1024
+                    total["rss"] += kib
+                    total["checkpoint_pages"] += kib if mapped else 0
+                elif field == "Anonymous":
+                    total["anonymous"] += int(rest.split()[0]) * 1024
+        return total
+
+    def run(self) -> None:
+        while not self.done.wait(self.interval):
+            now = self.sample()
+            need = now["rss"] - now["checkpoint_pages"]
+            self.peak["samples"] += 1
+            if need > self.peak["peak_need"]:
+                self.peak.update(peak_need=need, anonymous_at_peak=now["anonymous"],
+                                 checkpoint_pages_at_peak=now["checkpoint_pages"])  # fmt: skip
+
+
+def _cgroup(limit: int | None):
+    """A fresh cgroup-v1 memory group capped at `limit` bytes (page cache charged and reclaimed under the cap, no
+    swap here), or None where it cannot be made (not root, no v1 memory controller)."""
+    if limit is None:
+        return None
+    group = CGROUP / f"headlab-scale-{os.getpid()}"
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "memory.limit_in_bytes").write_text(f"{limit}\n")
+    except OSError:
+        return None
+    return group
+
+
+def _release(group: Path) -> bool:
+    """Kill what is left in the group, remove it; whether the kernel's OOM killer fired in it."""
+    killed = "oom_kill 0" not in (group / "memory.oom_control").read_text()
+    for _ in range(50):
+        pids = (group / "cgroup.procs").read_text().split()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.1)
+    with contextlib.suppress(OSError):
+        group.rmdir()
+    return killed
+
+
+def _timed(command: list[str], mapped_dir: Path | None = None, cap: int | None = None,
+           timeout: float | None = None) -> dict:  # fmt: skip
     """Wall seconds and peak RSS (bytes) of one command as a fresh process (GNU time -f '%e %M'), started on a cold
-    page cache where it can be dropped; its seconds include the sync that writes its output to disk."""
+    page cache where it can be dropped; its seconds include the sync that writes its output to disk. With
+    `mapped_dir`, also the sampled peak of its resident set less the pages it maps from files there
+    (_MemorySampler). With `cap`, the command runs in a memory cgroup of that many bytes and may fail: the row says
+    whether it finished, was killed for memory, or ran past `timeout` seconds."""
     cold = _cold()
+    group = _cgroup(cap)
+    if cap is not None and group is None:
+        return {"command": " ".join(command), "cap": cap, "outcome": "no cgroup (not root?)", "cold": cold}
+    enter = ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "capped"] if group else []
     with tempfile.NamedTemporaryFile("r", suffix=".time") as report:
         start = time.perf_counter()
-        done = subprocess.run(["/usr/bin/time", "-o", report.name, "-f", "%e %M", *command], capture_output=True,
-                              text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        process = subprocess.Popen([*enter, "/usr/bin/time", "-o", report.name, "-f", "%e %M", *command],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        sampler = _MemorySampler(process.pid, mapped_dir) if mapped_dir is not None else None
+        if sampler:
+            sampler.start()
+        try:
+            _, stderr = process.communicate(timeout=timeout)
+            outcome = "finished" if process.returncode == 0 else f"exit {process.returncode}"
+        except subprocess.TimeoutExpired:
+            outcome = f"ran past {timeout:.0f} s"
+            _release(group) if group else process.kill()
+            _, stderr = process.communicate()
         wall = time.perf_counter() - start
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed: {done.stderr[-2000:]}")
-        seconds, kilobytes = report.read().split()[-2:]
+        if sampler:
+            sampler.done.set()
+            sampler.join()
+        if group is not None and _release(group):
+            outcome = "killed for memory"
+        if cap is None and outcome != "finished":
+            raise RuntimeError(f"{' '.join(command)} failed: {stderr[-2000:]}")
+        fields = report.read().split()
         start = time.perf_counter()
         os.sync()
         flush = time.perf_counter() - start
-    return {"command": " ".join(command), "seconds": float(seconds) + flush, "flush": flush, "wall": wall + flush,
-            "peak_rss": int(kilobytes) * 1024, "cold": cold}  # fmt: skip
+    row = {"command": " ".join(command), "seconds": wall + flush, "flush": flush, "wall": wall + flush, "cold": cold}
+    if outcome == "finished" and len(fields) >= 2:
+        row.update(seconds=float(fields[-2]) + flush, peak_rss=int(fields[-1]) * 1024)
+    if cap is not None:
+        row.update(cap=cap, outcome=outcome)
+    if sampler:
+        row.update(sampler.peak)
+    return row
 
 
 def _headlab(*args: str) -> list[str]:
@@ -90,6 +211,10 @@ def run(args) -> dict:
     # rows of steps not run, and of depths not run, are carried over from the saved run
     saved = saved_result("scale").get("rows", [])
     kept = [row for row in saved if _kind(row["step"]) not in CHOSEN or row["layers"] not in DEPTHS]
+    old_copies = {row["layers"]: row["seconds"] for row in saved if _kind(row["step"]) == "copy"}
+    for row in kept:  # a carried-over timed row keeps its own run's copy as its reference, not this run's
+        if row["step"] in TIMED_STEPS and "paired_copy" not in row and row["layers"] in old_copies:
+            row["paired_copy"] = old_copies[row["layers"]]
     rows = []
     try:
         for layers in DEPTHS:
@@ -99,11 +224,17 @@ def run(args) -> dict:
             rows.append({"layers": layers, "step": "make_shape", **_timed(make)})
             print(rows[-1], flush=True)
             model_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
-            for step, command in _commands(source, work / f"out-{layers}", layers):
-                rows.append({"layers": layers, "step": step, "model_bytes": model_bytes, **_timed(command)})
+            out = work / f"out-{layers}"
+            for step, command in _commands(source, out, layers):
+                row = {"layers": layers, "step": step, "model_bytes": model_bytes}
+                if step in TIMED_STEPS and "copy" in CHOSEN:  # its own reference, a minute before: the disk drifts
+                    row["paired_copy"] = _timed(_copy(source, out))["seconds"]
+                    _clean(work)
+                rows.append({**row, **_timed(command, mapped_dir=work)})
                 print(rows[-1], flush=True)
-                for leftover in work.glob("out-*"):
-                    shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+                _clean(work)
+                if _kind(step) in CAPPED and "peak_need" in rows[-1]:
+                    rows += _capped(step, command, layers, rows[-1]["seconds"], work)
             shutil.rmtree(source, ignore_errors=True)
     finally:
         if "HEADLAB_SCALE_DIR" not in os.environ:
@@ -112,6 +243,33 @@ def run(args) -> dict:
     kept = [row for row in kept if row["step"] != "make_shape" or row["layers"] not in made]
     return {"shape": SHAPE, "config": _sizes(shape), "rows": _ordered(kept + rows), "load": list(os.getloadavg()),
             "steps_run": list(CHOSEN), "depths_run": list(DEPTHS), "gemm_gflops": gemm_gflops()}  # fmt: skip
+
+
+def _clean(work: Path) -> None:
+    for leftover in work.glob("out-*"):
+        shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
+
+
+def _copy(source: Path, out: Path) -> list[str]:
+    return [sys.executable, "-c", "import shutil, sys; shutil.copytree(*sys.argv[1:])", str(source), str(out)]
+
+
+def _capped(step: str, command: list[str], layers: int, seconds: float, work: Path) -> list[dict]:
+    """The reader again in a memory cgroup capped at each factor of CAP_FACTORS times the cost model's prediction
+    (scripts/cost_model.py): finishing under 1.25x and failing under 0.75x puts what it needs within 25% of the
+    prediction, with no reading of resident sets. A capped run that thrashes (re-reading evicted weights) is stopped
+    at 3x the uncapped time plus a minute."""
+    import cost_model
+
+    predicted = cost_model.predicted_memory(_kind(step), layers)
+    rows = []
+    for factor in CAP_FACTORS:
+        cap = int(factor * predicted)
+        timed = _timed(command, mapped_dir=work, cap=cap, timeout=3 * seconds + 60)
+        rows.append({"layers": layers, "step": f"{step}, capped at {factor:g}x", "predicted": predicted, **timed})
+        print(rows[-1], flush=True)
+        _clean(work)
+    return rows
 
 
 def gemm_gflops(repeats: int = 5) -> float:
@@ -147,8 +305,7 @@ def _commands(source: Path, out: Path, layers: int):
     """(step label, command) of the chosen steps at this depth; outputs go to `out` (deleted after each)."""
     deepest = layers == max(DEPTHS)
     if "copy" in CHOSEN:  # the reference: every byte read once and written once, nothing computed
-        yield "copy (reference)", [sys.executable, "-c", "import shutil, sys; shutil.copytree(*sys.argv[1:])",
-                                   str(source), str(out)]  # fmt: skip
+        yield "copy (reference)", _copy(source, out)
     if "read" in CHOSEN:  # the reference of the offloaded readers: every byte read once, nothing written
         yield (
             "read (reference)",
@@ -192,11 +349,13 @@ def _commands(source: Path, out: Path, layers: int):
 
 def _cold_runs(rows: list[dict], step: str) -> tuple[dict, list[dict]]:
     """The plain copy's seconds by depth and `step`'s rows at those depths, by depth, of runs on a dropped page cache
-    (flush included): one regime, so rows of older warm-cache runs never enter the model."""
+    (flush included): one regime, so rows of older warm-cache runs never enter the model. The copy is the one timed
+    just before the command (`paired_copy`) where the run has it, else the depth's reference copy."""
     rows = [row for row in rows if row.get("cold")]
     copies = {row["layers"]: row["seconds"] for row in rows if _kind(row["step"]) == "copy"}
-    runs = sorted((row for row in rows if row["step"] == step and row["layers"] in copies), key=lambda r: r["layers"])
-    return copies, runs
+    runs = sorted((row for row in rows if row["step"] == step and ("paired_copy" in row or row["layers"] in copies)),
+                  key=lambda r: r["layers"])  # fmt: skip
+    return {row["layers"]: row.get("paired_copy", copies.get(row["layers"])) for row in runs}, runs
 
 
 def _fit(copies: dict, runs: list[dict]) -> dict | None:
@@ -272,10 +431,14 @@ def markdown(r: dict) -> str:
         f"+ the embeddings), is {limit / gib:.2f} GiB. Each command is a fresh process; peak RSS is GNU time's maximum "
         "resident set (file pages of memory-mapped safetensors included).",
         "",
-        "| layers | command | model on disk | wall s | peak RSS | within the limit |",
-        "|---|---|---|---|---|---|",
+        "| layers | command | model on disk | wall s | peak RSS | less the mapped checkpoint | within the limit |",
+        "|---|---|---|---|---|---|---|",
     ]
+    capped = []
     for row in r["rows"]:
+        if "cap" in row:
+            capped.append(row)
+            continue
         size = f"{row['model_bytes'] / gib:.1f} GiB" if "model_bytes" in row else ""
         ok = "yes" if row["peak_rss"] <= limit else "no"
         if row["step"] == "make_shape":  # the benchmark's own generator (one 2 GiB shard), not an editing command
@@ -284,10 +447,29 @@ def markdown(r: dict) -> str:
             ok = "(the disk-rate reference)"
         elif _kind(row["step"]) in READERS:  # the goal's limit is for commands that edit weights
             ok = "(reads; no limit set)"
+        need = f"{row['peak_need'] / gib:.2f} GiB" if "peak_need" in row else ""
         lines.append(
             f"| {row['layers']} | `{row['step']}` | {size} | {row['seconds']:.0f} | {row['peak_rss'] / gib:.2f} GiB | "
-            f"{ok} |"
+            f"{need} | {ok} |"
         )
+    lines.append(
+        "\nThe sampled column (every 0.5 s, from /proc/<pid>/smaps; empty for rows of older runs) is the resident "
+        "set less the pages mapped from the checkpoint's files: clean file pages, which the kernel drops whenever "
+        "it needs the memory, so no part of what the command needs."
+    )
+    if capped:
+        lines += [
+            "",
+            "The readers again, each in a memory cgroup capped at a multiple of the cost model's prediction "
+            "(`scripts/cost_model.py`; page cache charged to the group and reclaimed under the cap; a run that "
+            "thrashes is stopped at 3x the uncapped time plus a minute):",
+            "",
+            "| layers | command | predicted | cap | outcome | wall s |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in capped:
+            lines.append(f"| {row['layers']} | `{row['step']}` | {row['predicted'] / gib:.2f} GiB | "
+                         f"{row['cap'] / gib:.2f} GiB | {row['outcome']} | {row['seconds']:.0f} |")  # fmt: skip
     if r.get("steps_run") and set(r["steps_run"]) != set(STEPS) or r.get("depths_run", list(DEPTHS)) != list(DEPTHS):
         depths = ", ".join(str(d) for d in r.get("depths_run", DEPTHS))
         lines.append(f"\nThe last run measured the steps {', '.join(r['steps_run'])} at {depths} layers; the other "
