@@ -72,6 +72,11 @@ def test_two_fsdp_processes_train_as_one_process_with_the_same_command(pair, tmp
     alone, sharded = metas[None]["sharded_bytes_per_process"], metas[2]["sharded_bytes_per_process"]
     assert metas[None]["bytes_per_process"]["optimiser_state"] > 0
     assert sharded <= 0.6 * alone, (sharded, alone)
+    # before sharding: rank 0 held student and teacher whole (on its host), rank 1 their structure alone
+    held = metas[2]["weights_held_before_sharding"]
+    whole = metas[None]["bytes_per_process"]
+    assert held["rank 0"] == whole["student_parameters"] + whole["teacher_parameters"] > 0
+    assert held["other ranks, at most"] == 0
 
 
 def test_fsdp_with_a_teacher_checkpointing_and_uneven_eval_windows(pair, tmp_path):
@@ -158,13 +163,59 @@ print("round trip ok")
 def test_the_sharded_copy_gives_its_trained_values_back_with_tied_embeddings(tmp_path):
     """A tied input/output embedding (gpt2; llama with tie_word_embeddings) stays one parameter through sharding,
     a step of AdamW on the shards and the gather into the caller's model, which then computes what the shards did."""
-    script = tmp_path / "round_trip.py"
-    script.write_text(ROUND_TRIP)
+    done = _torchrun_script(tmp_path, ROUND_TRIP)
+    assert done.returncode == 0 and done.stdout.count("round trip ok") == 2, done.stderr[-3000:]
+
+
+SKELETON = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from models import tiny_model
+from headlab.core import distributed
+from headlab.core.loading import from_model
+from headlab.recovery import fsdp
+ids = torch.tensor([[1, 2, 3, 4]])
+distributed.init(torch.device("cpu"), even_alone=True)
+trained = {}
+for skeleton in (False, True):
+    torch.manual_seed(0)
+    if skeleton and distributed.rank() > 0:  # the structure alone, every tensor (buffers too) on the meta device
+        with torch.device("meta"):
+            model = tiny_model("llama", tie_word_embeddings=True)
+    else:
+        model = tiny_model("llama", tie_word_embeddings=True)
+    loaded = from_model(model)
+    whole_after = "rank 0" if skeleton else "every rank"
+    with fsdp.sharded(loaded, None, device=torch.device("cpu"), whole_after=whole_after) as work:
+        optimizer = torch.optim.AdamW(list(work.model.parameters()), lr=1e-2)
+        work.model(input_ids=ids).logits.square().mean().backward()
+        optimizer.step()
+        trained[skeleton] = work.model(input_ids=ids).logits.detach()
+    if skeleton and distributed.rank() > 0:
+        assert all(p.is_meta for p in model.parameters()), "rank 1 never held the weights"
+    else:
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "the tie"
+        torch.testing.assert_close(model(input_ids=ids).logits, trained[skeleton], rtol=0, atol=1e-6)
+torch.testing.assert_close(trained[True], trained[False], rtol=0, atol=0)
+print("skeleton ok")
+"""
+
+
+def _torchrun_script(tmp_path, text: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(text)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tests = Path(__file__).parent
-    done = subprocess.run([*map(str, command), str(tests)], capture_output=True, text=True, env=env, timeout=240)
-    assert done.returncode == 0 and done.stdout.count("round trip ok") == 2, done.stderr[-3000:]
+    return subprocess.run([*map(str, command), str(tests)], capture_output=True, text=True, env=env, timeout=240)
+
+
+def test_a_rank_with_only_the_structure_receives_its_shards_from_rank_0(tmp_path):
+    """Rank 1 passes a skeleton on the meta device (rotary buffers included), rank 0 the model: the shards, the
+    buffers and the tie reach rank 1 from rank 0, training computes exactly what two whole copies compute, and the
+    trained values come back to rank 0 alone."""
+    done = _torchrun_script(tmp_path, SKELETON)
+    assert done.returncode == 0 and done.stdout.count("skeleton ok") == 2, done.stderr[-3000:]
 
 
 def test_a_device_map_and_fsdp_are_refused_together(pair, tmp_path, monkeypatch, capsys):

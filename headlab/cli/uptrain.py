@@ -3,6 +3,8 @@ teacher): uptraining (default) or local reconstruction then uptraining; saves a 
 
 from __future__ import annotations
 
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -115,7 +117,7 @@ def command(
     # start-up: torch, transformers and pandas load when the command runs, not for --help
     from headlab.core import distributed
     from headlab.core.checkpoint import describe_check
-    from headlab.core.loading import load_model
+    from headlab.core.loading import load_model, resolve_device
     from headlab.recovery.recover import (
         RecoverySpec,
         before_after,
@@ -139,17 +141,27 @@ def command(
     spec.check()
     out = out or Path("headlab-uptrained")
     guard(out, overwrite, {"student model": student, "teacher": teacher}, data=data, run_dir_bytes=False)
-    student_model = load_model(student, device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
+    load = dict(device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
+    if config.parallel == "fsdp" and spec.stages == ["uptrain"]:
+        # FSDP needs the weights on rank 0 alone, and there on the host: it sends each rank its shards, and gathers
+        # the trained values back to rank 0's host for saving (headlab.recovery.fsdp.sharded). The other ranks load
+        # the structure only, so no process ever holds the model whole on a GPU or twice on a node.
+        trains_on = resolve_device(device)
+        distributed.init(trains_on)  # NCCL for GPUs though the weights load on the host (a world of one: later)
+        spec.uptrain = replace(config, shards_on=str(trains_on), whole_after="rank 0")
+        skeleton = int(os.environ.get("RANK", "0")) > 0
+        load.update(device="cpu", weights=not skeleton, check_weights=check_weights and not skeleton)
+    student_model = load_model(student, **load)
     most = student_model.max_positions
     for name in ("seq_len", "eval_seq_len", "long_seq_len"):
         if most is not None and recipe[name] > most:
             option = "--" + name.replace("_", "-")
             raise HeadlabError(f"{option} {recipe[name]} exceeds the model's maximum positions ({most})")
-    teacher_model = load_model(teacher, device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
+    teacher_model = load_model(teacher, **load)
     guard_checkpoint_space(out, student_model)
     record = recover(student_model, teacher_model, spec, data=data, text_column=text_column)
     meta = {"student": student_model.describe(), "teacher": teacher_model.describe()}
-    # torchrun: every rank holds the same weights (under fsdp gathered whole again by uptrain); rank 0 writes them
+    # torchrun: rank 0 holds the trained weights (data: every rank does; fsdp: gathered back to it); rank 0 writes them
     if not distributed.is_main():
         return
     verification = save_recovered(student_model, out, record, meta, overwrite=overwrite)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
@@ -41,6 +42,8 @@ def init(device: torch.device | None = None, *, even_alone: bool = False) -> Non
         return
     backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend)
+    if backend == "nccl" and device.index is not None:
+        torch.cuda.set_device(device)  # NCCL's collectives (broadcast_object_list too) run on the current device
 
 
 def active() -> bool:
@@ -82,6 +85,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         if device_tensor is not tensor:
             tensor.copy_(device_tensor.cpu())
     return tensor
+
+
+def from_rank0(compute: Callable[[], T]) -> T:
+    """compute() on rank 0, its result sent to every rank (pickled: small values); compute() itself alone."""
+    if not active():
+        return compute()
+    box = [compute() if rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_reduce_max(value: float) -> float:

@@ -395,6 +395,8 @@ def load_model(
             validate.check_finite_files(Path(source), spec)
         else:
             validate.check_finite_weights(model, spec)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token  # a skeleton's batches must pad as the loaded model's do
     if structure_only:
         return LoadedModel(model.eval(), tokenizer, adapter, spec, source, torch_device, torch_dtype)
     if device_map is None:
@@ -404,8 +406,6 @@ def load_model(
         torch_device = input_device(model)
     model.eval()
     meta = _products_on_this_cpu(model, torch_device, torch_dtype)
-    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
-        tokenizer.pad_token = tokenizer.eos_token
     validate.check_tokenizer_fits(model, tokenizer, spec)
     fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""), _fingerprint_cache())
     if fingerprint:

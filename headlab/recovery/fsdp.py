@@ -6,10 +6,12 @@ keeps 1/N of each parameter (dim-0 shards), of its gradient and of the AdamW sta
 layer's parameters only while that layer runs. The teacher is sharded the same way, without an optimiser: streaming
 its logits from one rank would need that rank to hold the whole teacher, the memory FSDP is chosen to avoid.
 
-The model that uptraining shards is a structural copy of the caller's (the same modules, sharing no tensor once
-sharded); the caller's own model gives up its tensors for the run (meta placeholders) and gets the trained values
-back at the end, gathered whole on every rank (`get_model_state_dict(full_state_dict=True)`), so what follows
-(saving on rank 0, perplexity on every rank) sees an ordinary model, the same module objects as before.
+The model that uptraining shards is a structural copy of the caller's, built on the meta device and sharded there;
+rank 0 alone supplies the values, scattered to every rank in FSDP's own shards one tensor at a time, so the other
+ranks may load only the structure (the CLI does: a 70B model is then whole in one host's memory, not in every
+process's). The caller's own model gives up its tensors for the run (meta placeholders) and gets the trained values
+back at the end, gathered whole (`get_model_state_dict(full_state_dict=True)`) on every rank or on rank 0's host
+alone, the same module objects as before.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from headlab.core import distributed
+from headlab.core import cpu_matmul, distributed
 from headlab.core.loading import LoadedModel
 
 
@@ -103,31 +105,80 @@ def _fill(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         raise RuntimeError(f"the gathered FSDP state dict lacks {', '.join(empty[:3])}")
 
 
+def _values_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Name -> tensor of every distinct parameter (tied ones under their first name, as named_parameters gives them)
+    and buffer, non-persistent buffers included (rotary frequencies: no state dict carries them)."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+@torch.no_grad()
+def _distribute(work: nn.Module, source: dict[str, torch.Tensor], mesh) -> None:
+    """Give the sharded, empty `work` rank 0's values: each parameter scattered from rank 0 in FSDP's dim-0 shards
+    (distribute_tensor, Shard(0): the chunks FSDP2 keeps), one whole tensor at a time on the other ranks; each buffer
+    broadcast whole. `source` is rank 0's name -> tensor (empty on the other ranks), in work's own names."""
+    main = distributed.rank() == 0
+    for name, param in work.named_parameters():
+        value = source[name].to(mesh.device_type) if main else torch.empty(param.shape, dtype=param.dtype,
+                                                                             device=mesh.device_type)  # fmt: skip
+        local(param).copy_(distribute_tensor(value.to(param.dtype), mesh, [Shard(0)], src_data_rank=0).to_local())
+    for name, buffer in work.named_buffers():
+        if main:
+            buffer.copy_(source[name])
+        if distributed.world_size() > 1:
+            torch.distributed.broadcast(buffer, src=0)
+
+
+def bytes_held(model: nn.Module) -> int:
+    """Bytes of the distinct parameters that hold storage (meta placeholders hold none)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+
+
 @contextlib.contextmanager
-def sharded(loaded: LoadedModel, trained: set[str] | None = None) -> Iterator[LoadedModel]:
+def sharded(
+    loaded: LoadedModel,
+    trained: set[str] | None = None,
+    *,
+    device: torch.device | None = None,
+    whole_after: str = "every rank",
+) -> Iterator[LoadedModel]:
     """Yields a LoadedModel of a copy of loaded.model sharded with FSDP2 over the torchrun world (decoder layers,
-    then the root); `trained`: names of the parameters to train (requires_grad set before sharding, so FSDP
-    reduces gradients for those alone), None to keep the flags. On a normal exit loaded.model holds the sharded
-    copy's values, gathered whole on every rank; after an error it is left without them (the command stops).
-    Every rank must enter and leave together (collectives)."""
-    distributed.init(loaded.device, even_alone=True)
-    if loaded.device.type == "cuda" and loaded.device.index is not None:
-        torch.cuda.set_device(loaded.device)  # the mesh's device is the current one: this rank's GPU
+    then the root) on `device` (default: loaded.device); `trained`: names of the parameters to train (requires_grad
+    set before sharding, so FSDP reduces gradients for those alone), None to keep the flags.
+
+    The values come from rank 0 alone: the other ranks may pass a skeleton (the same modules on the meta device,
+    `headlab.core.loading.load_structure`), so only rank 0 ever holds the whole model, and on the host if it was
+    loaded there; each rank receives its shards one tensor at a time. On a normal exit loaded.model gets the sharded
+    copy's trained values gathered whole: on every rank (`whole_after="every rank"`, on `device`) or on rank 0
+    alone, in host memory (`"rank 0"`: the other ranks keep meta placeholders). After an error it is left without
+    them (the command stops). Every rank must enter and leave together (collectives)."""
+    if whole_after not in ("every rank", "rank 0"):
+        raise ValueError(f"whole_after={whole_after!r}: 'every rank' or 'rank 0'")
+    device = device or loaded.device
+    distributed.init(device, even_alone=True)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the mesh's device is the current one: this rank's GPU
     model = loaded.model
-    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    work = copy.deepcopy(model, memo=dict(tensors))  # the same modules again, sharing every tensor: no copy of weights
-    _placeholders(model)  # the caller's model lets go of them, so sharding frees the whole tensors
+    source = _values_of(model) if distributed.rank() == 0 else {}
+    _placeholders(model)  # the caller's model lets go of its weights (rank 0 keeps them in `source` until sent)
+    work = copy.deepcopy(model)  # the same modules again, every parameter a meta placeholder: nothing copied
     if trained is not None:
         for name, param in work.named_parameters():
             param.requires_grad_(name in trained)
-    mesh = init_device_mesh(loaded.device.type, (distributed.world_size(),))
+    mesh = init_device_mesh(device.type, (distributed.world_size(),))
     for block in blocks(work):
         fully_shard(block, mesh=mesh)
     fully_shard(work, mesh=mesh)
-    yield replace(loaded, model=work)
-    full = get_model_state_dict(work, options=StateDictOptions(full_state_dict=True))  # every rank: whole tensors
+    work.to_empty(device=device)  # this rank's shards (and whole buffers), allocated, not yet filled
+    if cpu_matmul.needs_float32_products(device, loaded.dtype):
+        cpu_matmul.install(work)  # every rank computes as rank 0's model did (a skeleton was loaded without hooks)
+    _distribute(work, source, mesh)
+    del source
+    yield replace(loaded, model=work, device=device)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=whole_after == "rank 0")
+    full = get_model_state_dict(work, options=options)  # whole tensors: every rank, or rank 0 on the host
     del work
-    _fill(model, full)
+    if full:
+        _fill(model, full)
 
 
-__all__ = ["blocks", "full_value", "local", "local_bytes", "sharded"]
+__all__ = ["blocks", "bytes_held", "full_value", "local", "local_bytes", "sharded"]

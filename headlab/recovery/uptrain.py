@@ -114,6 +114,11 @@ class UptrainConfig:
     # Under torchrun: data (whole copies, batch_size windows per rank) or fsdp (FSDP2 shards, batch_size windows over
     # all ranks together). Without torchrun only data: fsdp there is refused rather than silently ignored.
     parallel: str = "data"
+    # fsdp only: the device the shards go to (default: the student's; the CLI loads the whole model on rank 0's host
+    # and shards onto each rank's own device), and where the trained values are gathered whole at the end: every rank
+    # or rank 0 alone, on its host (headlab.recovery.fsdp.sharded)
+    shards_on: str | None = None
+    whole_after: str = "every rank"
 
     def check(self) -> None:
         """Bad settings fail before any work, each as one line."""
@@ -156,6 +161,8 @@ class UptrainConfig:
         batch_size / N windows); read from the launcher's environment, before any process group exists."""
         if self.parallel not in PARALLEL:
             raise HeadlabError(f"unknown parallel={self.parallel!r}; use one of {', '.join(PARALLEL)}")
+        if self.whole_after not in ("every rank", "rank 0"):
+            raise HeadlabError(f"unknown whole_after={self.whole_after!r}; use 'every rank' or 'rank 0'")
         if self.parallel != "fsdp":
             return
         if not distributed.torchrun():
@@ -515,8 +522,11 @@ def uptrain(
     config = replace(config or UptrainConfig(), **settings)
     corpus = _check(student, teacher, data, text_column, config)
     streams, heldout, data_record = _data(student, corpus, config)
-    bf16 = student.device.type == "cuda" if config.bf16 is None else config.bf16
-    dead = [dead_heads(student, layer) for layer in student.layers]
+    trains_on = torch.device(config.shards_on) if config.parallel == "fsdp" and config.shards_on else student.device
+    bf16 = trains_on.type == "cuda" if config.bf16 is None else config.bf16
+    # under fsdp only rank 0 may hold the weights before sharding (the others pass a skeleton): its finding is sent
+    dead = distributed.from_rank0(lambda: [dead_heads(student, layer) for layer in student.layers])
+    held = _held_before_sharding(student, teacher) if config.parallel == "fsdp" else None
     with _parallel(student, teacher, config) as (student, teacher):  # fsdp: sharded copies, values back on exit
         params, optimizer = _optimiser(student, config)
         torch.manual_seed(config.seed)
@@ -535,7 +545,17 @@ def uptrain(
         curve = pd.DataFrame(rows)
         final = curve["perplexity"].iloc[-1] if best.step == loop["steps_run"] else run.evaluate()
         record = _record(run, best, rows, loop, float(final), start)
+    if held is not None:
+        record["weights_held_before_sharding"] = held
     return UptrainResult(curve, record)
+
+
+def _held_before_sharding(student: LoadedModel, teacher: LoadedModel | None) -> dict[str, int]:
+    """Bytes of student and teacher weights each process held before FSDP sharded them: rank 0's, and the most any
+    other rank held (0 when they passed skeletons, as the CLI's do)."""
+    held = fsdp.bytes_held(student.model) + (fsdp.bytes_held(teacher.model) if teacher is not None else 0)
+    others = distributed.all_reduce_max(float(held if distributed.rank() > 0 else 0))
+    return {"rank 0": distributed.from_rank0(lambda: held), "other ranks, at most": int(others)}
 
 
 @contextlib.contextmanager
@@ -548,9 +568,10 @@ def _parallel(student: LoadedModel, teacher: LoadedModel | None, config: Uptrain
         return
     names = {id(p): name for name, p in student.model.named_parameters()}
     trained = {names[id(p)] for p in trained_parameters(student, config.trained)}
+    options = dict(device=torch.device(config.shards_on) if config.shards_on else None, whole_after=config.whole_after)
     with contextlib.ExitStack() as stack:
-        sharded_student = stack.enter_context(fsdp.sharded(student, trained))
-        sharded_teacher = stack.enter_context(fsdp.sharded(teacher)) if teacher is not None else None
+        sharded_student = stack.enter_context(fsdp.sharded(student, trained, **options))
+        sharded_teacher = stack.enter_context(fsdp.sharded(teacher, **options)) if teacher is not None else None
         yield sharded_student, sharded_teacher
 
 
