@@ -106,14 +106,16 @@ def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, gradi
 
 
 def memory_uptrain(s: Shape, processes: int = 1) -> dict[str, float]:
-    """Per process: training (W_student + W_teacher + 6 T) / N plus one gathered layer, and the two peaks FSDP does
-    not shard yet: the load (each process loads student and teacher whole before sharding) and the end (the trained
-    values gathered whole on every rank)."""
+    """Per device: training (W_student + W_teacher + 6 T) / N plus one gathered layer under FSDP. The load: one
+    process loads student and teacher whole onto its device (2W); under `--parallel fsdp` rank 0 alone loads them,
+    on its host (2W of host memory, `host`), and each device holds its shards plus the one whole tensor in transit
+    (the largest, the embedding E); the trained student comes back whole to rank 0's host (W, within `host`)."""
     W = s.parameters * BF16
     T = s.attention_parameters
+    E = s.embedding_parameters * BF16
     training = (2 * W + 6 * T) / processes + (s.layer_parameters * BF16 if processes > 1 else 0)
-    load = 2 * W
-    return {"training": training, "load": load, "peak": max(training, load)}
+    load = 2 * W if processes == 1 else 2 * W / processes + E
+    return {"training": training, "load": load, "peak": max(training, load), "host": 2 * W if processes > 1 else 0}
 
 
 # ---- time (seconds) -------------------------------------------------------------------------------------------------
@@ -209,6 +211,33 @@ def predicted_memory(kind: str, layers: int, offload: float = 64e6) -> float | N
     return None
 
 
+def _bracket(capped: list[dict]) -> tuple[str, str, str] | None:
+    """(measured, predicted, verdict) from a reader's runs in memory cgroups (the scale case's `_capped`): what it
+    needs lies above the largest cap it was killed under and at most the smallest cap it finished under; finishing
+    under 0.75x and failing under 1.25x the prediction bracket it within 25%. None without capped runs. (A resident
+    set is no measure of the need here: it counts mapped checkpoint pages that the kernel can reclaim.)"""
+    finished = [row for row in capped if row.get("outcome") == "finished"]
+    failed = [row for row in capped if row.get("outcome") not in ("finished", None) and "cgroup" not in row["outcome"]]
+    if not finished and not failed:
+        return None
+    predicted = capped[0]["predicted"]
+    low = max(failed, key=lambda r: r["cap"]) if failed else None
+    high = min(finished, key=lambda r: r["cap"]) if finished else None
+    below = round(low["cap"] / predicted, 3) if low else None  # the caps' factors
+    above = round(high["cap"] / predicted, 3) if high else None
+    parts = [f"more than {_gib(low['cap'])} ({low['outcome']} under {below:g}x)"] if low else []
+    parts += [f"at most {_gib(high['cap'])} (finished under {above:g}x)"] if high else []
+    if above is not None and above < 0.75:
+        verdict = "predicted more than 25% high"
+    elif below is not None and below > 1.25:
+        verdict = "predicted more than 25% low"
+    elif below is not None and above is not None and 0.75 <= below < above <= 1.25:
+        verdict = "within ±25%"
+    else:
+        verdict = "not bracketed within 25%"
+    return ", ".join(parts), _gib(predicted), verdict
+
+
 def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, str, str]]:
     """(point, measured, predicted, error) for every measured point the formulas cover."""
     import scale as case
@@ -221,22 +250,21 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
         predicted = memory_in_memory(memory["model_bytes"], 0, rows, seq, 49152)
         points.append((f"`{row['command']}`, embedded 135M in memory (float32)", _gib(row["peak_rss"]),
                        _gib(predicted), _error(predicted, row["peak_rss"])))  # fmt: skip
+    capped = {}
+    for row in scale["rows"]:
+        if "cap" in row:
+            capped.setdefault((row["layers"], row["step"].rsplit(", capped at", 1)[0]), []).append(row)
     for row in scale["rows"]:
         kind, layers = case._kind(row["step"]), row["layers"]
         predicted = predicted_memory(kind, layers)
         if predicted is None or "cap" in row:
             continue
         where = f"`{row['step']}`, 8B shape, {layers} layers"
-        if "peak_need" in row:  # sampled: the resident set less the checkpoint's reclaimable mapped pages
-            points.append((where + " (resident less the mapped checkpoint)", _gib(row["peak_need"]), _gib(predicted),
-                           _error(predicted, row["peak_need"])))  # fmt: skip
+        bracket = _bracket(capped.get((layers, row["step"]), []))
+        if bracket is not None:
+            points.append((where + ", in memory cgroups", *bracket))
         else:
             points.append((where, _gib(row["peak_rss"]), _gib(predicted), _error(predicted, row["peak_rss"])))
-    for row in scale["rows"]:
-        if "cap" in row:
-            points.append((f"`{row['step']}` of the prediction, {row['layers']} layers: {_gib(row['cap'])}",
-                           row["outcome"] + (f" in {_seconds(row['seconds'])}" if row["outcome"] == "finished" else ""),
-                           _gib(row["predicted"]), ""))  # fmt: skip
     for t in case.time_model(scale["rows"]):
         if not t["fitted"]:
             points.append((f"`{t['step']}` time, {t['layers']} layers (t0 and c fitted at the two shallower depths)",
@@ -293,7 +321,8 @@ def predictions(r: dict) -> list[str]:
             m = memory_uptrain(s, gpus)
             step = time_uptrain_step(s, 32 * 2048, gpus, H200_FLOPS * GPU_EFFICIENCY)
             fits = m["peak"] <= H200_BYTES
-            cells.append(f"{_gib(m['training'])} training, {_gib(m['load'])} at load"
+            host = f", rank 0's host {_gib(m['host'])}" if m["host"] else ""
+            cells.append(f"{_gib(m['training'])} a GPU training, {_gib(m['load'])} at load{host}"
                          + ("" if fits else ": does not fit") + f"; {_seconds(step)} a step")  # fmt: skip
         where = "one H200" if gpus == 1 else "8 H200s, `--parallel fsdp`"
         row("`uptrain` (attention trained), 32 x 2,048 tokens a step", where, cells)

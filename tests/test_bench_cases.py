@@ -240,7 +240,7 @@ def test_scale_time_model_solves_fixed_and_per_layer_cost_from_two_depths_and_pr
     assert abs(deepest["fixed"] - 5.0) < 1e-9 and abs(deepest["per_layer"] - 2.0) < 1e-9
     assert abs(deepest["predicted"] - 109.0) < 1e-9
     text = "\n".join(case._time_model(rows))
-    assert "| `prune --streaming --mode physical` | 32 | 40 | 5.0 | 2.00 | 109 | 100 | +9% |" in text
+    assert "| `prune --streaming --mode physical` | 32 | copy 40 | 5.0 | 2.00 | 109 | 100 | +9% |" in text
     assert case.time_model(rows[:5]) == []  # two depths fit the model and leave nothing to predict
 
 
@@ -294,3 +294,19 @@ def test_scale_capped_run_reports_a_kill_for_memory_and_a_finish_without_raising
     finished = case._timed(_holding(tmp_path, 48), mapped_dir=tmp_path, cap=96 * 2**20, timeout=60)
     assert finished["outcome"] == "finished" and finished["peak_rss"] > 0
     assert not list(case.CGROUP.glob("headlab-scale-*"))  # every group removed
+
+
+def test_scale_time_model_times_readers_against_a_read_and_prefers_the_reference_taken_just_before():
+    case = _case("scale")
+    step = "eval, offloaded, 256 tokens"
+    rows = [{"layers": layers, "step": "read (reference)", "seconds": read, "peak_rss": 1, "cold": True}
+            for layers, read in ((8, 4.0), (16, 8.0), (32, 99.0))]  # fmt: skip
+    # t = 3 + read + 1 x layers; at 32 layers the read just before the command took 16 s (the depth's row: 99 s)
+    rows += [{"layers": 8, "step": step, "seconds": 15.0, "peak_rss": 1, "cold": True},
+             {"layers": 16, "step": step, "seconds": 27.0, "peak_rss": 1, "cold": True},
+             {"layers": 32, "step": step, "seconds": 50.0, "peak_rss": 1, "cold": True, "paired_read": 16.0}]  # fmt: skip
+    # a capped run of the same step is another measurement (a memory bracket), never a point of the time model
+    rows.append({"layers": 32, "step": step, "seconds": 1.0, "cold": True, "cap": 1, "outcome": "finished"})
+    (deepest,) = [t for t in case.time_model(rows) if not t["fitted"]]
+    assert deepest["reference"] == "read" and deepest["reference_seconds"] == 16.0
+    assert abs(deepest["predicted"] - 51.0) < 1e-9 and deepest["measured"] == 50.0

@@ -99,6 +99,20 @@ def test_cost_model_formulas_against_hand_counts():
     W = tiny.parameters * 2
     assert cost.time_streaming(tiny, copy_rate=W, fixed=5.0, per_layer_byte=0.0) == 6.0
     fsdp = cost.memory_uptrain(tiny, processes=2)
-    assert fsdp["load"] == 2 * W and fsdp["peak"] == max(fsdp["training"], fsdp["load"])
+    E = 32 * 8 * 2
+    # rank 0 loads both on its host; each device receives its half of them and one whole tensor (the largest) at once
+    assert fsdp["load"] == W + E and fsdp["host"] == 2 * W and fsdp["peak"] == max(fsdp["training"], fsdp["load"])
+    alone = cost.memory_uptrain(tiny)
+    assert alone["load"] == 2 * W and alone["host"] == 0 and alone["training"] == 2 * W + 6 * tiny.attention_parameters
+    # a reader's capped runs bracket what it needs: killed under 0.75x and finished under 1.25x is within 25%
+    row = {"predicted": 4.0 * cost.GIB}
+    killed = {**row, "cap": int(3.0 * cost.GIB), "outcome": "killed for memory"}
+    finished = {**row, "cap": int(5.0 * cost.GIB), "outcome": "finished"}
+    assert cost._bracket([finished, killed])[2] == "within ±25%"
+    assert "more than 3.00 GiB (killed for memory under 0.75x)" in cost._bracket([finished, killed])[0]
+    assert cost._bracket([{**finished, "cap": int(2.0 * cost.GIB)}])[2] == "predicted more than 25% high"
+    assert cost._bracket([{**killed, "cap": int(6.0 * cost.GIB)}])[2] == "predicted more than 25% low"
+    assert cost._bracket([killed])[2] == "not bracketed within 25%"  # no finished run: no upper bound
+    assert cost._bracket([]) is None
     llama8b = cost.shape("llama-3.1-8b")
     assert abs(llama8b.parameters - 8.03e9) < 0.01e9  # the published 8.03B

@@ -38,7 +38,15 @@ DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1 memory controller: the capped runs of the readers
 COLD = os.environ.get("HEADLAB_SCALE_COLD", "1") != "0"
 # The time model (markdown, time_model): the commands that move the whole checkpoint through once.
-TIMED_STEPS = ("convert-gqa --streaming 8 -> 4", "prune --streaming --mode physical", "export-gguf f16, offloaded")
+# The time model (markdown, time_model): the commands run at every depth, each with the plain operation on the same
+# bytes that is its reference: a copy (read once, written once) for what writes a checkpoint, a read for the readers.
+TIMED_STEPS = {
+    "convert-gqa --streaming 8 -> 4": "copy",
+    "prune --streaming --mode physical": "copy",
+    "export-gguf f16, offloaded": "copy",
+    "eval, offloaded, 256 tokens": "read",
+    "importance, offloaded, 256 tokens": "read",
+}
 CHOSEN = tuple(os.environ.get("HEADLAB_SCALE_STEPS", ",".join(STEPS)).split(","))
 OFFLOAD = ("--device-map", "auto", "--max-memory", "64MB")  # every block to disk: the embeddings alone are 0.98 GiB
 TOKENS = ("--max-tokens", "256", "--seq-len", "256", "--batch-size", "1")
@@ -211,10 +219,11 @@ def run(args) -> dict:
     # rows of steps not run, and of depths not run, are carried over from the saved run
     saved = saved_result("scale").get("rows", [])
     kept = [row for row in saved if _kind(row["step"]) not in CHOSEN or row["layers"] not in DEPTHS]
-    old_copies = {row["layers"]: row["seconds"] for row in saved if _kind(row["step"]) == "copy"}
-    for row in kept:  # a carried-over timed row keeps its own run's copy as its reference, not this run's
-        if row["step"] in TIMED_STEPS and "paired_copy" not in row and row["layers"] in old_copies:
-            row["paired_copy"] = old_copies[row["layers"]]
+    for row in kept:  # a carried-over timed row keeps its own run's reference, not this run's
+        reference = TIMED_STEPS.get(row["step"])
+        old = {r["layers"]: r["seconds"] for r in saved if reference and _kind(r["step"]) == reference}
+        if reference and f"paired_{reference}" not in row and row["layers"] in old:
+            row[f"paired_{reference}"] = old[row["layers"]]
     rows = []
     try:
         for layers in DEPTHS:
@@ -227,13 +236,14 @@ def run(args) -> dict:
             out = work / f"out-{layers}"
             for step, command in _commands(source, out, layers):
                 row = {"layers": layers, "step": step, "model_bytes": model_bytes}
-                if step in TIMED_STEPS and "copy" in CHOSEN:  # its own reference, a minute before: the disk drifts
-                    row["paired_copy"] = _timed(_copy(source, out))["seconds"]
+                reference = TIMED_STEPS.get(step)
+                if reference in CHOSEN:  # its own reference, just before it: this disk's rate drifts within minutes
+                    row[f"paired_{reference}"] = _timed(_reference(reference, source, out))["seconds"]
                     _clean(work)
                 rows.append({**row, **_timed(command, mapped_dir=work)})
                 print(rows[-1], flush=True)
                 _clean(work)
-                if _kind(step) in CAPPED and "peak_need" in rows[-1]:
+                if _kind(step) in CAPPED and layers == max(DEPTHS) and "peak_need" in rows[-1]:
                     rows += _capped(step, command, layers, rows[-1]["seconds"], work)
             shutil.rmtree(source, ignore_errors=True)
     finally:
@@ -250,8 +260,12 @@ def _clean(work: Path) -> None:
         shutil.rmtree(leftover, ignore_errors=True) if leftover.is_dir() else leftover.unlink()
 
 
-def _copy(source: Path, out: Path) -> list[str]:
-    return [sys.executable, "-c", "import shutil, sys; shutil.copytree(*sys.argv[1:])", str(source), str(out)]
+def _reference(kind: str, source: Path, out: Path) -> list[str]:
+    """The plain operation on the checkpoint's bytes: copy (every byte read once and written once, nothing computed;
+    the reference of what writes a checkpoint) or read (every byte read once, nothing written; the readers')."""
+    if kind == "copy":
+        return [sys.executable, "-c", "import shutil, sys; shutil.copytree(*sys.argv[1:])", str(source), str(out)]
+    return ["sh", "-c", 'cat "$@" > /dev/null', "read", *map(str, sorted(source.glob("*.safetensors")))]
 
 
 def _capped(step: str, command: list[str], layers: int, seconds: float, work: Path) -> list[dict]:
@@ -304,13 +318,9 @@ def _ordered(rows: list[dict]) -> list[dict]:
 def _commands(source: Path, out: Path, layers: int):
     """(step label, command) of the chosen steps at this depth; outputs go to `out` (deleted after each)."""
     deepest = layers == max(DEPTHS)
-    if "copy" in CHOSEN:  # the reference: every byte read once and written once, nothing computed
-        yield "copy (reference)", _copy(source, out)
-    if "read" in CHOSEN:  # the reference of the offloaded readers: every byte read once, nothing written
-        yield (
-            "read (reference)",
-            ["sh", "-c", 'cat "$@" > /dev/null', "read", *map(str, sorted(source.glob("*.safetensors")))],
-        )
+    for reference in ("copy", "read"):
+        if reference in CHOSEN:
+            yield f"{reference} (reference)", _reference(reference, source, out)
     if "convert" in CHOSEN:
         for kv in (4, 2, 1) if deepest else (4,):
             # at the deepest, the 4-head output stays (as kept-<layers>) for expand-kv to read back
@@ -332,14 +342,12 @@ def _commands(source: Path, out: Path, layers: int):
     if "export" in CHOSEN:
         yield "export-gguf f16, offloaded", _headlab("export-gguf", "--model", str(source), *OFFLOAD, "--no-verify",
                                                      "--out", str(out) + ".gguf")  # fmt: skip
-    if not deepest:
-        return
-    if "info" in CHOSEN:
+    if "info" in CHOSEN and deepest:
         yield "info", _headlab("info", "--model", str(source))
     if "eval" in CHOSEN:
         yield "eval, offloaded, 256 tokens", _headlab("eval", "--model", str(source), *OFFLOAD, *TOKENS,
                                                       "--domains", "none")  # fmt: skip
-    if "stats" in CHOSEN:
+    if "stats" in CHOSEN and deepest:
         yield "stats, offloaded, 256 tokens", _headlab("stats", "--model", str(source), *OFFLOAD, *TOKENS,
                                                        "--out", str(out))  # fmt: skip
     if "importance" in CHOSEN:
@@ -348,43 +356,49 @@ def _commands(source: Path, out: Path, layers: int):
 
 
 def _cold_runs(rows: list[dict], step: str) -> tuple[dict, list[dict]]:
-    """The plain copy's seconds by depth and `step`'s rows at those depths, by depth, of runs on a dropped page cache
-    (flush included): one regime, so rows of older warm-cache runs never enter the model. The copy is the one timed
-    just before the command (`paired_copy`) where the run has it, else the depth's reference copy."""
-    rows = [row for row in rows if row.get("cold")]
-    copies = {row["layers"]: row["seconds"] for row in rows if _kind(row["step"]) == "copy"}
-    runs = sorted((row for row in rows if row["step"] == step and ("paired_copy" in row or row["layers"] in copies)),
+    """The reference's seconds (TIMED_STEPS: a plain copy or read) by depth and `step`'s rows at those depths, by
+    depth, of runs on a dropped page cache (flush included): one regime, so rows of older warm-cache runs never enter
+    the model. The reference is the one timed just before the command (`paired_copy`, `paired_read`) where the run
+    has it, else the depth's reference row."""
+    kind = TIMED_STEPS[step]
+    rows = [row for row in rows if row.get("cold") and "cap" not in row]
+    plain = {row["layers"]: row["seconds"] for row in rows if _kind(row["step"]) == kind}
+    paired = f"paired_{kind}"
+    runs = sorted((row for row in rows if row["step"] == step and (paired in row or row["layers"] in plain)),
                   key=lambda r: r["layers"])  # fmt: skip
-    return {row["layers"]: row.get("paired_copy", copies.get(row["layers"])) for row in runs}, runs
+    return {row["layers"]: row.get(paired, plain.get(row["layers"])) for row in runs}, runs
 
 
-def _fit(copies: dict, runs: list[dict]) -> dict | None:
+def _fit(references: dict, runs: list[dict]) -> dict | None:
     if len(runs) < 2:
         return None
-    (l1, e1), (l2, e2) = ((r["layers"], r["seconds"] - copies[r["layers"]]) for r in runs[:2])
+    (l1, e1), (l2, e2) = ((r["layers"], r["seconds"] - references[r["layers"]]) for r in runs[:2])
     per_layer = (e2 - e1) / (l2 - l1)
     return {"fixed": e1 - per_layer * l1, "per_layer": per_layer}
 
 
 def streaming_fit(rows: list[dict], step: str) -> dict | None:
-    """t0 and c of t(L) = t0 + copy(L) + c x L, solved from the two shallowest depths of `step`; None without two."""
+    """t0 and c of t(L) = t0 + reference(L) + c x L, solved from the two shallowest depths of `step`; None without
+    two."""
     return _fit(*_cold_runs(rows, step))
 
 
 def time_model(rows: list[dict]) -> list[dict]:
-    """Predicted against measured seconds of the commands that move the checkpoint through once: t(L) = t0 +
-    copy(L) + c x L, with copy(L) the plain copy's seconds at that depth in the same run (the disk rate, which varies
-    with the size moved), t0 the command's fixed cost (start-up, the embeddings' own work) and c its per-layer
-    work, both solved from the two shallowest depths (streaming_fit); the deeper rows are predictions."""
+    """Predicted against measured seconds of the commands that move the checkpoint through: t(L) = t0 +
+    reference(L) + c x L, with reference(L) the seconds of the plain copy (commands that write a checkpoint) or read
+    (the readers) of the same bytes, timed just before the command (this disk's rate drifts within minutes), t0 the
+    command's fixed cost (start-up, the embeddings' own work) and c its per-layer work (computing, converting,
+    re-reading), both solved from the two shallowest depths (streaming_fit); the deeper rows are predictions."""
     table = []
-    for step in TIMED_STEPS:
-        copies, runs = _cold_runs(rows, step)
-        fit = _fit(copies, runs)
+    for step, kind in TIMED_STEPS.items():
+        references, runs = _cold_runs(rows, step)
+        fit = _fit(references, runs)
         if fit is None or len(runs) < 3:
             continue
         for i, row in enumerate(runs):
-            predicted = fit["fixed"] + copies[row["layers"]] + fit["per_layer"] * row["layers"]
-            table.append({"step": step, "layers": row["layers"], "copy": copies[row["layers"]], "fixed": fit["fixed"],
+            predicted = fit["fixed"] + references[row["layers"]] + fit["per_layer"] * row["layers"]
+            table.append({"step": step, "layers": row["layers"], "reference": kind,
+                          "reference_seconds": references[row["layers"]], "fixed": fit["fixed"],
                           "per_layer": fit["per_layer"], "predicted": predicted, "measured": row["seconds"],
                           "fitted": i < 2})  # fmt: skip
     return table
@@ -396,17 +410,19 @@ def _time_model(rows: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Time model: seconds = t0 + the plain copy's seconds at that depth (same run, cold cache: the disk rate) + "
+        "Time model: seconds = t0 + the reference's seconds at that depth (a plain copy of the checkpoint for what "
+        "writes one, a plain read for the readers; timed just before the command, cold cache: the disk rate) + "
         "layers x c, with the fixed t0 and the per-layer c solved from the two shallowest depths; deeper rows are "
         "predictions.",
         "",
-        "| command | layers | copy s | t0 s | c s/layer | predicted s | measured s | error |",
+        "| command | layers | reference s | t0 s | c s/layer | predicted s | measured s | error |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
         error = "(fitted)" if t["fitted"] else f"{t['predicted'] / t['measured'] - 1:+.0%}"
-        lines.append(f"| `{t['step']}` | {t['layers']} | {t['copy']:.0f} | {t['fixed']:.1f} | {t['per_layer']:.2f} | "
-                     f"{t['predicted']:.0f} | {t['measured']:.0f} | {error} |")  # fmt: skip
+        lines.append(f"| `{t['step']}` | {t['layers']} | {t['reference']} {t['reference_seconds']:.0f} | "
+                     f"{t['fixed']:.1f} | {t['per_layer']:.2f} | {t['predicted']:.0f} | {t['measured']:.0f} | "
+                     f"{error} |")  # fmt: skip
     return lines
 
 
