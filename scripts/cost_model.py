@@ -17,9 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# A command's start-up here (imports, config, skeleton): `headlab eval` of a tiny test model, median of 3 runs. The
-# scale case's `info` is no measure of it: it reads every tensor for its finite-weight check.
-START_SECONDS = 6.4
 sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "scripts" / "bench_cases")]
 
 GIB = 2**30
@@ -121,11 +118,12 @@ def memory_uptrain(s: Shape, processes: int = 1) -> dict[str, float]:
 # ---- time (seconds) -------------------------------------------------------------------------------------------------
 
 
-def time_streaming(s: Shape, copy_rate: float, fixed: float, per_layer_byte: float) -> float:
-    """t0 + W / copy_rate + c x (layer bytes x L): the checkpoint read once and written once at the machine's copy
-    rate, the command's fixed cost, and its per-layer work in proportion to the layer's bytes."""
+def time_through(s: Shape, rate: float, fixed: float, per_layer_byte: float) -> float:
+    """t0 + W / rate + c x (layer bytes x L): the checkpoint moved through once at the rate of its plain reference
+    (a copy for what writes a checkpoint, a read for the readers), the command's fixed cost, and its per-layer work
+    (computing, converting, re-reading) in proportion to the layer's bytes."""
     W = s.parameters * BF16
-    return fixed + W / copy_rate + per_layer_byte * s.layer_parameters * BF16 * s.layers
+    return fixed + W / rate + per_layer_byte * s.layer_parameters * BF16 * s.layers
 
 
 def reader_flops(s: Shape, tokens: int, command: str) -> float:
@@ -133,13 +131,6 @@ def reader_flops(s: Shape, tokens: int, command: str) -> float:
     the forward twice and the input-gradient backward once (frozen weights: 2 N T), 6 N T in all."""
     passes = {"eval": 1, "stats": 1, "importance": 3}[command]
     return passes * 2 * s.matmul_parameters() * tokens
-
-
-def time_offloaded_reader(s: Shape, tokens: int, command: str, read_rate: float, flops: float, start: float) -> float:
-    """start + (weights read per pass) / read_rate + FLOPs / rate: every block read from disk at every pass (the
-    recomputing importance reads them twice) and float32 products at the measured GEMM rate."""
-    reads = 2 if command == "importance" else 1
-    return start + reads * s.parameters * BF16 / read_rate + reader_flops(s, tokens, command) / flops
 
 
 def time_gpu_reader(s: Shape, tokens: int, command: str, gpus: int = 1) -> float:
@@ -158,8 +149,8 @@ def time_uptrain_step(s: Shape, tokens: int, gpus: int, flops: float) -> float:
 
 
 def rates(scale: dict) -> dict:
-    """Copy and read rates (bytes/s) of the deepest depth measured, the float32 GEMM rate, and each streaming
-    command's fitted fixed cost and per-layer-byte cost (the scale case's time model)."""
+    """Copy and read rates (bytes/s) of the deepest depth measured, the float32 GEMM rate, and each timed command's
+    fitted fixed cost and per-layer-byte cost (the scale case's time model)."""
     import scale as case
 
     rows = scale["rows"]
@@ -172,7 +163,8 @@ def rates(scale: dict) -> dict:
     for step in case.TIMED_STEPS:
         fit = case.streaming_fit(rows, step)
         if fit is not None:
-            fits[step] = {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer"] / layer_bytes}
+            fits[step] = {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer"] / layer_bytes,
+                          "per_layer": fit["per_layer"]}  # fmt: skip
     return {"copy": copy["model_bytes"] / copy["seconds"],
             "read": read["model_bytes"] / read["seconds"] if read else None,
             "gemm": scale.get("gemm_gflops", 0) * 1e9, "fits": fits, "deepest": deepest}  # fmt: skip
@@ -269,16 +261,18 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
         if not t["fitted"]:
             points.append((f"`{t['step']}` time, {t['layers']} layers (t0 and c fitted at the two shallower depths)",
                            _seconds(t["measured"]), _seconds(t["predicted"]), _error(t["predicted"], t["measured"])))  # fmt: skip
-    if r["read"] and r["gemm"]:
-        start = START_SECONDS
-        for row in scale["rows"]:
-            kind = case._kind(row["step"])
-            if kind in ("eval", "importance") and row["layers"] == r["deepest"]:
-                s = shape("llama-3.1-8b", row["layers"])
-                predicted = time_offloaded_reader(s, 256, kind, r["read"], r["gemm"], start)
-                points.append((f"`{row['step']}` time, {row['layers']} layers", _seconds(row["seconds"]),
-                               _seconds(predicted), _error(predicted, row["seconds"])))  # fmt: skip
     return points
+
+
+def compute_share(r: dict, command: str, tokens: int = 256) -> float | None:
+    """The share of a reader's fitted per-layer seconds c that its float32 products at the measured GEMM rate
+    explain (reader_flops of one layer / GEMM rate / c); the rest is converting, copying and re-reading weights."""
+    fit = r["fits"].get(f"{command}, offloaded, 256 tokens")
+    if not fit or not r["gemm"] or fit["per_layer"] <= 0:
+        return None
+    one_layer = Shape("layer", 1, 4096, 14336, 32, 8, 128, 0)
+    flops = {"eval": 1, "importance": 3}[command] * 2 * one_layer.layer_parameters * tokens
+    return flops / r["gemm"] / fit["per_layer"]
 
 
 def predictions(r: dict) -> list[str]:
@@ -286,21 +280,23 @@ def predictions(r: dict) -> list[str]:
     lines = ["| command | where | 8B | 70B | 405B |", "|---|---|---|---|---|"]
     shapes = [shape(n) for n in ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b")]
     fit = r["fits"]["prune --streaming --mode physical"]
-    start = START_SECONDS
 
     def row(command, where, cells):
         lines.append(f"| {command} | {where} | " + " | ".join(cells) + " |")
 
     row("`convert-gqa` / `prune` / `expand-kv --streaming`", "this machine",
-        [f"{_gib(memory_streaming(s))}; {_seconds(time_streaming(s, r['copy'], fit['fixed'], fit['per_layer_byte']))}"
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, r['copy'], fit['fixed'], fit['per_layer_byte']))}"
          for s in shapes])  # fmt: skip
     row("the same", "an H200 node (CPU work; disk at 2 GB/s)",
-        [f"{_gib(memory_streaming(s))}; {_seconds(time_streaming(s, NODE_DISK / 2, fit['fixed'], fit['per_layer_byte']))}"
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, NODE_DISK / 2, fit['fixed'], fit['per_layer_byte']))}"
          for s in shapes])  # fmt: skip
-    for command, tokens in (("eval", 256), ("importance", 256)):
-        row(f"`{command}` on {tokens} tokens, offloaded (`--max-memory 64MB`)", "this machine",
+    for command in ("eval", "importance"):
+        reader = r["fits"].get(f"{command}, offloaded, 256 tokens")
+        if reader is None or not r["read"]:
+            continue
+        row(f"`{command}` on 256 tokens, offloaded (`--max-memory 64MB`)", "this machine",
             [f"{_gib(memory_offloaded(s, 64e6, gradient=command == 'importance'))}; "
-             f"{_seconds(time_offloaded_reader(s, tokens, command, r['read'], r['gemm'], start))}" for s in shapes])  # fmt: skip
+             f"{_seconds(time_through(s, r['read'], reader['fixed'], reader['per_layer_byte']))}" for s in shapes])  # fmt: skip
     for command, tokens in (("eval", 65536), ("importance", 65536)):
         for gpus in (1, 8):
             cells = []
@@ -336,10 +332,13 @@ def main() -> None:
     if not scale:
         sys.exit("benchmarks/results/scale.json is missing: run `python scripts/benchmark.py --case scale` first")
     r = rates(scale)
+    shares = [f"{c} {v:.0%}" for c in ("eval", "importance") if (v := compute_share(r, c)) is not None]
+    explained = f" Share of the readers' per-layer time that products at that rate explain: {', '.join(shares)}."
     print(
         f"Rates of this machine (scale benchmark, deepest run): copy {r['copy'] / 1e9:.2f} GB/s, read "
-        f"{(r['read'] or 0) / 1e9:.2f} GB/s, float32 GEMM {r['gemm'] / 1e9:.0f} GFLOP/s; start-up "
-        f"{START_SECONDS:.1f} s.\n"
+        f"{(r['read'] or 0) / 1e9:.2f} GB/s, float32 GEMM {r['gemm'] / 1e9:.0f} GFLOP/s."
+        + (explained if shares else "")
+        + "\n"
     )
     print("| point | measured | predicted | error |\n|---|---|---|---|")
     for point in measured_points(scale, memory, r):

@@ -6,6 +6,7 @@ One table of (command line, expected message fragment) cases drives the CLI chec
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -38,8 +39,10 @@ CASES = [
     (["info", "--model", "{llama}", "--device", "tpu"], "tpu"),
     (["info", "--model", "{llama}", "--device", "cuda"], "cuda"),
     (["info", "--model", "{llama}", *M, "--context", "0"], "--context"),
+    (["info", "--model", "{mixedshards}", *M], "a shard from another checkpoint or run"),
     # eval
     (["eval", *NO_MODEL, *DATA], "{missing}"),
+    (["eval", "--model", "{mixedshards}", *M, *DATA], "a shard from another checkpoint or run"),
     (["eval", "--model", "{llama}", *M, *DATA, "--seq-len", "1000"], "1000"),
     (["eval", "--model", "{llama}", *M, "--data", "{missing}", "--seq-len", "32"], "{missing}"),
     (["eval", "--model", "{llama}", "--device", "cuda:7", *DATA], "cuda"),
@@ -523,6 +526,24 @@ if importlib.util.find_spec("lm_eval") is not None:
     ]
 
 
+def _mixed_shards(root: Path) -> Path:
+    """A sharded tiny llama whose shard holding the final norm was replaced by a shard of a 3-layer run that holds
+    third-layer tensors: it lacks what the index puts there."""
+    import shutil
+
+    from models import tiny_model
+    from tiny_text import tiny_tokenizer
+
+    for layers, name in ((2, "mixedshards"), (3, "otherrun")):
+        tiny_model("llama", num_hidden_layers=layers).save_pretrained(root / name, max_shard_size="40KB")
+    tiny_tokenizer().save_pretrained(root / "mixedshards")
+    ours, theirs = ((json.loads((root / name / "model.safetensors.index.json").read_text())["weight_map"])
+                    for name in ("mixedshards", "otherrun"))  # fmt: skip
+    shutil.copyfile(root / "otherrun" / theirs["model.layers.2.self_attn.q_proj.weight"],
+                    root / "mixedshards" / ours["model.norm.weight"])  # fmt: skip
+    return root / "mixedshards"
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bad_input")
@@ -563,6 +584,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {paths['tasks'] / 'tiny_mc.jsonl'}\n"
         "output_type: multiple_choice\ntest_split: test\ndoc_to_text: q\ndoc_to_target: label\ndoc_to_choice: choices\n"
     )
+    paths["mixedshards"] = _mixed_shards(root)
     paths["badyaml"].mkdir()
     (paths["badyaml"] / "broken.yaml").write_text("task: [unclosed\n")
     (paths["emptydir"] / "notes.txt").write_text("no tables here")

@@ -315,6 +315,34 @@ def test_missing_shard_named_by_the_index(tmp_path):
         validate.check_weight_files(tmp_path)
 
 
+def _sharded(directory: Path, weight_map: dict[str, str], held: dict[str, list[str]]) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for shard, names in held.items():
+        save_file({name: torch.zeros(2) for name in names}, str(directory / shard))
+    return directory
+
+
+def test_a_shard_that_does_not_hold_what_the_index_puts_in_it_is_named(tmp_path):
+    weight_map = {"a": "model-1.safetensors", "b": "model-1.safetensors", "c": "model-2.safetensors"}
+    validate.check_weight_files(_sharded(tmp_path / "ok", weight_map, {"model-1.safetensors": ["a", "b"],
+                                                                      "model-2.safetensors": ["c"]}))  # fmt: skip
+    # another run's second shard: it lacks c and holds b, which the index puts in the first
+    other = _sharded(tmp_path / "mixed", weight_map, {"model-1.safetensors": ["a", "b"], "model-2.safetensors": ["b"]})
+    with pytest.raises(HeadlabError, match=r"model-2.safetensors lacks c, which its index puts there"):
+        validate.check_weight_files(other)
+    stray = _sharded(tmp_path / "stray", weight_map, {"model-1.safetensors": ["a", "b"],
+                                                      "model-2.safetensors": ["c", "a"]})  # fmt: skip
+    with pytest.raises(HeadlabError, match=r"holds a, which its index puts in model-1.safetensors"):
+        validate.check_weight_files(stray)
+    # a tensor the index does not name at all is left to the loader (some checkpoints carry extras)
+    extra = _sharded(tmp_path / "extra", weight_map, {"model-1.safetensors": ["a", "b", "z"],
+                                                      "model-2.safetensors": ["c"]})  # fmt: skip
+    validate.check_weight_files(extra)
+
+
 GOOD_ENTRY = {"layer": 0, "heads": [0, 2, 3], "kv_heads": [0], "num_heads": 3, "num_kv_heads": 1,
               "original_heads": 4, "original_kv_heads": 2, "padding_heads": [2]}  # fmt: skip
 

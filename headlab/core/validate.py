@@ -155,18 +155,33 @@ def _check_tensor_entry(path: Path, name: str, entry, data_size: int) -> None:
 
 
 def check_weight_files(directory) -> None:
-    """Every safetensors file of a checkpoint directory has a sound header, and the files its index names exist."""
+    """Every safetensors file of a checkpoint directory has a sound header, the files its index names exist, and each
+    holds exactly the tensors the index puts in it (a shard left by another run, of another depth or layout, does
+    not: its tensors would be loaded in place of the missing ones, or beside them)."""
     directory = Path(directory)
+    expected: dict[str, set[str]] = {}
     for index in sorted(directory.glob("*.safetensors.index.json")):
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
+            weight_map = json.loads(index.read_text())["weight_map"]
+            for name, shard in weight_map.items():
+                expected.setdefault(shard, set()).add(name)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise HeadlabError(f"damaged index file {index}: no weight_map") from None
-        missing = sorted(s for s in shards if not (directory / s).is_file())
+        missing = sorted(s for s in set(weight_map.values()) if not (directory / s).is_file())
         if missing:
             raise HeadlabError(f"{index} names {len(missing)} missing weight file(s): {', '.join(missing[:3])}")
+    owner = {name: shard for shard, names in expected.items() for name in names}
     for path in sorted(directory.glob("*.safetensors")):
-        read_safetensors_header(path)
+        held = set(read_safetensors_header(path)) - {"__metadata__"}
+        lacking = sorted(expected.get(path.name, set()) - held)  # the index's tensors the file does not hold
+        elsewhere = sorted(n for n in held if owner.get(n, path.name) != path.name)  # the index puts them elsewhere
+        if lacking or elsewhere:
+            what = f"lacks {lacking[0]}, which" if lacking else f"holds {elsewhere[0]}, which"
+            where = "its index puts there" if lacking else f"its index puts in {owner[elsewhere[0]]}"
+            raise HeadlabError(
+                f"{path} {what} {where} ({len(lacking) + len(elsewhere)} such tensors): a shard from another "
+                "checkpoint or run; save or copy the checkpoint again"
+            )
 
 
 def pickle_refusal(directory, error: BaseException) -> HeadlabError:

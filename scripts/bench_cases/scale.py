@@ -7,11 +7,16 @@ resident set (GNU time's maximum RSS), against the bytes of one decoder layer an
 - mla: `convert-mla --streaming` to latent 448 + rope 64 (a quarter of the GQA-8 cache), 256 calibration tokens,
   at the deepest;
 - export: `export-gguf` f16 with `--device-map auto --max-memory 64MB` (every block offloaded to disk) at every depth;
-- info, eval, stats, importance: at the deepest, the last three on 256 tokens under the same offloading.
-Each depth also times a plain copy of the checkpoint (read once, written once: the machine's disk rate, the time
-model's reference, measured in the same run). Where the page cache can be dropped (root), it is dropped before each
-timed command, so every command reads from disk as a model larger than memory must (HEADLAB_SCALE_COLD=0 keeps it);
-a command's seconds include flushing what it wrote (sync).
+- eval, importance: on 256 tokens under the same offloading, at every depth; at the deepest also in memory cgroups
+  capped at 1.25x and 0.75x the cost model's prediction (`_capped`: finishing under the one and failing under the
+  other brackets what they need within 25%, which a resident set full of reclaimable mapped pages cannot show);
+- info, stats: at the deepest (stats on 256 tokens, offloaded).
+Each depth also times a plain copy and a plain read of the checkpoint, and each timed command gets its own copy or
+read just before it (TIMED_STEPS: the time model's reference; this disk's rate drifts within minutes). Where the page
+cache can be dropped (root), it is dropped before each timed command, so every command reads from disk as a model
+larger than memory must (HEADLAB_SCALE_COLD=0 keeps it); a command's seconds include flushing what it wrote (sync).
+Every command's resident set less the pages it maps from the checkpoint is sampled too (every 0.5 s: short peaks,
+such as a streaming edit's one embedding-sized tensor, fall between samples; GNU time's peak does not miss them).
 HEADLAB_SCALE_STEPS=prune,export,... runs some steps and HEADLAB_SCALE_LAYERS=32 some depths, and the saved rows of
 the others are kept (the steps at the deepest depth run are the deepest-only ones). Outputs are deleted
 after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
