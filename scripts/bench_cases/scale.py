@@ -7,9 +7,9 @@ resident set (GNU time's maximum RSS), against the bytes of one decoder layer an
 - mla: `convert-mla --streaming` to latent 448 + rope 64 (a quarter of the GQA-8 cache), 256 calibration tokens,
   at the deepest;
 - export: `export-gguf` f16 with `--device-map auto --max-memory 64MB` (every block offloaded to disk) at every depth;
-- eval, importance: on 256 tokens under the same offloading, at every depth; at the deepest also in memory cgroups
-  capped at 1.25x and 0.75x the cost model's prediction (`_capped`: finishing under the one and failing under the
-  other brackets what they need within 25%, which a resident set full of reclaimable mapped pages cannot show);
+- eval, importance: on 256 tokens under the same offloading, at every depth, and again in memory cgroups capped at
+  1.25x and 0.75x the cost model's prediction (`_capped`: finishing under the one and failing under the other
+  brackets what they need within 25%, which a resident set full of reclaimable mapped pages cannot show);
 - info, stats: at the deepest (stats on 256 tokens, offloaded).
 Each depth also times a plain copy and a plain read of the checkpoint, and each timed command gets its own copy or
 read just before it (TIMED_STEPS: the time model's reference; this disk's rate drifts within minutes). Where the page
@@ -248,7 +248,7 @@ def run(args) -> dict:
                 rows.append({**row, **_timed(command, mapped_dir=work)})
                 print(rows[-1], flush=True)
                 _clean(work)
-                if _kind(step) in CAPPED and layers == max(DEPTHS) and "peak_need" in rows[-1]:
+                if _kind(step) in CAPPED and "peak_need" in rows[-1]:
                     rows += _capped(step, command, layers, rows[-1]["seconds"], work)
             shutil.rmtree(source, ignore_errors=True)
     finally:
