@@ -219,9 +219,9 @@ def _bracket(capped: list[dict]) -> tuple[str, str, str] | None:
     above = round(high["cap"] / predicted, 3) if high else None
     parts = [f"more than {_gib(low['cap'])} ({low['outcome']} under {below:g}x)"] if low else []
     parts += [f"at most {_gib(high['cap'])} (finished under {above:g}x)"] if high else []
-    if above is not None and above < 0.75:
+    if above is not None and above <= 0.75:  # needs at most 0.75x: the prediction is a third or more too high
         verdict = "predicted more than 25% high"
-    elif below is not None and below > 1.25:
+    elif below is not None and below >= 1.25:  # needs more than 1.25x
         verdict = "predicted more than 25% low"
     elif below is not None and above is not None and 0.75 <= below < above <= 1.25:
         verdict = "within ±25%"

@@ -111,7 +111,7 @@ def test_cost_model_formulas_against_hand_counts():
     finished = {**row, "cap": int(5.0 * cost.GIB), "outcome": "finished"}
     assert cost._bracket([finished, killed])[2] == "within ±25%"
     assert "more than 3.00 GiB (killed for memory under 0.75x)" in cost._bracket([finished, killed])[0]
-    assert cost._bracket([{**finished, "cap": int(2.0 * cost.GIB)}])[2] == "predicted more than 25% high"
+    assert cost._bracket([{**finished, "cap": int(3.0 * cost.GIB)}])[2] == "predicted more than 25% high"
     assert cost._bracket([{**killed, "cap": int(6.0 * cost.GIB)}])[2] == "predicted more than 25% low"
     assert cost._bracket([killed])[2] == "not bracketed within 25%"  # no finished run: no upper bound
     assert cost._bracket([]) is None
