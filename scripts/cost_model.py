@@ -17,7 +17,25 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts"), str(ROOT / "scripts" / "bench_cases")]
+# headlab itself first; scripts/ (benchmark's saved results) last, so none of its names shadows an installed package.
+# The scale case is loaded by path (_scale_case): bench_cases/ holds modules named gguf, eval, memory, ...
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "scripts"))
+
+
+def _scale_case():
+    """scripts/bench_cases/scale.py as a module (once), without putting bench_cases/ on sys.path."""
+    import importlib.util
+
+    if "headlab_bench_case_scale" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "headlab_bench_case_scale", ROOT / "scripts" / "bench_cases" / "scale.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+    return sys.modules["headlab_bench_case_scale"]
+
 
 GIB = 2**30
 R0 = 0.48 * GIB  # Python, torch, transformers and headlab: the peak of the same commands on a tiny model
@@ -151,7 +169,7 @@ def time_uptrain_step(s: Shape, tokens: int, gpus: int, flops: float) -> float:
 def rates(scale: dict) -> dict:
     """Copy and read rates (bytes/s) of the deepest depth measured, the float32 GEMM rate, and each timed command's
     fitted fixed cost and per-layer-byte cost (the scale case's time model)."""
-    import scale as case
+    case = _scale_case()
 
     rows = scale["rows"]
     deepest = max(row["layers"] for row in rows if row["step"] == "copy (reference)")
@@ -232,7 +250,7 @@ def _bracket(capped: list[dict]) -> tuple[str, str, str] | None:
 
 def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, str, str]]:
     """(point, measured, predicted, error) for every measured point the formulas cover."""
-    import scale as case
+    case = _scale_case()
 
     points = []
     for row in memory.get("rows", []):  # the embedded model in memory, float32 as stored (nothing converted)
