@@ -179,7 +179,7 @@ def rates(scale: dict) -> dict:
     layer_bytes = scale["config"]["layer_bytes"]
     fits = {}
     for step in case.TIMED_STEPS:
-        fit = case.streaming_fit(rows, step)
+        fit = case.time_fit(rows, step)
         if fit is not None:
             fits[step] = {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer"] / layer_bytes,
                           "per_layer": fit["per_layer"]}  # fmt: skip
@@ -288,8 +288,8 @@ def compute_share(r: dict, command: str, tokens: int = 256) -> float | None:
     fit = r["fits"].get(f"{command}, offloaded, 256 tokens")
     if not fit or not r["gemm"] or fit["per_layer"] <= 0:
         return None
-    one_layer = Shape("layer", 1, 4096, 14336, 32, 8, 128, 0)
-    flops = {"eval": 1, "importance": 3}[command] * 2 * one_layer.layer_parameters * tokens
+    one_layer = shape("llama-3.1-8b", 1).layer_parameters
+    flops = {"eval": 1, "importance": 3}[command] * 2 * one_layer * tokens
     return flops / r["gemm"] / fit["per_layer"]
 
 

@@ -3,7 +3,6 @@ teacher): uptraining (default) or local reconstruction then uptraining; saves a 
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -149,7 +148,7 @@ def command(
         trains_on = resolve_device(device)
         distributed.init(trains_on)  # NCCL for GPUs though the weights load on the host (a world of one: later)
         spec.uptrain = replace(config, shards_on=str(trains_on), whole_after="rank 0")
-        skeleton = int(os.environ.get("RANK", "0")) > 0
+        skeleton = distributed.rank() > 0  # the group exists once torchrun starts more than one process
         load.update(device="cpu", weights=not skeleton, check_weights=check_weights and not skeleton)
     student_model = load_model(student, **load)
     most = student_model.max_positions

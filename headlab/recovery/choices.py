@@ -8,6 +8,8 @@ OBJECTIVES = ("kl", "ce", "mixed")
 # Uptraining under torchrun: data (every rank a whole copy, gradients all-reduced) or fsdp (FSDP2: parameters,
 # gradients and AdamW state sharded over the ranks; headlab.recovery.fsdp).
 PARALLEL = ("data", "fsdp")
+# Under fsdp, where the trained values are gathered whole at the end (headlab.recovery.fsdp.sharded)
+WHOLE_AFTER = ("every rank", "rank 0")
 # What uptraining's long windows hold: text (calibration windows) or retrieval (synthetic needle prompts over the
 # calibration text, scored on the answer: headlab.recovery.retrieval_windows).
 LONG_KINDS = ("text", "retrieval")

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from headlab.core import cpu_matmul, distributed
 from headlab.core.loading import LoadedModel
+from headlab.recovery.choices import WHOLE_AFTER
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:
@@ -151,8 +152,8 @@ def sharded(
     copy's trained values gathered whole: on every rank (`whole_after="every rank"`, on `device`) or on rank 0
     alone, in host memory (`"rank 0"`: the other ranks keep meta placeholders). After an error it is left without
     them (the command stops). Every rank must enter and leave together (collectives)."""
-    if whole_after not in ("every rank", "rank 0"):
-        raise ValueError(f"whole_after={whole_after!r}: 'every rank' or 'rank 0'")
+    if whole_after not in WHOLE_AFTER:
+        raise ValueError(f"whole_after={whole_after!r}: one of {WHOLE_AFTER}")
     device = device or loaded.device
     distributed.init(device, even_alone=True)
     if device.type == "cuda" and device.index is not None:

@@ -45,7 +45,7 @@ from headlab.core.loading import LoadedModel, check_resident
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.recompute import activation_checkpointing
 from headlab.recovery import fsdp
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED
+from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED, WHOLE_AFTER
 from headlab.recovery.reconstruct import check_pair, dead_heads, dead_heads_kept
 from headlab.recovery.retrieval_windows import RETRIEVAL_TASKS, retrieval_batches
 
@@ -161,8 +161,8 @@ class UptrainConfig:
         batch_size / N windows); read from the launcher's environment, before any process group exists."""
         if self.parallel not in PARALLEL:
             raise HeadlabError(f"unknown parallel={self.parallel!r}; use one of {', '.join(PARALLEL)}")
-        if self.whole_after not in ("every rank", "rank 0"):
-            raise HeadlabError(f"unknown whole_after={self.whole_after!r}; use 'every rank' or 'rank 0'")
+        if self.whole_after not in WHOLE_AFTER:
+            raise HeadlabError(f"unknown whole_after={self.whole_after!r}; use one of {', '.join(WHOLE_AFTER)}")
         if self.parallel != "fsdp":
             return
         if not distributed.torchrun():
@@ -527,7 +527,10 @@ def uptrain(
     # under fsdp only rank 0 may hold the weights before sharding (the others pass a skeleton): its finding is sent
     dead = distributed.from_rank0(lambda: [dead_heads(student, layer) for layer in student.layers])
     held = _held_before_sharding(student, teacher) if config.parallel == "fsdp" else None
-    with _parallel(student, teacher, config) as (student, teacher):  # fsdp: sharded copies, values back on exit
+    with _parallel(student, teacher, config, trains_on) as (
+        student,
+        teacher,
+    ):  # fsdp: sharded copies, values back on exit
         params, optimizer = _optimiser(student, config)
         torch.manual_seed(config.seed)
         eval_args = dict(
@@ -559,16 +562,16 @@ def _held_before_sharding(student: LoadedModel, teacher: LoadedModel | None) -> 
 
 
 @contextlib.contextmanager
-def _parallel(student: LoadedModel, teacher: LoadedModel | None, config: UptrainConfig):
-    """(student, teacher) to train with: the models themselves (data), or FSDP2-sharded copies (fsdp; the trained
-    parameters chosen before sharding, so FSDP reduces gradients for those alone) whose values the models get back
-    on exit (headlab.recovery.fsdp.sharded)."""
+def _parallel(student: LoadedModel, teacher: LoadedModel | None, config: UptrainConfig, trains_on: torch.device):
+    """(student, teacher) to train with: the models themselves (data), or FSDP2-sharded copies on `trains_on` (fsdp;
+    the trained parameters chosen before sharding, so FSDP reduces gradients for those alone) whose values the models
+    get back on exit (headlab.recovery.fsdp.sharded)."""
     if config.parallel != "fsdp":
         yield student, teacher
         return
     names = {id(p): name for name, p in student.model.named_parameters()}
     trained = {names[id(p)] for p in trained_parameters(student, config.trained)}
-    options = dict(device=torch.device(config.shards_on) if config.shards_on else None, whole_after=config.whole_after)
+    options = dict(device=trains_on, whole_after=config.whole_after)
     with contextlib.ExitStack() as stack:
         sharded_student = stack.enter_context(fsdp.sharded(student, trained, **options))
         sharded_teacher = stack.enter_context(fsdp.sharded(teacher, **options)) if teacher is not None else None

@@ -42,7 +42,6 @@ STEPS = ("copy", "read", "convert", "prune", "mla", "export", "info", "eval", "s
 DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 CGROUP = Path("/sys/fs/cgroup/memory")  # cgroup v1 memory controller: the capped runs of the readers
 COLD = os.environ.get("HEADLAB_SCALE_COLD", "1") != "0"
-# The time model (markdown, time_model): the commands that move the whole checkpoint through once.
 # The time model (markdown, time_model): the commands run at every depth, each with the plain operation on the same
 # bytes that is its reference: a copy (read once, written once) for what writes a checkpoint, a read for the readers.
 TIMED_STEPS = {
@@ -224,11 +223,13 @@ def run(args) -> dict:
     # rows of steps not run, and of depths not run, are carried over from the saved run
     saved = saved_result("scale").get("rows", [])
     kept = [row for row in saved if _kind(row["step"]) not in CHOSEN or row["layers"] not in DEPTHS]
+    saved_references = {
+        (_kind(r["step"]), r["layers"]): r["seconds"] for r in saved if _kind(r["step"]) in ("copy", "read")
+    }
     for row in kept:  # a carried-over timed row keeps its own run's reference, not this run's
         reference = TIMED_STEPS.get(row["step"])
-        old = {r["layers"]: r["seconds"] for r in saved if reference and _kind(r["step"]) == reference}
-        if reference and f"paired_{reference}" not in row and row["layers"] in old:
-            row[f"paired_{reference}"] = old[row["layers"]]
+        if reference and f"paired_{reference}" not in row and (reference, row["layers"]) in saved_references:
+            row[f"paired_{reference}"] = saved_references[(reference, row["layers"])]
     rows = []
     try:
         for layers in DEPTHS:
@@ -382,7 +383,7 @@ def _fit(references: dict, runs: list[dict]) -> dict | None:
     return {"fixed": e1 - per_layer * l1, "per_layer": per_layer}
 
 
-def streaming_fit(rows: list[dict], step: str) -> dict | None:
+def time_fit(rows: list[dict], step: str) -> dict | None:
     """t0 and c of t(L) = t0 + reference(L) + c x L, solved from the two shallowest depths of `step`; None without
     two."""
     return _fit(*_cold_runs(rows, step))
@@ -393,7 +394,7 @@ def time_model(rows: list[dict]) -> list[dict]:
     reference(L) + c x L, with reference(L) the seconds of the plain copy (commands that write a checkpoint) or read
     (the readers) of the same bytes, timed just before the command (this disk's rate drifts within minutes), t0 the
     command's fixed cost (start-up, the embeddings' own work) and c its per-layer work (computing, converting,
-    re-reading), both solved from the two shallowest depths (streaming_fit); the deeper rows are predictions."""
+    re-reading), both solved from the two shallowest depths (time_fit); the deeper rows are predictions."""
     table = []
     for step, kind in TIMED_STEPS.items():
         references, runs = _cold_runs(rows, step)
