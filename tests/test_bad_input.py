@@ -324,6 +324,8 @@ CASES = [
     (["export-gguf", "--model", "{llama}", *M, "--no-verify", "--out", "{existing}"], "--overwrite"),
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "q9_z", "--out", "g.gguf"], "q9_z"),
     (["export-gguf", *NO_MODEL, "--no-verify", "--out", "g.gguf"], "{missing}"),
+    (["export-gguf", "--model", "{llama}", *M, "--outtype", "iq2_xxs", "--out", "g.gguf"], "add --imatrix"),
+    (["export-gguf", "--model", "{llama}", *M, "--outtype", "q8_0", "--imatrix", "--out", "g.gguf"], "drop --imatrix"),
     # speed
     (["speed", "{llama}", "--device", "cpu", "--contexts", "100", "--runtime", "transformers"], "maximum positions"),
     (["speed", "{llama}", "--device", "cpu", "--contexts", "16", "--out", "{existing}"], "--overwrite"),

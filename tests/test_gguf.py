@@ -15,7 +15,7 @@ from tiny_text import SAMPLE_TEXT, run_cli, tiny_tokenizer
 
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
-from headlab.runtimes import gguf_export
+from headlab.runtimes import gguf_export, llamacpp
 from headlab.runtimes.gguf_export import MLA_KEEP_F32, check_type, export_gguf, interleave_rope_rows, plan_export
 from headlab.runtimes.llamacpp import compare_logprobs, unavailable
 
@@ -447,13 +447,105 @@ def test_quantized_files_run_in_llamacpp_close_to_f32(tmp_path, layout):
 
 @needs_llamacpp
 def test_a_failed_llamacpp_quantization_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    """IQ2_XXS needs an importance matrix, so llama.cpp refuses it (which is why it is not offered): the error
-    carries llama.cpp's reason, and neither the f32 scratch file nor the output remains."""
+    """IQ2_XXS without an importance matrix: llama.cpp refuses it (which is why headlab asks for --imatrix first; here
+    that check is taken away), the error carries llama.cpp's reason, and neither the f32 scratch file nor the output
+    remains."""
+    monkeypatch.delitem(gguf_export.IMATRIX_TYPES, "iq2_xxs")
     monkeypatch.setitem(gguf_export.LLAMACPP_TYPES, "iq2_xxs", "IQ2_XXS")
     with pytest.raises(HeadlabError, match="llama.cpp could not quantize to IQ2_XXS: .*imatrix") as refusal:
         export_gguf(tiny(**QUANT_SHAPES), tmp_path / "m.gguf", outtype="iq2_xxs", progress=False)
     assert "\n" not in str(refusal.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def _batch(loaded, rows):
+    """One right-padded batch of token rows (lists of ids): (input_ids, attention_mask)."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([row + [0] * (width - len(row)) for row in rows])
+    mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+    return ids, mask
+
+
+def test_importance_matrix_is_each_inputs_mean_square_over_real_tokens():
+    """By hand on a tied tiny llama: attn_q's entry is E[x_j^2] of layer 0's normed embeddings and the output head's
+    (under token_embd, which llama.cpp multiplies for the output) that of the final normed hidden states, over the
+    unpadded tokens only (a padded row's zeros-or-garbage positions count nothing); every product has an entry."""
+    loaded = tiny(tie_word_embeddings=True)
+    model = loaded.model
+    rows = [list(range(5, 29)), list(range(40, 51))]  # 24 + 11 real tokens, the second row padded
+    ids, mask = _batch(loaded, rows)
+    items = list(gguf_export._gguf_names(model).values())
+    weights, record = gguf_export.importance_matrix(loaded, items, _Batches([(ids, mask)]), progress=False)
+    assert record["tokens"] == 35 and record["matrices_without"] == [] and record["entries"] == len(weights)
+    assert set(weights) == {name for name, _, t in items if t.dim() == 2}  # token_embd: the tied head's product
+    real = mask.bool()
+    with torch.no_grad():
+        normed = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))[real].double()
+        final = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[real].double()
+    np.testing.assert_allclose(weights["blk.0.attn_q.weight"], (normed**2).mean(0).numpy(), rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(weights["token_embd.weight"], (final**2).mean(0).numpy(), rtol=1e-5, atol=1e-9)
+    assert all(w.dtype == np.float32 and w.shape == (t.shape[-1],) for w, t in
+               ((weights[name], t) for name, _, t in items if name in weights))  # fmt: skip
+
+
+class _Batches(list):
+    """A list of (input_ids, attention_mask) batches with the metadata calibration batches carry."""
+
+    meta = {"corpus": "by hand"}
+
+
+@needs_llamacpp
+def test_an_importance_matrix_steers_llamacpps_rounding_to_the_columns_it_weights(tmp_path):
+    """llama.cpp's Q4_K rounding with an importance matrix that puts all weight on 16 of attn_q's 256 input columns:
+    those columns come back closer to the f32 weights than without one, and the rest farther (the scales now serve
+    the weighted columns); the table reaches llama.cpp by name and size, or the two files would be identical."""
+    loaded = tiny(**QUANT_SHAPES)
+    source = tmp_path / "f32.gguf"
+    export_gguf(loaded, source, outtype="f32", progress=False)
+    name = "blk.0.attn_q.weight"
+    favoured = np.zeros(256, dtype=np.float32) + 1e-6
+    favoured[::16] = 1.0
+    errors = {}
+    for label, imatrix in (("plain", None), ("weighted", {name: favoured})):
+        target = tmp_path / f"{label}.gguf"
+        llamacpp.quantize(source, target, "Q4_K_M", imatrix=imatrix)
+        error = np.abs(tensor_of(read(target)[1][name]) - tensor_of(read(source)[1][name]))  # [out, in]
+        errors[label] = (error[:, ::16].mean(), np.delete(error, np.s_[::16], axis=1).mean())
+    assert errors["weighted"][0] < 0.5 * errors["plain"][0], errors
+    assert errors["weighted"][1] > errors["plain"][1], errors
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("layout", ["uniform", "mla"])
+def test_imatrix_types_write_and_run_with_an_importance_matrix(tmp_path, layout):
+    """--imatrix makes llama.cpp's importance-only types writable (IQ2_XXS here): the matrices take the type, MLA's
+    attn_k_b / attn_v_b (inputs transformers never forms, so no entry) are written q8_0 and named, the file loads
+    in llama.cpp and stays within reach of f32 (a 2-bit file on a random model: loose bound, 50%)."""
+    from headlab.core.data import calibration_batches
+
+    loaded = quant_model(layout)
+    batches = calibration_batches(loaded.tokenizer, None, seq_len=64, batch_size=2, max_tokens=512)
+    record = export_gguf(loaded, tmp_path / "m.gguf", outtype="IQ2_XXS", progress=False, imatrix=batches)
+    imatrix = record["quantization"]["imatrix"]
+    without = imatrix["matrices_without"]
+    assert bool(without) == (layout == "mla") and all(n.split(".")[2] in ("attn_k_b", "attn_v_b") for n in without)
+    _, tensors = read(tmp_path / "m.gguf")
+    assert {tensors[n].tensor_type.name for n in without} <= {"Q8_0"}
+    assert record["tensor_type_counts"].get("iq2_xxs", 0) >= 4, record["tensor_type_counts"]
+    fields, _ = read(tmp_path / "m.gguf")
+    assert "importance matrix of 512 calibration tokens" in fields["headlab.quantized_by"]
+    result = compare_logprobs(loaded, tmp_path / "m.gguf", _windows(loaded))
+    assert math.isfinite(result["perplexity_llamacpp"]) and result["relative_difference"] < 0.5, result
+
+
+def test_imatrix_refusals_come_before_any_work():
+    """Importance-only types without --imatrix, and --imatrix with a type headlab writes (no importance weighting in
+    its numpy quantizer) or a float type: one line each, from the type check that runs before the model loads."""
+    for outtype, imatrix, says in (("iq2_xxs", False, "add --imatrix"), ("q8_0", True, "drop --imatrix"),
+                                   ("f16", True, "drop --imatrix")):  # fmt: skip
+        with pytest.raises(HeadlabError, match=says) as refusal:
+            check_type(outtype, imatrix)
+        assert "\n" not in str(refusal.value)
 
 
 # ---- the embedded model (slow) ------------------------------------------------------------------------------------

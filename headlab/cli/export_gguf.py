@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 
-from headlab.cli.options import data_options, guard, model_options, print_rows
+from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, print_rows
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_TYPES
+from headlab.runtimes.choices import DEFAULT_TYPE, IMATRIX_TYPES, LLAMACPP_TYPES
 
 
 @click.command("export-gguf")
@@ -33,8 +33,16 @@ from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_TYPES
     help="load the file in llama.cpp and compare log-probabilities with transformers on the eval split "
     "[default: when llama-cpp-python is installed]",
 )
+@click.option(
+    "--imatrix",
+    is_flag=True,
+    help="give llama.cpp's quantizer an importance matrix (what llama-imatrix measures: each matrix's mean squared "
+    "inputs) from --calibration-tokens of the corpus's calibration part; llama.cpp types only, and required by "
+    f"{', '.join(IMATRIX_TYPES)}",
+)
+@calibration_tokens_option(8192, "calibration tokens for --imatrix (windows of 512; one forward pass over them)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(load, text, out, overwrite, outtype, verify, as_json):
+def command(load, text, out, overwrite, outtype, verify, imatrix, calibration_tokens, as_json):
     """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3, and deepseek_v3 with dense MLPs (MLA, llama.cpp's
     `deepseek2`); per-layer head counts go to llama.cpp's `deci` architecture (the one whose graph builds each layer
     with its own head counts)."""
@@ -46,13 +54,18 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     if out.is_dir():  # before loading: a folder is never replaced by a file
         raise HeadlabError(f"--out {out} is a directory; export-gguf writes one .gguf file")
-    outtype = check_type(outtype)
+    outtype = check_type(outtype, imatrix)
     missing = unavailable()
     if verify and missing:
         raise HeadlabError(f"--verify needs llama.cpp: {missing}")
     verify = not missing if verify is None else verify
+    text = text.resolved() if imatrix else text  # one corpus load for the calibration and the eval part
     loaded = load()
-    check, notes = None, []
+    check, notes, calibration = None, [], None
+    if imatrix:
+        window = min(512, loaded.max_positions or 512)
+        spec = text.but(split="calibration", max_tokens=calibration_tokens, seq_len=window, batch_size=4)
+        calibration = spec.batches(loaded.tokenizer, max_positions=loaded.max_positions)
     if verify:
         windows = eval_windows(loaded, text=text)
         if window_length(loaded, text.seq_len) < text.seq_len:
@@ -64,7 +77,8 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
         def check(path):
             return compare_logprobs(loaded, path, windows, progress=not as_json)
 
-    record = export_gguf(loaded, out, outtype=outtype, overwrite=overwrite, progress=not as_json, verify=check)
+    record = export_gguf(loaded, out, outtype=outtype, overwrite=overwrite, progress=not as_json, verify=check,
+                         imatrix=calibration)  # fmt: skip
     record["notes"] = record["notes"] + notes
     if as_json:
         click.echo(json.dumps(record, indent=2))
@@ -97,6 +111,20 @@ def command(load, text, out, overwrite, outtype, verify, as_json):
                 f"{quantization['llama_cpp_python']}, ggml {quantization['ggml']}, commit {quantization['commit']})",
             )
         )
+        weighted = quantization.get("imatrix")
+        if weighted:
+            without = weighted["matrices_without"]
+            rows.append(
+                (
+                    "importance matrix",
+                    f"{weighted['entries']} matrices, {weighted['tokens']} calibration tokens"
+                    + (
+                        f"; none for {len(without)} ({', '.join(without[:2])}{', ...' if len(without) > 2 else ''})"
+                        if without
+                        else ""
+                    ),  # fmt: skip
+                )
+            )
     rows += [("note", note) for note in record["notes"]]
     print_rows(rows)
 

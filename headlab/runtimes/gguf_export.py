@@ -41,7 +41,8 @@ from headlab.core.errors import HeadlabError
 from headlab.core.fsio import GGUF_MARK, atomic_file, check_free_space, check_out, check_output_name, scratch_file
 from headlab.core.loading import LoadedModel, weights_in_memory
 from headlab.runtimes import llamacpp
-from headlab.runtimes.choices import DEFAULT_TYPE, LLAMACPP_ALIASES, LLAMACPP_TYPES
+from headlab.runtimes.choices import DEFAULT_TYPE, IMATRIX_TYPES, LLAMACPP_ALIASES, LLAMACPP_TYPES
+from headlab.runtimes.imatrix import input_mean_squares
 
 # Tensor types: the float ones are written by numpy; any other ggml type only if gguf.quants can quantize it.
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -432,29 +433,46 @@ def writable_types() -> list[str]:
     return out
 
 
-def check_type(outtype: str) -> str:
+def check_type(outtype: str, imatrix: bool = False) -> str:
     """The output type's canonical name, or a one-line refusal. Which path writes it: a name in LLAMACPP_TYPES (a
     llama.cpp file type, llama-quantize's name, its aliases q3_k/q4_k/q5_k included) is written as f32 and quantized
-    by llama.cpp, which needs llama-cpp-python; any other name must be a tensor type headlab writes itself with the
-    gguf package (the floats and what gguf.quants quantizes in numpy: q8_0, q4_0, q4_1, q5_0, q5_1, ...), every
-    matrix in that type. Q8_0 stays there: llama.cpp's Q8_0 file is byte-identical in every tensor."""
+    by llama.cpp, which needs llama-cpp-python, and so is a name in IMATRIX_TYPES, which llama.cpp writes only with an
+    importance matrix (`imatrix`); any other name must be a tensor type headlab writes itself with the gguf package
+    (the floats and what gguf.quants quantizes in numpy: q8_0, q4_0, q4_1, q5_0, q5_1, ...), every matrix in that
+    type, which an importance matrix cannot weight. Q8_0 stays there: llama.cpp's Q8_0 file is byte-identical in
+    every tensor (its Q8_0 rounding takes no importance matrix either)."""
     outtype = LLAMACPP_ALIASES.get(outtype.lower(), outtype.lower())
-    if outtype in FLOAT_TYPES:
-        return outtype
-    if outtype in LLAMACPP_TYPES:
+    if outtype in IMATRIX_TYPES and not imatrix:
+        raise HeadlabError(
+            f"outtype={outtype!r}: llama.cpp quantizes it only with an importance matrix (add --imatrix)"
+        )
+    if llamacpp_ftype(outtype):
         if llamacpp.unavailable() is not None:
             raise HeadlabError(
                 f"outtype={outtype!r} is quantized by llama.cpp and llama-cpp-python does not import here; "
                 "pip install 'headlab[llamacpp]'"
             )
         return outtype
+    if imatrix:
+        raise HeadlabError(
+            f"an importance matrix weights llama.cpp's quantizer, and outtype={outtype!r} is not one of its types "
+            f"({', '.join([*LLAMACPP_TYPES, *IMATRIX_TYPES])}); drop --imatrix"
+        )
+    if outtype in FLOAT_TYPES:
+        return outtype
     choices = writable_types()
     if outtype not in choices:
         raise HeadlabError(
             f"outtype={outtype!r} is not a type export-gguf writes; use one of {', '.join(choices)} (written by "
-            f"headlab) or {', '.join(LLAMACPP_TYPES)} (quantized by llama.cpp)"
+            f"headlab) or {', '.join(LLAMACPP_TYPES)} (quantized by llama.cpp; with --imatrix also "
+            f"{', '.join(IMATRIX_TYPES)})"
         )
     return outtype
+
+
+def llamacpp_ftype(outtype: str) -> str | None:
+    """The LLAMA_FTYPE_MOSTLY_* suffix of a llama.cpp file type, None for a type headlab writes itself."""
+    return LLAMACPP_TYPES.get(outtype) or IMATRIX_TYPES.get(outtype)
 
 
 def _tensor_type(outtype: str, name: str, shape: tuple[int, ...]):
@@ -667,6 +685,7 @@ def export_gguf(
     overwrite: bool = False,
     progress: bool = True,
     verify=None,
+    imatrix=None,
 ) -> dict:
     """Write `loaded` as a GGUF file at `out` atomically (a temporary file beside it, renamed at the end; see
     headlab.core.fsio.atomic_file: a second run writing `out` meanwhile is refused, and overwrite replaces only a GGUF
@@ -676,14 +695,15 @@ def export_gguf(
     export holds the model plus one converted tensor. A llama.cpp file type (`check_type`) is first written that way
     in f32 to a second temporary file beside `out` (removed afterwards), which llama.cpp's quantizer reads into the
     first. `verify(path)` (optional) runs on the finished temporary file before it is published; its result goes
-    into the returned record. Returns what was written.
+    into the returned record. `imatrix` (calibration batches, llama.cpp types only) gives llama.cpp's quantizer an
+    importance matrix measured on them (`importance_matrix`). Returns what was written.
     """
     out = Path(out)
     check_output_name(out)
     if os.path.isdir(out):
         raise HeadlabError(f"out={out} is a directory; export-gguf writes one .gguf file")
     check_out(out, overwrite)  # before the work; atomic_file checks again when it starts writing
-    outtype = check_type(outtype)
+    outtype = check_type(outtype, imatrix is not None)
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
@@ -696,7 +716,7 @@ def export_gguf(
         items = _split_kv_b(items, config)
     if plan.rope_freqs is not None:
         items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
-    ftype = LLAMACPP_TYPES.get(outtype)  # None: headlab writes the type itself
+    ftype = llamacpp_ftype(outtype)  # None: headlab writes the type itself
     written = QUANTIZE_FROM if ftype else outtype
     check_free_space(out, *export_bytes(items, outtype, ftype is not None))  # before any tensor is converted
     types = {name: _tensor_type("f32" if plan.kept_f32(name) else written, name, tuple(t.shape))
@@ -721,6 +741,7 @@ def export_gguf(
             writer.write_tensor_data(_encoded(plan, name, block, _resident(tensor), types[name]))
         writer.close()
 
+    weights, imatrix_record = (None, None) if imatrix is None else importance_matrix(loaded, items, imatrix, progress)
     # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
     # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
     with atomic_file(out, overwrite=overwrite) as tmp:
@@ -730,10 +751,16 @@ def export_gguf(
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads()}
             quantization.update(llamacpp.versions())
+            quantization["imatrix"] = imatrix_record
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
                 write(source, _provenance(quantization))
-                keep = [rf"\.{re.escape(name)}$" for name in plan.keep_f32]
-                llamacpp.quantize(source, tmp, ftype, quantization["nthread"], keep_f32=keep)
+                types = {rf"\.{re.escape(name)}$": "F32" for name in plan.keep_f32}
+                without = imatrix_record["matrices_without"] if outtype in IMATRIX_TYPES else []
+                if without:  # llama.cpp refuses these types for a matrix with no importance entry
+                    types.update({rf"^{re.escape(name)}$": "Q8_0" for name in without})
+                    notes.append(f"{len(without)} matrices whose inputs transformers never forms have no importance "
+                                 f"entry and are written q8_0 ({', '.join(without[:2])}, ...)")  # fmt: skip
+                llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=types, imatrix=weights)
         stored, problem = _stored_types(tmp, outtype)
         if quantization is not None:
             quantization["fallback_matrices"] = stored["fallbacks"]
@@ -764,6 +791,33 @@ def export_gguf(
     return record
 
 
+def importance_matrix(loaded: LoadedModel, items: list, batches, progress: bool = True) -> tuple[dict, dict]:
+    """llama.cpp's importance matrix for the matrices in `items`: E[x_j^2] of each one's input over the calibration
+    `batches`, for every matrix whose input in llama.cpp's graph is the input of one transformers linear layer (q, k,
+    v, o, gate, up, down, the output head: a tied one under token_embd, whose product llama.cpp runs for the output;
+    MLA's q, q_a, q_b and kv_a). Rows permuted or split (the RoPE interleave, attn_k_b/attn_v_b) leave columns alone;
+    MLA's attn_k_b and attn_v_b multiply per-head queries and attention-weighted latents that transformers never forms,
+    so they have no entry and llama.cpp rounds them without one. Returns ({GGUF name: float32 [in_features]}, a
+    record: tokens, entries, the calibration text)."""
+    written = {name: tuple(tensor.shape) for name, _, tensor in items}
+    model, modules = loaded.model, {}
+    for hf_name, (gguf_name, _, _) in _gguf_names(model).items():
+        owner, _, attribute = hf_name.rpartition(".")
+        module = model.get_submodule(owner) if owner else None
+        if attribute == "weight" and isinstance(module, torch.nn.Linear) and gguf_name in written:
+            modules[gguf_name] = module
+    head = model.get_output_embeddings()
+    if "output.weight" not in written and isinstance(
+        head, torch.nn.Linear
+    ):  # tied: the output product reads token_embd
+        modules["token_embd.weight"] = head
+    weights, tokens = input_mean_squares(loaded, modules, batches, progress=progress)
+    # token_embd without an output product on it is a lookup table: llama.cpp neither measures nor needs an entry
+    without = sorted(name for name, shape in written.items()
+                     if len(shape) > 1 and name not in weights and name != "token_embd.weight")  # fmt: skip
+    return weights, {"tokens": tokens, "entries": len(weights), "matrices_without": without, "text": batches.meta}
+
+
 def export_bytes(items: list, outtype: str, by_llamacpp: bool) -> tuple[int, str]:
     """(bytes, how estimated) the export needs on the output's file system: the written numbers at 4 bytes (f32) or
     2 (f16, bf16, and as a bound for gguf's own quantized types); a llama.cpp type also needs its f32 scratch file
@@ -783,7 +837,9 @@ def _provenance(quantization: dict) -> str:
     parts = [f"llama-cpp-python {quantization.get('llama_cpp_python')}", f"ggml {quantization.get('ggml')}"]
     if quantization.get("commit"):
         parts.append(f"commit {quantization['commit']}")
-    return f"llama.cpp {quantization['ftype']} from {quantization['from']} ({', '.join(parts)})"
+    imatrix = quantization.get("imatrix")
+    weighted = f", importance matrix of {imatrix['tokens']} calibration tokens" if imatrix else ""
+    return f"llama.cpp {quantization['ftype']} from {quantization['from']}{weighted} ({', '.join(parts)})"
 
 
 def _package_version(name: str) -> str | None:
@@ -798,7 +854,7 @@ def _block(outtype: str) -> int:
     types: QK_K = 256, except IQ4_NL's 32); 1 for the float types."""
     if outtype in FLOAT_TYPES:
         return 1
-    if outtype in LLAMACPP_TYPES:
+    if llamacpp_ftype(outtype):
         return 32 if outtype == "iq4_nl" else 256
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[outtype.upper()]][0]
 

@@ -63,15 +63,16 @@ def versions() -> dict:
     return out
 
 
-GGML_TYPE_F32 = 0  # ggml.h: enum ggml_type
+GGML_TYPES = {"F32": 0, "Q8_0": 8}  # ggml.h: enum ggml_type, the types quantize's overrides name
 
 
-def quantize(source: Path, target: Path, ftype: str, nthread: int | None = None, keep_f32=()) -> None:
+def quantize(source: Path, target: Path, ftype: str, nthread: int | None = None, tensor_types=None, imatrix=None):
     """llama.cpp's own quantizer, as `llama-quantize source target FTYPE` runs it: llama_model_quantize with file
-    type LLAMA_FTYPE_MOSTLY_<ftype> and its per-tensor recipe (src/llama-quant.cpp), no importance matrix; `nthread`
-    defaults to the CPUs this process may use; tensors whose name matches a regex of `keep_f32` stay f32 (its
-    tensor-type overrides, as `llama-quantize --tensor-type PATTERN=f32`). A failure is one line with llama.cpp's
-    last error message."""
+    type LLAMA_FTYPE_MOSTLY_<ftype> and its per-tensor recipe (src/llama-quant.cpp); `nthread` defaults to the CPUs
+    this process may use; `tensor_types` ({regex: ggml type name, e.g. "F32"}) overrides the recipe for the tensors
+    whose names match (`llama-quantize --tensor-type PATTERN=TYPE`); `imatrix` ({GGUF tensor name: float32 [input
+    features]}, the mean squares llama-quantize --imatrix reads from a file) weights each matrix's rounding, none when
+    None. A failure is one line with llama.cpp's last error message."""
     require()
     import llama_cpp  # optional: the llamacpp extra (require() said so above if missing)
     from llama_cpp import _logger  # llama-cpp-python's log callback, put back afterwards
@@ -79,11 +80,19 @@ def quantize(source: Path, target: Path, ftype: str, nthread: int | None = None,
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = threads() if nthread is None else nthread
-    overrides = (llama_cpp.llama_model_tensor_override * (len(keep_f32) + 1))()  # NULL-pattern terminated
-    for slot, pattern in zip(overrides, keep_f32):
-        slot.pattern, slot.type = pattern.encode(), GGML_TYPE_F32
-    if keep_f32:
+    tensor_types = tensor_types or {}
+    overrides = (llama_cpp.llama_model_tensor_override * (len(tensor_types) + 1))()  # NULL-pattern terminated
+    for slot, (pattern, type_name) in zip(overrides, tensor_types.items()):
+        slot.pattern, slot.type = pattern.encode(), GGML_TYPES[type_name]
+    if tensor_types:
         params.tt_overrides = overrides
+    if imatrix:  # a NULL-name terminated array of (name, data, size); `entries` keeps the buffers alive meanwhile
+        entries = [(name.encode(), np.ascontiguousarray(values, dtype=np.float32)) for name, values in imatrix.items()]
+        table = (llama_cpp.llama_model_imatrix_data * (len(entries) + 1))()
+        for slot, (name, values) in zip(table, entries):
+            slot.name, slot.size = name, values.size
+            slot.data = values.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        params.imatrix = table
     recent: collections.deque[str] = collections.deque(maxlen=32)
 
     # llama.cpp logs a line per tensor: keep the last few (not echoed), to say why a quantization failed. Levels are

@@ -1,16 +1,22 @@
 """llama.cpp against transformers on the same checkpoints: the embedded model, a uniform prune, a per-layer prune,
 a 3 -> 1 KV conversion and an MLA conversion at the MQA budget, each exported to GGUF (f32) and scored on the eval
 split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer) and Q4_K_M (llama.cpp's), whose
-distance from transformers is the quantization's; the per-layer prune and MLA too. HEADLAB_BENCH_GGUF_MODELS=<comma
-list of model numbers, from 0> runs some models only and keeps the saved rows of the others."""
+distance from transformers is the quantization's, and Q4_K_M with an importance matrix (export-gguf --imatrix); the
+per-layer prune and MLA too, their Q4_K_M files also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list
+of model numbers, from 0> runs some models only and keeps the saved rows of the others."""
 
 from __future__ import annotations
 
 TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32, Q8_0, Q4_K_M)"
-# Output types per model (by its number in `variants`); the others are exported in f32 only.
-QUANTIZED = ("f32", "q8_0", "q4_k_m")
+# Output types per model (by its number in `variants`); the others are exported in f32 only. "+imatrix": with
+# export-gguf --imatrix (IMATRIX_TOKENS of the default corpus's calibration part, windows of 512).
+QUANTIZED = ("f32", "q8_0", "q4_k_m", "q4_k_m+imatrix")
 OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED}  # the original, the per-layer prune (deci), MLA (deepseek2)
 MAX_TOKENS, SEQ_LEN = 4096, 256  # 16 windows: 512 tokens left a quantized file's distance within noise
+IMATRIX_TOKENS = 8192  # export-gguf's --calibration-tokens default
+# Text the calibration never saw, for the k-quant rows: an importance matrix fitted to its corpus should not only
+# help there (headlab.core.corpora: held out of the default corpus).
+HELD_OUT = "speeches"
 
 
 def _to_mla(loaded):
@@ -54,6 +60,7 @@ def run(args) -> dict:
     import tempfile
     from pathlib import Path
 
+    from headlab.core.data import calibration_batches
     from headlab.core.loading import LoadedModel, from_model, load_model
     from headlab.runtimes.gguf_export import export_gguf
     from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable
@@ -78,10 +85,19 @@ def run(args) -> dict:
         loaded = built if isinstance(built, LoadedModel) else loaded
         loaded = from_model(loaded.model, loaded.tokenizer)
         windows = eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
-        for outtype in OUTTYPES.get(index, ("f32",)):
+        held_out = None
+        for name in OUTTYPES.get(index, ("f32",)):
+            outtype, weighted = name.removesuffix("+imatrix"), name.endswith("+imatrix")
+            batches = (
+                calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=IMATRIX_TOKENS) if weighted else None
+            )
             with tempfile.TemporaryDirectory() as tmp:
-                record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False)
+                record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False, imatrix=batches)
                 result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
+                if outtype == "q4_k_m":  # the k-quant rows also on held-out text
+                    held_out = held_out or eval_windows(loaded, HELD_OUT, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
+                    outside = compare_logprobs(loaded, Path(tmp) / "m.gguf", held_out)
+                    result["held_out"] = {"corpus": HELD_OUT, **outside}
             rows.append(
                 {
                     "model": label,
@@ -89,6 +105,7 @@ def run(args) -> dict:
                     "heads": sum(record["head_count"]),
                     "kv_heads": sum(record["head_count_kv"]),
                     "outtype": record["outtype"],
+                    "imatrix": weighted,
                     "bytes": record["bytes"],
                     "tensor_type_counts": record["tensor_type_counts"],
                     "quantization": record["quantization"],
@@ -118,24 +135,46 @@ def markdown(r: dict) -> str:
         size = f", {row['bytes'] / 2**20:.1f} MiB" if row.get("bytes") else ""
         lines.append(
             f"| {row['model']} | {row['architecture']} | {row['heads']} / {row['kv_heads']} | "
-            f"{row.get('outtype', 'f32')}{size} | {row['perplexity_transformers']:.4f} | "
+            f"{row.get('outtype', 'f32')}{' + imatrix' if row.get('imatrix') else ''}{size} | "
+            f"{row['perplexity_transformers']:.4f} | "
             f"{row['perplexity_llamacpp']:.4f} | {100 * row['relative_difference']:.4f}% | "
             f"{row['max_abs_logit_diff']:.2e} | {row['max_abs_logit']:.1f} |"
         )
+    outside = [row for row in r["rows"] if row.get("held_out")]
+    if outside:
+        lines += [
+            "",
+            f"The k-quant files on text the calibration never saw (`{outside[0]['held_out']['corpus']}`, held out of "
+            "the default corpus, same windows), beside the eval split: llama.cpp's perplexity against transformers' "
+            "on the same tokens.",
+            "",
+            "| model | file | eval split: relative diff | held out: ppl transformers | held out: ppl llama.cpp | "
+            "held out: relative diff |",
+            "|---|---|---:|---:|---:|---:|",
+        ]
+        for row in outside:
+            other = row["held_out"]
+            lines.append(
+                f"| {row['model']} | {row['outtype']}{' + imatrix' if row.get('imatrix') else ''} | "
+                f"{100 * row['relative_difference']:.2f}% | {other['perplexity_transformers']:.4f} | "
+                f"{other['perplexity_llamacpp']:.4f} | {100 * other['relative_difference']:.2f}% |"
+            )
     quantized = [row for row in r["rows"] if row.get("quantization")]
     if quantized:
         lines += ["", "Tensors by stored type in the quantized files (read back with the gguf package's reader):", ""]
         for row in quantized:
             by = row["quantization"]
+            weighted = by.get("imatrix")
             who = (
                 f"llama.cpp {by['ftype']} from {by['from']}, ggml {by['ggml']} ({by['commit']})"
+                + (f", importance matrix of {weighted['tokens']} calibration tokens" if weighted else "")
                 if by["by"] == "llama.cpp"
                 else f"headlab with gguf {by.get('gguf')}"
             )
             counts = ", ".join(f"{n} {name}" for name, n in row["tensor_type_counts"].items())
             fallback = len(by.get("fallback_matrices") or {})
             lines.append(
-                f"- {row['model']}, {row['outtype']} ({who}): {counts}"
+                f"- {row['model']}, {row['outtype']}{' + imatrix' if row.get('imatrix') else ''} ({who}): {counts}"
                 + (f"; {fallback} matrices in a fallback type (rows not a multiple of the block)" if fallback else "")
             )
     return "\n".join(lines)
