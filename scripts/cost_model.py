@@ -136,12 +136,13 @@ def memory_uptrain(s: Shape, processes: int = 1) -> dict[str, float]:
 # ---- time (seconds) -------------------------------------------------------------------------------------------------
 
 
-def time_through(s: Shape, rate: float, fixed: float, per_layer_byte: float) -> float:
-    """t0 + W / rate + c x (layer bytes x L): the checkpoint moved through once at the rate of its plain reference
-    (a copy for what writes a checkpoint, a read for the readers), the command's fixed cost, and its per-layer work
-    (computing, converting, re-reading) in proportion to the layer's bytes."""
+def time_through(s: Shape, rate: float, fixed: float, per_layer_byte: float, factor: float = 1.0) -> float:
+    """t0 + a x W / rate + c x (layer bytes x L): the checkpoint's plain reference at its rate (a copy for what
+    writes a checkpoint, a read for the readers) taken a times (a writer's disk traffic in copies; 1 for a reader),
+    the command's fixed cost, and its per-layer work (computing, converting, re-reading; 0 for a writer) in proportion
+    to the layer's bytes."""
     W = s.parameters * BF16
-    return fixed + W / rate + per_layer_byte * s.layer_parameters * BF16 * s.layers
+    return fixed + factor * W / rate + per_layer_byte * s.layer_parameters * BF16 * s.layers
 
 
 def reader_flops(s: Shape, tokens: int, command: str) -> float:
@@ -182,7 +183,7 @@ def rates(scale: dict) -> dict:
         fit = case.time_fit(rows, step)
         if fit is not None:
             fits[step] = {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer"] / layer_bytes,
-                          "per_layer": fit["per_layer"]}  # fmt: skip
+                          "per_layer": fit["per_layer"], "factor": fit["factor"]}  # fmt: skip
     return {"copy": copy["model_bytes"] / copy["seconds"],
             "read": read["model_bytes"] / read["seconds"] if read else None,
             "gemm": scale.get("gemm_gflops", 0) * 1e9, "fits": fits, "deepest": deepest}  # fmt: skip
@@ -277,7 +278,8 @@ def measured_points(scale: dict, memory: dict, r: dict) -> list[tuple[str, str, 
             points.append((where, _gib(row["peak_rss"]), _gib(predicted), _error(predicted, row["peak_rss"])))
     for t in case.time_model(scale["rows"]):
         if not t["fitted"]:
-            points.append((f"`{t['step']}` time, {t['layers']} layers (t0 and c fitted at the two shallower depths)",
+            fitted = "t0 and a" if t["reference"] == "copy" else "t0 and c"
+            points.append((f"`{t['step']}` time, {t['layers']} layers ({fitted} fitted at the two shallower depths)",
                            _seconds(t["measured"]), _seconds(t["predicted"]), _error(t["predicted"], t["measured"])))  # fmt: skip
     return points
 
@@ -293,6 +295,10 @@ def compute_share(r: dict, command: str, tokens: int = 256) -> float | None:
     return flops / r["gemm"] / fit["per_layer"]
 
 
+def _writer(fit: dict) -> dict:
+    return {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer_byte"], "factor": fit["factor"]}
+
+
 def predictions(r: dict) -> list[str]:
     """Markdown rows: each command kind at 8B, 70B and 405B on this machine, one H200 and eight."""
     lines = ["| command | where | 8B | 70B | 405B |", "|---|---|---|---|---|"]
@@ -303,10 +309,10 @@ def predictions(r: dict) -> list[str]:
         lines.append(f"| {command} | {where} | " + " | ".join(cells) + " |")
 
     row("`convert-gqa` / `prune` / `expand-kv --streaming`", "this machine",
-        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, r['copy'], fit['fixed'], fit['per_layer_byte']))}"
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, r['copy'], **_writer(fit)))}"
          for s in shapes])  # fmt: skip
     row("the same", "an H200 node (CPU work; disk at 2 GB/s)",
-        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, NODE_DISK / 2, fit['fixed'], fit['per_layer_byte']))}"
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, NODE_DISK / 2, **_writer(fit)))}"
          for s in shapes])  # fmt: skip
     for command in ("eval", "importance"):
         reader = r["fits"].get(f"{command}, offloaded, 256 tokens")

@@ -224,23 +224,25 @@ def test_checkpoint_writes_the_rows_so_far_and_the_finished_run_replaces_them(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long_gpu.partial.json"]  # no scratch file left
 
 
-def test_scale_time_model_solves_fixed_and_per_layer_cost_from_two_depths_and_predicts_the_third():
+def test_scale_time_model_solves_a_writers_fixed_cost_and_copies_from_two_depths_and_predicts_the_third():
     case = _case("scale")
     step = "prune --streaming --mode physical"
     rows = [{"layers": layers, "step": "copy (reference)", "seconds": copy, "peak_rss": 1, "cold": True}
             for layers, copy in ((8, 10.0), (16, 20.0), (32, 40.0))]  # fmt: skip
-    # t = 5 + copy + 2 x layers at 8 and 16 layers; the 32-layer run took 100 s against a predicted 109
+    # t = 5 + 2.5 x copy at 8 and 16 layers (a writer: disk traffic, no per-layer term); the 32-layer run took
+    # 100 s against a predicted 105
     rows += [{"layers": layers, "step": step, "seconds": seconds, "peak_rss": 1, "cold": True}
-             for layers, seconds in ((8, 31.0), (16, 57.0), (32, 100.0))]  # fmt: skip
+             for layers, seconds in ((8, 30.0), (16, 55.0), (32, 100.0))]  # fmt: skip
     # a row of another regime (a warm page cache, an older run) never enters the fit
     rows.append({"layers": 64, "step": step, "seconds": 1.0, "peak_rss": 1})
     table = case.time_model(rows)
     assert [(t["layers"], t["fitted"]) for t in table] == [(8, True), (16, True), (32, False)]
     deepest = table[-1]
-    assert abs(deepest["fixed"] - 5.0) < 1e-9 and abs(deepest["per_layer"] - 2.0) < 1e-9
-    assert abs(deepest["predicted"] - 109.0) < 1e-9
+    assert abs(deepest["fixed"] - 5.0) < 1e-9 and abs(deepest["factor"] - 2.5) < 1e-9 and deepest["per_layer"] == 0
+    assert abs(deepest["predicted"] - 105.0) < 1e-9
+    assert case.time_fit(rows, step) == {"fixed": deepest["fixed"], "factor": deepest["factor"], "per_layer": 0.0}
     text = "\n".join(case._time_model(rows))
-    assert "| `prune --streaming --mode physical` | 32 | copy 40 | 5.0 | 2.00 | 109 | 100 | +9% |" in text
+    assert "| `prune --streaming --mode physical` | 32 | copy 40 | 5.0 | 2.50 | 0.00 | 105 | 100 | +5% |" in text
     assert case.time_model(rows[:5]) == []  # two depths fit the model and leave nothing to predict
 
 
@@ -308,5 +310,6 @@ def test_scale_time_model_times_readers_against_a_read_and_prefers_the_reference
     # a capped run of the same step is another measurement (a memory bracket), never a point of the time model
     rows.append({"layers": 32, "step": step, "seconds": 1.0, "cold": True, "cap": 1, "outcome": "finished"})
     (deepest,) = [t for t in case.time_model(rows) if not t["fitted"]]
-    assert deepest["reference"] == "read" and deepest["reference_seconds"] == 16.0
+    assert deepest["reference"] == "read" and deepest["reference_seconds"] == 16.0 and deepest["factor"] == 1.0
+    assert abs(deepest["per_layer"] - 1.0) < 1e-9 and abs(deepest["fixed"] - 3.0) < 1e-9
     assert abs(deepest["predicted"] - 51.0) < 1e-9 and deepest["measured"] == 50.0

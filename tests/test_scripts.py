@@ -99,6 +99,7 @@ def test_cost_model_formulas_against_hand_counts():
     W = tiny.parameters * 2
     assert cost.time_through(tiny, rate=W, fixed=5.0, per_layer_byte=0.0) == 6.0
     assert cost.time_through(tiny, rate=W, fixed=0.0, per_layer_byte=1.0) == 1.0 + 2 * tiny.layer_parameters * 2
+    assert cost.time_through(tiny, rate=W, fixed=5.0, per_layer_byte=0.0, factor=2.5) == 7.5  # a writer: 2.5 copies
     fsdp = cost.memory_uptrain(tiny, processes=2)
     E = 32 * 8 * 2
     # rank 0 loads both on its host; each device receives its half of them and one whole tensor (the largest) at once

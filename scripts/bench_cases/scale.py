@@ -375,38 +375,48 @@ def _cold_runs(rows: list[dict], step: str) -> tuple[dict, list[dict]]:
     return {row["layers"]: row.get(paired, plain.get(row["layers"])) for row in runs}, runs
 
 
-def _fit(references: dict, runs: list[dict]) -> dict | None:
+def _fit(references: dict, runs: list[dict], kind: str) -> dict | None:
+    """t(L) = t0 + a x reference(L) + c x L with two of the three unknowns solved from the two shallowest depths (the
+    third fixed by the kind of command). A writer ("copy") moves the checkpoint through the disk and its time beyond
+    t0 tracks the plain copy's: 2.4x, 1.9x and 2.1x the copy's seconds at 8, 16 and 32 layers (2026-12-04), disk time
+    and not per-layer work, so c = 0 and a is fitted. A reader ("read") reads the checkpoint once and computes per
+    layer: a = 1 and c is fitted. None without two depths (or two equal references, for a writer)."""
     if len(runs) < 2:
         return None
-    (l1, e1), (l2, e2) = ((r["layers"], r["seconds"] - references[r["layers"]]) for r in runs[:2])
-    per_layer = (e2 - e1) / (l2 - l1)
-    return {"fixed": e1 - per_layer * l1, "per_layer": per_layer}
+    (l1, t1, r1), (l2, t2, r2) = ((r["layers"], r["seconds"], references[r["layers"]]) for r in runs[:2])
+    if kind == "copy":
+        if abs(r2 - r1) < 1e-9:
+            return None
+        factor = (t2 - t1) / (r2 - r1)
+        return {"fixed": t1 - factor * r1, "factor": factor, "per_layer": 0.0}
+    per_layer = ((t2 - r2) - (t1 - r1)) / (l2 - l1)
+    return {"fixed": t1 - r1 - per_layer * l1, "factor": 1.0, "per_layer": per_layer}
 
 
 def time_fit(rows: list[dict], step: str) -> dict | None:
-    """t0 and c of t(L) = t0 + reference(L) + c x L, solved from the two shallowest depths of `step`; None without
-    two."""
-    return _fit(*_cold_runs(rows, step))
+    """t0, a and c of `step`'s t(L) = t0 + a x reference(L) + c x L (`_fit`), solved from its two shallowest depths;
+    None without two."""
+    return _fit(*_cold_runs(rows, step), TIMED_STEPS[step])
 
 
 def time_model(rows: list[dict]) -> list[dict]:
-    """Predicted against measured seconds of the commands that move the checkpoint through: t(L) = t0 +
+    """Predicted against measured seconds of the commands that move the checkpoint through: t(L) = t0 + a x
     reference(L) + c x L, with reference(L) the seconds of the plain copy (commands that write a checkpoint) or read
     (the readers) of the same bytes, timed just before the command (this disk's rate drifts within minutes), t0 the
-    command's fixed cost (start-up, the embeddings' own work) and c its per-layer work (computing, converting,
-    re-reading), both solved from the two shallowest depths (time_fit); the deeper rows are predictions."""
+    command's fixed cost (start-up, the embeddings' own work); a writer's a (its disk traffic in copies) or a
+    reader's per-layer work c solved with t0 from the two shallowest depths (`_fit`); the deeper rows are
+    predictions."""
     table = []
     for step, kind in TIMED_STEPS.items():
         references, runs = _cold_runs(rows, step)
-        fit = _fit(references, runs)
+        fit = _fit(references, runs, kind)
         if fit is None or len(runs) < 3:
             continue
         for i, row in enumerate(runs):
-            predicted = fit["fixed"] + references[row["layers"]] + fit["per_layer"] * row["layers"]
+            predicted = fit["fixed"] + fit["factor"] * references[row["layers"]] + fit["per_layer"] * row["layers"]
             table.append({"step": step, "layers": row["layers"], "reference": kind,
-                          "reference_seconds": references[row["layers"]], "fixed": fit["fixed"],
-                          "per_layer": fit["per_layer"], "predicted": predicted, "measured": row["seconds"],
-                          "fitted": i < 2})  # fmt: skip
+                          "reference_seconds": references[row["layers"]], **fit, "predicted": predicted,
+                          "measured": row["seconds"], "fitted": i < 2})  # fmt: skip
     return table
 
 
@@ -416,19 +426,20 @@ def _time_model(rows: list[dict]) -> list[str]:
         return []
     lines = [
         "",
-        "Time model: seconds = t0 + the reference's seconds at that depth (a plain copy of the checkpoint for what "
-        "writes one, a plain read for the readers; timed just before the command, cold cache: the disk rate) + "
-        "layers x c, with the fixed t0 and the per-layer c solved from the two shallowest depths; deeper rows are "
+        "Time model: seconds = t0 + a x the reference's seconds at that depth (a plain copy of the checkpoint for "
+        "what writes one, a plain read for the readers; timed just before the command, cold cache: the disk rate) + "
+        "layers x c. Writers: c = 0, their time beyond t0 a multiple a of the copy's (disk traffic); readers: a = 1, "
+        "c their per-layer work. The two unknowns are solved from the two shallowest depths; deeper rows are "
         "predictions.",
         "",
-        "| command | layers | reference s | t0 s | c s/layer | predicted s | measured s | error |",
-        "|---|---|---|---|---|---|---|---|",
+        "| command | layers | reference s | t0 s | a | c s/layer | predicted s | measured s | error |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for t in table:
         error = "(fitted)" if t["fitted"] else f"{t['predicted'] / t['measured'] - 1:+.0%}"
         lines.append(f"| `{t['step']}` | {t['layers']} | {t['reference']} {t['reference_seconds']:.0f} | "
-                     f"{t['fixed']:.1f} | {t['per_layer']:.2f} | {t['predicted']:.0f} | {t['measured']:.0f} | "
-                     f"{error} |")  # fmt: skip
+                     f"{t['fixed']:.1f} | {t['factor']:.2f} | {t['per_layer']:.2f} | {t['predicted']:.0f} | "
+                     f"{t['measured']:.0f} | {error} |")  # fmt: skip
     return lines
 
 
