@@ -538,6 +538,31 @@ def test_imatrix_types_write_and_run_with_an_importance_matrix(tmp_path, layout)
     assert math.isfinite(result["perplexity_llamacpp"]) and result["relative_difference"] < 0.5, result
 
 
+@needs_llamacpp
+def test_export_gguf_imatrix_on_the_command_line(tmp_path, capsys):
+    """`export-gguf --outtype Q4_K_M --imatrix`: calibration windows from the corpus's calibration part, the table's
+    importance-matrix row, the record and the file's provenance say how many tokens it measured."""
+    loaded = tiny(**QUANT_SHAPES)
+    loaded.model.save_pretrained(tmp_path / "model")
+    loaded.tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 4)
+    args = ["export-gguf", "--model", tmp_path / "model", "--device", "cpu", "--data", tmp_path / "text.txt",
+            "--outtype", "Q4_K_M", "--imatrix", "--calibration-tokens", "256", "--no-verify"]  # fmt: skip
+    code, out, err = run_cli([*args, "--out", tmp_path / "m.gguf", "--json"], capsys)
+    assert code == 0, err
+    import json
+
+    record = json.loads(out)
+    imatrix = record["quantization"]["imatrix"]
+    assert 0 < imatrix["tokens"] <= 256 and imatrix["entries"] == 15 and imatrix["matrices_without"] == []
+    assert imatrix["text"]["split"] == "calibration", imatrix["text"]
+    fields, _ = read(tmp_path / "m.gguf")
+    assert f"importance matrix of {imatrix['tokens']} calibration tokens" in fields["headlab.quantized_by"]
+    code, out, err = run_cli([*args, "--out", tmp_path / "n.gguf"], capsys)
+    assert code == 0 and f"15 matrices, {imatrix['tokens']} calibration tokens" in out, (out, err)
+
+
 def test_imatrix_refusals_come_before_any_work():
     """Importance-only types without --imatrix, and --imatrix with a type headlab writes (no importance weighting in
     its numpy quantizer) or a float type: one line each, from the type check that runs before the model loads."""

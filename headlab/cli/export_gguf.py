@@ -114,17 +114,9 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, calibration_to
         weighted = quantization.get("imatrix")
         if weighted:
             without = weighted["matrices_without"]
-            rows.append(
-                (
-                    "importance matrix",
-                    f"{weighted['entries']} matrices, {weighted['tokens']} calibration tokens"
-                    + (
-                        f"; none for {len(without)} ({', '.join(without[:2])}{', ...' if len(without) > 2 else ''})"
-                        if without
-                        else ""
-                    ),  # fmt: skip
-                )
-            )
+            missing = f"; none for {len(without)} ({', '.join(without[:2])}{', ...' * (len(without) > 2)})"
+            used = f"{weighted['entries']} matrices, {weighted['tokens']} calibration tokens"
+            rows.append(("importance matrix", used + (missing if without else "")))
     rows += [("note", note) for note in record["notes"]]
     print_rows(rows)
 

@@ -7,7 +7,8 @@ DEFAULT_TYPE = "f16"  # GGUF tensor type of `headlab export-gguf --outtype` (hea
 # llama-quantize's names, lower-cased, -> the LLAMA_FTYPE_MOSTLY_* suffix. Only file types it quantizes without an
 # importance matrix (IQ1_*, IQ2_*, IQ3_XXS, IQ3_XS and Q2_K_S refuse without one: IMATRIX_TYPES below) and whose
 # tensor types a model is trained for (no ternary TQ*, no MoE-only MXFP4_MOE). q3_k, q4_k and q5_k are
-# llama-quantize's aliases of the _m mixes. Float types and the legacy/Q8_0 types the gguf package quantizes in numpy are not here: headlab writes those.
+# llama-quantize's aliases of the _m mixes. Float types and the legacy/Q8_0 types the gguf package quantizes in numpy
+# are not here: headlab writes those.
 LLAMACPP_TYPES = {
     "q2_k": "Q2_K",
     "q3_k_s": "Q3_K_S",

@@ -798,7 +798,7 @@ def importance_matrix(loaded: LoadedModel, items: list, batches, progress: bool 
     MLA's q, q_a, q_b and kv_a). Rows permuted or split (the RoPE interleave, attn_k_b/attn_v_b) leave columns alone;
     MLA's attn_k_b and attn_v_b multiply per-head queries and attention-weighted latents that transformers never forms,
     so they have no entry and llama.cpp rounds them without one. Returns ({GGUF name: float32 [in_features]}, a
-    record: tokens, entries, the calibration text)."""
+    record: tokens, entries, the matrices without one, the calibration text)."""
     written = {name: tuple(tensor.shape) for name, _, tensor in items}
     model, modules = loaded.model, {}
     for hf_name, (gguf_name, _, _) in _gguf_names(model).items():
@@ -807,9 +807,8 @@ def importance_matrix(loaded: LoadedModel, items: list, batches, progress: bool 
         if attribute == "weight" and isinstance(module, torch.nn.Linear) and gguf_name in written:
             modules[gguf_name] = module
     head = model.get_output_embeddings()
-    if "output.weight" not in written and isinstance(
-        head, torch.nn.Linear
-    ):  # tied: the output product reads token_embd
+    tied = "output.weight" not in written  # llama.cpp's output product then reads token_embd
+    if tied and isinstance(head, torch.nn.Linear):
         modules["token_embd.weight"] = head
     weights, tokens = input_mean_squares(loaded, modules, batches, progress=progress)
     # token_embd without an output product on it is a lookup table: llama.cpp neither measures nor needs an entry
