@@ -2,8 +2,8 @@
 a 3 -> 1 KV conversion and an MLA conversion at the MQA budget, each exported to GGUF (f32) and scored on the eval
 split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer) and Q4_K_M (llama.cpp's), whose
 distance from transformers is the quantization's, and Q4_K_M with an importance matrix (export-gguf --imatrix); the
-per-layer prune and MLA too, their Q4_K_M files also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list
-of model numbers, from 0> runs some models only and keeps the saved rows of the others."""
+per-layer prune and MLA too. Every Q4_K_M file is also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma
+list of model numbers, from 0> runs some models only and keeps the saved rows of the others."""
 
 from __future__ import annotations
 
