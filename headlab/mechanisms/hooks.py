@@ -3,9 +3,10 @@ adapter resolves and always removes them on exit (TransformerLens' `hooks` conte
 
 Sites: "attn_in" (the attention module's input, [B, T, C]) and "heads_out" (the head outputs concatenated head-major
 before the output projection, [B, T, H * D]), per attention layer; and the model-level "resid_final" (the residual
-stream entering the final norm, [B, T, C]), given the model in the layer's place. `fn(x)` sees the site's tensor;
-it returns None to leave it alone or a tensor of the same shape to replace it. Gates, compensation statistics, KV
-similarity, merge statistics and logit attribution use it.
+stream entering the final norm, [B, T, C]), given the model in the layer's place; `module_hooks` takes modules
+directly. `fn(x)` sees the site's tensor; it returns None to leave it alone or a tensor of the same shape to replace
+it. Gates, compensation statistics, KV similarity, merge statistics, logit attribution and the GGUF importance matrix
+use it.
 """
 
 from __future__ import annotations
@@ -41,10 +42,21 @@ def _pre_hook(fn: SiteHook):
 def hooks(adapter: Adapter, site_hooks: Iterable[tuple[str, AttentionLayer | nn.Module, SiteHook]]):
     """Register each (site, layer, fn) for the duration of the block (a MODEL_SITES site takes the model in the
     layer's place); every hook is removed in `finally`."""
+    resolved = (
+        (adapter.model_site(where, site) if site in MODEL_SITES else adapter.hook_site(where, site), fn)
+        for site, where, fn in site_hooks
+    )
+    with module_hooks(resolved):
+        yield
+
+
+@contextlib.contextmanager
+def module_hooks(module_hooks: Iterable[tuple[nn.Module, SiteHook]]):
+    """The same for modules given directly (any module's first input, e.g. every linear layer's): each (module, fn)
+    registered for the duration of the block, every hook removed in `finally`."""
     handles = []
     try:
-        for site, where, fn in site_hooks:
-            module = adapter.model_site(where, site) if site in MODEL_SITES else adapter.hook_site(where, site)
+        for module, fn in module_hooks:
             handles.append(module.register_forward_pre_hook(_pre_hook(fn), with_kwargs=True))
         yield
     finally:

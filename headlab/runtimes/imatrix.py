@@ -9,6 +9,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab.core.loading import LoadedModel
+from headlab.mechanisms.hooks import module_hooks
 
 
 def input_mean_squares(loaded: LoadedModel, modules: dict[str, torch.nn.Module], batches, *, progress: bool = True):
@@ -17,25 +18,20 @@ def input_mean_squares(loaded: LoadedModel, modules: dict[str, torch.nn.Module],
     sums = {name: torch.zeros(module.in_features, dtype=torch.float64) for name, module in modules.items()}
     state = {"mask": None, "tokens": 0}
 
-    def hook_for(name):
-        def hook(module, args):
-            x = args[0].detach()
+    def accumulate(name):
+        def add(x):
             mask = state["mask"].to(x.device, torch.float64)  # [B, T]
-            sums[name] += torch.einsum("btc,bt->c", x.double() ** 2, mask).cpu()
+            sums[name] += torch.einsum("btc,bt->c", x.detach().double() ** 2, mask).cpu()
 
-        return hook
+        return add
 
-    handles = [module.register_forward_pre_hook(hook_for(name)) for name, module in modules.items()]
     device = loaded.device  # where the inputs go, also under a device map
-    try:
-        with torch.no_grad():
-            for input_ids, attention_mask, *_ in tqdm(batches, desc="importance matrix", unit="batch",
-                                                       disable=not progress):  # fmt: skip
-                state["mask"] = attention_mask
-                state["tokens"] += int(attention_mask.sum())
-                loaded.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    with torch.no_grad(), module_hooks((module, accumulate(name)) for name, module in modules.items()):
+        for input_ids, attention_mask, *_ in tqdm(
+            batches, desc="importance matrix", unit="batch", disable=not progress
+        ):
+            state["mask"] = attention_mask
+            state["tokens"] += int(attention_mask.sum())
+            loaded.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
     tokens = max(state["tokens"], 1)
     return {name: (total / tokens).float().numpy().astype(np.float32) for name, total in sums.items()}, state["tokens"]
