@@ -295,7 +295,8 @@ def compute_share(r: dict, command: str, tokens: int = 256) -> float | None:
     return flops / r["gemm"] / fit["per_layer"]
 
 
-def _writer(fit: dict) -> dict:
+def _through(fit: dict) -> dict:
+    """time_through's fitted arguments from a command's fit (rates()['fits'])."""
     return {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer_byte"], "factor": fit["factor"]}
 
 
@@ -309,10 +310,10 @@ def predictions(r: dict) -> list[str]:
         lines.append(f"| {command} | {where} | " + " | ".join(cells) + " |")
 
     row("`convert-gqa` / `prune` / `expand-kv --streaming`", "this machine",
-        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, r['copy'], **_writer(fit)))}"
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, r['copy'], **_through(fit)))}"
          for s in shapes])  # fmt: skip
     row("the same", "an H200 node (CPU work; disk at 2 GB/s)",
-        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, NODE_DISK / 2, **_writer(fit)))}"
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, NODE_DISK / 2, **_through(fit)))}"
          for s in shapes])  # fmt: skip
     for command in ("eval", "importance"):
         reader = r["fits"].get(f"{command}, offloaded, 256 tokens")
@@ -320,7 +321,7 @@ def predictions(r: dict) -> list[str]:
             continue
         row(f"`{command}` on 256 tokens, offloaded (`--max-memory 64MB`)", "this machine",
             [f"{_gib(memory_offloaded(s, 64e6, gradient=command == 'importance'))}; "
-             f"{_seconds(time_through(s, r['read'], reader['fixed'], reader['per_layer_byte']))}" for s in shapes])  # fmt: skip
+             f"{_seconds(time_through(s, r['read'], **_through(reader)))}" for s in shapes])  # fmt: skip
     for command, tokens in (("eval", 65536), ("importance", 65536)):
         for gpus in (1, 8):
             cells = []

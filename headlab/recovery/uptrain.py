@@ -527,10 +527,8 @@ def uptrain(
     # under fsdp only rank 0 may hold the weights before sharding (the others pass a skeleton): its finding is sent
     dead = distributed.from_rank0(lambda: [dead_heads(student, layer) for layer in student.layers])
     held = _held_before_sharding(student, teacher) if config.parallel == "fsdp" else None
-    with _parallel(student, teacher, config, trains_on) as (
-        student,
-        teacher,
-    ):  # fsdp: sharded copies, values back on exit
+    training = _parallel(student, teacher, config, trains_on)  # fsdp: sharded copies, values back on exit
+    with training as (student, teacher):
         params, optimizer = _optimiser(student, config)
         torch.manual_seed(config.seed)
         eval_args = dict(
