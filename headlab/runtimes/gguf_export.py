@@ -749,17 +749,12 @@ def export_gguf(
             write(tmp)
             quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
         else:
-            quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads()}
-            quantization.update(llamacpp.versions())
-            quantization["imatrix"] = imatrix_record
+            quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
+                            **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
+            types, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
+            notes += overridden
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
                 write(source, _provenance(quantization))
-                types = {rf"\.{re.escape(name)}$": "F32" for name in plan.keep_f32}
-                without = imatrix_record["matrices_without"] if outtype in IMATRIX_TYPES else []
-                if without:  # llama.cpp refuses these types for a matrix with no importance entry
-                    types.update({rf"^{re.escape(name)}$": "Q8_0" for name in without})
-                    notes.append(f"{len(without)} matrices whose inputs transformers never forms have no importance "
-                                 f"entry and are written q8_0 ({', '.join(without[:2])}, ...)")  # fmt: skip
                 llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=types, imatrix=weights)
         stored, problem = _stored_types(tmp, outtype)
         if quantization is not None:
@@ -789,6 +784,19 @@ def export_gguf(
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
+
+
+def _llamacpp_tensor_types(plan: ExportPlan, outtype: str, imatrix_record: dict | None) -> tuple[dict, list[str]]:
+    """llama.cpp's tensor-type overrides ({regex: type}) and the notes they need: the plan's f32 matrices
+    (`plan.keep_f32`), and, in an importance-only type (IMATRIX_TYPES), which llama.cpp refuses for a matrix without
+    an importance entry, those matrices written q8_0."""
+    types = {rf"\.{re.escape(name)}$": "F32" for name in plan.keep_f32}
+    without = imatrix_record["matrices_without"] if imatrix_record and outtype in IMATRIX_TYPES else []
+    if not without:
+        return types, []
+    types.update({rf"^{re.escape(name)}$": "Q8_0" for name in without})
+    return types, [f"{len(without)} matrices whose inputs transformers never forms have no importance entry and are "
+                   f"written q8_0 ({', '.join(without[:2])}, ...)"]  # fmt: skip
 
 
 def importance_matrix(loaded: LoadedModel, items: list, batches, progress: bool = True) -> tuple[dict, dict]:
