@@ -751,11 +751,11 @@ def export_gguf(
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
                             **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
-            types, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
+            overrides, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
             notes += overridden
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
                 write(source, _provenance(quantization))
-                llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=types, imatrix=weights)
+                llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides, imatrix=weights)
         stored, problem = _stored_types(tmp, outtype)
         if quantization is not None:
             quantization["fallback_matrices"] = stored["fallbacks"]
