@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model
-from headlab.kv import mla
+from headlab.kv import mla, post_norms
 from headlab.kv.methods import mla_budget, mla_budget_numbers
 
 
@@ -534,6 +534,75 @@ def test_cli_converts_qwen3_and_prints_what_the_fold_costs(tmp_path, capsys):
     assert not any("q_norm" in name or "k_norm" in name for name, _ in reloaded.named_parameters())
 
 
+# ---- post-norm blocks (OLMo 2): the nearest pre-norm form ----------------------------------------------------------
+
+
+def test_pre_norm_constants_match_a_token_by_token_loop(text):
+    """E[mean(x^2)] of each post-norm's and raw sublayer's input over the real calibration tokens of a padded batch,
+    computed by hooking the modules and summing token by token, gives the form's gains c and constants g / r."""
+    loaded = loaded_tiny("olmo2")
+    ids, mask = tiny_inputs("olmo2", batch=2, seq=24).values()
+    mask[1, 16:] = 0  # padding: excluded from every mean
+    batches = [(ids, mask)]
+    block = loaded.adapter.blocks(loaded.model)[1]
+    modules = {"attn_out": block.post_attention_layernorm, "mlp_out": block.post_feedforward_layernorm,
+               "attn_in": block.self_attn, "mlp_in": block.mlp}  # fmt: skip
+    seen = {}
+    handles = [m.register_forward_pre_hook(
+        lambda _m, args, kwargs, n=n: seen.__setitem__(n, (args[0] if args else kwargs["hidden_states"]).double()),
+        with_kwargs=True) for n, m in modules.items()]  # fmt: skip
+    with torch.no_grad():
+        loaded.model(input_ids=ids, attention_mask=mask)
+    for handle in handles:
+        handle.remove()
+    real = [(row, t) for row in range(2) for t in range(24) if mask[row, t]]
+    square = {n: sum(float(x[row, t].pow(2).mean()) for row, t in real) / len(real) for n, x in seen.items()}
+    form = post_norms.PreNormForm.measure(loaded, batches, eps=1e-6)
+    assert form.gains[1] == pytest.approx((square["attn_in"] ** 0.5, square["mlp_in"] ** 0.5), rel=1e-9)
+    for norm, name, m in ((modules["attn_out"], "attn_out", form.outputs[1][0]),
+                          (modules["mlp_out"], "mlp_out", form.outputs[1][1])):  # fmt: skip
+        expected = norm.weight.double() / (square[name] + norm.variance_epsilon) ** 0.5
+        torch.testing.assert_close(m, expected.detach(), rtol=1e-9, atol=0)
+
+
+def test_olmo2_mla_equals_its_nearest_pre_norm_form(text):
+    """One KV head at the GQA budget converts exactly except for the norms, so the MLA model's logits equal the
+    source's in its nearest pre-norm form with constant q/k norms: the post-norm fold is the only new approximation,
+    and the record measures it on its own against the real source."""
+    loaded = from_model(sharpened(tiny_model("olmo2", num_key_value_heads=1)), tiny_tokenizer())
+    plain = logits(loaded.model)
+    model, record = converted(loaded, text, budget="gqa")
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    form = post_norms.PreNormForm.measure(loaded, batches, mla.LATENT_NORM_EPS)
+    with form.applied(loaded):
+        multipliers = mla.all_qk_norm_multipliers(loaded, mla.input_grams(loaded, batches, progress=False))
+        with mla.constant_qk_norms(loaded, multipliers):
+            nearest = logits(loaded.model)
+    assert rel_diff(logits(model.model), nearest) < 1e-5
+    assert torch.equal(logits(loaded.model), plain)  # the source is back as it was
+    assert rel_diff(nearest, plain) > 1e-3  # ... and the form is a real change, which the record reports
+    step = record["steps"]["post_norm_fold"]
+    assert step["exact"] is False and step["max_abs_logit_diff"] > 0
+    assert step["calibration_nll"][0] == pytest.approx(record["calibration_nll_before"])
+    assert step["calibration_nll"][1] == pytest.approx(record["steps"]["qk_norm_fold"]["calibration_nll"][0])
+
+
+def test_cli_converts_olmo2_and_the_checkpoint_loads_vanilla(tmp_path, capsys):
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
+    source = save_tiny("olmo2", tmp_path / "olmo2")
+    args = ["convert-mla", "--model", source, "--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32",
+            "--no-eval", "--budget", "mqa", "--calibration-tokens", "256", "--out", tmp_path / "mla"]  # fmt: skip
+    code, printed, err = run_cli(args, capsys)
+    assert code == 0, err
+    line = next(row for row in printed.splitlines() if row.startswith("step post_norm_fold"))
+    assert "approximate" in line and "calibration NLL" in line
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
+    assert reloaded.config.model_type == "deepseek_v3"
+    assert not any("feedforward_layernorm" in name for name, _ in reloaded.named_parameters())
+    code, _, err = run_cli([*args[:-1], tmp_path / "mla2", "--streaming"], capsys)
+    assert code == 2 and "without --streaming" in err and not (tmp_path / "mla2").exists()
+
+
 def _yarn_mla(text):
     """A sharpened one-KV-head llama with yarn whose ramp shows at positions < 48 (original context 64, theta 1e4),
     converted exactly (budget gqa) and folded, as a LoadedModel with test_gguf's byte-level BPE tokenizer."""
@@ -653,7 +722,6 @@ def test_quantized_mla_gguf_keeps_the_folded_latent_in_f32(text, tmp_path, outty
         ("llama", {}, dict(budget="gqa", kv_lora_rank=8), "not both"),
         ("llama", {}, dict(budget="half"), "half"),
         ("mistral", {}, dict(budget="gqa"), "sliding-window"),
-        ("olmo2", {}, dict(budget="gqa"), "do not map"),  # post-norm blocks (q/k norms alone are folded)
         ("gemma3_text", {}, dict(budget="gqa"), "sliding-window|cannot express"),
         ("gpt2", {}, dict(budget="gqa"), "gpt2"),
         ("phi3", {}, dict(budget="gqa"), "do not map"),  # fused gate_up MLP

@@ -243,6 +243,11 @@ class Adapter:
     final_norm_name: str = "norm"
     # Added to that norm's weight before it scales (Gemma and Qwen3-Next store w and multiply by 1 + w).
     norm_offset: float = 0.0
+    # Block-relative names of norms applied to a sublayer's output before the residual add (OLMo 2, Gemma 3), and of
+    # sublayers that read the residual stream unnormalised (OLMo 2): what a pre-norm target cannot hold
+    # (headlab.kv.post_norms).
+    post_norms: tuple[str, ...] = ()
+    raw_sublayers: tuple[str, ...] = ()
     # Bias-free linear maps between the final norm and the unembedding, where a model has them (OPT's project_out
     # when word_embed_proj_dim differs from hidden_size); folded into the unembedding.
     unembed_in: tuple[str, ...] = ()
@@ -886,11 +891,22 @@ register(
         ("gemma3_text", "gemma3"),
         blocks_path=("language_model.layers", "layers"),
         norm_offset=1.0,
+        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
         q_norm="self_attn.q_norm",
         k_norm="self_attn.k_norm",
     )
 )
-register(SeparateQKV(("olmo2",), norm_spans_heads=True, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"))
+# OLMo 2's blocks: h = x + norm(attn(x)), out = h + norm(mlp(h)): its post_attention_layernorm is a post-norm.
+register(
+    SeparateQKV(
+        ("olmo2",),
+        norm_spans_heads=True,
+        q_norm="self_attn.q_norm",
+        k_norm="self_attn.k_norm",
+        post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+        raw_sublayers=("self_attn", "mlp"),
+    )
+)
 register(
     SeparateQKV(
         ("opt",),

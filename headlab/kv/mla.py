@@ -49,8 +49,9 @@ from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.gqa import measured_kv_bytes_per_token
 from headlab.kv.grouping import gqa_layers
 from headlab.kv.methods import mla_budget, mla_budget_numbers
+from headlab.kv.post_norms import PreNormForm, constant_norms, norm_eps
 from headlab.measure.costs import kv_bytes_per_token
-from headlab.measure.evaluate import perplexity
+from headlab.measure.evaluate import calibration_nll, perplexity
 from headlab.mechanisms.capture import capture_attention
 from headlab.mechanisms.hooks import hooks
 from headlab.recovery.recover import RECOVERY_DIR, write_recovery
@@ -114,6 +115,22 @@ class MlaPlan:
         return {**asdict(self), "full_rank": self.full_rank, "cache_numbers": self.cache_numbers}
 
 
+def inexpressible(loaded: LoadedModel) -> list[str]:
+    """What of the source's attention configuration deepseek_v3 cannot express (soft-capping, query_pre_attn_scalar,
+    MLP biases, sliding windows), in words; empty when nothing."""
+    config = loaded.model.config.get_text_config()
+    found = [what for what in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
+             if getattr(config, what, None)]  # fmt: skip
+    if getattr(config, "mlp_bias", False):
+        found.append("MLP biases")
+    sliding = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
+    window = getattr(config, "sliding_window", None)
+    limit = loaded.max_positions or math.inf  # a window at least as long as every position never slides
+    if sliding or (getattr(config, "layer_types", None) is None and window and window < limit):
+        found.append(f"sliding-window attention ({window})")
+    return found
+
+
 def check_source(loaded: LoadedModel, resident: bool = True) -> None:
     """Refuse (one line) an attention that deepseek_v3 cannot express, before any work. resident=False: the weights
     may wait offloaded (convert-mla --streaming reads them from the files, the model only runs calibration)."""
@@ -124,16 +141,12 @@ def check_source(loaded: LoadedModel, resident: bool = True) -> None:
     if adapter.is_encoder or not adapter.rotary or adapter.gated:
         raise HeadlabError(f"{name}: MLA conversion needs a causal decoder with rotary attention and no output gate")
     gqa_layers(loaded)  # one (H, G) for every layer, else refused there
-    for what in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
-        if getattr(config, what, None):
-            raise HeadlabError(f"{name} uses {what}, which deepseek_v3 attention cannot express")
-    if getattr(config, "mlp_bias", False):
-        raise HeadlabError(f"{name} has MLP biases; deepseek_v3's dense MLP has none")
-    sliding = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
-    window = getattr(config, "sliding_window", None)
-    limit = loaded.max_positions or math.inf  # a window at least as long as every position never slides
-    if sliding or (getattr(config, "layer_types", None) is None and window and window < limit):
-        raise HeadlabError(f"{name} uses sliding-window attention ({window}), which deepseek_v3 cannot express")
+    unexpressed = inexpressible(loaded)
+    if unexpressed:
+        raise HeadlabError(f"{name} uses {' and '.join(unexpressed)}, which deepseek_v3 cannot express")
+    if (adapter.post_norms or adapter.raw_sublayers) and not resident:
+        raise HeadlabError(f"{name}'s post-norm blocks go to deepseek_v3 in their nearest pre-norm form, whose "
+                           "constants need the model run whole: convert without --streaming")  # fmt: skip
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") not in MLA_ROPE_TYPES:
         raise HeadlabError(
@@ -675,10 +688,13 @@ def _biases(w):
     return (w.q_bias, w.k_bias, w.v_bias, w.o_bias)
 
 
-def _shared_weights(loaded: LoadedModel, target: nn.Module) -> dict[str, torch.Tensor]:
+def _shared_weights(loaded: LoadedModel, target: nn.Module, pre_norm: PreNormForm | None = None) -> dict:
     """The source's non-attention tensors (embeddings, norms, MLPs, lm_head) under the target's names, which
-    llama-style families share. Any tensor missing, misshapen or left over is refused: the MLP is not deepseek's."""
+    llama-style families share; a post-norm source's in its nearest pre-norm form (_pre_norm_tensors). Any tensor
+    missing, misshapen or left over is refused: the MLP is not deepseek's."""
     source = {k: v for k, v in loaded.model.state_dict().items() if ".self_attn." not in k}
+    if loaded.adapter.post_norms or loaded.adapter.raw_sublayers:
+        source = _pre_norm_tensors(loaded, source, pre_norm)
     wanted = {k: v for k, v in target.state_dict().items() if ".self_attn." not in k}
     missing = [k for k, v in wanted.items() if k not in source or source[k].shape != v.shape]
     extra = [k for k in source if k not in wanted]
@@ -688,6 +704,26 @@ def _shared_weights(loaded: LoadedModel, target: nn.Module) -> dict[str, torch.T
             f"missing or misshapen {missing[:3]}, left over {extra[:3]}"
         )
     return {k: source[k] for k in wanted}
+
+
+def _pre_norm_tensors(loaded: LoadedModel, source: dict, pre_norm: PreNormForm | None) -> dict:
+    """`source` with each block's post-norms taken out and deepseek_v3's two pre-norms put in: weights filled with the
+    form's gains c, and the MLP-output constant folded into down_proj's rows (headlab.kv.post_norms). Without a form
+    (the plan's check on the meta device) gains and constants are ones: the names and shapes are what it checks."""
+    blocks = loaded.adapter.blocks(loaded.model)
+    prefix = next(name for name, module in loaded.model.named_modules() if module is blocks)
+    source = dict(source)
+    for i in range(len(blocks)):
+        at = f"{prefix}.{i}."
+        for name in loaded.adapter.post_norms:
+            like = source.pop(at + name + ".weight")
+        gains = pre_norm.gains[i] if pre_norm is not None and pre_norm.gains else (1.0, 1.0)
+        for name, gain in zip(("input_layernorm", "post_attention_layernorm"), gains):
+            source[at + name + ".weight"] = like.new_full(like.shape, gain)
+        down = at + "mlp.down_proj.weight"
+        if pre_norm is not None and down in source:
+            source[down] = (source[down].double() * pre_norm.outputs[i][1][:, None].to(source[down].device)).to(like)
+    return source
 
 
 def _write_attention(attn: nn.Module, w, layer: LayerMla, plan: MlaPlan) -> None:
@@ -724,10 +760,6 @@ def _write_attention(attn: nn.Module, w, layer: LayerMla, plan: MlaPlan) -> None
 # ---- per-head q/k norms: a calibrated constant ----------------------------------------------------------------
 
 
-def _norm_eps(module: nn.Module) -> float:
-    return float(getattr(module, "variance_epsilon", getattr(module, "eps", LATENT_NORM_EPS)))
-
-
 def qk_norm_multipliers(loaded: LoadedModel, layer, weights: HeadWeights, gram: torch.Tensor):
     """(query, key) multipliers [H, D] / [G, D] (None where the layer has no such norm) that stand in for a per-head
     RMS norm before RoPE: N(y) = g y / sqrt(mean(y^2) + eps) ~ (g / r) y, r = sqrt(E[mean(y^2)] + eps), the mean over
@@ -746,7 +778,7 @@ def qk_norm_multipliers(loaded: LoadedModel, layer, weights: HeadWeights, gram: 
         W = torch.cat([proj.double().cpu(), column.cpu()[..., None]], dim=-1)  # [h, D, C+1]
         second = torch.einsum("hdc,ce,hde->hd", W, gram.double(), W) / tokens  # E[y_hd^2]
         spans = stored.dim() == 2
-        r = (second.mean() if spans else second.mean(-1, keepdim=True)) + _norm_eps(module)  # [] or [h, 1]
+        r = (second.mean() if spans else second.mean(-1, keepdim=True)) + norm_eps(module)  # [] or [h, 1]
         gain = stored.double().cpu() + loaded.adapter.norm_offset  # [D] or [h, D]
         out.append((gain / r.sqrt()).expand(heads, D).clone())
     return tuple(out)
@@ -774,27 +806,16 @@ def all_qk_norm_multipliers(loaded: LoadedModel, grams: list[torch.Tensor]) -> l
     return [qk_norm_multipliers(loaded, layer, loaded.adapter.read(layer), grams[layer.index]) for layer in layers]
 
 
-@contextlib.contextmanager
 def constant_qk_norms(loaded: LoadedModel, multipliers: list):
     """Run the source with each q/k norm replaced by its constant (the fold alone, in the source's own modules):
     the norm's forward becomes y * m, m shaped like its input's last dims ([h, D], or [h * D] for a spanning norm)."""
-    patched = []
-    try:
-        for layer, pair in zip(gqa_layers(loaded), multipliers):
-            for module, m in zip(loaded.adapter.qk_norm_modules(layer), pair):
-                if module is None or m is None:
-                    continue
-                shaped = m.reshape(-1) if module.weight.numel() == m.numel() else m
-
-                def scaled(y, m=shaped):
-                    return y * m.to(device=y.device, dtype=y.dtype)
-
-                module.forward = scaled
-                patched.append(module)
-        yield
-    finally:
-        for module in patched:
-            del module.forward
+    pairs = [
+        (module, m.reshape(-1) if module.weight.numel() == m.numel() else m)
+        for layer, pair in zip(gqa_layers(loaded), multipliers)
+        for module, m in zip(loaded.adapter.qk_norm_modules(layer), pair)
+        if module is not None and m is not None
+    ]
+    return constant_norms(pairs)
 
 
 def _on_cpu(w: HeadWeights) -> HeadWeights:
@@ -803,12 +824,17 @@ def _on_cpu(w: HeadWeights) -> HeadWeights:
     return replace(w, **{f.name: getattr(w, f.name).cpu() for f in fields(w) if torch.is_tensor(getattr(w, f.name))})
 
 
-def convert_into(w, gram, plan: MlaPlan, attn: nn.Module, *, phase=None, magnitude=(1.0, 1.0, 1.0), multipliers=None):
+def convert_into(w, gram, plan: MlaPlan, attn: nn.Module, *, phase=None, magnitude=(1.0, 1.0, 1.0), multipliers=None,
+                 out_scale=None):  # fmt: skip
     """Convert one layer's HeadWeights `w` (its input Gram, rope phases and q/k-norm multipliers, if any) into the
-    DeepseekV3Attention module `attn` (latent norms off); returns the layer's record."""
+    DeepseekV3Attention module `attn` (latent norms off); out_scale [C]: a post-norm's constant, folded into o's
+    rows. Returns the layer's record."""
     w = _on_cpu(w)
     if multipliers is not None:  # per-head q/k norms: their calibrated constant, folded into the rows
         w = fold_qk_norm(w, multipliers)
+    if out_scale is not None:  # a post-attention norm's constant (headlab.kv.post_norms)
+        bias = None if w.o_bias is None else w.o_bias * out_scale.to(w.o_bias)
+        w = replace(w, o=w.o * out_scale.to(w.o)[:, None, None], o_bias=bias)
     converted = convert_layer(w, gram, plan, phases=phase, magnitude=magnitude)
     _write_attention(attn, w, converted, plan)
     return converted.record
@@ -821,17 +847,19 @@ def build_mla(
     phases=None,
     progress: bool = False,
     qk_multipliers: list | None = None,
+    pre_norm: PreNormForm | None = None,
 ) -> LoadedModel:
     """The converted model in memory (latent norms off), as a LoadedModel beside the untouched source. phases: per
     layer rope_phases (None: the key parts that lose RoPE count as they are); qk_multipliers: all_qk_norm_multipliers
-    when the caller has them (None: computed from `grams`, a no-op for sources without q/k norms)."""
+    when the caller has them (None: computed from `grams`, a no-op for sources without q/k norms); pre_norm: a
+    post-norm source's nearest pre-norm form (headlab.kv.post_norms; `grams` and `phases` gathered in it)."""
     # The model class comes from transformers' lazy module: only a conversion builds one (start-up).
     from transformers import DeepseekV3ForCausalLM
 
     config = mla_config(loaded, plan)
     config._attn_implementation = getattr(loaded.model.config, "_attn_implementation", None) or "sdpa"
     model = DeepseekV3ForCausalLM(config).to(loaded.dtype).eval()
-    model.load_state_dict(_shared_weights(loaded, model), strict=False)
+    model.load_state_dict(_shared_weights(loaded, model, pre_norm), strict=False)
     records = []
     layers = gqa_layers(loaded)
     magnitude = rope_magnitudes(loaded, config)
@@ -840,8 +868,9 @@ def build_mla(
         phase = None if phases is None else phases[layer.index]
         multiplier = None if multipliers is None else multipliers[layer.index]
         attn = model.model.layers[layer.block].self_attn
+        out_scale = None if pre_norm is None else pre_norm.outputs[layer.block][0]
         records.append(convert_into(loaded.adapter.read(layer), grams[layer.index], plan, attn, phase=phase,
-                                    magnitude=magnitude, multipliers=multiplier))  # fmt: skip
+                                    magnitude=magnitude, multipliers=multiplier, out_scale=out_scale))  # fmt: skip
     model.tie_weights()
     model.to(loaded.device)
     try:
@@ -943,21 +972,6 @@ def save_mla(mla: LoadedModel, out, record: dict, *, overwrite: bool = False, re
 # ---- measuring --------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def calibration_nll(model: nn.Module, batches, device) -> float:
-    """Mean next-token NLL over the calibration windows (one window per forward, to bound the logits' memory)."""
-    total, count = 0.0, 0
-    for input_ids, attention_mask, *_ in batches:
-        for row in range(input_ids.shape[0]):
-            ids, mask = input_ids[row : row + 1].to(device), attention_mask[row : row + 1].to(device)
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()  # [1, T, V]
-            targets = ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)
-            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="sum")
-            total += float(loss)
-            count += int((targets != -100).sum())
-    return total / max(count, 1)
-
-
 def _output_projections(loaded: LoadedModel) -> list[nn.Module]:
     """Each attention layer's output projection: a converted model's o_proj, else the source's via its adapter."""
     latent = [m for m in loaded.model.modules() if hasattr(m, "kv_b_proj")]  # deepseek_v3 attention modules
@@ -1035,7 +1049,39 @@ def convert_to_mla(
     converted LoadedModel (latent norms off) and the record: the plan, each step exact or approximate with its
     measured max |logit diff| and calibration NLL. mean_rotation: key parts that lose RoPE count with their mean
     rotation under each head's calibration attention (rope_phases; `phases` passes ones already gathered on `batches`);
-    False keeps them as they are."""
+    False keeps them as they are.
+    A post-norm source (OLMo 2) is converted in its nearest pre-norm form (headlab.kv.post_norms), calibrated and
+    compared in it; step post_norm_fold measures that form against the source."""
+    pre_norm = PreNormForm.measure(loaded, batches, LATENT_NORM_EPS)
+    if pre_norm is None:
+        return _convert(
+            loaded, plan, batches, progress=progress, grams=grams, mean_rotation=mean_rotation, phases=phases
+        )
+    nll_source = calibration_nll(loaded.model, batches, loaded.device)
+    fold = _compare(loaded, loaded, batches, b_context=lambda: pre_norm.applied(loaded))
+    with pre_norm.applied(loaded):
+        mla, record = _convert(loaded, plan, batches, progress=progress, grams=grams, mean_rotation=mean_rotation,
+                               phases=phases, pre_norm=pre_norm)  # fmt: skip
+    fold = {"exact": False, "how": "each post-norm replaced by its calibration RMS constant, folded into o_proj's and "
+            "down_proj's rows; each raw sublayer input given deepseek_v3's norm at its calibration RMS", **fold,
+            "calibration_nll": [nll_source, record["calibration_nll_before"]]}  # fmt: skip
+    record["steps"] = {"post_norm_fold": fold, **record["steps"]}
+    record["calibration_nll_before"] = nll_source
+    return mla, record
+
+
+def _convert(
+    loaded: LoadedModel,
+    plan: MlaPlan,
+    batches,
+    *,
+    progress: bool = True,
+    grams: list[torch.Tensor] | None = None,
+    mean_rotation: bool = True,
+    phases: list[torch.Tensor] | None = None,
+    pre_norm: PreNormForm | None = None,
+) -> tuple[LoadedModel, dict]:
+    """convert_to_mla of a pre-norm source, or of a post-norm one running in `pre_norm`, its nearest pre-norm form."""
     grams = input_grams(loaded, batches, progress) if grams is None else grams
     if phases is None and mean_rotation:
         phases = rope_phases(loaded, batches, progress)
@@ -1046,8 +1092,8 @@ def convert_to_mla(
     # one H x D x C^2 pass per layer: computed once for every build below (the rope-dim search builds up to five)
     multipliers = all_qk_norm_multipliers(loaded, grams)
     if plan.rope_choice == "measured":
-        plan, record["rope_dim_search"] = _search_rope_dim(loaded, plan, grams, phases, multipliers, batches)
-    mla = build_mla(loaded, plan, grams, phases, progress, qk_multipliers=multipliers)
+        plan, record["rope_dim_search"] = _search_rope_dim(loaded, plan, grams, phases, multipliers, batches, pre_norm)
+    mla = build_mla(loaded, plan, grams, phases, progress, qk_multipliers=multipliers, pre_norm=pre_norm)
     nll = calibration_nll(mla.model, batches, device)
     steps = {}
     if multipliers is not None:  # what the constant q/k norms cost on their own, in the source's modules
@@ -1076,11 +1122,13 @@ def convert_to_mla(
     # -> the latent at its rank -> the low-rank query; each intermediate build keeps the later steps exact.
     latent = mla
     if plan.q_lora_rank is not None:
-        latent = build_mla(loaded, _replace(plan, q_lora_rank=None), grams, phases, qk_multipliers=multipliers)
+        latent = build_mla(
+            loaded, _replace(plan, q_lora_rank=None), grams, phases, qk_multipliers=multipliers, pre_norm=pre_norm
+        )
     nll_latent = nll if latent is mla else calibration_nll(latent.model, batches, device)
     if plan.kv_lora_rank < plan.full_rank:
         full_plan = _replace(plan, kv_lora_rank=plan.full_rank, q_lora_rank=None)
-        full = build_mla(loaded, full_plan, grams, phases, qk_multipliers=multipliers)
+        full = build_mla(loaded, full_plan, grams, phases, qk_multipliers=multipliers, pre_norm=pre_norm)
         nll_full = calibration_nll(full.model, batches, device)
         rope_diff, latent_diff = _compare(loaded, full, batches), _compare(full, latent, batches)
         del full
@@ -1111,11 +1159,11 @@ def _parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def _search_rope_dim(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipliers, batches):
+def _search_rope_dim(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipliers, batches, pre_norm=None):
     """(the candidate of auto_rope_dims(plan) with the lowest calibration NLL, every candidate tried with its NLL)."""
     tried = []
     for candidate in auto_rope_dims(plan):
-        model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers).model
+        model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers, pre_norm=pre_norm).model
         tried.append({"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
                       "calibration_nll": calibration_nll(model, batches, loaded.device)})  # fmt: skip
         del model

@@ -122,6 +122,21 @@ def token_nll(model, input_ids, attention_mask, targets: list[torch.Tensor]) -> 
 
 
 @torch.no_grad()
+def calibration_nll(model: torch.nn.Module, batches, device) -> float:
+    """Mean next-token NLL over the calibration windows (one window per forward, to bound the logits' memory)."""
+    total, count = 0.0, 0
+    for input_ids, attention_mask, *_ in batches:
+        for row in range(input_ids.shape[0]):
+            ids, mask = input_ids[row : row + 1].to(device), attention_mask[row : row + 1].to(device)
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()  # [1, T, V]
+            targets = ids[:, 1:].masked_fill(~mask[:, 1:].bool(), -100)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="sum")
+            total += float(loss)
+            count += int((targets != -100).sum())
+    return total / max(count, 1)
+
+
+@torch.no_grad()
 def chunked_token_nll(model, input_ids, attention_mask, targets: list[torch.Tensor], chunks: CacheChunks):
     """token_nll with each window fed chunks.chunk tokens per forward into a fresh chunks.kv_cache cache: chunk
     [s, e) attends to positions [0, e), the earlier ones as the cache stores them (quantized caches: dequantized),
