@@ -660,9 +660,11 @@ def test_llamacpp_runs_yarn_mla_like_transformers(text, tmp_path):
     assert result["max_abs_logit_diff"] < 1e-4 * result["max_abs_logit"], result
 
 
-def test_llamacpp_runs_the_qwen3_mla_like_transformers(text, tmp_path):
-    """A Qwen3-shaped source (per-head q/k norms folded to constants) converted at the MQA budget is an ordinary
-    deepseek2 model for llama.cpp: its log-probs equal transformers'."""
+@pytest.mark.parametrize("family", ["qwen3", "olmo2"])
+def test_llamacpp_runs_qwen3_and_olmo2_mla_like_transformers(text, tmp_path, family):
+    """A Qwen3-shaped source (per-head q/k norms folded to constants) or an OLMo 2-shaped one (its post-norm blocks
+    in their nearest pre-norm form besides) converted at the MQA budget is an ordinary deepseek2 model for
+    llama.cpp: its log-probs equal transformers'."""
     pytest.importorskip("gguf")
     from test_gguf import LLAMACPP, VOCAB, _windows, bpe_tokenizer  # optional: needs the gguf package (checked above)
 
@@ -671,12 +673,12 @@ def test_llamacpp_runs_the_qwen3_mla_like_transformers(text, tmp_path):
     from headlab.runtimes.gguf_export import export_gguf
     from headlab.runtimes.llamacpp import compare_logprobs
 
-    source = from_model(sharpened(tiny_model("qwen3", vocab_size=VOCAB), 2.0), bpe_tokenizer())
+    source = from_model(sharpened(tiny_model(family, vocab_size=VOCAB), 2.0), bpe_tokenizer())
     model, _ = converted(source, text, budget="mqa")
     mla.fold_latent_norm(model.model)
     model = from_model(model.model, source.tokenizer)
-    export_gguf(model, tmp_path / "qwen3_mla.gguf", outtype="f32", progress=False)
-    result = compare_logprobs(model, tmp_path / "qwen3_mla.gguf", _windows(model))
+    export_gguf(model, tmp_path / "mla.gguf", outtype="f32", progress=False)
+    result = compare_logprobs(model, tmp_path / "mla.gguf", _windows(model))
     assert result["max_abs_logit"] > 1.0 and result["relative_difference"] < 1e-4, result
     assert result["max_abs_logit_diff"] < 1e-4 * result["max_abs_logit"], result
 
