@@ -520,20 +520,6 @@ def test_qwen3_mla_equals_the_source_with_constant_qk_norms(text):
     assert step["calibration_nll"][0] == pytest.approx(record["calibration_nll_before"])
 
 
-def test_cli_converts_qwen3_and_prints_what_the_fold_costs(tmp_path, capsys):
-    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
-    source = save_tiny("qwen3", tmp_path / "qwen3")
-    args = ["convert-mla", "--model", source, "--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32",
-            "--no-eval", "--budget", "mqa", "--calibration-tokens", "256", "--out", tmp_path / "mla"]  # fmt: skip
-    code, printed, err = run_cli(args, capsys)
-    assert code == 0, err
-    line = next(row for row in printed.splitlines() if row.startswith("step qk_norm_fold"))
-    assert "approximate" in line and "attention-output rel. error" in line and "calibration NLL" in line
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
-    assert reloaded.config.model_type == "deepseek_v3"
-    assert not any("q_norm" in name or "k_norm" in name for name, _ in reloaded.named_parameters())
-
-
 # ---- post-norm blocks (OLMo 2): the nearest pre-norm form ----------------------------------------------------------
 
 
@@ -587,20 +573,34 @@ def test_olmo2_mla_equals_its_nearest_pre_norm_form(text):
     assert step["calibration_nll"][1] == pytest.approx(record["steps"]["qk_norm_fold"]["calibration_nll"][0])
 
 
-def test_cli_converts_olmo2_and_the_checkpoint_loads_vanilla(tmp_path, capsys):
+def _cli_convert(tmp_path, capsys, family, *extra):
     (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
-    source = save_tiny("olmo2", tmp_path / "olmo2")
+    source = save_tiny(family, tmp_path / family)
     args = ["convert-mla", "--model", source, "--device", "cpu", "--data", tmp_path / "t.txt", "--seq-len", "32",
-            "--no-eval", "--budget", "mqa", "--calibration-tokens", "256", "--out", tmp_path / "mla"]  # fmt: skip
-    code, printed, err = run_cli(args, capsys)
+            "--no-eval", "--budget", "mqa", "--calibration-tokens", "256", "--out", tmp_path / "mla", *extra]  # fmt: skip
+    return run_cli(args, capsys)
+
+
+@pytest.mark.parametrize(
+    ("family", "step", "gone"),
+    [("qwen3", "qk_norm_fold", ("q_norm", "k_norm")), ("olmo2", "post_norm_fold", ("feedforward_layernorm",))],
+)
+def test_cli_converts_and_prints_what_each_fold_costs(tmp_path, capsys, family, step, gone):
+    """Qwen3's per-head q/k norms and OLMo 2's post-norm blocks: the CLI prints the fold's measured cost, and the
+    checkpoint reloads as a vanilla deepseek_v3 without the source's norms."""
+    code, printed, err = _cli_convert(tmp_path, capsys, family)
     assert code == 0, err
-    line = next(row for row in printed.splitlines() if row.startswith("step post_norm_fold"))
-    assert "approximate" in line and "calibration NLL" in line
+    line = next(row for row in printed.splitlines() if row.startswith(f"step {step}"))
+    assert "approximate" in line and "attention-output rel. error" in line and "calibration NLL" in line
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     assert reloaded.config.model_type == "deepseek_v3"
-    assert not any("feedforward_layernorm" in name for name, _ in reloaded.named_parameters())
-    code, _, err = run_cli([*args[:-1], tmp_path / "mla2", "--streaming"], capsys)
-    assert code == 2 and "without --streaming" in err and not (tmp_path / "mla2").exists()
+    assert not any(part in name for name, _ in reloaded.named_parameters() for part in gone)
+
+
+def test_streaming_refuses_post_norm_blocks(tmp_path, capsys):
+    code, _, err = _cli_convert(tmp_path, capsys, "olmo2", "--streaming")
+    assert code == 2 and "without --streaming" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "mla").exists()
 
 
 def _yarn_mla(text):

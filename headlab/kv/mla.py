@@ -1054,14 +1054,11 @@ def convert_to_mla(
     compared in it; step post_norm_fold measures that form against the source."""
     pre_norm = PreNormForm.measure(loaded, batches, LATENT_NORM_EPS)
     if pre_norm is None:
-        return _convert(
-            loaded, plan, batches, progress=progress, grams=grams, mean_rotation=mean_rotation, phases=phases
-        )
+        return _convert(loaded, plan, batches, progress, grams, mean_rotation, phases)
     nll_source = calibration_nll(loaded.model, batches, loaded.device)
     fold = _compare(loaded, loaded, batches, b_context=lambda: pre_norm.applied(loaded))
     with pre_norm.applied(loaded):
-        mla, record = _convert(loaded, plan, batches, progress=progress, grams=grams, mean_rotation=mean_rotation,
-                               phases=phases, pre_norm=pre_norm)  # fmt: skip
+        mla, record = _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_norm)
     fold = {"exact": False, "how": "each post-norm replaced by its calibration RMS constant, folded into o_proj's and "
             "down_proj's rows; each raw sublayer input given deepseek_v3's norm at its calibration RMS", **fold,
             "calibration_nll": [nll_source, record["calibration_nll_before"]]}  # fmt: skip
@@ -1070,17 +1067,7 @@ def convert_to_mla(
     return mla, record
 
 
-def _convert(
-    loaded: LoadedModel,
-    plan: MlaPlan,
-    batches,
-    *,
-    progress: bool = True,
-    grams: list[torch.Tensor] | None = None,
-    mean_rotation: bool = True,
-    phases: list[torch.Tensor] | None = None,
-    pre_norm: PreNormForm | None = None,
-) -> tuple[LoadedModel, dict]:
+def _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_norm=None):
     """convert_to_mla of a pre-norm source, or of a post-norm one running in `pre_norm`, its nearest pre-norm form."""
     grams = input_grams(loaded, batches, progress) if grams is None else grams
     if phases is None and mean_rotation:
