@@ -193,6 +193,7 @@ CASES = [
     (["convert-mla", "--model", "{gpt2}", *M, *DATA, "--budget", "gqa", "--out", "c"], "gpt2"),
     (["convert-mla", "--model", "{llama}", *M, *DATA, "--budget", "gqa", "--out", "{existing}"], "--overwrite"),
     (["convert-mla", *NO_MODEL, *DATA, "--budget", "gqa", "--out", "c"], "{missing}"),
+    (["convert-mla", "--model", "{olmo2}", *M, *DATA, "--streaming", "--budget", "gqa", "--out", "c"], "--streaming"),
     # expand-kv
     (["expand-kv", "--model", "{mha}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "4"),
     (["expand-kv", "--model", "{gpt2}", *M, *DATA, "--kv-heads", "4", "--out", "e"], "gpt2"),
@@ -553,6 +554,7 @@ def inputs(tmp_path_factory) -> dict[str, str]:
         "llama": save_tiny("llama", root / "llama"),  # 4 query heads, 2 KV heads, 64 positions
         "mha": save_tiny("llama_mha", root / "mha"),
         "gpt2": save_tiny("gpt2", root / "gpt2"),
+        "olmo2": save_tiny("olmo2", root / "olmo2"),  # post-norm blocks
         "bert": save_tiny("bert", root / "bert"),  # an encoder: no KV cache
         "mla": save_tiny("deepseek_v3", root / "mla"),  # multi-head latent attention, dense MLPs
         # MLA with a MoE MLP in block 1 (llama.cpp export takes dense-MLP MLA only)
