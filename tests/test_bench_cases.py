@@ -313,3 +313,25 @@ def test_scale_time_model_times_readers_against_a_read_and_prefers_the_reference
     assert deepest["reference"] == "read" and deepest["reference_seconds"] == 16.0 and deepest["factor"] == 1.0
     assert abs(deepest["per_layer"] - 1.0) < 1e-9 and abs(deepest["fixed"] - 3.0) < 1e-9
     assert abs(deepest["predicted"] - 51.0) < 1e-9 and deepest["measured"] == 50.0
+
+
+def test_recovery_recipe_table_prints_every_domain_and_the_held_out_ratios():
+    """A row per recipe with its setting, every domain's perplexity after recovery, and after / before on the two
+    held-out domains computed from the row's own training-free numbers (by hand: 55 / 110 = 0.5, 100 / 200 = 0.5)."""
+    case = _case("recovery_recipe")
+    before = {"pydoc-topics": 100.0, "broad": 160.0, "speeches": 110.0, "encyclopedia": 200.0}
+    rows = [
+        {"recipe": "default", "overrides": {}, "before": before, "passkey": [0, 6], "seconds": 900.0,
+         "after": {"pydoc-topics": 20.0, "broad": 55.0, "speeches": 55.0, "encyclopedia": 100.0}},
+        {"recipe": "lr", "overrides": {"lr": 6e-5}, "before": before, "passkey": [1, 6], "seconds": 901.0,
+         "after": {"pydoc-topics": 21.0, "broad": 56.0, "speeches": 66.0, "encyclopedia": 150.0}},
+    ]  # fmt: skip
+    table = case.markdown({"domains": list(before), "threads": 2, "rows": rows, "note": "ran beside each other"})
+    lines = table.splitlines()
+    assert "ran beside each other" in lines
+    header = next(line for line in lines if line.startswith("| recipe"))
+    assert all(domain in header for domain in before)
+    default = next(line for line in lines if line.startswith("| default"))
+    assert "| 0.500, 0.500 |" in default and "| 0/6 |" in default and "| - |" in default
+    changed = next(line for line in lines if line.startswith("| lr"))
+    assert "`lr=6e-05`" in changed and "| 0.600, 0.750 |" in changed and "| 66.00 |" in changed

@@ -710,6 +710,9 @@ def _pre_norm_tensors(loaded: LoadedModel, source: dict, pre_norm: PreNormForm |
     """`source` with each block's post-norms taken out and deepseek_v3's two pre-norms put in: weights filled with the
     form's gains c, and the MLP-output constant folded into down_proj's rows (headlab.kv.post_norms). Without a form
     (the plan's check on the meta device) gains and constants are ones: the names and shapes are what it checks."""
+    if not loaded.adapter.raw_sublayers:  # sandwich blocks (Gemma 3) would need their own pre-norms mapped
+        raise HeadlabError(f"{loaded.model.config.model_type}: post-norm blocks that also normalise their inputs "
+                           "are not converted to MLA")  # fmt: skip
     blocks = loaded.adapter.blocks(loaded.model)
     prefix = next(name for name, module in loaded.model.named_modules() if module is blocks)
     source = dict(source)
@@ -1057,8 +1060,8 @@ def convert_to_mla(
         return _convert(loaded, plan, batches, progress, grams, mean_rotation, phases)
     nll_source = calibration_nll(loaded.model, batches, loaded.device)
     fold = _compare(loaded, loaded, batches, b_context=lambda: pre_norm.applied(loaded))
-    with pre_norm.applied(loaded):
-        mla, record = _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_norm)
+    with pre_norm.applied(loaded):  # Grams and phases a caller gathered on the source itself do not hold in the form
+        mla, record = _convert(loaded, plan, batches, progress, None, mean_rotation, None, pre_norm)
     fold = {"exact": False, "how": "each post-norm replaced by its calibration RMS constant, folded into o_proj's and "
             "down_proj's rows; each raw sublayer input given deepseek_v3's norm at its calibration RMS", **fold,
             "calibration_nll": [nll_source, record["calibration_nll_before"]]}  # fmt: skip
