@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from headlab.core.loading import LoadedModel
-from headlab.mechanisms.hooks import module_hooks
+from headlab.mechanisms.hooks import input_mean_squares, module_hooks
 
 DEFAULT_EPS = 1e-6  # a norm module that names no eps (none of transformers' RMSNorms)
 
@@ -56,27 +56,6 @@ def post_norm_sites(loaded: LoadedModel) -> tuple[list[tuple], list[tuple]]:
                  for names in (adapter.post_norms, adapter.raw_sublayers))  # fmt: skip
 
 
-@torch.no_grad()
-def input_mean_squares(loaded: LoadedModel, modules: list[nn.Module], batches) -> list[float]:
-    """E[mean(x^2)] of each module's input over the calibration tokens, padding excluded."""
-    sums = [0.0] * len(modules)
-    state = {"mask": None, "tokens": 0}
-
-    def record(index):
-        def fn(x):
-            sums[index] += float(x.double().pow(2).mean(-1)[state["mask"]].sum())
-
-        return fn
-
-    with module_hooks((m, record(i)) for i, m in enumerate(modules)):
-        for input_ids, attention_mask, *_ in batches:
-            state["mask"] = attention_mask.bool().to(loaded.device)
-            state["tokens"] += int(attention_mask.sum())
-            loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device),
-                         use_cache=False)  # fmt: skip
-    return [s / max(state["tokens"], 1) for s in sums]
-
-
 @dataclass
 class PreNormForm:
     """A post-norm source's nearest pre-norm form (the module docstring), per block: `outputs` (attention, MLP)
@@ -94,8 +73,8 @@ class PreNormForm:
         norms, raw = post_norm_sites(loaded)
         if not norms and not raw:
             return None
-        flat = [m for pair in norms + raw for m in pair]
-        squares = iter(input_mean_squares(loaded, flat, batches))
+        flat = dict(enumerate(m for pair in norms + raw for m in pair))
+        squares = iter(float(s.mean()) for s in input_mean_squares(loaded, flat, batches)[0].values())  # E[mean x^2]
         offset = loaded.adapter.norm_offset
         outputs = [tuple((n.weight.detach().double().cpu() + offset) / (next(squares) + norm_eps(n)) ** 0.5
                          for n in pair) for pair in norms]  # fmt: skip

@@ -16,8 +16,10 @@ from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from headlab.core.arch import HOOK_SITES, MODEL_SITES, Adapter, AttentionLayer
+from headlab.core.loading import LoadedModel
 
 SITES = HOOK_SITES  # the per-layer names a hook can use (resolved by Adapter.hook_site)
 
@@ -62,3 +64,28 @@ def module_hooks(module_hooks: Iterable[tuple[nn.Module, SiteHook]]):
     finally:
         for handle in handles:
             handle.remove()
+
+
+def input_mean_squares(loaded: LoadedModel, modules: dict, batches, *, progress: bool = False, desc: str = "inputs"):
+    """({key: E[x_j^2] over the real (unpadded) tokens of `batches`, x the first input of modules[key]} as float64
+    tensors [features], and the number of tokens they average): one pass of the model with a pre-hook per module."""
+    # a linear's width is known up front (a module that never runs then reads as zeros); others' at the first call
+    sums = {key: torch.zeros(getattr(module, "in_features", 0), dtype=torch.float64) for key, module in modules.items()}
+    state = {"mask": None, "tokens": 0}
+
+    def accumulate(key):
+        def add(x):
+            mask = state["mask"].to(x.device, torch.float64)  # [B, T]
+            square = torch.einsum("btc,bt->c", x.detach().double() ** 2, mask).cpu()
+            sums[key] = square if sums[key].numel() == 0 else sums[key] + square
+
+        return add
+
+    device = loaded.device  # where the inputs go, also under a device map
+    with torch.no_grad(), module_hooks((module, accumulate(key)) for key, module in modules.items()):
+        for input_ids, attention_mask, *_ in tqdm(batches, desc=desc, unit="batch", disable=not progress):
+            state["mask"] = attention_mask
+            state["tokens"] += int(attention_mask.sum())
+            loaded.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    tokens = max(state["tokens"], 1)
+    return {key: total / tokens for key, total in sums.items()}, state["tokens"]
