@@ -199,6 +199,12 @@ ROPE_SCALED_SPECS: dict[str, tuple[str, str, dict]] = {
     "llama3_2": ("llama", "causal", _LLAMA3_2),
     "qwen2_yarn": ("qwen2", "causal", dict(_LLAMA, max_position_embeddings=131072, rope_parameters=_YARN)),
     "llama_yarn": ("llama", "causal", dict(_LLAMA, max_position_embeddings=131072, rope_parameters=_YARN)),
+    # Linear position interpolation (Gemma 3's global layers from 4B up: factor 8).
+    "llama_linear": (
+        "llama",
+        "causal",
+        dict(_LLAMA, rope_parameters=dict(rope_type="linear", rope_theta=1e6, factor=8.0)),
+    ),
 }
 ROPE_SCALED_TYPES = list(ROPE_SCALED_SPECS)
 

@@ -389,7 +389,7 @@ def far_logits(model, seq=32, stride=997):
         return model(**inputs, position_ids=torch.arange(seq)[None].expand(2, -1) * stride).logits
 
 
-@pytest.mark.parametrize("name", ["llama3_2", "qwen2_yarn"])
+@pytest.mark.parametrize("name", ["llama3_2", "qwen2_yarn", "llama_linear"])
 def test_scaled_rope_mqa_to_mla_is_exact(name, text):
     # From one KV head every step but the fold is exact; the converted config carries the source's scaling.
     loaded = from_model(sharpened(tiny_model(name, num_key_value_heads=1)), tiny_tokenizer())
@@ -408,7 +408,7 @@ def test_scaled_rope_mqa_to_mla_is_exact(name, text):
     assert rel_diff(far_logits(model.model), far_logits(loaded.model)) < 1e-5
 
 
-@pytest.mark.parametrize("name", ["llama3_2", "llama_yarn"])
+@pytest.mark.parametrize("name", ["llama3_2", "llama_yarn", "llama_linear"])
 @pytest.mark.parametrize("rope_dim", [16, 8, 4])
 def test_scaled_rope_keeps_the_scaled_frequencies_at_every_rope_dim(name, rope_dim, text):
     """Keys with nothing to drop at full rank: exact at far positions only if deepseek_v3's rotary embedding at dim
@@ -573,6 +573,81 @@ def test_olmo2_mla_equals_its_nearest_pre_norm_form(text):
     assert step["calibration_nll"][1] == pytest.approx(record["steps"]["qk_norm_fold"]["calibration_nll"][0])
 
 
+def test_gemma3_mla_equals_its_nearest_pre_norm_form(text):
+    """Gemma 3's blocks hold a scaled embedding, 1 + w norms, pre- and post-norms around each sublayer, a GELU MLP and
+    query_pre_attn_scalar: with one KV head, a window no input reaches and one RoPE base, every fold but the norm
+    constants is exact, so the MLA model's logits equal the source's with its post-norms and q/k norms constant."""
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    same = {"sliding_attention": rope, "full_attention": rope}
+    source = tiny_model("gemma3_text", num_key_value_heads=1, sliding_window=64, rope_parameters=same)
+    loaded = from_model(sharpened(source), tiny_tokenizer())
+    assert loaded.model.config.query_pre_attn_scalar != loaded.model.config.head_dim  # the scale fold is tested
+    plain = logits(loaded.model)
+    model, record = converted(loaded, text, budget="gqa")
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    form = post_norms.PreNormForm.measure(loaded, batches, mla.LATENT_NORM_EPS)
+    with form.applied(loaded):
+        multipliers = mla.all_qk_norm_multipliers(loaded, mla.input_grams(loaded, batches, progress=False))
+        with mla.constant_qk_norms(loaded, multipliers):
+            nearest = logits(loaded.model)
+    assert rel_diff(logits(model.model), nearest) < 1e-5
+    assert torch.equal(logits(loaded.model), plain)
+    assert model.model.config.hidden_act == "gelu_pytorch_tanh" and not model.model.config.tie_word_embeddings
+    steps = record["steps"]
+    assert steps["embedding_scale"]["exact"] and steps["norm_offset"]["exact"]
+    assert "sliding_window" not in steps and "layer_rope" not in steps  # nothing slides, one base
+
+
+def test_gemma3_sliding_layers_keep_their_own_frequencies_where_the_target_has_them(text):
+    """Sliding layers at base 1e4 under deepseek_v3's single RoPE (the full layers' 1e6): each target pair carries
+    the sliding layer's pair nearest in frequency, exactly where the two sets meet, none beyond a factor of 2; the
+    record names the window and the frequency change, and rope_truncation measures them."""
+    loaded = from_model(sharpened(tiny_model("gemma3_text")), tiny_tokenizer())
+    plan = mla.plan_mla(loaded, budget="gqa")
+    sliding, full = mla.gqa_layers(loaded)
+    local, shared = mla.source_rope(loaded, sliding)[0], mla.source_rope(loaded)[0]
+    kept = mla.layer_kept_frequencies(loaded, plan, sliding)
+    assert mla.layer_kept_frequencies(loaded, plan, full) == plan.kept_frequencies
+    # F = 8: shared f_j = 1e6^(-j/8), local f_i = 1e4^(-i/8), so f_j = f_i at i = 1.5 j (j = 0, 2, 4 -> 0, 3, 6).
+    assert [kept[j] for j in (0, 2, 4)] == [0, 3, 6]
+    for j, i in enumerate(kept):  # by hand: a pair within a factor of 2, or none at all
+        if i is None:
+            assert all(abs(math.log(shared[j] / local[k])) > math.log(2) for k in range(8) if k not in kept)
+        else:
+            assert abs(math.log(shared[j] / local[i])) <= math.log(2) + 1e-12
+    matched = [i for i in kept if i is not None]
+    assert kept.count(None) > 0 and len(set(matched)) == len(matched)  # each local pair carried once at most
+    _, record = converted(loaded, text, budget="gqa")
+    steps = record["steps"]
+    assert steps["sliding_window"]["window"] == 4 and steps["sliding_window"]["layers"] == [sliding.block]
+    assert 0 < steps["layer_rope"]["max_relative_frequency_change"][sliding.block] < 1
+    assert steps["rope_truncation"]["exact"] is False and steps["rope_truncation"]["max_abs_logit_diff"] > 0
+
+
+def test_mistral_window_converts_to_full_attention_on_record(text):
+    """A window on every layer (Mistral v0.1) becomes full attention: named in the record, measured in
+    rope_truncation, which is no longer exact even from one KV head; one RoPE base, so no layer_rope step."""
+    loaded = loaded_tiny("mistral", num_key_value_heads=1)
+    _, record = converted(loaded, text, budget="gqa")
+    steps = record["steps"]
+    assert steps["sliding_window"]["window"] == 4 and steps["sliding_window"]["layers"] == [0, 1]
+    assert "layer_rope" not in steps and steps["rope_truncation"]["exact"] is False
+    assert steps["rope_truncation"]["max_abs_logit_diff"] > 0
+
+
+def test_export_gguf_refuses_gemma3s_gelu_mla(text, tmp_path):
+    """llama.cpp's deepseek2 runs a SiLU-gated MLP: an MLA model that keeps Gemma 3's GELU is refused in one line."""
+    pytest.importorskip("gguf")
+    from headlab.runtimes.gguf_export import export_gguf
+
+    loaded = from_model(tiny_model("gemma3_text"), tiny_tokenizer())
+    model, _ = converted(loaded, text, budget="mqa")
+    mla.fold_latent_norm(model.model)
+    with pytest.raises(HeadlabError, match="hidden_act gelu_pytorch_tanh"):
+        export_gguf(from_model(model.model, loaded.tokenizer), tmp_path / "m.gguf", progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
 def _cli_convert(tmp_path, capsys, family, *extra):
     (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 4)
     source = save_tiny(family, tmp_path / family)
@@ -583,11 +658,15 @@ def _cli_convert(tmp_path, capsys, family, *extra):
 
 @pytest.mark.parametrize(
     ("family", "step", "gone"),
-    [("qwen3", "qk_norm_fold", ("q_norm", "k_norm")), ("olmo2", "post_norm_fold", ("feedforward_layernorm",))],
+    [
+        ("qwen3", "qk_norm_fold", ("q_norm", "k_norm")),
+        ("olmo2", "post_norm_fold", ("feedforward_layernorm",)),
+        ("gemma3_text", "rope_truncation", ("feedforward_layernorm", "q_norm")),
+    ],
 )
 def test_cli_converts_and_prints_what_each_fold_costs(tmp_path, capsys, family, step, gone):
-    """Qwen3's per-head q/k norms and OLMo 2's post-norm blocks: the CLI prints the fold's measured cost, and the
-    checkpoint reloads as a vanilla deepseek_v3 without the source's norms."""
+    """Qwen3's per-head q/k norms, OLMo 2's post-norm blocks and Gemma 3's sliding layers: the CLI prints the
+    approximation's measured cost, and the checkpoint reloads as a vanilla deepseek_v3 without the source's norms."""
     code, printed, err = _cli_convert(tmp_path, capsys, family)
     assert code == 0, err
     line = next(row for row in printed.splitlines() if row.startswith(f"step {step}"))
@@ -723,16 +802,16 @@ def test_quantized_mla_gguf_keeps_the_folded_latent_in_f32(text, tmp_path, outty
         ("llama", {}, {}, "budget="),
         ("llama", {}, dict(budget="gqa", kv_lora_rank=8), "not both"),
         ("llama", {}, dict(budget="half"), "half"),
-        ("mistral", {}, dict(budget="gqa"), "sliding-window"),
-        ("gemma3_text", {}, dict(budget="gqa"), "sliding-window|cannot express"),
+        ("gemma3_text", {"use_bidirectional_attention": True}, dict(budget="gqa"), "bidirectional attention"),
+        ("gemma3_text", {"attn_logit_softcapping": 50.0}, dict(budget="gqa"), "attn_logit_softcapping"),
         ("gpt2", {}, dict(budget="gqa"), "gpt2"),
         ("phi3", {}, dict(budget="gqa"), "do not map"),  # fused gate_up MLP
         ("llama", {"mlp_bias": True}, dict(budget="gqa"), "MLP biases"),
         (
             "llama",
-            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
             {"budget": "gqa"},
-            "linear",
+            "dynamic",
         ),
     ],  # fmt: skip
 )

@@ -217,6 +217,9 @@ class Adapter:
     # q/k norms normalise over all heads at once (OLMo2): removing a head changes the others' normalisation, so
     # physical pruning and KV pooling are approximations there.
     norm_spans_heads: bool = False
+    # Per-head q/k norms see heads before positions ([B, H, T, D], Gemma 3) rather than after ([B, T, H, D], Qwen3):
+    # a per-head stand-in for them (headlab.kv.mla.constant_qk_norms) must broadcast that way.
+    qk_norm_heads_first: bool = False
     # The config can hold head counts and head_dim independently (so a uniformly pruned checkpoint loads with
     # vanilla from_pretrained); False where head_dim is derived as hidden_size // heads (GPT-2, OPT, BERT, ...).
     free_head_dim: bool = True
@@ -248,6 +251,9 @@ class Adapter:
     # (headlab.kv.post_norms).
     post_norms: tuple[str, ...] = ()
     raw_sublayers: tuple[str, ...] = ()
+    # Block-relative names of the norms before attention and before the MLP (where a block has them): a pre-norm
+    # target (deepseek_v3) names them input_layernorm and post_attention_layernorm.
+    pre_norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm")
     # Bias-free linear maps between the final norm and the unembedding, where a model has them (OPT's project_out
     # when word_embed_proj_dim differs from hidden_size); folded into the unembedding.
     unembed_in: tuple[str, ...] = ()
@@ -892,6 +898,8 @@ register(
         blocks_path=("language_model.layers", "layers"),
         norm_offset=1.0,
         post_norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+        pre_norms=("input_layernorm", "pre_feedforward_layernorm"),
+        qk_norm_heads_first=True,
         q_norm="self_attn.q_norm",
         k_norm="self_attn.k_norm",
     )

@@ -8,7 +8,8 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    (query-weighted PCA of the Hermitian key Gram) becomes the one shared rotary key; query head h reads it with
    q_rope = conj(a_g) q_{h,f}, z_g ~ a_g w. Kept frequencies are every n-th (n = rd / rope_dim): exactly the
    source's RoPE at dim rope_dim with the same theta (llama3 and yarn scaling too: `mla_rope_parameters`, whose
-   magnitude, yarn's attention factor, is folded into the query rows). The residual z_g - a_g w and every frequency
+   magnitude, yarn's attention factor, is folded into the query rows). A layer with a RoPE of its own (Gemma 3's
+   sliding layers) keeps, per target pair, its pair of nearest frequency (headlab.kv.layer_rope). The residual z_g - a_g w and every frequency
    not kept lose RoPE: THE
    approximation, softened by counting those key parts with their mean rotation under each head's calibration
    attention (rope_phases: the least-squares position-free stand-in). q_nope_h = conj(c_h) q_h (D dims), k_nope_g =
@@ -19,7 +20,8 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    latent = U^T B^{1/2} A, decode = B^{-1/2} U, U = top eigenvectors of B^{1/2} A Sigma A^T B^{1/2}. Exact at
    full rank (2GD - rope_dim). Each latent dim is then scaled to unit calibration mean square (lam_i / N), the
    decode taking the inverse, so a quantized KV cache sharing one scale per token keeps the weak dims.
-3. The softmax scale D^-0.5 -> (D + rope_dim)^-0.5 is folded into the query rows (exact). A query bias (Qwen2) rides
+3. The softmax scale D^-0.5 (or the source's own, Gemma 3's query_pre_attn_scalar^-0.5) -> (D + rope_dim)^-0.5 is
+   folded into the query rows (exact). A query bias (Qwen2) rides
    through the q_lora path: q_a = W_q (+ bias), q_b = the per-head map of steps 1 and 3.
 0. Per-head q/k norms before RoPE (Qwen3, OLMo 2) have no place in deepseek_v3: each is replaced by a constant,
    N(y) = g y / sqrt(mean(y^2) + eps) ~ (g / r) y with r = sqrt(E[mean(y^2)] + eps) over the calibration tokens,
@@ -48,6 +50,14 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.gqa import measured_kv_bytes_per_token
 from headlab.kv.grouping import gqa_layers
+from headlab.kv.layer_rope import (
+    frequency_change,
+    inverse_frequencies,
+    layer_type_of,
+    matched_frequencies,
+    rope_parameters_for,
+    window_of,
+)
 from headlab.kv.methods import mla_budget, mla_budget_numbers
 from headlab.kv.post_norms import PreNormForm, constant_norms, norm_eps
 from headlab.measure.costs import kv_bytes_per_token
@@ -65,7 +75,7 @@ RIDGE = 1e-8
 # Rope dims tried for a budget below full rank: this many of rd, rd/2, rd/4, ... (the largest that leave a latent).
 AUTO_ROPE_CANDIDATES = 3
 # RoPE types whose kept frequencies and magnitude deepseek_v3's rotary embedding reproduces exactly (mla_rope_parameters).
-MLA_ROPE_TYPES = ("default", "llama3", "yarn")
+MLA_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Largest relative difference allowed between the source's kept inverse frequencies and the converted model's: float32
 # rounding (a yarn ramp at rope_dim < rd is recomputed from solved betas), far below any real frequency change.
 FREQUENCY_TOLERANCE = 1e-6
@@ -116,18 +126,15 @@ class MlaPlan:
 
 
 def inexpressible(loaded: LoadedModel) -> list[str]:
-    """What of the source's attention configuration deepseek_v3 cannot express (soft-capping, query_pre_attn_scalar,
-    MLP biases, sliding windows), in words; empty when nothing."""
+    """What of the source's attention configuration deepseek_v3 cannot express even approximately (soft-capping, MLP
+    biases, bidirectional attention), in words; empty when nothing. Sliding windows and a second RoPE base are
+    approximated and measured instead (the record's steps sliding_window and layer_rope)."""
     config = loaded.model.config.get_text_config()
-    found = [what for what in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar")
-             if getattr(config, what, None)]  # fmt: skip
+    found = [what for what in ("attn_logit_softcapping", "final_logit_softcapping") if getattr(config, what, None)]
     if getattr(config, "mlp_bias", False):
         found.append("MLP biases")
-    sliding = [t for t in getattr(config, "layer_types", None) or () if t != "full_attention"]
-    window = getattr(config, "sliding_window", None)
-    limit = loaded.max_positions or math.inf  # a window at least as long as every position never slides
-    if sliding or (getattr(config, "layer_types", None) is None and window and window < limit):
-        found.append(f"sliding-window attention ({window})")
+    if getattr(config, "use_bidirectional_attention", False):
+        found.append("bidirectional attention")
     return found
 
 
@@ -147,7 +154,7 @@ def check_source(loaded: LoadedModel, resident: bool = True) -> None:
     if (adapter.post_norms or adapter.raw_sublayers) and not resident:
         raise HeadlabError(f"{name}'s post-norm blocks go to deepseek_v3 in their nearest pre-norm form, whose "
                            "constants need the model run whole: convert without --streaming")  # fmt: skip
-    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope_parameters_for(config)
     if rope.get("rope_type", "default") not in MLA_ROPE_TYPES:
         raise HeadlabError(
             f"{name} uses {rope.get('rope_type')} RoPE scaling; MLA conversion carries {', '.join(MLA_ROPE_TYPES)} only"
@@ -263,26 +270,31 @@ def _replace(plan: MlaPlan, **changes) -> MlaPlan:
 # ---- RoPE: the source's frequencies and magnitude in deepseek_v3's rotary embedding -------------------------------
 
 
-def _rope_of(config, dim: int) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [dim/2] float64, attention factor) of `config`'s RoPE at `dim` rotary dims, as transformers
-    computes them (modeling_rope_utils.ROPE_INIT_FUNCTIONS; default: theta^(-2i/dim)). The attention factor multiplies
-    cos and sin, so q.k of the rotary dims by its square."""
-    params, cpu = config.rope_parameters, torch.device("cpu")  # numbers to compare, wherever the model lives
-    if params.get("rope_type", "default") == "default":
-        return float(params["rope_theta"]) ** (-torch.arange(0, dim, 2, dtype=torch.float64, device=cpu) / dim), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # start-up: only scaled RoPE needs the registry
-
-    inv_freq, factor = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, cpu)
-    if len(inv_freq) != dim // 2:
-        raise HeadlabError(f"{config.model_type}'s RoPE has {len(inv_freq)} frequencies where {dim // 2} were expected")
-    return inv_freq.double(), float(factor)
-
-
-def source_rope(loaded: LoadedModel) -> tuple[torch.Tensor, float]:
-    """The source's rotary inverse frequencies [rd/2] (float64) and attention factor (yarn's mscale; 1 otherwise)."""
+def source_rope(loaded: LoadedModel, layer=None) -> tuple[torch.Tensor, float]:
+    """The source's rotary inverse frequencies [rd/2] (float64) and attention factor (yarn's mscale; 1 otherwise):
+    of `layer` (an attention layer), or of the full-attention layers, whose RoPE deepseek_v3 takes."""
     layers = gqa_layers(loaded)
     rd = loaded.adapter.rotary_dim(layers[0], loaded.model.config)
-    return _rope_of(loaded.model.config.get_text_config(), rd)
+    config = loaded.model.config.get_text_config()
+    return inverse_frequencies(config, rd, None if layer is None else layer_type_of(config, layer.block))
+
+
+def layer_kept_frequencies(loaded: LoadedModel, plan: MlaPlan, layer) -> list[int]:
+    """The source frequency indices `layer` keeps with RoPE: the plan's (every n-th) where the layer rotates at the
+    full-attention layers' frequencies; else, per target pair, the source pair nearest in frequency
+    (headlab.kv.layer_rope.matched_frequencies)."""
+    own, shared = source_rope(loaded, layer)[0], source_rope(loaded)[0]
+    if torch.equal(own, shared):
+        return plan.kept_frequencies
+    return matched_frequencies(own, shared[plan.kept_frequencies])
+
+
+def query_scale_ratio(loaded: LoadedModel) -> float:
+    """The source's softmax scale over D^-0.5 (attention modules' `scaling`: query_pre_attn_scalar^-0.5 in Gemma 3,
+    D^-0.5 in most families), folded into the query rows with deepseek_v3's own (D + r)^-0.5 (exact)."""
+    layer = gqa_layers(loaded)[0]
+    ratio = float(getattr(layer.module, "scaling", layer.head_dim**-0.5)) * math.sqrt(layer.head_dim)
+    return 1.0 if math.isclose(ratio, 1.0, rel_tol=1e-12) else ratio  # D^-0.5 sqrt(D) rounds off 1 at some D
 
 
 def _yarn_range(params: dict, dim: int, base: float) -> tuple[float, float]:
@@ -309,10 +321,12 @@ def mla_rope_parameters(loaded: LoadedModel, plan: MlaPlan) -> dict:
     mscale_all_dim = 1 is DeepSeek-V3's own form, which transformers and llama.cpp both read as cos/sin unscaled and
     the softmax scale times (1 + 0.1 ln factor)^2 (`rope_magnitudes` folds the rest into the query rows)."""
     source = loaded.model.config.get_text_config()
-    rope = source.rope_parameters
+    rope = rope_parameters_for(source)
     rope_type, theta = rope.get("rope_type", "default"), float(rope["rope_theta"])
     if rope_type == "default":
         return {"rope_type": "default", "rope_theta": theta}
+    if rope_type == "linear":  # every frequency divided by the factor: the same map at any dim
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(rope["factor"])}
     if rope_type == "llama3":
         keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
         return {"rope_type": "llama3", "rope_theta": theta, **{k: rope[k] for k in keys}}
@@ -338,23 +352,25 @@ def mla_rope_parameters(loaded: LoadedModel, plan: MlaPlan) -> dict:
 
 def rope_magnitudes(loaded: LoadedModel, config) -> tuple[float, float, float]:
     """Factors folded into the query rows so that every logit term keeps the source's scale: (nope rows of rotary
-    origin, nope rows of non-rotary dims, rope rows) = (a^2 / m, 1 / m, a^2 / (m c^2)), with a the source's attention
-    factor (q.k of its rotary dims scaled by a^2: cos and sin carry it), c the converted model's and m deepseek_v3's
-    softmax-scale factor (yarn_apply_mscale, modeling_deepseek_v3: mscale(factor, mscale_all_dim)^2). All 1 for
-    default and llama3 RoPE."""
+    origin, nope rows of non-rotary dims, rope rows) = (s a^2 / m, s / m, s a^2 / (m c^2)), with a the source's
+    attention factor (q.k of its rotary dims scaled by a^2: cos and sin carry it), c the converted model's, m
+    deepseek_v3's softmax-scale factor (yarn_apply_mscale, modeling_deepseek_v3: mscale(factor, mscale_all_dim)^2)
+    and s the source's softmax scale over D^-0.5 (query_scale_ratio). All 1 for default, linear and llama3 RoPE under
+    the usual D^-0.5 scale."""
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale  # start-up: lazy module
 
     a = source_rope(loaded)[1]
-    c = _rope_of(config, config.qk_rope_head_dim)[1]
+    c = inverse_frequencies(config, config.qk_rope_head_dim)[1]
     m = float(yarn_apply_mscale(config.rope_parameters, 1.0))
-    return a * a / m, 1.0 / m, a * a / (m * c * c)
+    s = query_scale_ratio(loaded)
+    return s * a * a / m, s / m, s * a * a / (m * c * c)
 
 
 def _check_frequencies(loaded: LoadedModel, plan: MlaPlan, config) -> float:
     """Max relative difference between the source's kept frequencies and the converted model's; refused above
     FREQUENCY_TOLERANCE (the conversion would not be the source's RoPE)."""
     kept = source_rope(loaded)[0][plan.kept_frequencies]
-    target = _rope_of(config, plan.rope_dim)[0]
+    target = inverse_frequencies(config, plan.rope_dim)[0]
     diff = float(((target - kept).abs() / kept.abs()).max())
     if diff > FREQUENCY_TOLERANCE:
         raise HeadlabError(
@@ -413,7 +429,6 @@ def rope_phases(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
     complex128). A key part that loses RoPE is best replaced, in mean square over that distribution, by itself times
     c (E|a e^{i phi} - b|^2 is least at b = a E[e^{i phi}]); the conversion folds conj(c) into the nope queries."""
     layers = gqa_layers(loaded)
-    inv_freq = source_rope(loaded)[0]  # [F], the source's own (scaled) frequencies
     H = layers[0].num_heads
     hist: dict[int, torch.Tensor] = {}
 
@@ -437,6 +452,7 @@ def rope_phases(loaded: LoadedModel, batches, progress: bool = True) -> list[tor
             model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
     phases = []
     for layer in layers:
+        inv_freq = source_rope(loaded, layer)[0]  # [F], the layer's own (scaled) frequencies
         counts = hist[layer.index]  # [H, T] attention mass at each distance
         angles = torch.arange(counts.shape[1], dtype=torch.float64)[:, None] * inv_freq[None, :]  # [T, F]
         mean = torch.complex(counts @ angles.cos(), -(counts @ angles.sin()))
@@ -475,16 +491,21 @@ class LayerMla:
     query_low_rank: tuple[torch.Tensor, torch.Tensor] | None = None  # (q_a [Rq, C+1], q_b [H (D + r), Rq])
 
 
-def _rorope(k_aug: torch.Tensor, Sk: torch.Tensor, query_energy: torch.Tensor, plan: MlaPlan):
+def _rorope(k_aug: torch.Tensor, Sk: torch.Tensor, query_energy: torch.Tensor, plan: MlaPlan, kept: list | None = None):
     """Per kept frequency: the shared rotary key's complex coefficients and each group's factor a_g (z_g ~ a_g w).
 
-    k_aug [G, D, C+1]; Sk [G*D, G*D] key Gram; query_energy [G, F] = sum_{h in g} E|q_{h,f}|^2.
+    k_aug [G, D, C+1]; Sk [G*D, G*D] key Gram; query_energy [G, F] = sum_{h in g} E|q_{h,f}|^2; kept: the source
+    frequency index each rotary pair carries (default: plan.kept_frequencies; layer_kept_frequencies).
     Returns (rope_rows [r, C+1] interleaved, factors [F_kept, G] complex, nope_keys [G, D, C+1])."""
     G, D, _ = k_aug.shape
     F = plan.rotary_dim // 2
     nope = k_aug.clone()
     rope_rows, factors = [], []
-    for f in plan.kept_frequencies:
+    for f in plan.kept_frequencies if kept is None else kept:
+        if f is None:  # a rotary pair that carries none of this layer's (layer_kept_frequencies): zero
+            rope_rows += [k_aug.new_zeros(k_aug.shape[2])] * 2
+            factors.append(torch.zeros(G, dtype=torch.complex128))
+            continue
         re, im = [g * D + f for g in range(G)], [g * D + f + F for g in range(G)]
         # Hermitian Gram E[z z^H] of z_g = x_g + i y_g from the real key Gram.
         xx, yy, xy, yx = Sk[re][:, re], Sk[im][:, im], Sk[re][:, im], Sk[im][:, re]
@@ -509,6 +530,7 @@ def _query_map(
     plan: MlaPlan,
     phases: torch.Tensor | None = None,
     magnitude: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    kept: list[int] | None = None,
 ) -> torch.Tensor:
     """[H, D + r, D]: q_nope = s q_h, q_rope pair j = s conj(a_{g(h)}) (q_{h,f} + i q_{h,f+F}) with
     s = sqrt((D + r) / D), which turns deepseek's softmax scale (D + r)^-0.5 back into the source's D^-0.5.
@@ -525,7 +547,9 @@ def _query_map(
         f = torch.arange(F)
         maps[:, f, f], maps[:, f, f + F] = s * cr, s * ci
         maps[:, f + F, f], maps[:, f + F, f + F] = -s * ci, s * cr
-    for j, f in enumerate(plan.kept_frequencies):
+    for j, f in enumerate(plan.kept_frequencies if kept is None else kept):
+        if f is None:  # this layer's queries leave the pair at zero
+            continue
         for h in range(H):
             a = factors[j, h // (H // G)]
             ar, ai = float(a.real), float(a.imag)
@@ -546,9 +570,12 @@ def convert_layer(
     balance: float | None = None,
     phases: torch.Tensor | None = None,
     magnitude: tuple[float, float, float] = (1.0, 1.0, 1.0),
+    kept: list[int] | None = None,
 ) -> LayerMla:
     """One layer's MLA weights from its HeadWeights `w` and input Gram `sigma` [C+1, C+1] (see the module doc);
-    magnitude: rope_magnitudes, folded into the query map."""
+    magnitude: rope_magnitudes, folded into the query map; kept: the source frequency each rotary pair carries
+    (default: the plan's)."""
+    kept = plan.kept_frequencies if kept is None else kept
     H, G, D, R = plan.num_heads, plan.num_kv_heads, plan.head_dim, plan.kv_lora_rank
     C = w.q.shape[2]
     sigma = _ridged(sigma.double())
@@ -563,8 +590,8 @@ def convert_layer(
     F = plan.rotary_dim // 2
     diag = Sq.diagonal(dim1=1, dim2=2)  # [H, D]
     energy = (diag[:, :F] + diag[:, F : 2 * F]).reshape(G, H // G, F).sum(1)  # [G, F]
-    rope_rows, factors, nope = _rorope(k_aug, Sk, energy, plan)
-    query_map = _query_map(factors, plan, phases, magnitude)
+    rope_rows, factors, nope = _rorope(k_aug, Sk, energy, plan, kept)
+    query_map = _query_map(factors, plan, phases, magnitude, kept)
 
     # Metric: keys by their queries' Gram (with the new scale the logits are unchanged), values by the output map.
     o = w.o.double()  # [C, H, D]
@@ -582,7 +609,7 @@ def convert_layer(
         # A side with (numerically) nothing to keep, as the residual keys of an MQA source, leaves the metric as is.
         balance = e_v / e_k if min(e_k, e_v) > 1e-12 * max(e_k, e_v) else 1.0
     blocks = [_ridged(b) for b in (*(balance * key_metric), *value_metric)]  # B = blockdiag(blocks), per block
-    encode, decode_all, lam, kept = _reduced_rank(A, SA, blocks, R)  # [R, C+1], [2GD, R]
+    encode, decode_all, lam, energy_kept = _reduced_rank(A, SA, blocks, R)  # [R, C+1], [2GD, R]
     # Latent dim i has calibration mean square lam_i / N, and the eigenvalues fall by orders of magnitude: a quantized
     # KV cache that shares a scale across a token's latent dims (int4 groups) would round the weak dims away. Each
     # dim is scaled to unit mean square (the decode takes the inverse), exact in full precision; a floor at 1e-6 of
@@ -592,7 +619,7 @@ def convert_layer(
     latent_rows = unit[:, None] * encode  # [R, C+1]
     decode_groups = (decode_all / unit[None, :]).reshape(2, G, D, R)  # [k|v, G, D, R]
     decode = torch.cat([decode_groups[0], decode_groups[1]], 1).repeat_interleave(H // G, 0)  # [H, 2D, R]
-    record = {"balance": balance, "latent_energy_kept": kept}
+    record = {"balance": balance, "latent_energy_kept": energy_kept}
     layer = LayerMla(query_map, rope_rows, latent_rows, decode, balance, record)
     if plan.q_lora_rank is not None:
         layer.query_low_rank, record["query_energy_kept"] = _low_rank_query(q_aug, layer, sigma, plan)
@@ -668,11 +695,12 @@ def mla_config(loaded: LoadedModel, plan: MlaPlan):
         qk_rope_head_dim=plan.rope_dim,
         qk_nope_head_dim=plan.head_dim,
         v_head_dim=plan.head_dim,
-        hidden_act=source.hidden_act,
+        hidden_act=getattr(source, "hidden_activation", None) or source.hidden_act,  # Gemma names it apart
         max_position_embeddings=source.max_position_embeddings,
         initializer_range=getattr(source, "initializer_range", 0.02),
         rms_norm_eps=LATENT_NORM_EPS,
-        tie_word_embeddings=bool(getattr(source, "tie_word_embeddings", False)),
+        # A scaled embedding is folded into its rows, so the unembedding can no longer share them.
+        tie_word_embeddings=bool(getattr(source, "tie_word_embeddings", False)) and embedding_scale(loaded) == 1.0,
         rope_parameters=mla_rope_parameters(loaded, plan),
         rope_interleave=True,
         attention_bias=bias,
@@ -688,14 +716,22 @@ def _biases(w):
     return (w.q_bias, w.k_bias, w.v_bias, w.o_bias)
 
 
+def embedding_scale(loaded: LoadedModel) -> float:
+    """The factor the input embedding multiplies its rows by (Gemma's sqrt(C): an `embed_scale` on the module), 1.0
+    where it has none. deepseek_v3 has none: the conversion folds it into the rows, untying the unembedding."""
+    scale = getattr(loaded.model.get_input_embeddings(), "embed_scale", None)
+    return 1.0 if scale is None else float(scale)
+
+
 def _shared_weights(loaded: LoadedModel, target: nn.Module, pre_norm: PreNormForm | None = None) -> dict:
     """The source's non-attention tensors (embeddings, norms, MLPs, lm_head) under the target's names, which
-    llama-style families share; a post-norm source's in its nearest pre-norm form (_pre_norm_tensors). Any tensor
-    missing, misshapen or left over is refused: the MLP is not deepseek's."""
+    llama-style families share, in deepseek_v3's pre-norm block form (_pre_norm_tensors). Any tensor missing,
+    misshapen or left over is refused: the MLP is not deepseek's."""
     source = {k: v for k, v in loaded.model.state_dict().items() if ".self_attn." not in k}
-    if loaded.adapter.post_norms or loaded.adapter.raw_sublayers:
-        source = _pre_norm_tensors(loaded, source, pre_norm)
+    source = _pre_norm_tensors(loaded, source, pre_norm)
     wanted = {k: v for k, v in target.state_dict().items() if ".self_attn." not in k}
+    if "lm_head.weight" in wanted and "lm_head.weight" not in source:  # a tied unembedding the target unties
+        source["lm_head.weight"] = loaded.model.get_output_embeddings().weight.detach()
     missing = [k for k, v in wanted.items() if k not in source or source[k].shape != v.shape]
     extra = [k for k in source if k not in wanted]
     if missing or extra:
@@ -707,25 +743,41 @@ def _shared_weights(loaded: LoadedModel, target: nn.Module, pre_norm: PreNormFor
 
 
 def _pre_norm_tensors(loaded: LoadedModel, source: dict, pre_norm: PreNormForm | None) -> dict:
-    """`source` with each block's post-norms taken out and deepseek_v3's two pre-norms put in: weights filled with the
-    form's gains c, and the MLP-output constant folded into down_proj's rows (headlab.kv.post_norms). Without a form
-    (the plan's check on the meta device) gains and constants are ones: the names and shapes are what it checks."""
-    if not loaded.adapter.raw_sublayers:  # sandwich blocks (Gemma 3) would need their own pre-norms mapped
-        raise HeadlabError(f"{loaded.model.config.model_type}: post-norm blocks that also normalise their inputs "
-                           "are not converted to MLA")  # fmt: skip
-    blocks = loaded.adapter.blocks(loaded.model)
+    """`source` (non-attention tensors) in deepseek_v3's block form, every step exact but the post-norm constants:
+    each block's pre-norms (adapter.pre_norms) become input_layernorm and post_attention_layernorm, and every norm
+    weight takes the adapter's norm offset (Gemma's 1 + w); a post-norm source's post-norms are taken out, the
+    MLP-output constant of its pre-norm form folded into down_proj's rows, and a block reading the raw residual stream
+    gets norms filled with the form's gains (headlab.kv.post_norms); the embedding's scale is folded into its rows
+    (embedding_scale; the unembedding keeps the source's rows). Without a form (the plan's check on the meta device)
+    gains and constants are ones: the names and shapes are what it checks."""
+    adapter = loaded.adapter
+    blocks = adapter.blocks(loaded.model)
     prefix = next(name for name, module in loaded.model.named_modules() if module is blocks)
+    offset = adapter.norm_offset
     source = dict(source)
     for i in range(len(blocks)):
         at = f"{prefix}.{i}."
-        for name in loaded.adapter.post_norms:
-            like = source.pop(at + name + ".weight")
-        gains = pre_norm.gains[i] if pre_norm is not None and pre_norm.gains else (1.0, 1.0)
-        for name, gain in zip(("input_layernorm", "post_attention_layernorm"), gains):
-            source[at + name + ".weight"] = like.new_full(like.shape, gain)
+        posts = [source.pop(at + name + ".weight") for name in adapter.post_norms]
+        if adapter.raw_sublayers:  # no pre-norms of its own: the form's, at its calibration gains
+            gains = pre_norm.gains[i] if pre_norm is not None and pre_norm.gains else (1.0, 1.0)
+            norms = [posts[0].new_full(posts[0].shape, gain) for gain in gains]
+        else:
+            norms = [source.pop(at + name + ".weight") + offset for name in adapter.pre_norms]
+        for name, weight in zip(("input_layernorm", "post_attention_layernorm"), norms):
+            source[at + name + ".weight"] = weight
         down = at + "mlp.down_proj.weight"
-        if pre_norm is not None and down in source:
-            source[down] = (source[down].double() * pre_norm.outputs[i][1][:, None].to(source[down].device)).to(like)
+        if pre_norm is not None and adapter.post_norms and down in source:
+            source[down] = (source[down].double() * pre_norm.outputs[i][1][:, None].to(source[down].device)).to(
+                source[down].dtype
+            )
+    final = prefix.rsplit(".", 1)[0] + "." + adapter.final_norm_name + ".weight"
+    if offset and final in source:
+        source[final] = source[final] + offset
+    scale = embedding_scale(loaded)
+    if scale != 1.0:
+        embed = loaded.model.get_input_embeddings()
+        name = next(n for n, m in loaded.model.named_modules() if m is embed) + ".weight"
+        source[name] = source[name] * embed.embed_scale.to(source[name].dtype)  # the product its forward takes
     return source
 
 
@@ -811,9 +863,11 @@ def all_qk_norm_multipliers(loaded: LoadedModel, grams: list[torch.Tensor]) -> l
 
 def constant_qk_norms(loaded: LoadedModel, multipliers: list):
     """Run the source with each q/k norm replaced by its constant (the fold alone, in the source's own modules):
-    the norm's forward becomes y * m, m shaped like its input's last dims ([h, D], or [h * D] for a spanning norm)."""
+    the norm's forward becomes y * m, m shaped like its input's last dims ([h, D], [h, 1, D] where heads come before
+    positions, or [h * D] for a spanning norm)."""
+    first = loaded.adapter.qk_norm_heads_first
     pairs = [
-        (module, m.reshape(-1) if module.weight.numel() == m.numel() else m)
+        (module, m.reshape(-1) if module.weight.numel() == m.numel() else m[:, None] if first else m)
         for layer, pair in zip(gqa_layers(loaded), multipliers)
         for module, m in zip(loaded.adapter.qk_norm_modules(layer), pair)
         if module is not None and m is not None
@@ -828,17 +882,17 @@ def _on_cpu(w: HeadWeights) -> HeadWeights:
 
 
 def convert_into(w, gram, plan: MlaPlan, attn: nn.Module, *, phase=None, magnitude=(1.0, 1.0, 1.0), multipliers=None,
-                 out_scale=None):  # fmt: skip
+                 out_scale=None, kept=None):  # fmt: skip
     """Convert one layer's HeadWeights `w` (its input Gram, rope phases and q/k-norm multipliers, if any) into the
     DeepseekV3Attention module `attn` (latent norms off); out_scale [C]: a post-norm's constant, folded into o's
-    rows. Returns the layer's record."""
+    rows; kept: layer_kept_frequencies (default: the plan's). Returns the layer's record."""
     w = _on_cpu(w)
     if multipliers is not None:  # per-head q/k norms: their calibrated constant, folded into the rows
         w = fold_qk_norm(w, multipliers)
     if out_scale is not None:  # a post-attention norm's constant (headlab.kv.post_norms)
         bias = None if w.o_bias is None else w.o_bias * out_scale.to(w.o_bias)
         w = replace(w, o=w.o * out_scale.to(w.o)[:, None, None], o_bias=bias)
-    converted = convert_layer(w, gram, plan, phases=phase, magnitude=magnitude)
+    converted = convert_layer(w, gram, plan, phases=phase, magnitude=magnitude, kept=kept)
     _write_attention(attn, w, converted, plan)
     return converted.record
 
@@ -867,23 +921,29 @@ def build_mla(
     layers = gqa_layers(loaded)
     magnitude = rope_magnitudes(loaded, config)
     multipliers = qk_multipliers if qk_multipliers is not None else all_qk_norm_multipliers(loaded, grams)
+    shared = source_rope(loaded)[0][plan.kept_frequencies]  # the frequencies deepseek_v3's rotary pairs turn at
+    changes = {}
     for layer in tqdm(layers, desc="MLA layers", disable=not progress, unit="layer"):
         phase = None if phases is None else phases[layer.index]
         multiplier = None if multipliers is None else multipliers[layer.index]
         attn = model.model.layers[layer.block].self_attn
         out_scale = None if pre_norm is None else pre_norm.outputs[layer.block][0]
+        kept = layer_kept_frequencies(loaded, plan, layer)
         records.append(convert_into(loaded.adapter.read(layer), grams[layer.index], plan, attn, phase=phase,
-                                    magnitude=magnitude, multipliers=multiplier, out_scale=out_scale))  # fmt: skip
+                                    magnitude=magnitude, multipliers=multiplier, out_scale=out_scale,
+                                    kept=kept))  # fmt: skip
+        if kept != plan.kept_frequencies:  # a layer with RoPE of its own (Gemma 3's sliding layers)
+            changes[layer.block] = frequency_change(source_rope(loaded, layer)[0], shared, kept)
     model.tie_weights()
     model.to(loaded.device)
     try:
         adapter = adapter_for(model)  # a deepseek_v3 adapter where one is registered (headlab.core.arch)
     except HeadlabError:
         adapter = Adapter(("deepseek_v3",))  # enough for perplexity and saving
-    source_type = loaded.model.config.get_text_config().rope_parameters.get("rope_type", "default")
+    source_type = rope_parameters_for(loaded.model.config.get_text_config()).get("rope_type", "default")
     rope = {"source_type": source_type, "parameters": dict(config.rope_parameters), "magnitude": list(magnitude),
             "frequencies_max_rel_diff": _check_frequencies(loaded, plan, config)}  # fmt: skip
-    meta = {"mla_layers": records, "rope": rope}
+    meta = {"mla_layers": records, "rope": rope, "rope_frequency_change": changes}
     return LoadedModel(model, loaded.tokenizer, adapter, loaded.spec, loaded.source, loaded.device, loaded.dtype, meta)
 
 
@@ -1100,12 +1160,15 @@ def _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_
             **_compare(loaded, loaded, batches, b_context=constant),
             "calibration_nll": [nll_source, nll_fold],
         }
+    steps |= _block_form_steps(loaded, mla)
+    ratio = query_scale_ratio(loaded)
     steps |= {
         "rorope_rotation": {"exact": True, "how": "unitary mixing of KV heads per frequency commutes with RoPE"},
         "query_scale": {
             "exact": True,
             "how": f"sqrt((D + r) / D) folded into the query rows, r = {plan.rope_dim}"
-            + ("" if mla.meta["rope"]["magnitude"] == [1.0] * 3 else ", with the RoPE magnitude"),
+            + ("" if ratio == 1.0 else f", with the source's softmax scale ({ratio:.6g} D^-0.5)")
+            + ("" if mla.meta["rope"]["magnitude"] == [ratio] * 3 else ", with the RoPE magnitude"),
         },
     }
     # The steps are measured as a chain, each against the one before: source -> full-rank latent (RoPE truncation)
@@ -1126,7 +1189,8 @@ def _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_
         nll_full, rope_diff = nll_latent, _compare(loaded, latent, batches)
         latent_diff = {"max_abs_logit_diff": 0.0, "attention_output_rel_error_mean": 0.0,
                        "attention_output_rel_error_max": 0.0}  # fmt: skip
-    truncated = plan.num_kv_heads > 1 or plan.rope_dim < plan.rotary_dim
+    truncated = plan.num_kv_heads > 1 or plan.rope_dim < plan.rotary_dim or "sliding_window" in steps
+    truncated = truncated or "layer_rope" in steps
     steps["rope_truncation"] = {"exact": not truncated, **rope_diff, "calibration_nll": [nll_source, nll_full],
                                 "mean_rotation": mean_rotation}  # fmt: skip
     steps["latent_rank"] = {"exact": plan.kv_lora_rank >= plan.full_rank, **latent_diff,
@@ -1142,6 +1206,40 @@ def _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_
     record.update({"plan": plan.to_dict(), "steps": steps, "calibration_nll_before": nll_source,
                    "calibration_nll_after": nll, "layers": mla.meta["mla_layers"]})  # fmt: skip
     return mla, record
+
+
+def _block_form_steps(loaded: LoadedModel, mla: LoadedModel) -> dict:
+    """The record's steps for what the source's blocks hold that deepseek_v3's do not: a scaled embedding and 1 + w
+    norms (exact folds); sliding windows and a second RoPE base (approximations, measured in rope_truncation, the
+    step that compares the source with the full-rank model)."""
+    steps = {}
+    config = loaded.model.config.get_text_config()
+    scale = embedding_scale(loaded)
+    if scale != 1.0:
+        steps["embedding_scale"] = {"exact": True, "how": f"the embedding's factor {scale:.6g} folded into its rows; "
+                                    "the unembedding keeps the source's (untied)"}  # fmt: skip
+    if loaded.adapter.norm_offset:
+        steps["norm_offset"] = {"exact": True, "how": f"norms that scale by {loaded.adapter.norm_offset:g} + w "
+                                "written with that sum as their weight"}  # fmt: skip
+    window = window_of(config)
+    if window:
+        layers = [layer.block for layer in gqa_layers(loaded)
+                  if layer_type_of(config, layer.block) in (None, "sliding_attention")]  # fmt: skip
+        steps["sliding_window"] = {
+            "exact": False, "window": window, "layers": layers,
+            "how": f"deepseek_v3 has no sliding window: these layers attend to every earlier token, the same on "
+                   f"inputs up to {window} tokens; beyond them, measured in rope_truncation where the calibration "
+                   "windows are longer",
+        }  # fmt: skip
+    changes = mla.meta["rope_frequency_change"]
+    if changes:
+        steps["layer_rope"] = {
+            "exact": False, "max_relative_frequency_change": changes,
+            "how": "layers with a RoPE of their own: each of deepseek_v3's rotary pairs carries the layer's pair of "
+                   "nearest frequency and turns at deepseek_v3's (the full-attention layers'); measured in "
+                   "rope_truncation",
+        }  # fmt: skip
+    return steps
 
 
 def _parameter_count(model: nn.Module) -> int:

@@ -39,6 +39,7 @@ from headlab.kv.mla import (
     auto_rope_dims,
     convert_into,
     fold_block_norms,
+    layer_kept_frequencies,
     mla_config,
     mla_kv_bytes_per_token,
     qk_norm_multipliers,
@@ -128,8 +129,8 @@ class _LayerConverter:
             w = self.loaded.adapter.read(layer)
             multipliers = qk_norm_multipliers(self.loaded, layer, w, gram) if self.norms else None
             self.records.append(convert_into(w, gram, self.plan, attn, phase=self.phases[layer.index],
-                                             magnitude=self.magnitude,
-                                             multipliers=multipliers))  # fmt: skip
+                                             magnitude=self.magnitude, multipliers=multipliers,
+                                             kept=layer_kept_frequencies(self.loaded, self.plan, layer)))  # fmt: skip
         gamma = self.reader.read(f"model.layers.{layer.block}.input_layernorm.weight").to(self.loaded.dtype)
         with torch.no_grad():
             self.folds += fold_block_norms(attn, gamma, layer.block, self.loaded.dtype)

@@ -310,6 +310,8 @@ def _plan_mla(loaded: LoadedModel, config) -> ExportPlan:
     if float(config.rms_norm_eps) != 1e-6:
         problems.append(f"rms_norm_eps {config.rms_norm_eps}: llama.cpp applies it to the latent norm too, which "
                         "transformers computes with eps 1e-6")  # fmt: skip
+    if config.hidden_act != "silu":  # an MLA from Gemma 3 keeps its GELU MLP
+        problems.append(f"hidden_act {config.hidden_act}: llama.cpp's deepseek2 graph runs a SiLU-gated MLP")
     if config.qk_nope_head_dim < 1:
         problems.append("qk_nope_head_dim 0: llama.cpp's deepseek2 loader asserts at least one non-rotary key dim")
     if not config.rope_interleave:
