@@ -709,15 +709,7 @@ def export_gguf(
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
-    items = [
-        (gguf_name, block, tensor)
-        for gguf_name, block, tensor in _gguf_names(loaded.model).values()
-        if not (block in plan.attention_free and gguf_name.split(".")[2].startswith("attn_"))
-    ]
-    if plan.target.arch == "deepseek2":
-        items = _split_kv_b(items, config)
-    if plan.rope_freqs is not None:
-        items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
+    items = _export_items(loaded, plan, config)
     ftype = llamacpp_ftype(outtype)  # None: headlab writes the type itself
     written = QUANTIZE_FROM if ftype else outtype
     check_free_space(out, *export_bytes(items, outtype, ftype is not None))  # before any tensor is converted
@@ -729,19 +721,7 @@ def export_gguf(
                      "scale)")  # fmt: skip
 
     def write(path: Path, provenance: str | None = None) -> None:
-        writer = gguf.GGUFWriter(path, plan.target.arch)
-        writer.add_string(GGUF_MARK, __version__)  # what lets a later --overwrite recognise the file as headlab's
-        if provenance:  # llama.cpp's quantizer copies every key of its input into its output
-            writer.add_string(QUANTIZED_BY, provenance)
-        _hparams(writer, plan, config, loaded, _file_type(written))
-        _add_tokenizer(writer, tokens)
-        _add_tensor_infos(writer, items, types)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
-            writer.write_tensor_data(_encoded(plan, name, block, _resident(tensor), types[name]))
-        writer.close()
+        _write_file(path, loaded, plan, (tokens, items, types), _file_type(written), provenance, progress)
 
     weights, imatrix_record = (None, None) if imatrix is None else importance_matrix(loaded, items, imatrix, progress)
     # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
@@ -763,29 +743,72 @@ def export_gguf(
             quantization["fallback_matrices"] = stored["fallbacks"]
         if problem:
             notes.append(problem)
-        record = {
-            "out": str(out),
-            "architecture": plan.target.arch,
-            "model_type": plan.model_type,
-            "uniform": plan.uniform,
-            "head_count": plan.heads,
-            "head_count_kv": plan.kv_heads,
-            "attention_free_layers": plan.attention_free,
-            "head_dim": plan.head_dim,
-            "outtype": outtype,
-            "tensor_types": sorted(stored["counts"]),
-            "tensor_type_counts": stored["counts"],
-            "quantization": quantization,
-            "tensors": stored["tensors"],
-            "bytes": tmp.stat().st_size,
-            "rope_permuted": plan.target.interleaved_rope,
-            "tokenizer_pre": tokens["pre"],
-            "chat_template": isinstance(tokens["chat_template"], str),
-            "notes": plan.notes + notes,
-        }
+        record = _record(out, tmp, plan, outtype, stored, quantization, tokens, notes)
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
+
+
+def _export_items(loaded: LoadedModel, plan: ExportPlan, config) -> list[tuple]:
+    """The (GGUF name, block, tensor) triples the file holds, in order: an attention-free layer's attention tensors
+    left out, deepseek2's kv_b split into attn_k_b / attn_v_b, llama3's frequency factors first."""
+    items = [
+        (gguf_name, block, tensor)
+        for gguf_name, block, tensor in _gguf_names(loaded.model).values()
+        if not (block in plan.attention_free and gguf_name.split(".")[2].startswith("attn_"))
+    ]
+    if plan.target.arch == "deepseek2":
+        items = _split_kv_b(items, config)
+    if plan.rope_freqs is not None:
+        items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
+    return items
+
+
+def _write_file(path: Path, loaded: LoadedModel, plan: ExportPlan, content: tuple, file_type, provenance, progress):
+    """One GGUF file at `path`: headlab's mark (and `provenance`, which llama.cpp's quantizer copies into its output),
+    the hyperparameters, the tokenizer, then the tensors streamed one at a time. content: (tokenizer fields, items,
+    GGUF type per tensor name)."""
+    tokens, items, types = content
+    writer = gguf.GGUFWriter(path, plan.target.arch)
+    writer.add_string(GGUF_MARK, __version__)  # what lets a later --overwrite recognise the file as headlab's
+    if provenance:
+        writer.add_string(QUANTIZED_BY, provenance)
+    _hparams(writer, plan, loaded.model.config.get_text_config(), loaded, file_type)
+    _add_tokenizer(writer, tokens)
+    _add_tensor_infos(writer, items, types)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
+        writer.write_tensor_data(_encoded(plan, name, block, _resident(tensor), types[name]))
+    writer.close()
+
+
+def _record(
+    out: Path, written: Path, plan: ExportPlan, outtype: str, stored: dict, quantization, tokens, notes
+) -> dict:
+    """What export_gguf returns: the layout llama.cpp will build, the stored tensor types read back from `written`,
+    how it was quantized, and the notes."""
+    return {
+        "out": str(out),
+        "architecture": plan.target.arch,
+        "model_type": plan.model_type,
+        "uniform": plan.uniform,
+        "head_count": plan.heads,
+        "head_count_kv": plan.kv_heads,
+        "attention_free_layers": plan.attention_free,
+        "head_dim": plan.head_dim,
+        "outtype": outtype,
+        "tensor_types": sorted(stored["counts"]),
+        "tensor_type_counts": stored["counts"],
+        "quantization": quantization,
+        "tensors": stored["tensors"],
+        "bytes": written.stat().st_size,
+        "rope_permuted": plan.target.interleaved_rope,
+        "tokenizer_pre": tokens["pre"],
+        "chat_template": isinstance(tokens["chat_template"], str),
+        "notes": plan.notes + notes,
+    }
 
 
 def _llamacpp_tensor_types(plan: ExportPlan, outtype: str, imatrix_record: dict | None) -> tuple[dict, list[str]]:
