@@ -335,3 +335,27 @@ def test_recovery_recipe_table_prints_every_domain_and_the_held_out_ratios():
     assert "| 0.500, 0.500 |" in default and "| 0/6 |" in default and "| - |" in default
     changed = next(line for line in lines if line.startswith("| lr"))
     assert "`lr=6e-05`" in changed and "| 0.600, 0.750 |" in changed and "| 66.00 |" in changed
+
+
+def test_merge_retrieval_table_gives_each_layouts_share_of_the_cache_and_both_tasks():
+    """A row per layout: its KV numbers with the share of the original's (by hand: 3,840 / 11,520 = 33%), every
+    corpus's perplexity and both retrieval tasks; the layouts keep the top retrieval layers and each half whole."""
+    import torch
+
+    case = _case("merge_retrieval")
+    layouts = case.layouts(30, {2: [17, 18]})
+    assert layouts["3 -> 1 everywhere"] == [] and layouts["top-2 retrieval layers kept (17, 18)"] == [17, 18]
+    assert layouts["layers 0-14 merged, 15-29 kept"] == list(range(15, 30))
+    assert case._top_layers([torch.tensor([0.1, 0.9]), torch.tensor([0.2, 0.0]), torch.tensor([0.5, 0.3])], 2) == [0, 2]
+    ppl = {"broad": 27.8, "speeches": 22.1, "encyclopedia": 44.5}
+    rows = [
+        {"layout": "original", "kv_numbers": 11520, "perplexity": ppl,
+         "retrieval": {"passkey": [3, 6], "niah_multikey": [5, 6]}},
+        {"layout": "3 -> 1 everywhere", "kv_numbers": 3840, "perplexity": {k: 4 * v for k, v in ppl.items()},
+         "retrieval": {"passkey": [0, 6], "niah_multikey": [0, 6]}},
+    ]  # fmt: skip
+    table = case.markdown({"domains": list(ppl), "tasks": ["passkey", "niah_multikey"], "rows": rows,
+                           "top_heads": [{"layer": 17, "head": 3, "score": 0.67}]})  # fmt: skip
+    merged = next(line for line in table.splitlines() if line.startswith("| 3 -> 1"))
+    assert "| 3,840 (33%) |" in merged and "| 111.2 |" in merged and "| 0/6 | 0/6 |" in merged
+    assert "17.3 (0.67)" in table and "passkey @ 2k | niah_multikey @ 2k" in table
