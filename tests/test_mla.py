@@ -551,6 +551,17 @@ def test_pre_norm_constants_match_a_token_by_token_loop(text):
         torch.testing.assert_close(m, expected.detach(), rtol=1e-9, atol=0)
 
 
+def nearest_form_logits(loaded, text):
+    """The source's logits in its nearest pre-norm form (post-norms constant) with its q/k norms constant: what an
+    MLA conversion that is otherwise exact must equal."""
+    batches = text.batches(loaded.tokenizer, max_positions=64)
+    form = post_norms.PreNormForm.measure(loaded, batches, mla.LATENT_NORM_EPS)
+    with form.applied(loaded):
+        multipliers = mla.all_qk_norm_multipliers(loaded, mla.input_grams(loaded, batches, progress=False))
+        with mla.constant_qk_norms(loaded, multipliers):
+            return logits(loaded.model)
+
+
 def test_olmo2_mla_equals_its_nearest_pre_norm_form(text):
     """One KV head at the GQA budget converts exactly except for the norms, so the MLA model's logits equal the
     source's in its nearest pre-norm form with constant q/k norms: the post-norm fold is the only new approximation,
@@ -558,12 +569,7 @@ def test_olmo2_mla_equals_its_nearest_pre_norm_form(text):
     loaded = from_model(sharpened(tiny_model("olmo2", num_key_value_heads=1)), tiny_tokenizer())
     plain = logits(loaded.model)
     model, record = converted(loaded, text, budget="gqa")
-    batches = text.batches(loaded.tokenizer, max_positions=64)
-    form = post_norms.PreNormForm.measure(loaded, batches, mla.LATENT_NORM_EPS)
-    with form.applied(loaded):
-        multipliers = mla.all_qk_norm_multipliers(loaded, mla.input_grams(loaded, batches, progress=False))
-        with mla.constant_qk_norms(loaded, multipliers):
-            nearest = logits(loaded.model)
+    nearest = nearest_form_logits(loaded, text)
     assert rel_diff(logits(model.model), nearest) < 1e-5
     assert torch.equal(logits(loaded.model), plain)  # the source is back as it was
     assert rel_diff(nearest, plain) > 1e-3  # ... and the form is a real change, which the record reports
@@ -584,12 +590,7 @@ def test_gemma3_mla_equals_its_nearest_pre_norm_form(text):
     assert loaded.model.config.query_pre_attn_scalar != loaded.model.config.head_dim  # the scale fold is tested
     plain = logits(loaded.model)
     model, record = converted(loaded, text, budget="gqa")
-    batches = text.batches(loaded.tokenizer, max_positions=64)
-    form = post_norms.PreNormForm.measure(loaded, batches, mla.LATENT_NORM_EPS)
-    with form.applied(loaded):
-        multipliers = mla.all_qk_norm_multipliers(loaded, mla.input_grams(loaded, batches, progress=False))
-        with mla.constant_qk_norms(loaded, multipliers):
-            nearest = logits(loaded.model)
+    nearest = nearest_form_logits(loaded, text)
     assert rel_diff(logits(model.model), nearest) < 1e-5
     assert torch.equal(logits(loaded.model), plain)
     assert model.model.config.hidden_act == "gelu_pytorch_tanh" and not model.model.config.tie_word_embeddings
