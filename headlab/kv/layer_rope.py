@@ -4,9 +4,10 @@ layers at the global one) against deepseek_v3's single rotary embedding.
 A config either holds one `rope_parameters` dict or one per layer type (keyed "full_attention",
 "sliding_attention"); `rope_parameters_for` reads either. The MLA conversion gives deepseek_v3 the full-attention
 layers' RoPE (exact there) and, in a layer whose frequencies differ, lets each of the target's rotary pairs carry the
-source pair whose frequency is nearest in log scale (`matched_frequencies`, one-to-one). A matched pair then rotates
-at the target's frequency instead of its own: relative position t - s turns its logit term by (t - s)(f_target -
-f_source), the approximation, recorded per layer as the largest relative frequency change."""
+source pair whose frequency is nearest in log scale, one-to-one and within a factor of 2 (`matched_frequencies`). A
+matched pair then rotates at the target's frequency instead of its own: relative position t - s turns its logit term
+by (t - s)(f_target - f_source), the approximation, recorded per layer as the largest relative frequency change; a
+pair no target comes near loses RoPE, as the RoPE truncation's pairs do."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def matched_frequencies(source: torch.Tensor, target: torch.Tensor, within: floa
     used: set[int] = set()
     for gap, j, i in order:
         if gap <= math.log(within) and j not in chosen and i not in used:
-            chosen[j], used = i, used | {i}
+            chosen[j] = i
+            used.add(i)
     return [chosen.get(j) for j in range(len(target))]
 
 

@@ -1,6 +1,7 @@
 """The `long` case's full-rank MLA and pruned rungs at 4,096 tokens on the CPU (the GPU run, `long_gpu`, stopped
-before them): depths 0, 0.5 and 1, two prompts each per task, so 6 prompts per cell (as the 2k CPU table); the original and the svd merge
-are in `long_gpu` at 4k with 20 prompts. An MLA prompt at 4k takes about a minute and a half on 2 cores."""
+before them): depths 0, 0.5 and 1, two prompts each per task, so 6 prompts per cell, as in the 2k CPU table; the
+original and the svd merge are in `long_gpu` at 4k with 20 prompts. An MLA prompt at 4k takes about a minute on
+2 cores."""
 
 from __future__ import annotations
 
