@@ -675,6 +675,9 @@ def test_cli_converts_and_prints_what_each_fold_costs(tmp_path, capsys, family, 
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     assert reloaded.config.model_type == "deepseek_v3"
     assert not any(part in name for name, _ in reloaded.named_parameters() for part in gone)
+    if family == "gemma3_text":  # the two approximations say what they changed and where their cost shows
+        assert re.search(r"step sliding_window\s+approximate, window 4 in layers 0 \(cost in rope_truncation\)", printed)
+        assert re.search(r"step layer_rope\s+approximate, rotary frequencies moved by up to [\d.]+% in layers 0 \(cost", printed)
 
 
 def test_streaming_refuses_post_norm_blocks(tmp_path, capsys):

@@ -34,6 +34,12 @@ def _step_line(step: dict) -> str:
     if "calibration_nll" in step:
         before, after = step["calibration_nll"]
         how += f", calibration NLL {before:.4f} -> {after:.4f}"
+    if "window" in step:  # sliding_window: measured in rope_truncation
+        how += f", window {step['window']} in layers {', '.join(map(str, step['layers']))} (cost in rope_truncation)"
+    if "max_relative_frequency_change" in step:  # layer_rope: measured in rope_truncation
+        changes = step["max_relative_frequency_change"]
+        layers = ", ".join(map(str, changes))
+        how += f", rotary frequencies moved by up to {max(changes.values()):.1%} in layers {layers} (cost in rope_truncation)"
     return how
 
 
