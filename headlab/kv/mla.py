@@ -51,6 +51,7 @@ from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.gqa import measured_kv_bytes_per_token
 from headlab.kv.grouping import gqa_layers
 from headlab.kv.layer_rope import (
+    SLIDING_ATTENTION,
     frequency_change,
     inverse_frequencies,
     layer_type_of,
@@ -279,7 +280,7 @@ def source_rope(loaded: LoadedModel, layer=None) -> tuple[torch.Tensor, float]:
     return inverse_frequencies(config, rd, None if layer is None else layer_type_of(config, layer.block))
 
 
-def layer_kept_frequencies(loaded: LoadedModel, plan: MlaPlan, layer) -> list[int]:
+def layer_kept_frequencies(loaded: LoadedModel, plan: MlaPlan, layer) -> list[int | None]:
     """The source frequency indices `layer` keeps with RoPE: the plan's (every n-th) where the layer rotates at the
     full-attention layers' frequencies; else, per target pair, the source pair nearest in frequency
     (headlab.kv.layer_rope.matched_frequencies)."""
@@ -1224,7 +1225,7 @@ def _block_form_steps(loaded: LoadedModel, mla: LoadedModel) -> dict:
     window = window_of(config)
     if window:
         layers = [layer.block for layer in gqa_layers(loaded)
-                  if layer_type_of(config, layer.block) in (None, "sliding_attention")]  # fmt: skip
+                  if layer_type_of(config, layer.block) in (None, SLIDING_ATTENTION)]  # fmt: skip
         steps["sliding_window"] = {
             "exact": False, "window": window, "layers": layers,
             "how": f"deepseek_v3 has no sliding window: these layers attend to every earlier token, the same on "

@@ -54,7 +54,8 @@ def run(args) -> dict:
     text = TextSpec(corpora["broad"], split="calibration", batch_size=2)
     scores = retrieval_head_scores(teacher, text=text, length=1024, count=8, progress=False)
     top = {n: _top_layers(scores, n) for n in TOP_LAYERS}
-    rows = [{"layout": "original", "kept": list(range(layers)), "kv_numbers": None,
+    kv_original = sum(2 * layer.num_kv_heads * layer.head_dim for layer in teacher.layers)
+    rows = [{"layout": "original", "kept": list(range(layers)), "kv_numbers": kv_original,
              "perplexity": perplexities(teacher, corpora), "retrieval": retrieval(teacher, TASKS)}]  # fmt: skip
     print(json.dumps(rows[-1]), flush=True)
     batches = calibration_batches(teacher.tokenizer, corpora["broad"], seq_len=SEQ_LEN, batch_size=4,
@@ -68,8 +69,6 @@ def run(args) -> dict:
                      "perplexity": perplexities(student, corpora), "retrieval": retrieval(student, TASKS)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
         del student
-    kv_original = sum(2 * layer.num_kv_heads * layer.head_dim for layer in teacher.layers)
-    rows[0]["kv_numbers"] = kv_original
     top_heads = sorted(((float(s[h]), i, h) for i, s in enumerate(scores) for h in range(len(s))), reverse=True)[:8]
     return {"domains": list(DOMAINS), "tasks": list(TASKS), "threads": torch.get_num_threads(), "rows": rows,
             "top_heads": [{"layer": i, "head": h, "score": v} for v, i, h in top_heads]}  # fmt: skip
