@@ -7,6 +7,7 @@ __all__ = [
     "arch",
     "checkpoint",
     "corpora",
+    "cpu_attention",
     "cpu_matmul",
     "data",
     "distributed",

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from headlab.core import cpu_matmul, distributed, validate
+from headlab.core import cpu_attention, cpu_matmul, distributed, validate
 from headlab.core.arch import Adapter, AttentionLayer, adapter_for
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import atomic_directory
@@ -405,7 +405,7 @@ def load_model(
         # accelerate placed the layers; inputs (and every tensor made to meet them) go where the embeddings run.
         torch_device = input_device(model)
     model.eval()
-    meta = _products_on_this_cpu(model, torch_device, torch_dtype)
+    meta = _cpu_kernels(model, adapter, torch_device, torch_dtype)
     validate.check_tokenizer_fits(model, tokenizer, spec)
     fingerprint = validate.model_fingerprint(Path(source) / load_kwargs.get("gguf_file", ""), _fingerprint_cache())
     if fingerprint:
@@ -577,14 +577,18 @@ def from_model(model: nn.Module, tokenizer=None, spec: str = "in-memory") -> Loa
     adapter = adapter_for(model)
     dtype = next(model.parameters()).dtype
     device = input_device(model)
-    meta = _products_on_this_cpu(model, device, dtype)
+    meta = _cpu_kernels(model, adapter, device, dtype)
     return LoadedModel(model.eval(), tokenizer, adapter, spec, spec, device, dtype, meta)
 
 
-def _products_on_this_cpu(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict:
-    """A 16-bit model on a CPU without native 16-bit kernels computes its products in float32 (hooks installed,
-    headlab.core.cpu_matmul); the metadata records it."""
-    if not cpu_matmul.needs_float32_products(device, dtype):
-        return {}
-    cpu_matmul.install(model)
-    return {"cpu_products": "float32"}
+def _cpu_kernels(model: nn.Module, adapter: Adapter, device: torch.device, dtype: torch.dtype) -> dict:
+    """On a CPU: a 16-bit model without native 16-bit kernels computes its products in float32
+    (headlab.core.cpu_matmul), and attention with values narrower than its keys runs sdpa's fused kernel on padded
+    values (headlab.core.cpu_attention); the metadata records each."""
+    layers = adapter.attention_layers(model)
+    narrow_values = any(adapter.qk_head_dim(layer) > layer.head_dim for layer in layers)
+    meta = cpu_attention.install(model, device, narrow_values)
+    if cpu_matmul.needs_float32_products(device, dtype):
+        cpu_matmul.install(model)
+        meta["cpu_products"] = "float32"
+    return meta

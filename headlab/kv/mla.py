@@ -43,6 +43,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from headlab.core import cpu_attention
 from headlab.core.arch import Adapter, HeadWeights, adapter_for
 from headlab.core.checkpoint import check_checkpoint_out, logits_of, probe_inputs, save_with_record
 from headlab.core.data import TextSpec, takes_text
@@ -945,6 +946,7 @@ def build_mla(
     rope = {"source_type": source_type, "parameters": dict(config.rope_parameters), "magnitude": list(magnitude),
             "frequencies_max_rel_diff": _check_frequencies(loaded, plan, config)}  # fmt: skip
     meta = {"mla_layers": records, "rope": rope, "rope_frequency_change": changes}
+    meta.update(cpu_attention.install(model, loaded.device, config.qk_head_dim > config.v_head_dim))
     return LoadedModel(model, loaded.tokenizer, adapter, loaded.spec, loaded.source, loaded.device, loaded.dtype, meta)
 
 
