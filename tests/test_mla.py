@@ -686,13 +686,20 @@ def test_streaming_refuses_post_norm_blocks(tmp_path, capsys):
     assert not (tmp_path / "mla").exists()
 
 
-def _yarn_mla(text):
-    """A sharpened one-KV-head llama with yarn whose ramp shows at positions < 48 (original context 64, theta 1e4),
-    converted exactly (budget gqa) and folded, as a LoadedModel with test_gguf's byte-level BPE tokenizer."""
+SCALED_ROPE = {
+    "yarn": dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64),
+    "linear": dict(rope_type="linear", rope_theta=1e4, factor=8.0),  # Gemma 3's global layers from 4B up
+}
+
+
+def _yarn_mla(text, rope="yarn"):
+    """A sharpened one-KV-head llama with scaled RoPE (yarn: its ramp shows at positions < 48, original context 64,
+    theta 1e4), converted exactly (budget gqa) and folded, as a LoadedModel with test_gguf's byte-level BPE
+    tokenizer."""
     from test_gguf import VOCAB, bpe_tokenizer  # optional: test_gguf skips itself without the gguf package
 
-    yarn = dict(rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=64)
-    source = sharpened(tiny_model("llama", vocab_size=VOCAB, num_key_value_heads=1, rope_parameters=yarn), 6.0)
+    scaled = SCALED_ROPE[rope]
+    source = sharpened(tiny_model("llama", vocab_size=VOCAB, num_key_value_heads=1, rope_parameters=scaled), 6.0)
     loaded = from_model(source, bpe_tokenizer())
     model, _ = converted(loaded, text, budget="gqa")
     mla.fold_latent_norm(model.model)
@@ -725,19 +732,23 @@ def test_export_gguf_writes_deepseek_yarn_and_refuses_llama3(text, tmp_path):
     assert not (tmp_path / "m.gguf").exists()
 
 
-def test_llamacpp_runs_yarn_mla_like_transformers(text, tmp_path):
-    """llama.cpp's log-probs of the yarn MLA model equal transformers' (measured: worst logit difference ~5e-6 of
-    ~4; writing no yarn keys gives 3.6, no log multiplier 2.3)."""
+@pytest.mark.parametrize("rope", list(SCALED_ROPE))
+def test_llamacpp_runs_yarn_mla_like_transformers(text, tmp_path, rope):
+    """llama.cpp's log-probs of the yarn or linear-RoPE MLA model equal transformers' (measured for yarn: worst
+    logit difference ~5e-6 of ~4; writing no yarn keys gives 3.6, no log multiplier 2.3)."""
     pytest.importorskip("gguf")
-    from test_gguf import LLAMACPP, _windows  # optional: needs the gguf package (checked above)
+    from test_gguf import LLAMACPP, _windows, read  # optional: needs the gguf package (checked above)
 
     if LLAMACPP is not None:
         pytest.skip(LLAMACPP)
     from headlab.runtimes.gguf_export import export_gguf
     from headlab.runtimes.llamacpp import compare_logprobs
 
-    _, model = _yarn_mla(text)
+    _, model = _yarn_mla(text, rope)
     export_gguf(model, tmp_path / "yarn.gguf", outtype="f32", progress=False)
+    if rope == "linear":
+        fields, _ = read(tmp_path / "yarn.gguf")
+        assert fields["deepseek2.rope.scaling.type"] == "linear" and fields["deepseek2.rope.scaling.factor"] == 8.0
     result = compare_logprobs(model, tmp_path / "yarn.gguf", _windows(model))
     assert result["max_abs_logit"] > 1.0 and result["relative_difference"] < 1e-4, result
     assert result["max_abs_logit_diff"] < 1e-4 * result["max_abs_logit"], result

@@ -18,7 +18,8 @@ Which llama.cpp architecture runs which layout (read from llama.cpp's loader, sr
   kv_lora_rank + rope, value length kv_lora_rank), kv_b_proj split into attn_k_b (transposed) and attn_v_b, the
   rotary rows unpermuted (rope_interleave already gives consecutive pairs). Its graph always applies the latent
   RMSNorm with rms_norm_eps, and its loader asserts qk_nope_head_dim >= 1 (docs/runtimes.md). It runs default RoPE
-  and DeepSeek's yarn (rope.scaling.* keys), never rope_freqs: llama3-scaled MLA is refused (_mla_rope_problem).
+  linear scaling and DeepSeek's yarn (rope.scaling.* keys), never rope_freqs: llama3-scaled MLA is refused
+  (_mla_rope_problem).
 """
 
 from __future__ import annotations
@@ -344,8 +345,9 @@ MLA_KEEP_F32 = ("attn_kv_a_mqa.weight", "attn_q_a.weight")
 
 
 def _mla_rope_problem(rope: dict) -> str | None:
-    """Why llama.cpp's deepseek2 cannot run this RoPE exactly, or None. It runs default RoPE and yarn in DeepSeek's
-    own form: mscale = mscale_all_dim (M), no explicit attention_factor, which transformers' deepseek_v3 and
+    """Why llama.cpp's deepseek2 cannot run this RoPE exactly, or None. It runs default RoPE, linear scaling (every
+    frequency divided by the factor: the loader's freq_scale; rotary rows written times linear_rope_prescale) and yarn
+    in DeepSeek's own form: mscale = mscale_all_dim (M), no explicit attention_factor, which transformers' deepseek_v3 and
     llama.cpp both compute as cos/sin unscaled and a softmax scale times (1 + 0.1 M ln factor)^2 (transformers:
     yarn_apply_mscale; llama.cpp: llama_context's yarn_attn_factor, cancelled and moved into kq_scale by
     src/models/deepseek2.cpp). Its graph hands ggml_rope_ext no frequency factors, so llama3 cannot run there."""
@@ -355,8 +357,10 @@ def _mla_rope_problem(rope: dict) -> str | None:
     if rope_type == "llama3":
         return ("llama3 RoPE scaling: llama.cpp's deepseek2 graph applies RoPE without frequency factors (no "
                 "rope_freqs tensor), so llama3's per-frequency scaling cannot be expressed there")  # fmt: skip
+    if rope_type == "linear":  # every frequency divided by the factor: ggml_rope_ext's freq_scale, in any graph
+        return None if float(rope.get("factor") or 0) > 0 else "linear RoPE scaling without a positive factor"
     if rope_type != "yarn":
-        return f"RoPE type {rope_type!r} (llama.cpp's deepseek2 runs default and yarn RoPE)"
+        return f"RoPE type {rope_type!r} (llama.cpp's deepseek2 runs default, linear and yarn RoPE)"
     if rope.get("attention_factor") is not None or not rope.get("mscale_all_dim"):
         return "yarn without mscale_all_dim or with an explicit attention_factor (deepseek2 reads only mscale_all_dim)"
     if rope.get("mscale") != rope.get("mscale_all_dim"):
@@ -385,6 +389,9 @@ def _mla_hparams(writer, config) -> None:
     writer.add_expert_feed_forward_length(int(config.intermediate_size))  # read unconditionally, unused when dense
     writer.add_expert_shared_count(0)
     rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "linear":  # llama.cpp: freq_scale = 1 / factor; no attention factor (log mul 0)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(rope["factor"]))
     if rope.get("rope_type") == "yarn":  # _mla_rope_problem let only DeepSeek's own yarn form through
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(float(rope["factor"]))
@@ -406,6 +413,38 @@ def _split_kv_b(items: list, config) -> list:
         k_b, v_b = kv_b.split([nope, Dv], dim=1)
         out.append((name.replace("attn_kv_b", "attn_k_b"), block, k_b.transpose(1, 2).contiguous()))
         out.append((name.replace("attn_kv_b", "attn_v_b"), block, v_b.contiguous()))
+    return out
+
+
+def linear_rope_prescale(config) -> float:
+    """The factor deepseek2's rotary query and key rows are written times under linear RoPE scaling: 1 / c with
+    c = 1 + 0.1 ln(factor), 1.0 for any other RoPE. llama.cpp's deepseek2 graph adjusts the rope's attention factor
+    and the softmax scale for yarn's magnitude (src/models/deepseek2.cpp); under linear scaling, which adds no
+    magnitude, its rotated queries and keys come out c times transformers' (measured: factor 8, perplexity 1.1%
+    apart unscaled, 2e-9 with rows divided by c; a factor c instead gives 1.6%). The rope is linear in its input,
+    so dividing the rows undoes it exactly up to one rounding of each weight."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return 1.0 / (1.0 + 0.1 * math.log(float(rope["factor"]))) if rope.get("rope_type") == "linear" else 1.0
+
+
+def _prescale_rope_rows(items: list, config) -> list:
+    """Query rows (attn_q or attn_q_b, [H * (nope + rope), .]) and the rotary key rows of attn_kv_a_mqa
+    ([R + rope, C]) whose rotary part is multiplied by linear_rope_prescale; the items unchanged when it is 1."""
+    scale = linear_rope_prescale(config)
+    if scale == 1.0:
+        return items
+    nope, rope = int(config.qk_nope_head_dim), int(config.qk_rope_head_dim)
+    out = []
+    for name, block, tensor in items:
+        kind = name.split(".")[2] if block is not None else ""
+        if kind in ("attn_q", "attn_q_b"):
+            heads = _resident(tensor).detach().reshape(-1, nope + rope, *tensor.shape[1:]).clone()
+            heads[:, nope:] *= scale
+            tensor = heads.reshape(tensor.shape)
+        elif kind == "attn_kv_a_mqa":
+            tensor = _resident(tensor).detach().clone()
+            tensor[-rope:] *= scale
+        out.append((name, block, tensor))
     return out
 
 
@@ -758,7 +797,7 @@ def _export_items(loaded: LoadedModel, plan: ExportPlan, config) -> list[tuple]:
         if not (block in plan.attention_free and gguf_name.split(".")[2].startswith("attn_"))
     ]
     if plan.target.arch == "deepseek2":
-        items = _split_kv_b(items, config)
+        items = _prescale_rope_rows(_split_kv_b(items, config), config)
     if plan.rope_freqs is not None:
         items.insert(0, ("rope_freqs.weight", None, torch.tensor(plan.rope_freqs, dtype=torch.float32)))
     return items
