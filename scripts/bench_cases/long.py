@@ -29,6 +29,14 @@ LABELS = {
 }
 
 
+def variant(case: str, **grid: str):
+    """`run` of a case that measures the rungs on another grid: `grid` gives the defaults of the HEADLAB_BENCH_LONG_*
+    settings (lengths, depths, samples, models; an environment setting still wins), float32 on any device."""
+    for key, value in grid.items():
+        os.environ.setdefault(f"HEADLAB_BENCH_LONG_{key.upper()}", value)
+    return lambda args: measure(args, case, dtype="float32")
+
+
 def _grid(device: str) -> tuple[list[int], list[float], int]:
     gpu = device.startswith("cuda")
     lengths = os.environ.get("HEADLAB_BENCH_LONG_LENGTHS", "2048,4096,8192" if gpu else "2048")

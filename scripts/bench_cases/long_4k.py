@@ -5,7 +5,6 @@ original and the svd merge are in `long_gpu` at 4k with 20 prompts. An MLA promp
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,14 +13,6 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import long as base  # noqa: E402  (the CPU case: rungs, grid and table)
 
 TITLE = "Long-context retrieval and NLL by position of the full-rank MLA and pruned rungs at 4k tokens (CPU)"
-os.environ.setdefault("HEADLAB_BENCH_LONG_LENGTHS", "4096")
-os.environ.setdefault("HEADLAB_BENCH_LONG_DEPTHS", "0,0.5,1")
-os.environ.setdefault("HEADLAB_BENCH_LONG_SAMPLES", "2")
-os.environ.setdefault("HEADLAB_BENCH_LONG_MODELS", "mla_gqa,pruned")
-
-
-def run(args) -> dict:
-    return base.measure(args, "long_4k", dtype="float32")
-
+run = base.variant("long_4k", lengths="4096", depths="0,0.5,1", samples="2", models="mla_gqa,pruned")
 
 markdown = base.markdown

@@ -6,7 +6,6 @@ takes about a minute on 2 cores since MLA runs sdpa's fused kernel there (headla
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,14 +14,6 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import long as base  # noqa: E402  (the CPU case: rungs, grid and table)
 
 TITLE = "Long-context retrieval and NLL by position of the MLA, pruned and recovered rungs at 8k tokens (CPU)"
-os.environ.setdefault("HEADLAB_BENCH_LONG_LENGTHS", "8192")
-os.environ.setdefault("HEADLAB_BENCH_LONG_DEPTHS", "0,0.5,1")
-os.environ.setdefault("HEADLAB_BENCH_LONG_SAMPLES", "2")
-os.environ.setdefault("HEADLAB_BENCH_LONG_MODELS", "mla_gqa,mla_mqa,pruned")
-
-
-def run(args) -> dict:
-    return base.measure(args, "long_8k", dtype="float32")
-
+run = base.variant("long_8k", lengths="8192", depths="0,0.5,1", samples="2", models="mla_gqa,mla_mqa,pruned")
 
 markdown = base.markdown

@@ -4,7 +4,6 @@ an 8k prompt takes about 100 s (docs/long-context.md)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,14 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import long as base  # noqa: E402  (the CPU case: rungs, grid and table)
 
 TITLE = "Long-context retrieval and NLL by position of the compressed models at 2k-8k tokens (GPU)"
-os.environ.setdefault("HEADLAB_BENCH_LONG_LENGTHS", "2048,4096,8192")
-os.environ.setdefault("HEADLAB_BENCH_LONG_DEPTHS", "0,0.25,0.5,0.75,1")
-os.environ.setdefault("HEADLAB_BENCH_LONG_SAMPLES", "4")
-
-
-def run(args) -> dict:
-    return base.measure(args, "long_gpu", dtype="float32")
-
+run = base.variant("long_gpu", lengths="2048,4096,8192", depths="0,0.25,0.5,0.75,1", samples="4")
 
 markdown = base.markdown
 
