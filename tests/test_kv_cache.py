@@ -105,6 +105,102 @@ def test_int4_cache_bytes_by_hand(spec, module):
     assert quantized_cache_bytes(cache) == LAYERS * 2 * (_int4_hand_count(quantized) + residual * 4)
 
 
+def test_kivi_axes_follow_what_each_cache_slot_holds():
+    """KIVI: a slot of keys alone per channel (quanto axis -1), anything else per token (axis 0). A GQA cache's
+    "keys" are keys; MLA's "keys" slot is the latent (keys and values expand from it), its "values" the rotary key."""
+    from headlab.core.arch import adapter_for
+
+    gqa, latent = (
+        adapter_for(tiny_model("llama")).cache_pure_keys,
+        adapter_for(tiny_model("deepseek_v3")).cache_pure_keys,
+    )
+    assert gqa == (True, False) and latent == (False, True)
+    assert quantized_cache.kivi_axes(gqa) == {"axis_key": -1, "axis_value": 0}
+    assert quantized_cache.kivi_axes(latent) == {"axis_key": 0, "axis_value": -1}
+
+
+def _dequantized(layer, quantized) -> torch.Tensor:
+    """A layer's quantized states read back: one tensor (transformers' layers) or the -kivi layer's chunks."""
+    chunks = quantized if isinstance(quantized, list) else [quantized]
+    return torch.cat([layer._dequantize(chunk) for chunk in chunks], dim=-2)
+
+
+def _dequantized_errors(spec: str, pure_keys) -> tuple[float, float]:
+    """Largest error, over the small channels, of the keys and values a fresh `spec` cache stores for 128 tokens
+    (the residual length: quantized at once by either layout) whose channel 0 is 100x the others (an outlier
+    channel, as RoPE'd keys have)."""
+    generator = torch.Generator().manual_seed(0)
+    states = [torch.randn(1, KV_HEADS, 128, HEAD_DIM, generator=generator) for _ in range(2)]
+    for state in states:
+        state[..., 0] *= 100
+    cache = new_kv_cache(tiny_model("llama").config, spec, pure_keys)
+    cache.update(*states, layer_idx=0)
+    layer = cache.layers[0]
+    stored = [_dequantized(layer, layer._quantized_keys), _dequantized(layer, layer._quantized_values)]
+    assert [s.shape for s in stored] == [s.shape for s in states]
+    return tuple(float((got - want)[..., 1:].abs().max()) for got, want in zip(stored, states))
+
+
+@pytest.mark.parametrize("pure_keys", [(True, False), (False, True)])
+def test_kivi_cache_quantizes_the_slots_of_keys_per_channel(pure_keys):
+    """Per token, a group's scale spans the outlier (error about 100 / 15 on the small channels); per channel each
+    channel has its own (about 3 / 15): the -kivi spec is per channel exactly in the slots that hold keys alone."""
+    pytest.importorskip("optimum.quanto")
+    default = _dequantized_errors("quanto-int4", pure_keys)
+    kivi = _dequantized_errors("quanto-int4-kivi", pure_keys)
+    assert min(default) > 2.0  # transformers' axis 0: per token in both slots
+    for slot, pure in enumerate(pure_keys):
+        if pure:
+            assert kivi[slot] < 0.5 and kivi[slot] < default[slot] / 10, (kivi, default)
+        else:
+            assert kivi[slot] == default[slot]
+
+
+def test_kivi_layer_quantizes_whole_groups_and_keeps_the_rest():
+    """Updates of 100, 50 and 1 tokens: nothing is quantized below the residual length (128), then the whole
+    groups of 64 (128 tokens) are, once, and the 22 + 1 tokens after them stay exact; every update returns all
+    tokens so far."""
+    pytest.importorskip("optimum.quanto")
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(2, KV_HEADS, 151, HEAD_DIM, generator=generator) for _ in range(2))
+    cache = new_kv_cache(tiny_model("llama").config, "quanto-int4-kivi")
+    layer = cache.layers[0]
+    got = cache.update(keys[..., :100, :], values[..., :100, :], layer_idx=0)
+    assert torch.equal(got[0], keys[..., :100, :]) and layer._quantized_keys == []
+    got = cache.update(keys[..., 100:150, :], values[..., 100:150, :], layer_idx=0)
+    assert torch.equal(got[0], keys[..., :150, :]) and torch.equal(got[1], values[..., :150, :])
+    assert len(layer._quantized_keys) == 1 and layer.keys.shape[-2] == 22
+    got = cache.update(keys[..., 150:, :], values[..., 150:, :], layer_idx=0)
+    assert got[0].shape[-2] == got[1].shape[-2] == 151 == cache.get_seq_length()
+    assert torch.equal(got[0][..., 128:, :], keys[..., 128:, :])  # the residual and the new token: exact
+    error = float((got[0][..., :128, :] - keys[..., :128, :]).abs().max())
+    assert 0 < error < 0.5  # int4 per channel over 64 tokens of N(0, 1): measured 0.23
+    assert torch.equal(got[0][..., :128, :], _dequantized(layer, layer._quantized_keys))
+    residual = 2 * 2 * KV_HEADS * 23 * HEAD_DIM * 4  # keys and values, float32
+    assert quantized_cache_bytes(cache) - residual == sum(
+        quantized_cache.storage_bytes(chunk) for chunk in layer._quantized_keys + layer._quantized_values
+    )
+    with pytest.raises(HeadlabError, match="beam search"):
+        cache.reorder_cache(torch.tensor([1, 0]))
+
+
+def test_perplexity_builds_the_kivi_cache_with_the_models_slots(monkeypatch):
+    pytest.importorskip("optimum.quanto")
+    made = []
+
+    class Recording(quantized_cache.KiviQuantoLayer):
+        def __init__(self, **options):
+            made.append((options["axis_key"], options["axis_value"], options["nbits"]))
+            super().__init__(**options)
+
+    monkeypatch.setattr(quantized_cache, "KiviQuantoLayer", Recording)
+    for name, axes in (("llama", (-1, 0)), ("deepseek_v3", (0, -1))):
+        made.clear()
+        loaded = from_model(tiny_model(name), tiny_tokenizer())
+        result = _perplexity(loaded, seq_len=32, kv_cache="quanto-int4-kivi", kv_chunk=8)
+        assert result.perplexity > 1 and made and set(made) == {(*axes, 4)}
+
+
 def test_mla_cache_stores_the_normed_latent_and_the_fold_leaves_it_alone(tmp_path):
     # One KV head, budget gqa: the conversion is exact; the cache holds the latent after kv_a_layernorm ("keys",
     # [B, 1, T, R]) and the rotated shared key ("values", [B, 1, T, r]).

@@ -230,6 +230,9 @@ class Adapter:
     # The cache holds one compressed latent for all heads (MLA) instead of per-KV-head keys and values: KV-head
     # pooling (convert-gqa, expand-kv, merge) does not apply, and kv_cache_numbers gives the latent's size.
     latent_kv: bool = False
+    # Which of transformers' two cache slots ("keys", "values") hold keys alone, entering only q.k: a KIVI-grouped
+    # quantized cache quantizes those per channel and the others per token (headlab.mechanisms.quantized_cache).
+    cache_pure_keys: tuple[bool, bool] = (True, False)
     extra: dict = field(default_factory=dict)
     # Name suffixes of the blocks' ModuleList, tried in order (multimodal wrappers first: their vision towers
     # also hold "layers").
@@ -724,6 +727,8 @@ class LatentQKV(Adapter):
     latent_norm: str = "self_attn.kv_a_layernorm"
     kv_b: str = "self_attn.kv_b_proj"
     o: str = "self_attn.o_proj"
+    # The "keys" slot holds the latent (keys and values both expand from it), "values" the rotary key (cache_shapes).
+    cache_pure_keys: tuple[bool, bool] = (False, True)
 
     def head_counts(self, layer):
         H = _get(layer.block_module, self.o).in_features // layer.head_dim

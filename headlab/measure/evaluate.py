@@ -59,6 +59,7 @@ class CacheChunks:
     kv_cache: str
     chunk: int
     cache_bytes: int | None = None
+    pure_keys: tuple[bool, bool] = (True, False)  # the adapter's cache_pure_keys (a "-kivi" cache's axes)
 
     def describe(self) -> str:
         return f"chunks of {self.chunk} tokens through a {self.kv_cache} KV cache"
@@ -145,7 +146,7 @@ def chunked_token_nll(model, input_ids, attention_mask, targets: list[torch.Tens
     lengths = attention_mask.sum(dim=1).tolist()
     firsts = [length - len(row_targets) for length, row_targets in zip(lengths, targets)]  # first scored position
     picked: list[list[torch.Tensor]] = [[] for _ in targets]
-    cache = new_kv_cache(model.config, chunks.kv_cache)
+    cache = new_kv_cache(model.config, chunks.kv_cache, chunks.pure_keys)
     for start in range(0, input_ids.shape[1], chunks.chunk):
         end = min(start + chunks.chunk, input_ids.shape[1])
         # The 2D mask spans the cached positions and this chunk; right padding only ever follows a row's tokens.
@@ -243,7 +244,7 @@ def perplexity(
     part, seq_len, batch_size, max_tokens = text.split, text.seq_len, text.batch_size, text.max_tokens
     stride = seq_len if stride is None else stride
     check_max_length(loaded, seq_len)
-    chunks = cache_chunks(kv_cache, kv_chunk)
+    chunks = cache_chunks(kv_cache, kv_chunk, loaded.adapter.cache_pure_keys)
     if chunks is not None and loaded.adapter.is_encoder:
         raise HeadlabError("--kv-cache and --kv-chunk need a causal language model; this one is an encoder (masked LM)")
     corpus = text.corpus
@@ -292,16 +293,18 @@ def perplexity(
     )
 
 
-def cache_chunks(kv_cache: str = "full", kv_chunk: int | None = None) -> CacheChunks | None:
+def cache_chunks(
+    kv_cache: str = "full", kv_chunk: int | None = None, pure_keys: tuple[bool, bool] = (True, False)
+) -> CacheChunks | None:
     """How perplexity runs its windows: None (one forward each) for the full cache without kv_chunk, else
-    CacheChunks(kv_cache, kv_chunk or DEFAULT_KV_CHUNK); an unknown spec, a missing backend package or a chunk below
-    1 is refused in one line."""
+    CacheChunks(kv_cache, kv_chunk or DEFAULT_KV_CHUNK, pure_keys: the adapter's cache_pure_keys); an unknown spec, a
+    missing backend package or a chunk below 1 is refused in one line."""
     check_kv_cache(kv_cache)
     if kv_chunk is not None and kv_chunk < 1:
         raise HeadlabError(f"kv_chunk={kv_chunk} must be at least 1")
     if kv_cache == "full" and kv_chunk is None:
         return None
-    return CacheChunks(kv_cache, kv_chunk or DEFAULT_KV_CHUNK)
+    return CacheChunks(kv_cache, kv_chunk or DEFAULT_KV_CHUNK, pure_keys=pure_keys)
 
 
 def domain_perplexities(

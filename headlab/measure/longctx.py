@@ -109,7 +109,11 @@ def cache_generate(loaded: LoadedModel, kv_cache: str, record: list[dict]) -> Ge
     with their scales, plus any full-precision residual), and each row names the kv_cache."""
     check_kv_cache(kv_cache)
     return recorded_generate(
-        loaded, lambda: new_kv_cache(loaded.model.config, kv_cache), record, quantized_cache_bytes, kv_cache=kv_cache
+        loaded,
+        lambda: new_kv_cache(loaded.model.config, kv_cache, loaded.adapter.cache_pure_keys),
+        record,
+        quantized_cache_bytes,
+        kv_cache=kv_cache,
     )
 
 

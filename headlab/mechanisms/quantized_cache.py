@@ -1,7 +1,8 @@
 """Quantized KV caches for evaluation (`--kv-cache` of eval, longeval and speed): transformers' QuantizedCache with
 its fp8, optimum-quanto and HQQ backends, built fresh per batch, and the bytes such a cache really holds.
 
-What each backend stores per layer (transformers 5 `cache_utils`, defaults kept: group size 64, residual 128, axis 0):
+What each backend stores per layer (transformers 5 `cache_utils`, defaults kept: group size 64, residual 128, axis 0;
+the `-kivi` specs change only the axes, `kivi_axes`):
 
 - fp8 (`Fp8QuantizedLayer`): keys and values as float8_e4m3fn with one float32 scale per tensor, amax / 448, set
   by the first update (the prefill, or the first chunk) and frozen; later values beyond it saturate at +-448 x scale.
@@ -18,7 +19,7 @@ import importlib.util
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import QuantizedCache
+from transformers.cache_utils import QuantizedCache, QuantoQuantizedLayer
 
 from headlab.core.errors import HeadlabError
 from headlab.mechanisms.choices import KV_CACHE_INSTALL, KV_CACHES
@@ -44,17 +45,72 @@ def check_kv_cache(spec: str) -> str:
     return spec
 
 
-def new_kv_cache(config, spec: str):
+# quanto's group axis: 0 groups q_group_size consecutive numbers of one token (per token), -1 groups one channel
+# over q_group_size consecutive tokens (per channel; optimum.quanto.tensor.grouped.group).
+PER_TOKEN, PER_CHANNEL = 0, -1
+
+
+def kivi_axes(pure_keys: tuple[bool, bool]) -> dict[str, int]:
+    """quanto's axis_key / axis_value under KIVI's grouping (Liu et al. 2024: keys per channel, values per token):
+    per channel for a cache slot that holds keys alone (`pure_keys`, the adapter's cache_pure_keys: a GQA cache's
+    "keys"; MLA's rotary key, which transformers' deepseek_v3 stores as "values"), per token for the others (values,
+    and MLA's latent, which serves as key and value)."""
+    key_slot, value_slot = (PER_CHANNEL if pure else PER_TOKEN for pure in pure_keys)
+    return {"axis_key": key_slot, "axis_value": value_slot}
+
+
+class KiviQuantoLayer(QuantoQuantizedLayer):
+    """KIVI's cache layout (Liu et al. 2024) on quanto's quantizer: tokens are quantized in whole groups of
+    q_group_size, once, when the full-precision residual reaches residual_length, and appended to the quantized
+    chunks; the tokens of a group not yet full stay in the residual. A per-channel group (axis -1) then always spans
+    q_group_size tokens of one sequence and one head, whatever the length; transformers' QuantizedLayer quantizes
+    the first update whole and later requantizes everything, which per channel fails unless batch x heads x tokens
+    divides by the group. A prefill attends to its own states unquantized, as there."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.cumulative_length += key_states.shape[-2]
+        if not self.is_initialized or self._quantized_keys is None:
+            self.lazy_initialization(key_states, value_states)
+            self._quantized_keys, self._quantized_values = [], []
+            returned = key_states, value_states
+        else:
+            returned = tuple(
+                torch.cat([*(self._dequantize(q) for q in chunks), residual, new], dim=-2)
+                for chunks, residual, new in (
+                    (self._quantized_keys, self.keys, key_states),
+                    (self._quantized_values, self.values, value_states),
+                )
+            )
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        if self.keys.shape[-2] >= self.residual_length:
+            whole = self.keys.shape[-2] // self.q_group_size * self.q_group_size
+            self._quantized_keys.append(self._quantize(self.keys[..., :whole, :].contiguous(), axis=self.axis_key))
+            self._quantized_values.append(
+                self._quantize(self.values[..., :whole, :].contiguous(), axis=self.axis_value)
+            )
+            self.keys, self.values = self.keys[..., whole:, :], self.values[..., whole:, :]
+        return returned
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise HeadlabError("a -kivi KV cache keeps quantized chunks in place; beam search cannot reorder them")
+
+
+def new_kv_cache(config, spec: str, pure_keys: tuple[bool, bool] = (True, False)):
     """An empty transformers cache for the model `config`: DynamicCache for "full", else QuantizedCache(backend,
-    nbits) with transformers' defaults (q_group_size 64, residual_length 128, axis 0; fp8 takes none of them)."""
-    backend, nbits, _ = KV_CACHES[check_kv_cache(spec)]
+    nbits) with transformers' defaults (q_group_size 64, residual_length 128, axis 0; fp8 takes none of them), or
+    KIVI's axes for a "kivi" spec (kivi_axes of `pure_keys`, the adapter's cache_pure_keys)."""
+    backend, nbits, _, grouping = KV_CACHES[check_kv_cache(spec)]
     if backend is None:
         return DynamicCache(config=config)
     options = {} if backend == "fp8" else {"nbits": nbits}  # fp8 is per-tensor and refuses the group-wise options
     try:
-        return QuantizedCache(backend=backend, config=config, **options)
+        cache = QuantizedCache(backend=backend, config=config, **options)
     except ValueError as error:  # sliding-window or linear-attention layers: it takes full attention only
         raise HeadlabError(f"--kv-cache {spec}: {str(error).splitlines()[0]}") from None
+    if grouping == "kivi":
+        cache.layers = [KiviQuantoLayer(nbits=nbits, **kivi_axes(pure_keys)) for _ in cache.layers]
+    return cache
 
 
 def storage_bytes(stored) -> int:

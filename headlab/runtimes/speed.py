@@ -114,13 +114,14 @@ class PointCache:
 
     def __init__(self, loaded: LoadedModel, spec: SpeedSpec, policies: dict | None = None):
         self.config, self.kv_cache = loaded.model.config, spec.kv_cache
+        self.pure_keys = loaded.adapter.cache_pure_keys
         self.by_block = None
         if policies is not None:
             self.by_block = {layer.block: policies[layer.index] for layer in loaded.layers if layer.index in policies}
 
     def new(self):
         if self.by_block is None:
-            return new_kv_cache(self.config, self.kv_cache)
+            return new_kv_cache(self.config, self.kv_cache, self.pure_keys)
         return HeadPolicyCache(self.config, self.by_block)
 
     def writing(self, cache):

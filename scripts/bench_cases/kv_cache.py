@@ -15,7 +15,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # the recovery case build
 
 TITLE = "Quantized KV caches: perplexity of the original, a KV merge and MLA through each cache (`eval --kv-cache`)"
 EVAL_TOKENS, SEQ_LEN, CHUNK = 2048, 512, 64
-CACHES = ("full", "fp8", "quanto-int4", "hqq-int8", "hqq-int4")
+CACHES = ("full", "fp8", "quanto-int4", "quanto-int4-kivi", "hqq-int8", "hqq-int4")
 MODELS = ("original", "svd", "mla")
 LABELS = {"original": "original (GQA, 3 KV heads)", "svd": "3 -> 1 KV heads, svd merge",
           "mla": "MLA, MQA budget (latent norm folded)"}  # fmt: skip
