@@ -96,3 +96,25 @@ def test_models_with_equal_widths_and_eager_ones_are_left_alone():
     assert gqa.model.config._attn_implementation == "sdpa" and "cpu_attention" not in gqa.meta
     eager = from_model(tiny_model("deepseek_v3", attn_implementation="eager"), tiny_tokenizer())
     assert eager.model.config._attn_implementation == "eager" and "cpu_attention" not in eager.meta
+
+
+def test_an_mla_conversion_on_the_cpu_runs_the_fused_path_with_the_exact_logits(tmp_path):
+    """One KV head at the GQA budget converts exactly: the converted model, switched to the padded path, still gives
+    the source's logits."""
+    from headlab.core.data import TextSpec
+    from headlab.kv import mla
+    from tiny_text import SAMPLE_TEXT
+
+    path = tmp_path / "sample.txt"
+    path.write_text(SAMPLE_TEXT * 4)
+    text = TextSpec(data=str(path), split="calibration", seq_len=32, batch_size=4, max_tokens=512)
+    source = from_model(tiny_model("llama", num_key_value_heads=1, attn_implementation="sdpa"), tiny_tokenizer())
+    batches = text.batches(source.tokenizer, max_positions=64)
+    converted = mla.convert_to_mla(source, mla.plan_mla(source, budget="gqa"), batches, progress=False)[0]
+    assert converted.model.config._attn_implementation == cpu_attention.FUNCTION_NAME
+    assert converted.meta["cpu_attention"]
+    inputs = tiny_inputs("llama")
+    with torch.no_grad():
+        torch.testing.assert_close(
+            converted.model(**inputs).logits, source.model(**inputs).logits, rtol=1e-4, atol=1e-4
+        )
