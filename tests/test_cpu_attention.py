@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 from models import tiny_inputs, tiny_model
-from tiny_text import tiny_tokenizer
+from tiny_text import SAMPLE_TEXT, tiny_tokenizer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from headlab.core import cpu_attention
+from headlab.core.data import TextSpec
 from headlab.core.loading import from_model, load_model
+from headlab.kv import mla
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -101,10 +103,6 @@ def test_models_with_equal_widths_and_eager_ones_are_left_alone():
 def test_an_mla_conversion_on_the_cpu_runs_the_fused_path_with_the_exact_logits(tmp_path):
     """One KV head at the GQA budget converts exactly: the converted model, switched to the padded path, still gives
     the source's logits."""
-    from headlab.core.data import TextSpec
-    from headlab.kv import mla
-    from tiny_text import SAMPLE_TEXT
-
     path = tmp_path / "sample.txt"
     path.write_text(SAMPLE_TEXT * 4)
     text = TextSpec(data=str(path), split="calibration", seq_len=32, batch_size=4, max_tokens=512)
