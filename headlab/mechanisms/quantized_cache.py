@@ -2,7 +2,7 @@
 its fp8, optimum-quanto and HQQ backends, built fresh per batch, and the bytes such a cache really holds.
 
 What each backend stores per layer (transformers 5 `cache_utils`, defaults kept: group size 64, residual 128, axis 0;
-the `-kivi` specs change only the axes, `kivi_axes`):
+the `-kivi` specs take KIVI's axes, `kivi_axes`, and layout, `KiviQuantoLayer`):
 
 - fp8 (`Fp8QuantizedLayer`): keys and values as float8_e4m3fn with one float32 scale per tensor, amax / 448, set
   by the first update (the prefill, or the first chunk) and frozen; later values beyond it saturate at +-448 x scale.
