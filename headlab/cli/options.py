@@ -328,8 +328,8 @@ def kv_cache_option(function):
         default="full",
         show_default=True,
         help="KV cache: full (the model's dtype), fp8 (float8 e4m3, one scale per tensor), or quanto/hqq integers "
-        "(groups of 64, the newest <128 tokens kept full; the quanto and hqq backends need the kvquant extra); "
-        "docs/kv-cache.md",
+        "(groups of 64, the newest <128 tokens kept full; -kivi: KIVI's grouping, keys per channel, values per "
+        "token; the quanto and hqq backends need the kvquant extra); docs/kv-cache.md",
     )(function)
 
 
