@@ -585,8 +585,9 @@ def _cpu_kernels(model: nn.Module, adapter: Adapter, device: torch.device, dtype
     """On a CPU: a 16-bit model without native 16-bit kernels computes its products in float32
     (headlab.core.cpu_matmul), and attention with values narrower than its keys runs sdpa's fused kernel on padded
     values (headlab.core.cpu_attention); the metadata records each."""
-    layers = adapter.attention_layers(model)
-    narrow_values = any(adapter.qk_head_dim(layer) > layer.head_dim for layer in layers)
+    narrow_values = device.type == "cpu" and any(  # the layers are walked only where the padding could apply
+        adapter.qk_head_dim(layer) > layer.head_dim for layer in adapter.attention_layers(model)
+    )
     meta = cpu_attention.install(model, device, narrow_values)
     if cpu_matmul.needs_float32_products(device, dtype):
         cpu_matmul.install(model)
