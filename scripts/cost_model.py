@@ -122,15 +122,15 @@ def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, gradi
 
 def memory_uptrain(s: Shape, processes: int = 1) -> dict[str, float]:
     """Per device: training (W_student + W_teacher + 6 T) / N plus one gathered layer under FSDP. The load: one
-    process loads student and teacher whole onto its device (2W); under `--parallel fsdp` rank 0 alone loads them,
-    on its host (2W of host memory, `host`), and each device holds its shards plus the one whole tensor in transit
-    (the largest, the embedding E); the trained student comes back whole to rank 0's host (W, within `host`)."""
+    process loads student and teacher whole onto its device (2W); under `--parallel fsdp` from safetensors
+    checkpoints every rank reads its own rows of each tensor straight into its shards (2W / N, nothing whole in
+    transit), and the trained student comes back whole to rank 0's host for saving (W, `host`; the teacher, unchanged,
+    is not gathered)."""
     W = s.parameters * BF16
     T = s.attention_parameters
-    E = s.embedding_parameters * BF16
     training = (2 * W + 6 * T) / processes + (s.layer_parameters * BF16 if processes > 1 else 0)
-    load = 2 * W if processes == 1 else 2 * W / processes + E
-    return {"training": training, "load": load, "peak": max(training, load), "host": 2 * W if processes > 1 else 0}
+    load = 2 * W / processes
+    return {"training": training, "load": load, "peak": max(training, load), "host": W if processes > 1 else 0}
 
 
 # ---- time (seconds) -------------------------------------------------------------------------------------------------

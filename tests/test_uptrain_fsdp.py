@@ -12,13 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 from safetensors.torch import load_file
-from tiny_text import launch_headlab, run_cli, saved_kv_pair
+from tiny_text import launch_headlab, run_cli, save_tiny, saved_kv_pair
 
 STEPS, SEQ_LEN, BATCH, HELDOUT = 3, 32, 4, 128
 
@@ -72,11 +73,10 @@ def test_two_fsdp_processes_train_as_one_process_with_the_same_command(pair, tmp
     alone, sharded = metas[None]["sharded_bytes_per_process"], metas[2]["sharded_bytes_per_process"]
     assert metas[None]["bytes_per_process"]["optimiser_state"] > 0
     assert sharded <= 0.6 * alone, (sharded, alone)
-    # before sharding: rank 0 held student and teacher whole (on its host), rank 1 their structure alone
+    # before sharding no process held a weight: both are safetensors checkpoints, and every rank read its own shards
     held = metas[2]["weights_held_before_sharding"]
-    whole = metas[None]["bytes_per_process"]
-    assert held["rank 0"] == whole["student_parameters"] + whole["teacher_parameters"] > 0
-    assert held["other ranks, at most"] == 0
+    assert metas[None]["bytes_per_process"]["student_parameters"] > 0
+    assert held["rank 0"] == held["other ranks, at most"] == 0
 
 
 def test_fsdp_with_a_teacher_checkpointing_and_uneven_eval_windows(pair, tmp_path):
@@ -201,13 +201,77 @@ print("skeleton ok")
 """
 
 
-def _torchrun_script(tmp_path, text: str) -> subprocess.CompletedProcess:
+PER_RANK = """
+import sys, torch
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+from models import tiny_model
+from tiny_text import tiny_tokenizer
+from headlab.core import distributed
+from headlab.core.loading import load_model, load_structure
+from headlab.recovery import fsdp
+distributed.init(torch.device("cpu"), even_alone=True)
+checkpoint = Path(sys.argv[2])
+if distributed.rank() == 0:  # odd sizes: 5 query heads, a vocabulary of 259 rows, so rank 1's chunks are shorter
+    model = tiny_model("llama", tie_word_embeddings=True, vocab_size=259, num_attention_heads=5,
+                       num_key_value_heads=1, hidden_size=40, head_dim=8)
+    model.save_pretrained(checkpoint)
+    tiny_tokenizer().save_pretrained(checkpoint)
+torch.distributed.barrier()
+ids = torch.tensor([[1, 2, 3, 4, 250]])
+whole = load_model(str(checkpoint), device="cpu")
+expected = whole.model(input_ids=ids).logits.detach()
+skeleton = load_structure(str(checkpoint), device="cpu")
+assert fsdp.is_skeleton(skeleton.model)
+with fsdp.sharded(skeleton, None, device=torch.device("cpu"), whole_after="rank 0") as work:
+    got = work.model(input_ids=ids).logits.detach()
+torch.testing.assert_close(got, expected, rtol=0, atol=0)
+if distributed.rank() == 0:  # the gathered values and the buffers the skeleton was given compute the same
+    model = skeleton.model
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight, "the tie"
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=0, atol=0)
+teacher = load_structure(str(checkpoint), device="cpu")  # frozen (a teacher): its files hold it, nothing comes back
+with fsdp.sharded(teacher, None, device=torch.device("cpu"), whole_after="rank 0", frozen=True) as work:
+    torch.testing.assert_close(work.model(input_ids=ids).logits.detach(), expected, rtol=0, atol=0)
+assert fsdp.is_skeleton(teacher.model), "no rank gathered the frozen model"
+print("per-rank ok")
+"""
+
+
+def test_every_rank_reads_its_own_shards_when_no_rank_holds_the_weights(tmp_path):
+    """Both ranks pass skeletons of a safetensors checkpoint (tied embeddings; rows that 2 ranks split unevenly): each
+    reads its own rows from the files, the sharded model computes the whole model's logits exactly, and rank 0
+    gets the values (with the rotary buffers, which no file holds) back whole; a frozen model (the teacher) is not
+    gathered at all."""
+    done = _torchrun_script(tmp_path, PER_RANK, tmp_path / "tiny")
+    assert done.returncode == 0 and done.stdout.count("per-rank ok") == 2, done.stderr[-3000:]
+
+
+def test_checkpoint_shards_names_every_parameter_and_buffer_or_declines(tmp_path):
+    """A saved checkpoint: every distinct parameter found under its stored name (the tied head once), the rotary
+    frequencies computed as the loaded model has them; a source without safetensors (a hub id) gives None."""
+    from headlab.core.loading import load_model, load_structure
+    from headlab.recovery import fsdp
+
+    checkpoint = save_tiny("llama", tmp_path / "tiny", tie_word_embeddings=True)
+    shards = fsdp.checkpoint_shards(load_structure(str(checkpoint), device="cpu"))
+    whole = load_model(str(checkpoint), device="cpu").model
+    assert shards.names == {name: name for name, _ in whole.named_parameters()}
+    assert "lm_head.weight" not in shards.names  # tied: read once, as the embedding
+    for name, buffer in whole.named_buffers():
+        torch.testing.assert_close(shards.buffers[name], buffer, rtol=0, atol=0, msg=name)
+    hub = fsdp.checkpoint_shards(replace(load_structure(str(checkpoint), device="cpu"), source="org/model"))
+    assert hub is None
+
+
+def _torchrun_script(tmp_path, text: str, *arguments) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(text)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", script]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tests = Path(__file__).parent
-    return subprocess.run([*map(str, command), str(tests)], capture_output=True, text=True, env=env, timeout=240)
+    command = [*map(str, command), str(tests), *map(str, arguments)]
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=240)
 
 
 def test_a_rank_with_only_the_structure_receives_its_shards_from_rank_0(tmp_path):

@@ -141,14 +141,16 @@ def command(
     out = out or Path("headlab-uptrained")
     guard(out, overwrite, {"student model": student, "teacher": teacher}, data=data, run_dir_bytes=False)
     load = dict(device=device, dtype=dtype, device_map=device_map, check_weights=check_weights)
+    per_rank = False
     if config.parallel == "fsdp" and spec.stages == ["uptrain"]:
-        # FSDP needs the weights on rank 0 alone, and there on the host: it sends each rank its shards, and gathers
-        # the trained values back to rank 0's host for saving (headlab.recovery.fsdp.sharded). The other ranks load
-        # the structure only, so no process ever holds the model whole on a GPU or twice on a node.
+        # Every rank loads the structure alone and reads its own shards from safetensors checkpoints; other sources
+        # (a GGUF file, weights transformers converts on load) load on rank 0's host, which sends each rank its shards.
+        # The trained values come back to rank 0's host for saving (headlab.recovery.fsdp.sharded).
         trains_on = resolve_device(device)
         distributed.init(trains_on)  # NCCL for GPUs though the weights load on the host (a world of one: later)
         spec.uptrain = replace(config, shards_on=str(trains_on), whole_after="rank 0")
-        skeleton = distributed.rank() > 0  # the group exists once torchrun starts more than one process
+        per_rank = _readable_in_shards(student, teacher, load)  # the same files: every rank finds the same
+        skeleton = per_rank or distributed.rank() > 0  # the group exists once torchrun starts more than one process
         load.update(device="cpu", weights=not skeleton, check_weights=check_weights and not skeleton)
     student_model = load_model(student, **load)
     most = student_model.max_positions
@@ -178,3 +180,16 @@ def command(
     if verification:
         click.echo(f"reload check: {describe_check(verification)}")
     click.echo(f"written: {out} (curve: {out}/recovery/curve.csv, curve.png)")
+
+
+def _readable_in_shards(student: str | None, teacher: str | None, load: dict) -> bool:
+    """Whether every FSDP rank can read its own shards of student and teacher from their files
+    (headlab.recovery.fsdp.checkpoint_shards), found on their structures: no weight is loaded."""
+    from headlab.core.loading import load_structure  # start-up: torch loads when the command runs
+    from headlab.recovery import fsdp
+
+    for spec in (student, teacher):
+        structure = load_structure(spec, device="cpu", dtype=load["dtype"], check_weights=False)
+        if fsdp.checkpoint_shards(structure) is None:
+            return False
+    return True

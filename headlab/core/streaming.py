@@ -188,6 +188,21 @@ def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
     )
 
 
+def stored_name(model, name: str, tensor: torch.Tensor, stored: set[str]) -> str | None:
+    """Where the checkpoint holds `model`'s tensor `name`: under that name, or under the name save_pretrained writes
+    for it (stored_names' two candidates, for one tensor); None if under neither (a tied weight saved once)."""
+    if name in stored:
+        return name
+    try:
+        # Deferred for start-up time, and inside the try as in stored_names: an older or newer transformers
+        from transformers.core_model_loading import revert_weight_conversion
+
+        (saved,) = revert_weight_conversion(model, {name: tensor})
+    except (ImportError, ValueError, TypeError, KeyError):
+        return None
+    return saved if saved in stored else None
+
+
 def verify_streamed(out: Path, source_keys: set[str]) -> dict:
     """The vanilla meta-device load of `checkpoint.meta_load_check`, and no tensor name of the source lost or added."""
     result = meta_load_check(out, tolerated=source_keys)  # names the source held pass through as they were
@@ -237,6 +252,15 @@ class TensorReader:
         # resident set while the rest of the checkpoint streams through (headers are small; opening is cheap).
         with safe_open(str(self.source / self.where[key]), "pt") as handle:
             return handle.get_tensor(key)
+
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of `key` along dim 0, reading only those bytes (a sharded load's own chunk)."""
+        with safe_open(str(self.source / self.where[key]), "pt") as handle:
+            return handle.get_slice(key)[start:stop]
+
+    def shape(self, key: str) -> list[int]:
+        with safe_open(str(self.source / self.where[key]), "pt") as handle:
+            return list(handle.get_slice(key).get_shape())
 
     def torch_dtype(self, key: str) -> torch.dtype:
         """The torch dtype `key` is stored in (float32 for a code outside _SAFETENSORS_DTYPES)."""

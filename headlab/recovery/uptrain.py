@@ -42,6 +42,7 @@ from headlab.core.data import (
 )
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, check_resident
+from headlab.core.streaming import LayerEditor
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.recompute import activation_checkpointing
 from headlab.recovery import fsdp
@@ -525,7 +526,7 @@ def uptrain(
     trains_on = torch.device(config.shards_on) if config.parallel == "fsdp" and config.shards_on else student.device
     bf16 = trains_on.type == "cuda" if config.bf16 is None else config.bf16
     # under fsdp only rank 0 may hold the weights before sharding (the others pass a skeleton): its finding is sent
-    dead = distributed.from_rank0(lambda: [dead_heads(student, layer) for layer in student.layers])
+    dead = distributed.from_rank0(lambda: _dead_per_layer(student))
     held = _held_before_sharding(student, teacher) if config.parallel == "fsdp" else None
     training = _parallel(student, teacher, config, trains_on)  # fsdp: sharded copies, values back on exit
     with training as (student, teacher):
@@ -551,6 +552,23 @@ def uptrain(
     return UptrainResult(curve, record)
 
 
+def _dead_per_layer(student: LoadedModel) -> list[list[int]]:
+    """Each layer's dead heads (zero output-projection blocks); for a skeleton, whose ranks read their own shards
+    under fsdp, from its checkpoint, one attention module at a time (streaming's LayerEditor materialises it)."""
+    if not fsdp.is_skeleton(student.model):
+        return [dead_heads(student, layer) for layer in student.layers]
+    shards = fsdp.checkpoint_shards(student)
+    if shards is None:
+        raise HeadlabError(f"{student.spec}: its weights are not loaded and its checkpoint cannot be read in shards")
+    found: list[list[int]] = []
+    editor = LayerEditor(
+        student.model, student.layers, shards.reader, lambda layer: found.append(dead_heads(student, layer))
+    )
+    for layer in student.layers:
+        editor.convert(layer)
+    return found
+
+
 def _held_before_sharding(student: LoadedModel, teacher: LoadedModel | None) -> dict[str, int]:
     """Bytes of student and teacher weights each process held before FSDP sharded them: rank 0's, and the most any
     other rank held (0 when they passed skeletons, as the CLI's do)."""
@@ -572,7 +590,8 @@ def _parallel(student: LoadedModel, teacher: LoadedModel | None, config: Uptrain
     options = dict(device=trains_on, whole_after=config.whole_after)
     with contextlib.ExitStack() as stack:
         sharded_student = stack.enter_context(fsdp.sharded(student, trained, **options))
-        sharded_teacher = stack.enter_context(fsdp.sharded(teacher, **options)) if teacher is not None else None
+        teacher_options = dict(options, frozen=True)  # read from its files: not gathered back (nothing changed)
+        sharded_teacher = stack.enter_context(fsdp.sharded(teacher, **teacher_options)) if teacher is not None else None
         yield sharded_student, sharded_teacher
 
 
