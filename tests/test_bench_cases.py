@@ -359,3 +359,23 @@ def test_merge_retrieval_table_gives_each_layouts_share_of_the_cache_and_both_ta
     merged = next(line for line in table.splitlines() if line.startswith("| 3 -> 1"))
     assert "| 3,840 (33%) |" in merged and "| 111.2 |" in merged and "| 0/6 | 0/6 |" in merged
     assert "17.3 (0.67)" in table and "passkey @ 2k | niah_multikey @ 2k" in table
+
+
+def test_the_q8_classes_case_quantizes_only_the_named_matrices_and_restores_the_plan():
+    from headlab.runtimes.gguf_export import ExportPlan
+
+    case = _case("gguf_classes")
+    plan = ExportPlan(None, "llama", [2], [1], 8, None, keep_f32=("attn_kv_a_mqa.weight",))
+    before = ExportPlan.kept_f32
+    with case._quantizing_only(case.FFN):
+        assert not plan.kept_f32("blk.0.ffn_up.weight") and not plan.kept_f32("blk.3.ffn_down.weight")
+        assert plan.kept_f32("blk.0.attn_q.weight") and plan.kept_f32("token_embd.weight")
+        assert plan.kept_f32("blk.0.attn_kv_a_mqa.weight")  # the plan's own f32 list still holds
+    with case._quantizing_only(None):  # every matrix: the plan's own choice
+        assert not plan.kept_f32("blk.0.attn_q.weight") and plan.kept_f32("blk.0.attn_kv_a_mqa.weight")
+    assert ExportPlan.kept_f32 is before
+    row = {"model": "original", "quantized": "feed-forward only", "classes": ["ffn_up.weight"],
+           "perplexity_transformers": 30.0, "perplexity_llamacpp": 30.3, "signed_difference": 0.01,
+           "max_abs_logit_diff": 1.5}  # fmt: skip
+    text = case.markdown({"max_tokens": 4096, "seq_len": 256, "rows": [row]})
+    assert "| original | feed-forward only (ffn_up) | 30.0000 | 30.3000 | +1.000% | 1.50 |" in text
