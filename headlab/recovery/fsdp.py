@@ -199,8 +199,11 @@ def _constructed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     its parameters on the meta device (accelerate's init_empty_weights), so this costs the buffers alone."""
     from accelerate import init_empty_weights  # start-up: accelerate is imported only by an FSDP run
 
-    with init_empty_weights(include_buffers=False):
-        fresh = type(model)(model.config)
+    try:
+        with init_empty_weights(include_buffers=False):
+            fresh = type(model)(model.config)
+    except (TypeError, ValueError, RuntimeError):  # a class that needs more than its config: rank 0 sends the values
+        return {}
     return {name: buffer for name, buffer in fresh.named_buffers() if not buffer.is_meta}
 
 
