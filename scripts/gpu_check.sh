@@ -113,8 +113,14 @@ group_cli() {
     step uptrain_fsdp 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m headlab uptrain \
         --student "$RUNS/mqa" --device cuda --parallel fsdp --steps 4 --seq-len 128 --batch-size "$((2 * nproc))" \
         --heldout-tokens 512 --eval-tokens 0 --out "$RUNS/uptrain-fsdp" --overwrite
+    # Both models safetensors checkpoints: every rank reads its own shards from the files (the step above loads the
+    # embedded GGUF teacher on rank 0, which sends them); the uptrained MQA model stands in as the teacher.
+    step uptrain_fsdp_per_rank 120 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$nproc" -m headlab \
+        uptrain --student "$RUNS/mqa" --teacher "$RUNS/uptrain-fsdp" --device cuda --parallel fsdp --steps 4 \
+        --seq-len 128 --batch-size "$((2 * nproc))" --heldout-tokens 512 --eval-tokens 0 \
+        --out "$RUNS/uptrain-fsdp-per-rank" --overwrite
     rm -rf "$RUNS/pruned/"*.safetensors "$RUNS/mqa/"*.safetensors "$RUNS/mla/"*.safetensors \
-        "$RUNS/uptrain-fsdp/"*.safetensors
+        "$RUNS/uptrain-fsdp/"*.safetensors "$RUNS/uptrain-fsdp-per-rank/"*.safetensors
 }
 
 group_shape8b() {
