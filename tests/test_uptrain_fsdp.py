@@ -262,6 +262,19 @@ def test_checkpoint_shards_names_every_parameter_and_buffer_or_declines(tmp_path
         torch.testing.assert_close(shards.buffers[name], buffer, rtol=0, atol=0, msg=name)
     hub = fsdp.checkpoint_shards(replace(load_structure(str(checkpoint), device="cpu"), source="org/model"))
     assert hub is None
+    # a stored name the model does not use (keys renamed by hand): rank 0 must send the values instead
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "renamed"
+    shutil.copytree(checkpoint, renamed)
+    tensors = load_file(renamed / "model.safetensors")
+    tensors["model.norm.renamed"] = tensors.pop("model.norm.weight")
+    save_file(tensors, renamed / "model.safetensors", metadata={"format": "pt"})
+    structure = load_structure(str(checkpoint), device="cpu")
+    assert fsdp.checkpoint_shards(replace(structure, source=str(renamed))) is None
+    no_safetensors = tmp_path / "empty"
+    no_safetensors.mkdir()
+    assert fsdp.checkpoint_shards(replace(structure, source=str(no_safetensors))) is None
 
 
 def _torchrun_script(tmp_path, text: str, *arguments) -> subprocess.CompletedProcess:
