@@ -133,6 +133,25 @@ def test_a_disk_too_small_for_the_checkpoint_stops_fsdp_before_training(pair, tm
     assert "1000 B free" in line and "the loaded model's weights" in line, line
 
 
+def test_rank_0_still_refuses_a_non_finite_weight_when_the_ranks_read_their_own_shards(pair, tmp_path, monkeypatch,
+                                                                                        capsys):  # fmt: skip
+    """Both models are safetensors, so every rank loads a skeleton; rank 0 reads the files one tensor at a time and
+    refuses a nan weight by name before any training, as it did when it loaded the weights."""
+    from safetensors.torch import load_file, save_file
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    teacher, student, corpus = pair
+    broken = tmp_path.parent / f"{tmp_path.name}-nan-student"
+    shutil.copytree(student, broken)
+    tensors = load_file(broken / "model.safetensors")
+    tensors["model.norm.weight"][0] = float("nan")
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    args = ["uptrain", "--student", broken, "--teacher", teacher, "--data", corpus, "--device", "cpu"]
+    line = _bad([*args, "--parallel", "fsdp", "--out", "up"], tmp_path, monkeypatch, capsys)
+    assert "model.norm.weight" in line, line
+
+
 ROUND_TRIP = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])

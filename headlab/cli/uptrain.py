@@ -151,7 +151,8 @@ def command(
         spec.uptrain = replace(config, shards_on=str(trains_on), whole_after="rank 0")
         per_rank = _readable_in_shards(student, teacher, load)  # the same files: every rank finds the same
         skeleton = per_rank or distributed.rank() > 0  # the group exists once torchrun starts more than one process
-        load.update(device="cpu", weights=not skeleton, check_weights=check_weights and not skeleton)
+        # rank 0 checks the weights either way: loaded, or read from the files one tensor at a time (a skeleton)
+        load.update(device="cpu", weights=not skeleton, check_weights=check_weights and distributed.rank() == 0)
     student_model = load_model(student, **load)
     most = student_model.max_positions
     for name in ("seq_len", "eval_seq_len", "long_seq_len"):
