@@ -159,25 +159,30 @@ def _move_data(path: Path, encoded: bytes) -> None:
     moved.replace(path)
 
 
-def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
-    """Where each tensor of `module` (a submodule of `model`) is stored: its state-dict name, or the name
-    save_pretrained writes for it (transformers 5 renames some keys on save and back on load, e.g. multimodal
-    wrappers' "model.language_model." <-> "language_model.model."). Raises HeadlabError if neither is there."""
-    prefix = next(name for name, m in model.named_modules() if m is module) + "."
-    relative = list(module.state_dict())
-    candidates = [{k: prefix + k for k in relative}]
+def saved_name(model, name: str, tensor: torch.Tensor) -> str | None:
+    """The name save_pretrained writes for `model`'s tensor `name` (transformers 5 renames some keys on save and back
+    on load, e.g. multimodal wrappers' "model.language_model." <-> "language_model.model."), or None where this
+    transformers cannot say (an older or newer one without the conversion API)."""
     try:
         # Deferred for start-up time (core_model_loading pulls in transformers' modeling code), and inside the try
         # so that a transformers without it falls back to the plain names.
         from transformers.core_model_loading import revert_weight_conversion
 
-        renamed = {}
-        for k, t in module.state_dict().items():  # meta tensors: renaming reads no data
-            (saved,) = revert_weight_conversion(model, {prefix + k: t})
-            renamed[k] = saved
+        (saved,) = revert_weight_conversion(model, {name: tensor})  # a meta tensor: renaming reads no data
+    except (ImportError, ValueError, TypeError, KeyError):
+        return None
+    return saved
+
+
+def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
+    """Where each tensor of `module` (a submodule of `model`) is stored: every one under its state-dict name, or
+    every one under the name save_pretrained writes for it (saved_name). Raises HeadlabError if neither is there."""
+    prefix = next(name for name, m in model.named_modules() if m is module) + "."
+    tensors = module.state_dict()
+    candidates = [{k: prefix + k for k in tensors}]
+    renamed = {k: saved_name(model, prefix + k, t) for k, t in tensors.items()}
+    if None not in renamed.values():
         candidates.append(renamed)
-    except (ImportError, ValueError, TypeError, KeyError):  # an older or newer transformers: plain names only
-        pass
     stored = set(stored)
     for names in candidates:
         if set(names.values()) <= stored:
@@ -189,17 +194,11 @@ def stored_names(model, module, stored: Iterable[str]) -> dict[str, str]:
 
 
 def stored_name(model, name: str, tensor: torch.Tensor, stored: set[str]) -> str | None:
-    """Where the checkpoint holds `model`'s tensor `name`: under that name, or under the name save_pretrained writes
-    for it (stored_names' two candidates, for one tensor); None if under neither (a tied weight saved once)."""
+    """Where the checkpoint holds `model`'s tensor `name`: under that name, or under its saved_name; None if under
+    neither (a tied weight saved once)."""
     if name in stored:
         return name
-    try:
-        # Deferred for start-up time, and inside the try as in stored_names: an older or newer transformers
-        from transformers.core_model_loading import revert_weight_conversion
-
-        (saved,) = revert_weight_conversion(model, {name: tensor})
-    except (ImportError, ValueError, TypeError, KeyError):
-        return None
+    saved = saved_name(model, name, tensor)
     return saved if saved in stored else None
 
 
@@ -235,17 +234,25 @@ def read_source_config(source: Path, out: Path, overwrite: bool, max_shard_bytes
 
 
 class TensorReader:
-    """The source's tensors by name: which file holds each (first file wins, in index order) and its stored dtype."""
+    """The source's tensors by name: which file holds each (first file wins, in index order), its stored dtype and
+    shape (read from the headers once)."""
 
     def __init__(self, source: Path, files: list[str]):
         self.source = source
         self.where: dict[str, str] = {}  # tensor name -> file holding it
         self.dtypes: dict[str, str] = {}  # tensor name -> safetensors dtype code
+        self.shapes: dict[str, list[int]] = {}  # tensor name -> shape as stored
         for name in files:
             with safe_open(str(source / name), "pt") as handle:
                 for key in handle.keys():
-                    self.where.setdefault(key, name)
-                    self.dtypes.setdefault(key, handle.get_slice(key).get_dtype())
+                    if key in self.where:
+                        continue
+                    stored = handle.get_slice(key)
+                    self.where[key], self.dtypes[key], self.shapes[key] = (
+                        name,
+                        stored.get_dtype(),
+                        list(stored.get_shape()),
+                    )
 
     def read(self, key: str) -> torch.Tensor:
         # One open per tensor: the file is unmapped again at once, so its pages do not pile up in the process's
@@ -257,10 +264,6 @@ class TensorReader:
         """Rows [start, stop) of `key` along dim 0, reading only those bytes (a sharded load's own chunk)."""
         with safe_open(str(self.source / self.where[key]), "pt") as handle:
             return handle.get_slice(key)[start:stop]
-
-    def shape(self, key: str) -> list[int]:
-        with safe_open(str(self.source / self.where[key]), "pt") as handle:
-            return list(handle.get_slice(key).get_shape())
 
     def torch_dtype(self, key: str) -> torch.dtype:
         """The torch dtype `key` is stored in (float32 for a code outside _SAFETENSORS_DTYPES)."""

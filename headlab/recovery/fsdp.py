@@ -155,30 +155,37 @@ def checkpoint_shards(loaded: LoadedModel) -> CheckpointShards | None:
     distinct parameter is stored there under the name the model uses or the one save_pretrained writes, in the same
     shape, and every buffer is stored or computed by the model class; else None (a GGUF file, a hub id, weights that
     transformers converts on load), and the values must come from rank 0."""
-    source = _local_directory(loaded.source)
-    if source is None:
-        return None
-    try:
-        reader = TensorReader(source, checkpoint_files(source))
-    except HeadlabError:  # no safetensors there
+    reader = checkpoint_reader(loaded)
+    if reader is None:
         return None
     model, stored = loaded.model, set(reader.where)
     names = {}
     for name, param in model.named_parameters():
         key = stored_name(model, name, param, stored)
-        if key is None or reader.shape(key) != list(param.shape):
+        if key is None or reader.shapes[key] != list(param.shape):
             return None
         names[name] = key
     computed, buffers = _constructed_buffers(model), {}
     for name, buffer in model.named_buffers():
         key = stored_name(model, name, buffer, stored)
-        if key is not None and reader.shape(key) == list(buffer.shape):
+        if key is not None and reader.shapes[key] == list(buffer.shape):
             buffers[name] = reader.read(key).to(buffer.dtype)
         elif name in computed and computed[name].shape == buffer.shape:
             buffers[name] = computed[name].to(buffer.dtype)
         else:
             return None
     return CheckpointShards(reader, names, buffers)
+
+
+def checkpoint_reader(loaded: LoadedModel) -> TensorReader | None:
+    """A reader of loaded.source's safetensors files (a directory, or a hub id's cached snapshot), or None."""
+    source = _local_directory(loaded.source)
+    if source is None:
+        return None
+    try:
+        return TensorReader(source, checkpoint_files(source))
+    except HeadlabError:  # no safetensors there
+        return None
 
 
 def _local_directory(source: str) -> Path | None:
@@ -306,6 +313,7 @@ __all__ = [
     "CheckpointShards",
     "blocks",
     "bytes_held",
+    "checkpoint_reader",
     "checkpoint_shards",
     "full_value",
     "is_skeleton",

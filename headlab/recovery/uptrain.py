@@ -557,13 +557,11 @@ def _dead_per_layer(student: LoadedModel) -> list[list[int]]:
     under fsdp, from its checkpoint, one attention module at a time (streaming's LayerEditor materialises it)."""
     if not fsdp.is_skeleton(student.model):
         return [dead_heads(student, layer) for layer in student.layers]
-    shards = fsdp.checkpoint_shards(student)
-    if shards is None:
+    reader = fsdp.checkpoint_reader(student)
+    if reader is None:
         raise HeadlabError(f"{student.spec}: its weights are not loaded and its checkpoint cannot be read in shards")
     found: list[list[int]] = []
-    editor = LayerEditor(
-        student.model, student.layers, shards.reader, lambda layer: found.append(dead_heads(student, layer))
-    )
+    editor = LayerEditor(student.model, student.layers, reader, lambda layer: found.append(dead_heads(student, layer)))
     for layer in student.layers:
         editor.convert(layer)
     return found
