@@ -724,6 +724,26 @@ def test_encoding_a_block_of_rows_at_a_time_writes_the_same_bytes(tmp_path, monk
         np.testing.assert_array_equal(blocks[name].data, whole[name].data, err_msg=name)
 
 
+def test_a_large_matrix_is_written_without_its_whole_encoded_copy(tmp_path, monkeypatch):
+    """The embeddings (the largest tensor; 1 GiB in f16 at 8B) are encoded and written a block of rows at a time,
+    so numpy's peak during the export stays below one encoded copy of them (tracemalloc counts numpy's buffers)."""
+    import tracemalloc
+
+    loaded = tiny(hidden_size=4096, intermediate_size=64, num_hidden_layers=1)
+    embedding_f16_bytes = loaded.model.get_input_embeddings().weight.numel() * 2
+    monkeypatch.setattr(gguf_export, "ENCODE_BLOCK_BYTES", 4 * 4096 * 8)  # eight rows
+    tracemalloc.start()
+    try:
+        export_gguf(loaded, tmp_path / "m.gguf", outtype="f16", progress=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 0.5 * embedding_f16_bytes
+    _, tensors = read(tmp_path / "m.gguf")
+    np.testing.assert_array_equal(
+        tensors["token_embd.weight"].data, loaded.model.get_input_embeddings().weight.detach().half().numpy()
+    )
+
 def test_a_disk_too_small_is_refused_before_any_tensor_with_the_bytes_needed(tmp_path, monkeypatch):
     """The export checks free space first (numbers x bytes of the type; a llama.cpp type adds its f32 scratch
     file): one line naming both sizes, and nothing written."""

@@ -676,21 +676,32 @@ def _converted(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torc
 ENCODE_BLOCK_BYTES = 64 * 2**20  # float32 bytes of the rows converted and encoded at a time
 
 
-def _encoded(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torch.Tensor, qtype) -> np.ndarray:
-    """_encode(_converted(...)), a block of rows at a time for a matrix whose rows stay in place (every one but the
-    RoPE-permuted q/k): the embeddings of an 8B model then cost their encoded copy plus one float32 block, not a
-    float32 copy of the whole (2 GiB). The same bytes, since every GGUF type encodes a row on its own."""
+class _EncodedRows:
+    """A matrix whose rows stay in place (every one but the RoPE-permuted q/k), encoded and written a block of rows
+    at a time when GGUFWriter.write_tensor_data writes it (it needs only `nbytes` and `tofile`). The export then
+    holds one float32 block and its encoding, never a whole encoded copy (an 8B model's f16 embeddings: 1 GiB). The
+    same bytes as encoding the whole, since every GGUF type encodes a row on its own."""
+
+    def __init__(self, tensor: torch.Tensor, qtype, nbytes: int):
+        self.tensor, self.qtype, self.nbytes = tensor, qtype, nbytes
+
+    def tofile(self, fout) -> None:
+        rows, written = self.tensor.shape[0], 0
+        step = max(1, ENCODE_BLOCK_BYTES // (4 * self.tensor.shape[1]))
+        for start in range(0, rows, step):
+            part = _encode(self.tensor[start : start + step].detach().to("cpu", torch.float32).numpy(), self.qtype)
+            part.tofile(fout)
+            written += part.nbytes
+        if written != self.nbytes:  # the index already promised nbytes: a short tensor would shift every later one
+            raise HeadlabError(f"encoded {written} bytes where the tensor index says {self.nbytes}")
+
+
+def _encoded(plan: ExportPlan, gguf_name: str, block: int | None, tensor: torch.Tensor, qtype):
+    """What write_tensor_data writes for one tensor: _encode(_converted(...)), or for a matrix whose rows stay in
+    place the rows encoded a block at a time as they are written (_EncodedRows)."""
     if tensor.dim() != 2 or _rope_heads(plan, gguf_name, block) is not None:
         return _encode(_converted(plan, gguf_name, block, tensor), qtype)
-    rows = tensor.shape[0]
-    step = max(1, ENCODE_BLOCK_BYTES // (4 * tensor.shape[1]))
-    out = None
-    for start in range(0, rows, step):
-        part = _encode(tensor[start : start + step].detach().to("cpu", torch.float32).numpy(), qtype)
-        if out is None:
-            out = np.empty((rows, *part.shape[1:]), dtype=part.dtype)
-        out[start : start + len(part)] = part
-    return out
+    return _EncodedRows(tensor, qtype, _stored_layout(tuple(tensor.shape), qtype)[2])
 
 
 def _file_type(outtype: str) -> int:
@@ -701,20 +712,21 @@ def _file_type(outtype: str) -> int:
     return file_type
 
 
+def _stored_layout(shape: tuple[int, ...], qtype) -> tuple[tuple[int, ...], np.dtype, int]:
+    """How GGUF stores a tensor of `shape` in `qtype`: its byte shape, numpy dtype and size in bytes."""
+    byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype) if qtype.name not in ("F32", "F16") else shape
+    itemsize = {"F32": 4, "F16": 2}.get(qtype.name, 1)
+    dtype = {"F32": np.float32, "F16": np.float16}.get(qtype.name, np.uint8)
+    return byte_shape, np.dtype(dtype), math.prod(byte_shape) * itemsize
+
+
 def _add_tensor_infos(writer, items: list, types: dict) -> None:
     """The tensor index: each tensor's name, stored (byte) shape, numpy dtype and size, in writing order."""
     for name, _, tensor in items:
         qtype = types[name]
-        shape = tuple(tensor.shape)
-        byte_shape = gguf.quant_shape_to_byte_shape(shape, qtype) if qtype.name not in ("F32", "F16") else shape
-        itemsize = {"F32": 4, "F16": 2}.get(qtype.name, 1)
-        dtype = {"F32": np.float32, "F16": np.float16}.get(qtype.name, np.uint8)
+        byte_shape, dtype, nbytes = _stored_layout(tuple(tensor.shape), qtype)
         writer.add_tensor_info(
-            name,
-            byte_shape,
-            np.dtype(dtype),
-            math.prod(byte_shape) * itemsize,
-            raw_dtype=None if qtype.name in ("F32", "F16") else qtype,
+            name, byte_shape, dtype, nbytes, raw_dtype=None if qtype.name in ("F32", "F16") else qtype
         )
 
 
