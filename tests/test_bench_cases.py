@@ -315,6 +315,38 @@ def test_scale_time_model_times_readers_against_a_read_and_prefers_the_reference
     assert abs(deepest["predicted"] - 51.0) < 1e-9 and deepest["measured"] == 50.0
 
 
+def test_scale_repeats_a_timed_step_after_its_own_reference_and_keeps_medians_and_the_largest_peak(
+    tmp_path, monkeypatch
+):
+    """HEADLAB_SCALE_REPEATS: reference, command, reference, command, ... in that order; the row's seconds and its
+    reference are the medians of the runs (by hand: median(30, 10, 20) = 20, median(5, 9, 7) = 7), its peaks the
+    largest run's; a step with no reference runs once."""
+    case = _case("scale")
+    monkeypatch.setattr(case, "REPEATS", 3)
+    monkeypatch.setattr(case, "CHOSEN", ("copy", "prune"))
+    order, results = [], iter([5.0, 30.0, 9.0, 10.0, 7.0, 20.0])
+    peaks = iter([100, 300, 200])
+
+    def fake_timed(command, mapped_dir=None, cap=None, timeout=None):
+        order.append("command" if mapped_dir is not None else "reference")
+        row = {"seconds": next(results)}
+        if mapped_dir is not None:
+            row.update(peak_rss=next(peaks), peak_need=1)
+        return row
+
+    monkeypatch.setattr(case, "_timed", fake_timed)
+    monkeypatch.setattr(case, "_reference", lambda kind, source, out: ["cp"])
+    row = case._repeated("prune --streaming --mode physical", ["prune"], 8, 1, tmp_path, tmp_path, tmp_path)
+    assert order == ["reference", "command"] * 3
+    assert row["seconds_runs"] == [30.0, 10.0, 20.0] and row["seconds"] == 20.0
+    assert row["paired_copy_runs"] == [5.0, 9.0, 7.0] and row["paired_copy"] == 7.0
+    assert row["peak_rss"] == 300 and row["layers"] == 8
+    order.clear()
+    results, peaks = iter([4.0]), iter([50])
+    once = case._repeated("info", ["info"], 8, 1, tmp_path, tmp_path, tmp_path)
+    assert order == ["command"] and once["seconds"] == 4.0 and "seconds_runs" not in once
+
+
 def test_recovery_recipe_table_prints_every_domain_and_the_held_out_ratios():
     """A row per recipe with its setting, every domain's perplexity after recovery, and after / before on the two
     held-out domains computed from the row's own training-free numbers (by hand: 55 / 110 = 0.5, 100 / 200 = 0.5)."""

@@ -18,7 +18,7 @@ larger than memory must (HEADLAB_SCALE_COLD=0 keeps it); a command's seconds inc
 Every command's resident set less the pages it maps from the checkpoint is sampled too (every 0.5 s: short peaks,
 such as a streaming edit's one embedding-sized tensor, fall between samples; GNU time's peak does not miss them).
 HEADLAB_SCALE_STEPS=prune,export,... runs some steps and HEADLAB_SCALE_LAYERS=32 some depths, and the saved rows of
-the others are kept (the steps at the deepest depth run are the deepest-only ones). Outputs are deleted
+the others are kept; HEADLAB_SCALE_REPEATS=3 runs each timed step three times and keeps the medians (the steps at the deepest depth run are the deepest-only ones). Outputs are deleted
 after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,9 @@ TIMED_STEPS = {
     "importance, offloaded, 256 tokens": "read",
 }
 CHOSEN = tuple(os.environ.get("HEADLAB_SCALE_STEPS", ",".join(STEPS)).split(","))
+# Runs of each timed step (each after its own reference); the time model uses their medians (this machine's disk and
+# cores vary by more than 25% between runs minutes apart)
+REPEATS = int(os.environ.get("HEADLAB_SCALE_REPEATS", "1"))
 OFFLOAD = ("--device-map", "auto", "--max-memory", "64MB")  # every block to disk: the embeddings alone are 0.98 GiB
 TOKENS = ("--max-tokens", "256", "--seq-len", "256", "--batch-size", "1")
 # Query heads pruned by `prune --streaming`: a whole KV group (4 heads) of layer 0, two heads of layer 1 (padded)
@@ -241,14 +245,8 @@ def run(args) -> dict:
             model_bytes = sum(p.stat().st_size for p in source.glob("*.safetensors"))
             out = work / f"out-{layers}"
             for step, command in _commands(source, out, layers):
-                row = {"layers": layers, "step": step, "model_bytes": model_bytes}
-                reference = TIMED_STEPS.get(step)
-                if reference in CHOSEN:  # its own reference, just before it: this disk's rate drifts within minutes
-                    row[f"paired_{reference}"] = _timed(_reference(reference, source, out))["seconds"]
-                    _clean(work)
-                rows.append({**row, **_timed(command, mapped_dir=work)})
+                rows.append(_repeated(step, command, layers, model_bytes, source, out, work))
                 print(rows[-1], flush=True)
-                _clean(work)
                 if _kind(step) in CAPPED and "peak_need" in rows[-1]:
                     rows += _capped(step, command, layers, rows[-1]["seconds"], work)
             shutil.rmtree(source, ignore_errors=True)
@@ -259,6 +257,33 @@ def run(args) -> dict:
     kept = [row for row in kept if row["step"] != "make_shape" or row["layers"] not in made]
     return {"shape": SHAPE, "config": _sizes(shape), "rows": _ordered(kept + rows), "load": list(os.getloadavg()),
             "steps_run": list(CHOSEN), "depths_run": list(DEPTHS), "gemm_gflops": gemm_gflops()}  # fmt: skip
+
+
+def _repeated(step: str, command: list[str], layers: int, model_bytes: int, source: Path, out: Path,
+              work: Path) -> dict:  # fmt: skip
+    """One command's row: a timed step (TIMED_STEPS) runs REPEATS times, each just after its own reference (this
+    disk's rate drifts within minutes), and keeps the median seconds of each (`seconds_runs`, `paired_*_runs`: every
+    run) and the largest peaks; any other step runs once."""
+    reference = TIMED_STEPS.get(step)
+    runs = []
+    for _ in range(REPEATS if reference else 1):
+        run = {}
+        if reference in CHOSEN:
+            run[f"paired_{reference}"] = _timed(_reference(reference, source, out))["seconds"]
+            _clean(work)
+        runs.append({**run, **_timed(command, mapped_dir=work)})
+        _clean(work)
+    row = {"layers": layers, "step": step, "model_bytes": model_bytes, **runs[0]}
+    if len(runs) > 1:
+        for key in ("seconds", f"paired_{reference}"):
+            if key in row:
+                row[f"{key}_runs"] = [r[key] for r in runs]
+                row[key] = statistics.median(row[f"{key}_runs"])
+        for key in ("peak_rss", "peak_need"):
+            if key in row:
+                peak = max(runs, key=lambda r: r.get(key, 0))
+                row.update({k: peak[k] for k in (key, "anonymous_at_peak", "checkpoint_pages_at_peak") if k in peak})
+    return row
 
 
 def _clean(work: Path) -> None:
@@ -462,7 +487,8 @@ def markdown(r: dict) -> str:
         f"{', '.join(f'{x:.1f}' for x in r['load'])} at the end). One decoder layer is {layer / gib:.2f} GiB, the "
         f"embedding matrix {embed / gib:.2f} GiB (the untied lm_head as much again); the goal's limit, 2 x (one layer "
         f"+ the embeddings), is {limit / gib:.2f} GiB. Each command is a fresh process; peak RSS is GNU time's maximum "
-        "resident set (file pages of memory-mapped safetensors included).",
+        "resident set (file pages of memory-mapped safetensors included); a row run several times (HEADLAB_SCALE_REPEATS) "
+        "gives the median seconds, each run after its own reference, and its largest peaks.",
         "",
         "| layers | command | model on disk | wall s | peak RSS | less the mapped checkpoint | within the limit |",
         "|---|---|---|---|---|---|---|",
@@ -481,9 +507,10 @@ def markdown(r: dict) -> str:
         elif _kind(row["step"]) in READERS:  # the goal's limit is for commands that edit weights
             ok = "(reads; no limit set)"
         need = f"{row['peak_need'] / gib:.2f} GiB" if "peak_need" in row else ""
+        runs = row.get("seconds_runs", [])
+        wall = f"{row['seconds']:.0f}" + (f" (median of {', '.join(f'{x:.0f}' for x in runs)})" if runs else "")
         lines.append(
-            f"| {row['layers']} | `{row['step']}` | {size} | {row['seconds']:.0f} | {row['peak_rss'] / gib:.2f} GiB | "
-            f"{need} | {ok} |"
+            f"| {row['layers']} | `{row['step']}` | {size} | {wall} | {row['peak_rss'] / gib:.2f} GiB | {need} | {ok} |"
         )
     lines.append(
         "\nThe sampled column (every 0.5 s, from /proc/<pid>/smaps; empty for rows of older runs) is the resident "
