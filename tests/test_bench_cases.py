@@ -347,6 +347,24 @@ def test_scale_repeats_a_timed_step_after_its_own_reference_and_keeps_medians_an
     assert order == ["command"] and once["seconds"] == 4.0 and "seconds_runs" not in once
 
 
+def test_kv_budget_recovered_table_sets_the_per_layer_rows_beside_the_uniform_ones_with_the_ratio():
+    """Rows for the saved uniform runs and the per-layer layout before and after recovery; the closing ratio is
+    per-layer over uniform after recovery, by hand: 30 / 60 = 0.50x, 90 / 60 = 1.50x."""
+    case = _case("kv_budget_recovered")
+    domains = ("broad", "speeches")
+    uniform = {"original": {"ppl": {"broad": 20.0, "speeches": 20.0}, "passkey": [3, 6]},
+               "svd + recovery": {"ppl": {"broad": 60.0, "speeches": 60.0}, "passkey": [0, 6]}}  # fmt: skip
+    result = {"domains": domains, "counts": [3, 1, 0], "threads": 2, "tokens": 1000, "recovery_seconds": 5.0,
+              "local_kept": True, "kept_step": 4, "steps": 8, "uniform": uniform,
+              "before": {"ppl": {"broad": 100.0, "speeches": 100.0}, "passkey": [0, 6]},
+              "after": {"ppl": {"broad": 30.0, "speeches": 90.0}, "passkey": [1, 6]}}  # fmt: skip
+    text = case.markdown(result)
+    assert "3 KV heads in layers 0, no attention in 2" in text
+    assert "| uniform MQA (svd) + recovery | 60.00 | 60.00 | 0/6 |" in text
+    assert "| per-layer, a third + recovery | 30.00 | 90.00 | 1/6 |" in text
+    assert text.rstrip().endswith("broad 0.50x, speeches 1.50x.")
+
+
 def test_recovery_recipe_table_prints_every_domain_and_the_held_out_ratios():
     """A row per recipe with its setting, every domain's perplexity after recovery, and after / before on the two
     held-out domains computed from the row's own training-free numbers (by hand: 55 / 110 = 0.5, 100 / 200 = 0.5)."""
