@@ -1,9 +1,10 @@
 """llama.cpp against transformers on the same checkpoints: the embedded model, a uniform prune, a per-layer prune,
-a 3 -> 1 KV conversion and an MLA conversion at the MQA budget, each exported to GGUF (f32) and scored on the eval
-split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer) and Q4_K_M (llama.cpp's), whose
-distance from transformers is the quantization's, and Q4_K_M with an importance matrix (export-gguf --imatrix); the
-per-layer prune and MLA too. Every Q4_K_M file is also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma
-list of model numbers, from 0> runs some models only and keeps the saved rows of the others."""
+a 3 -> 1 KV conversion and an MLA conversion at the MQA budget (also after the default recovery), each exported to
+GGUF (f32) and scored on the eval split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer)
+and Q4_K_M (llama.cpp's), whose distance from transformers is the quantization's, and Q4_K_M with an importance
+matrix (export-gguf --imatrix); the per-layer prune and both MLA models too. Every Q4_K_M file is also scored on
+held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0> runs some models only and keeps the
+saved rows of the others."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ TITLE = "GGUF export: llama.cpp perplexity against transformers on the same chec
 # Output types per model (by its number in `variants`); the others are exported in f32 only. "+imatrix": with
 # export-gguf --imatrix (IMATRIX_TOKENS of the default corpus's calibration part, windows of 512).
 QUANTIZED = ("f32", "q8_0", "q4_k_m", "q4_k_m+imatrix")
-OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED}  # the original, the per-layer prune (deci), MLA (deepseek2)
+OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED, 5: QUANTIZED}  # the original, the per-layer prune (deci), MLA
+# (deepseek2), MLA after recovery
 MAX_TOKENS, SEQ_LEN = 4096, 256  # 16 windows: 512 tokens left a quantized file's distance within noise
 IMATRIX_TOKENS = 8192  # export-gguf's --calibration-tokens default
 # Text the calibration never saw, for the k-quant rows: an importance matrix fitted to its corpus should not only
@@ -19,13 +21,18 @@ IMATRIX_TOKENS = 8192  # export-gguf's --calibration-tokens default
 HELD_OUT = "speeches"
 
 
-def _to_mla(loaded):
-    """convert-mla --budget mqa as the command saves it: the latent norms folded back in (llama.cpp applies them)."""
+def _to_mla(loaded, recovered: bool = False):
+    """convert-mla --budget mqa as the command saves it: the latent norms folded back in (llama.cpp applies them);
+    `recovered`: first the default recovery on the default corpus (`--recover local,uptrain`), which trains the
+    norm-free model as the command does."""
     from headlab.core.data import calibration_batches
     from headlab.kv.mla import convert_to_mla, fold_latent_norm, plan_mla
+    from headlab.recovery.recover import RecoverySpec, recover
 
     batches = calibration_batches(loaded.tokenizer, None, seq_len=512, batch_size=4, max_tokens=2048)
     mla, _ = convert_to_mla(loaded, plan_mla(loaded, "mqa"), batches, progress=False)
+    if recovered:  # convert_to_mla leaves `loaded` untouched: it is the teacher
+        recover(mla, loaded, RecoverySpec(), progress=False)
     fold_latent_norm(mla.model)
     return mla
 
@@ -53,6 +60,7 @@ def variants(loaded):
         ),
         ("3 -> 1 KV heads (mean pooling)", lambda model: convert(model, 1)),
         ("MLA 64+64 (convert-mla --budget mqa)", _to_mla),
+        ("MLA 64+64 + recovery (--recover local,uptrain)", lambda model: _to_mla(model, recovered=True)),
     ]
 
 
