@@ -46,6 +46,9 @@ H200_FLOPS = 989e12  # dense bf16 peak of an H200 (NVIDIA's datasheet, without s
 GPU_EFFICIENCY = 0.35  # achieved share of that peak for transformers' forward/backward (assumed, not measured)
 NODE_DISK = 2e9  # bytes/s an H200 node reads and writes its checkpoint disk at (assumed NVMe)
 HOST_BYTES = 24 * GIB  # this machine
+# export-gguf converts and encodes a matrix a block of rows at a time, written as it goes
+# (headlab.runtimes.gguf_export.ENCODE_BLOCK_BYTES of float32 rows, and their f16 encoding: half as much again)
+EXPORT_BLOCK = 1.5 * 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -109,12 +112,12 @@ def memory_streaming(s: Shape) -> float:
 
 def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, gradient: bool = False,
                      unembedding: bool = False, tokens: int = 256) -> float:  # fmt: skip
-    """R0 + M + E (+ E for export-gguf's encoded copy, + E for stats' unembedding beside the embedding in its
-    OV-circuit scores); a gradient pass (importance) adds the float32 logits with their log-softmax and gradient
-    (3 x T x V x 4). The weights a backward keeps are the checkpoint's mapped pages, which the kernel may keep resident
-    beside but can reclaim: not counted."""
+    """R0 + M + E (+ one encoded block of rows for export-gguf, which writes each matrix as it encodes it; + E for
+    stats' unembedding beside the embedding in its OV-circuit scores); a gradient pass (importance) adds the float32
+    logits with their log-softmax and gradient (3 x T x V x 4). The weights a backward keeps are the checkpoint's
+    mapped pages, which the kernel may keep resident beside but can reclaim: not counted."""
     E = s.embedding_parameters * BF16
-    extra = E if export or unembedding else 0
+    extra = (E if unembedding else 0) + (EXPORT_BLOCK if export else 0)
     if gradient:
         extra += 3 * tokens * s.vocab * 4
     return R0 + max_memory + E + extra

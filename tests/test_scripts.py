@@ -12,6 +12,8 @@ import pandas as pd
 import pytest
 from tiny_text import SAMPLE_TEXT, save_tiny
 
+from headlab.runtimes.gguf_export import ENCODE_BLOCK_BYTES
+
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 
 
@@ -93,7 +95,10 @@ def test_cost_model_formulas_against_hand_counts():
     assert tiny.parameters == 2 * 32 * 8 + 2 * tiny.layer_parameters + 8
     assert tiny.attention_parameters == 2 * (2 * 64 + 2 * 32)
     assert cost.memory_streaming(tiny) == cost.R0 + 32 * 8 * 2
-    assert cost.memory_offloaded(tiny, 100, export=True) == cost.R0 + 100 + 2 * (32 * 8 * 2)
+    # the export writes each matrix a block of rows at a time: one 64 MiB float32 block and its f16 encoding
+    assert cost.memory_offloaded(tiny, 100, export=True) == cost.R0 + 100 + 32 * 8 * 2 + 1.5 * 64 * 2**20
+    assert cost.memory_offloaded(tiny, 100, unembedding=True) == cost.R0 + 100 + 2 * (32 * 8 * 2)
+    assert cost.EXPORT_BLOCK == 1.5 * ENCODE_BLOCK_BYTES  # the formula follows the exporter's block
     assert cost.reader_flops(tiny, 10, "importance") == 3 * cost.reader_flops(tiny, 10, "eval")
     assert cost.reader_flops(tiny, 10, "eval") == 2 * (tiny.parameters - 32 * 8) * 10
     W = tiny.parameters * 2
