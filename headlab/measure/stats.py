@@ -65,25 +65,8 @@ STATISTICS = (
 )
 # Everything a collector sums (STATISTICS less is_positional, which is derived from positional_prev/next, and the
 # weights-only successor and copy_suppression).
-ACCUMULATED = (
-    "entropy",
-    "normalized_entropy",
-    "confidence",
-    "positional_prev",
-    "positional_next",
-    "sink_first",
-    "sink_first4",
-    "prev_share",
-    "self_share",
-    "mean_distance",
-    *(f"stream_{window}" for window in STREAMING_WINDOWS),
-    "induction",
-    "duplicate_token",
-    "retrieval",
-    "output_norm",
-    "cls_share",
-    "sep_share",
-)
+_NOT_SUMMED = ("is_positional", "successor", "copy_suppression")
+ACCUMULATED = tuple(name for name in STATISTICS if name not in _NOT_SUMMED)
 HEAD_COLUMNS = ("layer", "head", "kv_head", "name")  # the head columns of both tables; name is "L{layer}H{head}"
 POSITIONAL_THRESHOLD = 0.9  # Voita et al. 2019
 SINK_TOKENS = 4  # StreamingLLM keeps 4 initial tokens
