@@ -49,6 +49,12 @@ HOST_BYTES = 24 * GIB  # this machine
 # export-gguf converts and encodes a matrix a block of rows at a time, written as it goes
 # (headlab.runtimes.gguf_export.ENCODE_BLOCK_BYTES of float32 rows, and their f16 encoding: half as much again)
 EXPORT_BLOCK = 1.5 * 64 * 2**20
+# A 16-bit weight's float32 row block that a CPU product upcasts at a time (headlab.core.cpu_matmul.BLOCK_ELEMENTS)
+UPCAST_BLOCK = 4 * 2**24
+# What importance's recomputing backward keeps per decoder block, in float32 hidden states (T x C x 4 bytes each):
+# measured, not derived. The anonymous memory after each block's forward rose 9.5 MiB a block at T = 256 and
+# C = 4,096 (32 layers of the 8B shape, 2026-12-06: 404 -> 699 MiB over 31 blocks; docs/scaling.md).
+KEPT_PER_BLOCK = 2.4
 
 
 @dataclass(frozen=True)
@@ -110,17 +116,26 @@ def memory_streaming(s: Shape) -> float:
     return R0 + s.embedding_parameters * BF16
 
 
-def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, gradient: bool = False,
-                     unembedding: bool = False, tokens: int = 256) -> float:  # fmt: skip
+def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, unembedding: bool = False) -> float:
     """R0 + M + E (+ one encoded block of rows for export-gguf, which writes each matrix as it encodes it; + E for
-    stats' unembedding beside the embedding in its OV-circuit scores); a gradient pass (importance) adds the float32
-    logits with their log-softmax and gradient (3 x T x V x 4). The weights a backward keeps are the checkpoint's
-    mapped pages, which the kernel may keep resident beside but can reclaim: not counted."""
+    stats' unembedding beside the embedding in its OV-circuit scores): the commands that hold the embedding matrix
+    whole (the export encodes it, stats computes with it). `eval` and `importance` do not: memory_offloaded_reader."""
     E = s.embedding_parameters * BF16
     extra = (E if unembedding else 0) + (EXPORT_BLOCK if export else 0)
-    if gradient:
-        extra += 3 * tokens * s.vocab * 4
     return R0 + max_memory + E + extra
+
+
+def memory_offloaded_reader(s: Shape, max_memory: float, *, gradient: bool = False, tokens: int = 256,
+                            upcast: bool = True) -> float:  # fmt: skip
+    """R0 + M + U + k x T x V x 4 (+ L x KEPT_PER_BLOCK x T x C x 4 for a gradient pass): what `eval` and `importance`
+    need with the blocks offloaded beyond M. Offloaded weights, the embedding and LM head included, are read through
+    the checkpoint's mapped pages, which the kernel reclaims under pressure, so no weight enters; a CPU product of
+    16-bit weights upcasts one float32 row block at a time (U; `upcast=False` on a GPU); the pass holds the float32
+    logits and their log-softmax (k = 2), and a gradient pass their gradient too (k = 3) and what its recomputing
+    backward keeps of every block."""
+    logits = (3 if gradient else 2) * tokens * s.vocab * 4
+    kept = s.layers * KEPT_PER_BLOCK * tokens * s.hidden * 4 if gradient else 0
+    return R0 + max_memory + (UPCAST_BLOCK if upcast else 0) + logits + kept
 
 
 def memory_uptrain(s: Shape, processes: int = 1) -> dict[str, float]:
@@ -172,7 +187,9 @@ def time_uptrain_step(s: Shape, tokens: int, gpus: int, flops: float) -> float:
 
 def rates(scale: dict) -> dict:
     """Copy and read rates (bytes/s) of the deepest depth measured, the float32 GEMM rate, and each timed command's
-    fitted fixed cost and per-layer-byte cost (the scale case's time model)."""
+    fitted fixed cost and per-layer-byte cost (the scale case's time model) with the rate of its own reference at the
+    deepest depth (`rate`: the copy or read timed just before it; this disk's rate differs severalfold between
+    references minutes apart, so a prediction for the deepest shape uses the one its measurement was paired with)."""
     case = _scale_case()
 
     rows = scale["rows"]
@@ -185,8 +202,16 @@ def rates(scale: dict) -> dict:
     for step in case.TIMED_STEPS:
         fit = case.time_fit(rows, step)
         if fit is not None:
+            kind = case.TIMED_STEPS[step]
+            paired = by.get((deepest, step), {}).get(f"paired_{kind}")
+            reference = copy if kind == "copy" else read
+            rate = (
+                by[(deepest, step)]["model_bytes"] / paired
+                if paired
+                else reference["model_bytes"] / reference["seconds"]
+            )
             fits[step] = {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer"] / layer_bytes,
-                          "per_layer": fit["per_layer"], "factor": fit["factor"]}  # fmt: skip
+                          "per_layer": fit["per_layer"], "factor": fit["factor"], "rate": rate}  # fmt: skip
     return {"copy": copy["model_bytes"] / copy["seconds"],
             "read": read["model_bytes"] / read["seconds"] if read else None,
             "gemm": scale.get("gemm_gflops", 0) * 1e9, "fits": fits, "deepest": deepest}  # fmt: skip
@@ -216,10 +241,10 @@ def predicted_memory(kind: str, layers: int, offload: float = 64e6) -> float | N
         return memory_streaming(s)
     if kind == "export":
         return memory_offloaded(s, offload, export=True)
-    if kind in ("eval", "stats"):
-        return memory_offloaded(s, offload, unembedding=kind == "stats")
-    if kind == "importance":
-        return memory_offloaded(s, offload, gradient=True)
+    if kind == "stats":
+        return memory_offloaded(s, offload, unembedding=True)
+    if kind in ("eval", "importance"):
+        return memory_offloaded_reader(s, offload, gradient=kind == "importance")
     if kind == "mla":
         return memory_offloaded(s, GIB)  # its calibration pass offloads beyond 1 GiB
     return None
@@ -313,7 +338,7 @@ def predictions(r: dict) -> list[str]:
         lines.append(f"| {command} | {where} | " + " | ".join(cells) + " |")
 
     row("`convert-gqa` / `prune` / `expand-kv --streaming`", "this machine",
-        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, r['copy'], **_through(fit)))}"
+        [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, fit['rate'], **_through(fit)))}"
          for s in shapes])  # fmt: skip
     row("the same", "an H200 node (CPU work; disk at 2 GB/s)",
         [f"{_gib(memory_streaming(s))}; {_seconds(time_through(s, NODE_DISK / 2, **_through(fit)))}"
@@ -323,8 +348,8 @@ def predictions(r: dict) -> list[str]:
         if reader is None or not r["read"]:
             continue
         row(f"`{command}` on 256 tokens, offloaded (`--max-memory 64MB`)", "this machine",
-            [f"{_gib(memory_offloaded(s, 64e6, gradient=command == 'importance'))}; "
-             f"{_seconds(time_through(s, r['read'], **_through(reader)))}" for s in shapes])  # fmt: skip
+            [f"{_gib(memory_offloaded_reader(s, 64e6, gradient=command == 'importance'))}; "
+             f"{_seconds(time_through(s, reader['rate'], **_through(reader)))}" for s in shapes])  # fmt: skip
     for command, tokens in (("eval", 65536), ("importance", 65536)):
         for gpus in (1, 8):
             cells = []

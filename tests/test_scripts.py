@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 from tiny_text import SAMPLE_TEXT, save_tiny
 
+from headlab.core.cpu_matmul import BLOCK_ELEMENTS
 from headlab.runtimes.gguf_export import ENCODE_BLOCK_BYTES
 
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -99,6 +100,14 @@ def test_cost_model_formulas_against_hand_counts():
     assert cost.memory_offloaded(tiny, 100, export=True) == cost.R0 + 100 + 32 * 8 * 2 + 1.5 * 64 * 2**20
     assert cost.memory_offloaded(tiny, 100, unembedding=True) == cost.R0 + 100 + 2 * (32 * 8 * 2)
     assert cost.EXPORT_BLOCK == 1.5 * ENCODE_BLOCK_BYTES  # the formula follows the exporter's block
+    # eval and importance read every offloaded weight through mapped pages: one upcast block, the logits of 10 tokens
+    # (2 float32 copies of 10 x 32, 3 with the gradient) and, for the gradient, what each of the 2 blocks keeps
+    assert cost.memory_offloaded_reader(tiny, 100, tokens=10) == cost.R0 + 100 + cost.UPCAST_BLOCK + 2 * 10 * 32 * 4
+    kept = 2 * cost.KEPT_PER_BLOCK * 10 * 8 * 4
+    assert cost.memory_offloaded_reader(tiny, 100, gradient=True, tokens=10, upcast=False) == pytest.approx(
+        cost.R0 + 100 + 3 * 10 * 32 * 4 + kept
+    )
+    assert cost.UPCAST_BLOCK == 4 * BLOCK_ELEMENTS  # the formula follows cpu_matmul's float32 row block
     assert cost.reader_flops(tiny, 10, "importance") == 3 * cost.reader_flops(tiny, 10, "eval")
     assert cost.reader_flops(tiny, 10, "eval") == 2 * (tiny.parameters - 32 * 8) * 10
     W = tiny.parameters * 2

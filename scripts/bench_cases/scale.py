@@ -18,7 +18,8 @@ larger than memory must (HEADLAB_SCALE_COLD=0 keeps it); a command's seconds inc
 Every command's resident set less the pages it maps from the checkpoint is sampled too (every 0.5 s: short peaks,
 such as a streaming edit's one embedding-sized tensor, fall between samples; GNU time's peak does not miss them).
 HEADLAB_SCALE_STEPS=prune,export,... runs some steps and HEADLAB_SCALE_LAYERS=32 some depths, and the saved rows of
-the others are kept; HEADLAB_SCALE_REPEATS=3 runs each timed step three times and keeps the medians (the steps at the deepest depth run are the deepest-only ones). Outputs are deleted
+the others are kept; HEADLAB_SCALE_REPEATS=3 runs each timed step three times and keeps the medians (HEADLAB_SCALE_REPEATED=prune: that step
+alone; the steps at the deepest depth run are the deepest-only ones). Outputs are deleted
 after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ CHOSEN = tuple(os.environ.get("HEADLAB_SCALE_STEPS", ",".join(STEPS)).split(",")
 # Runs of each timed step (each after its own reference); the time model uses their medians (this machine's disk and
 # cores vary by more than 25% between runs minutes apart)
 REPEATS = int(os.environ.get("HEADLAB_SCALE_REPEATS", "1"))
+# Which timed steps repeat (default: every one), e.g. HEADLAB_SCALE_REPEATED=prune: the others run once
+REPEATED = tuple(os.environ.get("HEADLAB_SCALE_REPEATED", ",".join(STEPS)).split(","))
 OFFLOAD = ("--device-map", "auto", "--max-memory", "64MB")  # every block to disk: the embeddings alone are 0.98 GiB
 TOKENS = ("--max-tokens", "256", "--seq-len", "256", "--batch-size", "1")
 # Query heads pruned by `prune --streaming`: a whole KV group (4 heads) of layer 0, two heads of layer 1 (padded)
@@ -266,7 +269,7 @@ def _repeated(step: str, command: list[str], layers: int, model_bytes: int, sour
     run) and the largest peaks; any other step runs once."""
     reference = TIMED_STEPS.get(step)
     runs = []
-    for _ in range(REPEATS if reference else 1):
+    for _ in range(REPEATS if reference and _kind(step) in REPEATED else 1):
         run = {}
         if reference in CHOSEN:
             run[f"paired_{reference}"] = _timed(_reference(reference, source, out))["seconds"]
