@@ -19,6 +19,8 @@ RECIPES = {
     "every parameter trained": {"trained": "all"},
     "512-token windows (2 per step)": {"seq_len": 512, "batch_size": 2},
     "lr 6e-5 (twice the default)": {"lr": 6e-5},
+    "lr 1.5e-5 (half the default)": {"lr": 1.5e-5},
+    "lr 1e-5": {"lr": 1e-5},
 }
 CHOSEN = [name for name in os.environ.get("HEADLAB_BENCH_RECIPES", "").split(";") if name] or list(RECIPES)
 THREADS = int(os.environ.get("HEADLAB_BENCH_RECIPE_THREADS", 0)) or None  # torch threads per row (default: all)
