@@ -135,6 +135,7 @@ def markdown(r: dict) -> str:
         "CPU, f32 KV cache, logits of every position) against transformers (float32, sdpa) on the same token ids. "
         "For a quantized file the difference is the quantization's (f32 shows the runtimes agree).",
         "",
+        *([r["note"], ""] if r.get("note") else []),
         "| model | llama.cpp arch | query / KV heads | file | ppl transformers | ppl llama.cpp | relative diff | "
         "worst abs logit diff | max abs logit |",
         "|---|---|---|---|---:|---:|---:|---:|---:|",
