@@ -125,17 +125,16 @@ def memory_offloaded(s: Shape, max_memory: float, *, export: bool = False, unemb
     return R0 + max_memory + E + extra
 
 
-def memory_offloaded_reader(s: Shape, max_memory: float, *, gradient: bool = False, tokens: int = 256,
-                            upcast: bool = True) -> float:  # fmt: skip
+def memory_offloaded_reader(s: Shape, max_memory: float, *, gradient: bool = False, tokens: int = 256) -> float:
     """R0 + M + U + k x T x V x 4 (+ L x KEPT_PER_BLOCK x T x C x 4 for a gradient pass): what `eval` and `importance`
     need with the blocks offloaded beyond M. Offloaded weights, the embedding and LM head included, are read through
     the checkpoint's mapped pages, which the kernel reclaims under pressure, so no weight enters; a CPU product of
-    16-bit weights upcasts one float32 row block at a time (U; `upcast=False` on a GPU); the pass holds the float32
-    logits and their log-softmax (k = 2), and a gradient pass their gradient too (k = 3) and what its recomputing
-    backward keeps of every block."""
+    16-bit weights upcasts one float32 row block at a time (U); the pass holds the float32 logits and their
+    log-softmax (k = 2), and a gradient pass their gradient too (k = 3) and what its recomputing backward keeps of
+    every block. (This machine's offloaded runs; a GPU's readers are time_gpu_reader's.)"""
     logits = (3 if gradient else 2) * tokens * s.vocab * 4
     kept = s.layers * KEPT_PER_BLOCK * tokens * s.hidden * 4 if gradient else 0
-    return R0 + max_memory + (UPCAST_BLOCK if upcast else 0) + logits + kept
+    return R0 + max_memory + UPCAST_BLOCK + logits + kept
 
 
 def memory_uptrain(s: Shape, processes: int = 1) -> dict[str, float]:
@@ -197,6 +196,8 @@ def rates(scale: dict) -> dict:
     by = {(row["layers"], row["step"]): row for row in rows}
     copy = by[(deepest, "copy (reference)")]
     read = by.get((deepest, "read (reference)"))
+    reference_rates = {"copy": copy["model_bytes"] / copy["seconds"],
+                       "read": read["model_bytes"] / read["seconds"] if read else None}  # fmt: skip
     layer_bytes = scale["config"]["layer_bytes"]
     fits = {}
     for step in case.TIMED_STEPS:
@@ -204,17 +205,10 @@ def rates(scale: dict) -> dict:
         if fit is not None:
             kind = case.TIMED_STEPS[step]
             paired = by.get((deepest, step), {}).get(f"paired_{kind}")
-            reference = copy if kind == "copy" else read
-            rate = (
-                by[(deepest, step)]["model_bytes"] / paired
-                if paired
-                else reference["model_bytes"] / reference["seconds"]
-            )
+            rate = by[(deepest, step)]["model_bytes"] / paired if paired else reference_rates[kind]
             fits[step] = {"fixed": fit["fixed"], "per_layer_byte": fit["per_layer"] / layer_bytes,
                           "per_layer": fit["per_layer"], "factor": fit["factor"], "rate": rate}  # fmt: skip
-    return {"copy": copy["model_bytes"] / copy["seconds"],
-            "read": read["model_bytes"] / read["seconds"] if read else None,
-            "gemm": scale.get("gemm_gflops", 0) * 1e9, "fits": fits, "deepest": deepest}  # fmt: skip
+    return {**reference_rates, "gemm": scale.get("gemm_gflops", 0) * 1e9, "fits": fits, "deepest": deepest}
 
 
 def _gib(x: float) -> str:

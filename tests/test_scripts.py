@@ -104,8 +104,8 @@ def test_cost_model_formulas_against_hand_counts():
     # (2 float32 copies of 10 x 32, 3 with the gradient) and, for the gradient, what each of the 2 blocks keeps
     assert cost.memory_offloaded_reader(tiny, 100, tokens=10) == cost.R0 + 100 + cost.UPCAST_BLOCK + 2 * 10 * 32 * 4
     kept = 2 * cost.KEPT_PER_BLOCK * 10 * 8 * 4
-    assert cost.memory_offloaded_reader(tiny, 100, gradient=True, tokens=10, upcast=False) == pytest.approx(
-        cost.R0 + 100 + 3 * 10 * 32 * 4 + kept
+    assert cost.memory_offloaded_reader(tiny, 100, gradient=True, tokens=10) == pytest.approx(
+        cost.R0 + 100 + cost.UPCAST_BLOCK + 3 * 10 * 32 * 4 + kept
     )
     assert cost.UPCAST_BLOCK == 4 * BLOCK_ELEMENTS  # the formula follows cpu_matmul's float32 row block
     assert cost.reader_flops(tiny, 10, "importance") == 3 * cost.reader_flops(tiny, 10, "eval")

@@ -18,9 +18,9 @@ larger than memory must (HEADLAB_SCALE_COLD=0 keeps it); a command's seconds inc
 Every command's resident set less the pages it maps from the checkpoint is sampled too (every 0.5 s: short peaks,
 such as a streaming edit's one embedding-sized tensor, fall between samples; GNU time's peak does not miss them).
 HEADLAB_SCALE_STEPS=prune,export,... runs some steps and HEADLAB_SCALE_LAYERS=32 some depths, and the saved rows of
-the others are kept; HEADLAB_SCALE_REPEATS=3 runs each timed step three times and keeps the medians (HEADLAB_SCALE_REPEATED=prune: that step
-alone; the steps at the deepest depth run are the deepest-only ones). Outputs are deleted
-after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
+the others are kept; HEADLAB_SCALE_REPEATS=3 runs each timed step three times and keeps the medians
+(HEADLAB_SCALE_REPEATED=prune: that step alone; the steps at the deepest depth run are the deepest-only ones).
+Outputs are deleted after each command; set HEADLAB_SCALE_DIR to a disk with about 50 GB free."""
 
 from __future__ import annotations
 
