@@ -28,6 +28,7 @@ from headlab.recovery.uptrain import (
     attention_parameters,
     distillation_loss,
     heldout_split,
+    layer_matching_loss,
     learning_rate,
     stream_batches,
     token_losses,
@@ -52,6 +53,35 @@ def test_distillation_and_cross_entropy_by_hand():
     ids = torch.tensor([[0, 2]])
     _, ce = token_losses(s, None, ids, torch.ones(1, 2, dtype=torch.bool))  # predicts token 2 from position 0
     assert float(ce) == pytest.approx(-math.log(float(q[2])), rel=1e-6)
+
+
+def test_layer_matching_by_hand():
+    teacher = (torch.zeros(1, 2, 2), torch.tensor([[[3.0, 4.0], [1.0, 0.0]]]), torch.tensor([[[0.0, 2.0], [5.0, 5.0]]]))
+    student = (torch.ones(1, 2, 2), torch.tensor([[[3.0, 0.0], [1.0, 0.0]]]), torch.tensor([[[0.0, 1.0], [0.0, 0.0]]]))
+    valid = torch.tensor([[True, False]])  # position 1 is padding: its errors must not count
+    # entry 0 (the embeddings) is skipped; block 1: 16 / 25 at position 0; block 2: 1 / 4
+    assert float(layer_matching_loss(student, teacher, valid)) == pytest.approx((16 / 25 + 1 / 4) / 2, rel=1e-6)
+    assert float(layer_matching_loss(teacher, teacher, torch.ones(1, 2, dtype=torch.bool))) == 0.0
+
+
+def test_layer_matching_objective_brings_block_outputs_closer():
+    teacher = from_model(tiny_model("llama"), tiny_tokenizer())
+    student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())
+    gqa.convert(student, 1)
+    ids = tiny_tokenizer()(SAMPLE_TEXT[:200], return_tensors="pt")["input_ids"]
+    valid = torch.ones_like(ids, dtype=torch.bool)
+
+    def error() -> float:
+        with torch.no_grad():
+            s = student.model(input_ids=ids, output_hidden_states=True).hidden_states
+            t = teacher.model(input_ids=ids, output_hidden_states=True).hidden_states
+        return float(layer_matching_loss(s, t, valid))
+
+    before = error()
+    result = uptrain(student, teacher, data=CORPUS, steps=8, lr=1e-3, objective="kl_layers", **SMALL)
+    assert "block-output" in result.meta["objective"]
+    assert result.curve["loss"].iloc[1] > result.curve["kl"].iloc[1]  # the matching term is in the loss
+    assert error() < before
 
 
 def test_learning_rate_warmup_then_cosine():

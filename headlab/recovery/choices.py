@@ -4,7 +4,8 @@ importing torch."""
 COMPENSATIONS = ("ridge", "bias")  # closed-form refits of o_proj (headlab.recovery.compensate)
 STAGES = ("local", "uptrain")  # recovery stages, in pipeline order (headlab.recovery.recover)
 TRAINED = ("attention", "norms", "all")  # parameters uptraining trains (headlab.recovery.uptrain)
-OBJECTIVES = ("kl", "ce", "mixed")
+# kl_layers: KL plus layer-output matching (headlab.recovery.uptrain.layer_matching_loss)
+OBJECTIVES = ("kl", "ce", "mixed", "kl_layers")
 # Uptraining under torchrun: data (every rank a whole copy, gradients all-reduced) or fsdp (FSDP2: parameters,
 # gradients and AdamW state sharded over the ranks; headlab.recovery.fsdp).
 PARALLEL = ("data", "fsdp")

@@ -3,7 +3,8 @@ teacher) on streamed calibration text, keeping the state that is best on held-ou
 
 Objective (per unpadded token, averaged): kl = KL(p_teacher || p_student) = sum_v p_t(v) (ln p_t(v) - ln p_s(v)) (logit
 distillation, Hinton et al. 2015, temperature 1), ce = next-token cross-entropy (the LM loss Ainslie et al. 2023
-uptrain with), or mixed = (1 - w) kl + w ce. Recipe: AdamW, linear warmup over 10% of the steps, cosine decay to 0,
+uptrain with), mixed = (1 - w) kl + w ce, or kl_layers = kl + w_h x layer-output matching (the relative squared error of
+every block's output, per token, as in the hidden-state distillation of Sun et al. 2019 and Jiao et al. 2020). Recipe: AdamW, linear warmup over 10% of the steps, cosine decay to 0,
 global-norm clipping 1.0, gradient accumulation; trained groups attention (default: every attention module and its
 output projection), norms (plus every norm) or all. The default lr was chosen by held-out calibration perplexity
 (docs/recovery.md); lr 1e-4 without warmup made a merged model worse before it got better.
@@ -102,8 +103,9 @@ class UptrainConfig:
     # calibration text, distilled on the answer alone: headlab.recovery.retrieval_windows).
     long_kind: str = "text"
     trained: str = "attention"  # attention | norms (attention + every norm) | all
-    objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed
+    objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed | kl_layers
     ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
+    layers_weight: float = 1.0  # kl_layers: KL + w_h x the mean over blocks of the block outputs' relative error
     heldout_tokens: int = 2048  # held-out calibration tokens (the calibration part's tail) that choose the state kept
     heldout_every: int | None = None  # steps between held-out checks [default: about 8 checks per run]
     eval_every: int | None = None  # steps between eval-split perplexities of the curve [default: start and end]
@@ -155,6 +157,8 @@ class UptrainConfig:
             raise HeadlabError(f"unknown objective={self.objective!r}; use one of {', '.join(OBJECTIVES)}")
         if not (0 <= self.ce_weight <= 1):
             raise HeadlabError(f"ce_weight={self.ce_weight} must be in [0, 1]")
+        if not (self.layers_weight >= 0 and math.isfinite(self.layers_weight)):
+            raise HeadlabError(f"layers_weight={self.layers_weight} must be >= 0")
         self.check_parallel()
 
     def check_parallel(self) -> None:
@@ -212,11 +216,26 @@ def token_losses(student_logits, teacher_logits, input_ids, valid) -> tuple[torc
     return kl, nll[pairs].mean()
 
 
-def objective_value(kl, ce, config: UptrainConfig) -> torch.Tensor:
+def layer_matching_loss(student_hidden, teacher_hidden, valid) -> torch.Tensor:
+    """Mean over blocks l and valid positions t of ||h_s[l, t] - h_t[l, t]||^2 / ||h_t[l, t]||^2: each block's output
+    matched to the teacher's (hidden-state distillation, Sun et al. 2019; Jiao et al. 2020). Per token, so the
+    few positions with massive activations (the attention sink) weigh no more than any other. Entry 0 of transformers'
+    hidden_states (the embeddings, never edited) is skipped; tensors [B, T, C], valid [B, T] bool."""
+    errors = []
+    for student, teacher in zip(student_hidden[1:], teacher_hidden[1:], strict=True):
+        teacher = teacher.to(student.device).float()
+        error = (student.float() - teacher).pow(2).sum(-1) / teacher.pow(2).sum(-1).clamp_min(1e-12)  # [B, T]
+        errors.append(error[valid.to(error.device)].mean())
+    return torch.stack(errors).mean()
+
+
+def objective_value(kl, ce, config: UptrainConfig, layers=None) -> torch.Tensor:
     if config.objective == "kl":
         return kl
     if config.objective == "ce":
         return ce
+    if config.objective == "kl_layers":
+        return kl + config.layers_weight * layers
     return (1 - config.ce_weight) * kl + config.ce_weight * ce
 
 
@@ -288,29 +307,33 @@ def _train_step(student, teacher, stream, optimizer, params, step, lr, config, b
     model, device = student.model, student.device
     optimizer.zero_grad(set_to_none=True)
     sums, tokens, epoch = {"loss": 0.0, "kl": 0.0, "ce": 0.0}, 0, 0
+    matching = config.objective == "kl_layers"
     for _ in range(config.accumulation):
         input_ids, attention_mask, epoch, *scored = next(stream)  # retrieval windows add a mask of scored positions
-        teacher_logits = None
+        teacher_out = None
         if config.objective != "ce":
             with torch.no_grad():
-                teacher_logits = teacher.model(
+                teacher_out = teacher.model(
                     input_ids=input_ids.to(teacher.device),
                     attention_mask=attention_mask.to(teacher.device),
                     use_cache=False,
-                ).logits  # [B, T, V]
+                    output_hidden_states=matching,
+                )
         model.eval()  # no dropout; activation_checkpointing still recomputes the blocks
         ids, mask = input_ids.to(device), attention_mask.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        kl, ce = token_losses(logits, teacher_logits, ids, scored[0] if scored else mask.bool())
-        loss = objective_value(kl, ce, config)
+            out = model(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=matching)
+        valid = scored[0] if scored else mask.bool()
+        kl, ce = token_losses(out.logits, teacher_out.logits if teacher_out is not None else None, ids, valid)
+        layers = layer_matching_loss(out.hidden_states, teacher_out.hidden_states, valid) if matching else None
+        loss = objective_value(kl, ce, config, layers)
         if not torch.isfinite(loss):
             raise HeadlabError(
                 f"the {config.objective} loss is not finite at step {step} (lr {lr:.3g}); lower the learning rate (lr=)"
             )
         # KL exactly 0: the student reproduces the teacher on this batch, and the gradient is rounding noise that
         # Adam's per-parameter normalisation would blow up into a real step. Nothing to learn from it.
-        if not (config.objective == "kl" and float(loss.detach()) == 0.0):
+        if not (config.objective in ("kl", "kl_layers") and float(loss.detach()) == 0.0):
             (loss / config.accumulation).backward()
         sums = {k: v + float(x.detach()) / config.accumulation for (k, v), x in zip(sums.items(), (loss, kl, ce))}
         tokens += int(attention_mask.sum())
@@ -719,6 +742,7 @@ def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, 
             "kl": "mean KL(p_teacher || p_student) per token, temperature 1",
             "ce": "mean next-token cross-entropy",
             "mixed": f"(1 - {config.ce_weight}) KL + {config.ce_weight} CE",
+            "kl_layers": f"KL + {config.layers_weight} x mean block-output relative squared error",
         }[config.objective],
         "schedule": "AdamW (weight decay 0), linear warmup, cosine decay to 0, global-norm clipping",
         "trained_parameters": sum(p.numel() for p in run.params),
