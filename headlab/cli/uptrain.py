@@ -39,6 +39,13 @@ def training_options(function):
         click.option("--train", "trained", type=click.Choice(TRAINED), default="attention", show_default=True),
         click.option("--objective", type=click.Choice(OBJECTIVES), default="kl", show_default=True),
         click.option("--ce-weight", type=float, default=0.5, show_default=True, help="CE share of --objective mixed"),
+        click.option(
+            "--layers-weight",
+            type=float,
+            default=1.0,
+            show_default=True,
+            help="--objective kl_layers: weight of the block-output matching term added to the KL",
+        ),
         click.option("--seq-len", type=int, default=256, show_default=True, help="tokens per training window"),
         click.option(
             "--batch-size",
