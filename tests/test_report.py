@@ -161,7 +161,7 @@ def test_demo_replaces_only_its_own_output(tiny_run, tmp_path, monkeypatch, caps
     user = tmp_path / "runs" / "demo"
     user.mkdir(parents=True)
     (user / "notes.txt").write_text("mine")
-    args = ["demo", "--model", tiny_run["checkpoint"], "--data", tiny_run["corpus"], "--quick"]
+    args = ["demo", "--model", tiny_run["checkpoint"], "--data", tiny_run["corpus"]]  # the quick preset by default
     code, _, err = run_cli(args, capsys)
     assert code == 2 and "--overwrite" in err and (user / "notes.txt").read_text() == "mine"
     # A previous demo's directory (its meta.json says so) is replaced without --overwrite.

@@ -13,14 +13,21 @@ from headlab.core.data import load_corpus
 from headlab.viz.choices import FORMATS
 
 
-def report_options(function):
-    """Options shared by `headlab report` and `headlab demo`."""
+def report_options(function, quick_by_default: bool = False):
+    """Options shared by `headlab report` and `headlab demo` (the demo runs the quick preset unless --full)."""
     function = click.option(
         "--format", "fmt", type=click.Choice(FORMATS), default="png", show_default=True, help="figure format"
     )(function)
-    function = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about half the time)")(
-        function
-    )
+    if quick_by_default:
+        quick = click.option(
+            "--quick/--full",
+            default=True,
+            show_default=True,
+            help="the quick preset (fewer tokens and sweep points) or the full one (about three times as long)",
+        )
+    else:
+        quick = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about half the time)")
+    function = quick(function)
     function = click.option("--text-column", default=None, help="text column of a table corpus [default: text]")(
         function
     )

@@ -99,8 +99,8 @@ def markdown(r: dict) -> str:
         f"`headlab demo` (the README's first command after the install) on the embedded model, each run a fresh "
         f"process with the model already in headlab's cache; idle: median of {len(r['idle'])} run(s); under load: "
         f"beside {r['busy_processes']} busy processes on the same cores (load average "
-        f"{' / '.join(f'{v:.1f}' for v in r['load_average_after_loaded_run'])} after it). Aim: at most 3 minutes "
-        f"idle. A new user's first run also converts the embedded GGUF file into headlab's cache (an empty cache "
+        f"{' / '.join(f'{v:.1f}' for v in r['load_average_after_loaded_run'])} after it). The demo runs the quick "
+        f"preset (`--full`: the full one). Aim: about a minute idle. A new user's first run also converts the embedded GGUF file into headlab's cache (an empty cache "
         f"here): {r['first_run']['wall_seconds']:.0f} s in all.",
         "",
         "| run | wall time | " + " | ".join(steps) + " |",
