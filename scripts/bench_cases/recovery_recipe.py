@@ -25,6 +25,7 @@ RECIPES = {
     "KL + layer-output matching, lr 1.5e-5": {"objective": "kl_layers", "lr": 1.5e-5},
     "twice the steps of half the windows (same tokens)": {"steps": 128, "batch_size": 2},
     "twice the steps of half the windows, lr 1.5e-5": {"steps": 128, "batch_size": 2, "lr": 1.5e-5},
+    "twice the budget (128 steps), lr 1.5e-5": {"steps": 128, "lr": 1.5e-5},
 }
 CHOSEN = [name for name in os.environ.get("HEADLAB_BENCH_RECIPES", "").split(";") if name] or list(RECIPES)
 THREADS = int(os.environ.get("HEADLAB_BENCH_RECIPE_THREADS", 0)) or None  # torch threads per row (default: all)
