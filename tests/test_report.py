@@ -173,6 +173,7 @@ def test_demo_replaces_only_its_own_output(tiny_run, tmp_path, monkeypatch, caps
     assert code == 0, err
     meta = json.loads((user / "meta.json").read_text())
     assert meta["command"] == "headlab demo" and meta["quick"] and (user / "report.html").is_file()
+    assert "recovery" not in meta["seconds"] and not (user / "recovery").exists()  # the demo preset leaves it out
     assert "wrote runs/demo/report.md" in out
     report.check_report_out(user, overwrite=False, demo=True)  # a demo may run again
     with pytest.raises(HeadlabError, match="overwrite=True"):

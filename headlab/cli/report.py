@@ -23,7 +23,8 @@ def report_options(function, quick_by_default: bool = False):
             "--quick/--full",
             default=True,
             show_default=True,
-            help="the quick preset (fewer tokens and sweep points) or the full one (about three times as long)",
+            help="the quick preset less its recovery step (fewer tokens and sweep points), or the full one with "
+            "recovery (about three times as long)",
         )
     else:
         quick = click.option("--quick", is_flag=True, help="fewer tokens and sweep points (about half the time)")
