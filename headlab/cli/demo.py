@@ -33,18 +33,9 @@ def command(load, data, text_column, quick, fmt, out, overwrite):
     out = Path(out)
     guard(out, overwrite or is_demo_run(out), {"model": load.spec}, data=data)
     load_corpus(data, text_column)
-    settings = PRESETS["demo" if quick else "full"]  # the quick preset less recovery (why: report.PRESETS)
-    report = run_report(
-        load(),
-        out,
-        data=data,
-        text_column=text_column,
-        quick=quick,
-        settings=settings,
-        overwrite=overwrite,
-        fmt=fmt,
-        command=DEMO_MARKER,
-    )
+    options = dict(data=data, text_column=text_column, quick=quick, overwrite=overwrite, fmt=fmt, command=DEMO_MARKER)
+    # without --full: the quick preset less its recovery step (why: report.PRESETS["demo"])
+    report = run_report(load(), out, settings=PRESETS["demo" if quick else "full"], **options)
     for line in report.summary:
         click.echo(f"- {line}")
     click.echo(f"wrote {out}/report.md and {out}/report.html ({len(report.figures)} figures)")
