@@ -4,9 +4,10 @@ teacher) on streamed calibration text, keeping the state that is best on held-ou
 Objective (per unpadded token, averaged): kl = KL(p_teacher || p_student) = sum_v p_t(v) (ln p_t(v) - ln p_s(v)) (logit
 distillation, Hinton et al. 2015, temperature 1), ce = next-token cross-entropy (the LM loss Ainslie et al. 2023
 uptrain with), mixed = (1 - w) kl + w ce, or kl_layers = kl + w_h x layer-output matching (the relative squared error of
-every block's output, per token, as in the hidden-state distillation of Sun et al. 2019 and Jiao et al. 2020). Recipe: AdamW, linear warmup over 10% of the steps, cosine decay to 0,
-global-norm clipping 1.0, gradient accumulation; trained groups attention (default: every attention module and its
-output projection), norms (plus every norm) or all. The default lr was chosen by held-out calibration perplexity
+every block's output, per token, as in the hidden-state distillation of Sun et al. 2019 and Jiao et al. 2020).
+Recipe: AdamW, linear warmup over 10% of the steps, cosine decay to 0, global-norm clipping 1.0, gradient
+accumulation; trained groups attention (default: every attention module and its output projection), norms (plus every
+norm) or all. The default lr was chosen by held-out calibration perplexity
 (docs/recovery.md); lr 1e-4 without warmup made a merged model worse before it got better.
 Held-out: per domain of the calibration corpus (one for most corpora; four for the built-in `broad`), the last tokens
 of its calibration text, never trained on; the state returned has the lowest held-out perplexity (exp of the mean

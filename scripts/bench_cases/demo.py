@@ -100,8 +100,9 @@ def markdown(r: dict) -> str:
         f"process with the model already in headlab's cache; idle: median of {len(r['idle'])} run(s); under load: "
         f"beside {r['busy_processes']} busy processes on the same cores (load average "
         f"{' / '.join(f'{v:.1f}' for v in r['load_average_after_loaded_run'])} after it). The demo runs the quick "
-        f"preset less its recovery step (`--full`: the full preset). Aim: about a minute idle. A new user's first run also converts the embedded GGUF file into headlab's cache (an empty cache "
-        f"here): {r['first_run']['wall_seconds']:.0f} s in all.",
+        f"preset less its recovery step (`--full`: the full preset). Aim: about a minute idle. A new user's first "
+        f"run also converts the embedded GGUF file into headlab's cache (an empty cache here): "
+        f"{r['first_run']['wall_seconds']:.0f} s in all.",
         "",
         "| run | wall time | " + " | ".join(steps) + " |",
         "|---|---|" + "---|" * len(steps),
