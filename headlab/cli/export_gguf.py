@@ -11,7 +11,7 @@ import click
 from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, print_rows
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.runtimes.choices import DEFAULT_TYPE, IMATRIX_TYPES, LLAMACPP_TYPES
+from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LLAMACPP_TYPES
 
 
 @click.command("export-gguf")
@@ -40,9 +40,16 @@ from headlab.runtimes.choices import DEFAULT_TYPE, IMATRIX_TYPES, LLAMACPP_TYPES
     "inputs) from --calibration-tokens of the corpus's calibration part; llama.cpp types only, and required by "
     f"{', '.join(IMATRIX_TYPES)}",
 )
-@calibration_tokens_option(8192, "calibration tokens for --imatrix (windows of 512; one forward pass over them)")
+@click.option(
+    "--gptq",
+    is_flag=True,
+    help="round each matrix by GPTQ (each column's rounding error moved onto the columns not yet rounded, against "
+    "its inputs on --calibration-tokens of the corpus's calibration part) instead of to nearest; still plain "
+    f"ggml blocks; {', '.join(GPTQ_TYPES)} only",
+)
+@calibration_tokens_option(8192, "calibration tokens for --imatrix or --gptq (windows of 512; one forward pass)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(load, text, out, overwrite, outtype, verify, imatrix, calibration_tokens, as_json):
+def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, calibration_tokens, as_json):
     """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3, and deepseek_v3 with dense MLPs (MLA, llama.cpp's
     `deepseek2`); per-layer head counts go to llama.cpp's `deci` architecture (the one whose graph builds each layer
     with its own head counts)."""
@@ -54,15 +61,15 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, calibration_to
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     if out.is_dir():  # before loading: a folder is never replaced by a file
         raise HeadlabError(f"--out {out} is a directory; export-gguf writes one .gguf file")
-    outtype = check_type(outtype, imatrix)
+    outtype = check_type(outtype, imatrix, gptq)
     missing = unavailable()
     if verify and missing:
         raise HeadlabError(f"--verify needs llama.cpp: {missing}")
     verify = not missing if verify is None else verify
-    text = text.resolved() if imatrix else text  # one corpus load for the calibration and the eval part
+    text = text.resolved() if imatrix or gptq else text  # one corpus load for the calibration and the eval part
     loaded = load()
     check, notes, calibration = None, [], None
-    if imatrix:
+    if imatrix or gptq:
         window = min(512, loaded.max_positions or 512)
         spec = text.but(split="calibration", max_tokens=calibration_tokens, seq_len=window, batch_size=4)
         calibration = spec.batches(loaded.tokenizer, max_positions=loaded.max_positions)
@@ -78,7 +85,7 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, calibration_to
             return compare_logprobs(loaded, path, windows, progress=not as_json)
 
     record = export_gguf(loaded, out, outtype=outtype, overwrite=overwrite, progress=not as_json, verify=check,
-                         imatrix=calibration)  # fmt: skip
+                         imatrix=calibration if imatrix else None, gptq=calibration if gptq else None)  # fmt: skip
     record["notes"] = record["notes"] + notes
     if as_json:
         click.echo(json.dumps(record, indent=2))
@@ -117,6 +124,15 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, calibration_to
             missing = f"; none for {len(without)} ({', '.join(without[:2])}{', ...' * (len(without) > 2)})"
             used = f"{weighted['entries']} matrices, {weighted['tokens']} calibration tokens"
             rows.append(("importance matrix", used + (missing if without else "")))
+    rounded = quantization.get("gptq")
+    if rounded:
+        worst = rounded["worst_matrix"] or {}
+        rows.append((
+            "GPTQ",
+            f"{rounded['matrices']} matrices from {rounded['tokens']} calibration tokens; output error "
+            f"{rounded['output_error_vs_nearest']:.3f}x round to nearest's (worst {worst.get('name')}: "
+            f"{worst.get('output_error_vs_nearest', float('nan')):.3f}x)",
+        ))  # fmt: skip
     rows += [("note", note) for note in record["notes"]]
     print_rows(rows)
 

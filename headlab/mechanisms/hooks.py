@@ -69,15 +69,36 @@ def module_hooks(module_hooks: Iterable[tuple[nn.Module, SiteHook]]):
 def input_mean_squares(loaded: LoadedModel, modules: dict, batches, *, progress: bool = False, desc: str = "inputs"):
     """({key: E[x_j^2] over the real (unpadded) tokens of `batches`, x the first input of modules[key]} as float64
     tensors [features], and the number of tokens they average): one pass of the model with a pre-hook per module."""
+    return _input_moments(loaded, modules, batches, False, progress, desc)
+
+
+def input_grams(loaded: LoadedModel, modules: dict, batches, *, progress: bool = False, desc: str = "inputs"):
+    """({key: E[x x^T] over the real (unpadded) tokens of `batches`, x the first input of modules[key]} as float64
+    tensors [features, features], and the number of tokens they average): the second moments GPTQ's objective
+    ||X W^T - X Q^T||^2 = tr((W - Q) X^T X (W - Q)^T) needs (Frantar et al. 2023, eq. 1)."""
+    return _input_moments(loaded, modules, batches, True, progress, desc)
+
+
+def _input_moments(loaded: LoadedModel, modules: dict, batches, second: bool, progress: bool, desc: str):
+    """One pass of the model with a pre-hook per module summing, in float64 over the real tokens, x_j^2 or (second)
+    x x^T, divided by their number at the end."""
     # a linear's width is known up front (a module that never runs then reads as zeros); others' at the first call
-    sums = {key: torch.zeros(getattr(module, "in_features", 0), dtype=torch.float64) for key, module in modules.items()}
+    sums = {}
+    for key, module in modules.items():
+        width = getattr(module, "in_features", 0)
+        sums[key] = torch.zeros((width, width) if second else (width,), dtype=torch.float64)
     state = {"mask": None, "tokens": 0}
 
     def accumulate(key):
         def add(x):
             mask = state["mask"].to(x.device, torch.float64)  # [B, T]
-            square = torch.einsum("btc,bt->c", x.detach().double() ** 2, mask).cpu()
-            sums[key] = square if sums[key].numel() == 0 else sums[key] + square
+            x = x.detach().double()
+            if second:
+                rows = x.reshape(-1, x.shape[-1])
+                moment = ((rows * mask.reshape(-1, 1)).T @ rows).cpu()
+            else:
+                moment = torch.einsum("btc,bt->c", x**2, mask).cpu()
+            sums[key] = moment if sums[key].numel() == 0 else sums[key] + moment
 
         return add
 

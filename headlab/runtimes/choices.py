@@ -38,3 +38,6 @@ IMATRIX_TYPES = {
     "iq3_xs": "IQ3_XS",
     "q2_k_s": "Q2_K_S",
 }
+# Types headlab writes itself that `export-gguf --gptq` can round against calibration inputs: ggml's symmetric block
+# types, whose scale rule GPTQ can keep (headlab.runtimes.gptq.GRIDS).
+GPTQ_TYPES = ("q8_0", "q5_0", "q4_0")

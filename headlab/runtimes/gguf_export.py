@@ -40,9 +40,12 @@ from tqdm.auto import tqdm
 from headlab import __version__
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import GGUF_MARK, atomic_file, check_free_space, check_out, check_output_name, scratch_file
-from headlab.core.loading import LoadedModel, weights_in_memory
+from headlab.core.loading import LoadedModel, available_memory, weights_in_memory
+from headlab.core.units import human_bytes
+from headlab.mechanisms.hooks import input_grams
 from headlab.runtimes import llamacpp
-from headlab.runtimes.choices import DEFAULT_TYPE, IMATRIX_TYPES, LLAMACPP_ALIASES, LLAMACPP_TYPES
+from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LLAMACPP_ALIASES, LLAMACPP_TYPES
+from headlab.runtimes.gptq import GptqRounding
 from headlab.runtimes.imatrix import input_mean_squares
 
 # Tensor types: the float ones are written by numpy; any other ggml type only if gguf.quants can quantize it.
@@ -474,15 +477,20 @@ def writable_types() -> list[str]:
     return out
 
 
-def check_type(outtype: str, imatrix: bool = False) -> str:
+def check_type(outtype: str, imatrix: bool = False, gptq: bool = False) -> str:
     """The output type's canonical name, or a one-line refusal. Which path writes it: a name in LLAMACPP_TYPES (a
     llama.cpp file type, llama-quantize's name, its aliases q3_k/q4_k/q5_k included) is written as f32 and quantized
     by llama.cpp, which needs llama-cpp-python, and so is a name in IMATRIX_TYPES, which llama.cpp writes only with an
     importance matrix (`imatrix`); any other name must be a tensor type headlab writes itself with the gguf package
     (the floats and what gguf.quants quantizes in numpy: q8_0, q4_0, q4_1, q5_0, q5_1, ...), every matrix in that
     type, which an importance matrix cannot weight. Q8_0 stays there: llama.cpp's Q8_0 file is byte-identical in
-    every tensor (its Q8_0 rounding takes no importance matrix either)."""
+    every tensor (its Q8_0 rounding takes no importance matrix either). `gptq` asks for GPTQ_TYPES only."""
     outtype = LLAMACPP_ALIASES.get(outtype.lower(), outtype.lower())
+    if gptq and outtype not in GPTQ_TYPES:
+        raise HeadlabError(
+            f"GPTQ rounds the block types headlab writes with ggml's symmetric scales ({', '.join(GPTQ_TYPES)}), "
+            f"and outtype={outtype!r} is not one; drop --gptq"
+        )
     if outtype in IMATRIX_TYPES and not imatrix:
         raise HeadlabError(
             f"outtype={outtype!r}: llama.cpp quantizes it only with an importance matrix (add --imatrix)"
@@ -739,6 +747,7 @@ def export_gguf(
     progress: bool = True,
     verify=None,
     imatrix=None,
+    gptq=None,
 ) -> dict:
     """Write `loaded` as a GGUF file at `out` atomically (a temporary file beside it, renamed at the end; see
     headlab.core.fsio.atomic_file: a second run writing `out` meanwhile is refused, and overwrite replaces only a GGUF
@@ -749,14 +758,15 @@ def export_gguf(
     in f32 to a second temporary file beside `out` (removed afterwards), which llama.cpp's quantizer reads into the
     first. `verify(path)` (optional) runs on the finished temporary file before it is published; its result goes
     into the returned record. `imatrix` (calibration batches, llama.cpp types only) gives llama.cpp's quantizer an
-    importance matrix measured on them (`importance_matrix`). Returns what was written.
+    importance matrix measured on them (`importance_matrix`). `gptq` (calibration batches, GPTQ_TYPES only) rounds
+    every matrix with a calibration input by GPTQ instead of to nearest (`gptq_rounding`). Returns what was written.
     """
     out = Path(out)
     check_output_name(out)
     if os.path.isdir(out):
         raise HeadlabError(f"out={out} is a directory; export-gguf writes one .gguf file")
     check_out(out, overwrite)  # before the work; atomic_file checks again when it starts writing
-    outtype = check_type(outtype, imatrix is not None)
+    outtype = check_type(outtype, imatrix is not None, gptq is not None)
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
@@ -771,8 +781,10 @@ def export_gguf(
         notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
                      "scale)")  # fmt: skip
 
+    rounding = None if gptq is None else gptq_rounding(loaded, items, types, outtype, gptq, progress)
+
     def write(path: Path, provenance: str | None = None) -> None:
-        _write_file(path, loaded, plan, (tokens, items, types), _file_type(written), provenance, progress)
+        _write_file(path, loaded, plan, (tokens, items, types, rounding), _file_type(written), provenance, progress)
 
     weights, imatrix_record = (None, None) if imatrix is None else importance_matrix(loaded, items, imatrix, progress)
     # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
@@ -781,6 +793,8 @@ def export_gguf(
         if ftype is None:
             write(tmp)
             quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
+            if rounding is not None:
+                quantization["gptq"] = rounding.record()
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
                             **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
@@ -818,8 +832,8 @@ def _export_items(loaded: LoadedModel, plan: ExportPlan, config) -> list[tuple]:
 def _write_file(path: Path, loaded: LoadedModel, plan: ExportPlan, content: tuple, file_type, provenance, progress):
     """One GGUF file at `path`: headlab's mark (and `provenance`, which llama.cpp's quantizer copies into its output),
     the hyperparameters, the tokenizer, then the tensors streamed one at a time. content: (tokenizer fields, items,
-    GGUF type per tensor name)."""
-    tokens, items, types = content
+    GGUF type per tensor name, a GptqRounding or None)."""
+    tokens, items, types, rounding = content
     writer = gguf.GGUFWriter(path, plan.target.arch)
     writer.add_string(GGUF_MARK, __version__)  # what lets a later --overwrite recognise the file as headlab's
     if provenance:
@@ -831,7 +845,10 @@ def _write_file(path: Path, loaded: LoadedModel, plan: ExportPlan, content: tupl
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
-        writer.write_tensor_data(_encoded(plan, name, block, _resident(tensor), types[name]))
+        tensor = _resident(tensor)
+        if rounding is not None and name in rounding:  # rows permuted later (RoPE interleave): GPTQ rounds rows apart
+            tensor = rounding(name, tensor)
+        writer.write_tensor_data(_encoded(plan, name, block, tensor, types[name]))
     writer.close()
 
 
@@ -877,12 +894,21 @@ def _llamacpp_tensor_types(plan: ExportPlan, outtype: str, imatrix_record: dict 
 
 def importance_matrix(loaded: LoadedModel, items: list, batches, progress: bool = True) -> tuple[dict, dict]:
     """llama.cpp's importance matrix for the matrices in `items`: E[x_j^2] of each one's input over the calibration
-    `batches`, for every matrix whose input in llama.cpp's graph is the input of one transformers linear layer (q, k,
-    v, o, gate, up, down, the output head: a tied one under token_embd, whose product llama.cpp runs for the output;
-    MLA's q, q_a, q_b and kv_a). Rows permuted or split (the RoPE interleave, attn_k_b/attn_v_b) leave columns alone;
-    MLA's attn_k_b and attn_v_b multiply per-head queries and attention-weighted latents that transformers never forms,
-    so they have no entry and llama.cpp rounds them without one. Returns ({GGUF name: float32 [in_features]}, a
-    record: tokens, entries, the matrices without one, the calibration text)."""
+    `batches`, for every matrix whose input in llama.cpp's graph is the input of one transformers linear layer
+    (`calibrated_modules`). Returns ({GGUF name: float32 [in_features]}, a record: tokens, entries, the matrices
+    without one, the calibration text)."""
+    modules, without = calibrated_modules(loaded, items)
+    weights, tokens = input_mean_squares(loaded, modules, batches, progress=progress)
+    return weights, {"tokens": tokens, "entries": len(weights), "matrices_without": without, "text": batches.meta}
+
+
+def calibrated_modules(loaded: LoadedModel, items: list, *, lookup_table: bool = True) -> tuple[dict, list[str]]:
+    """({GGUF name: the transformers linear layer whose input that matrix multiplies in llama.cpp's graph}, the other
+    matrices): q, k, v, o, gate, up, down, the output head (a tied one under token_embd, whose product llama.cpp runs
+    for the output, unless `lookup_table` is False: the table is also read row by row at the input); MLA's q, q_a, q_b
+    and kv_a. Rows permuted or split (the RoPE interleave, attn_k_b/attn_v_b) leave columns alone; MLA's attn_k_b and
+    attn_v_b multiply per-head queries and attention-weighted latents that transformers never forms, so they have
+    none. A token_embd with no output product on it is a lookup table and is in neither list."""
     written = {name: tuple(tensor.shape) for name, _, tensor in items}
     model, modules = loaded.model, {}
     for hf_name, (gguf_name, _, _) in _gguf_names(model).items():
@@ -892,13 +918,30 @@ def importance_matrix(loaded: LoadedModel, items: list, batches, progress: bool 
             modules[gguf_name] = module
     head = model.get_output_embeddings()
     tied = "output.weight" not in written  # llama.cpp's output product then reads token_embd
-    if tied and isinstance(head, torch.nn.Linear):
+    if tied and lookup_table and isinstance(head, torch.nn.Linear):
         modules["token_embd.weight"] = head
-    weights, tokens = input_mean_squares(loaded, modules, batches, progress=progress)
-    # token_embd without an output product on it is a lookup table: llama.cpp neither measures nor needs an entry
     without = sorted(name for name, shape in written.items()
-                     if len(shape) > 1 and name not in weights and name != "token_embd.weight")  # fmt: skip
-    return weights, {"tokens": tokens, "entries": len(weights), "matrices_without": without, "text": batches.meta}
+                     if len(shape) > 1 and name not in modules and name != "token_embd.weight")  # fmt: skip
+    return modules, without
+
+
+def gptq_rounding(loaded: LoadedModel, items: list, types: dict, outtype: str, batches, progress: bool = True):
+    """A GptqRounding for every matrix written in `outtype` whose input is a transformers linear layer's
+    (`calibrated_modules`; not a tied token_embd, which is also the input lookup table that GPTQ's output
+    objective does not see), from E[x x^T] over the calibration `batches`. Refuses when those second moments would
+    not fit in half the host's available memory."""
+    qtype = gguf.GGMLQuantizationType[outtype.upper()]
+    modules, _ = calibrated_modules(loaded, items, lookup_table=False)
+    modules = {name: module for name, module in modules.items() if types[name] == qtype}
+    needed = 8 * sum(module.in_features**2 for module in modules.values())  # float64 sums, all held in one pass
+    available = available_memory("cpu")
+    if available is not None and needed > available // 2:
+        raise HeadlabError(
+            f"GPTQ's input second moments need {human_bytes(needed)} (float64, {len(modules)} matrices) and the host "
+            f"has {human_bytes(available)} available; export without --gptq"
+        )
+    grams, tokens = input_grams(loaded, modules, batches, progress=progress, desc="GPTQ inputs")
+    return GptqRounding(grams, outtype, {"tokens": tokens, "text": batches.meta})
 
 
 def export_bytes(items: list, outtype: str, by_llamacpp: bool) -> tuple[int, str]:
