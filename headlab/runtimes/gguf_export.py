@@ -484,12 +484,13 @@ def check_type(outtype: str, imatrix: bool = False, gptq: bool = False) -> str:
     importance matrix (`imatrix`); any other name must be a tensor type headlab writes itself with the gguf package
     (the floats and what gguf.quants quantizes in numpy: q8_0, q4_0, q4_1, q5_0, q5_1, ...), every matrix in that
     type, which an importance matrix cannot weight. Q8_0 stays there: llama.cpp's Q8_0 file is byte-identical in
-    every tensor (its Q8_0 rounding takes no importance matrix either). `gptq` asks for GPTQ_TYPES only."""
+    every tensor (its Q8_0 rounding takes no importance matrix either). `gptq` takes GPTQ_TYPES, and llama.cpp
+    file types, whose matrices its recipe rounds in those types it rounds."""
     outtype = LLAMACPP_ALIASES.get(outtype.lower(), outtype.lower())
-    if gptq and outtype not in GPTQ_TYPES:
+    if gptq and outtype not in GPTQ_TYPES and not llamacpp_ftype(outtype):
         raise HeadlabError(
-            f"GPTQ rounds the block types headlab writes with ggml's symmetric scales ({', '.join(GPTQ_TYPES)}), "
-            f"and outtype={outtype!r} is not one; drop --gptq"
+            f"GPTQ rounds ggml's symmetric block types ({', '.join(GPTQ_TYPES)}), written by headlab or chosen by "
+            f"llama.cpp's recipe for a file type, and outtype={outtype!r} is neither; drop --gptq"
         )
     if outtype in IMATRIX_TYPES and not imatrix:
         raise HeadlabError(
@@ -781,9 +782,10 @@ def export_gguf(
         notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
                      "scale)")  # fmt: skip
 
-    rounding = None if gptq is None else gptq_rounding(loaded, items, types, outtype, gptq, progress)
+    qtypes = None if ftype else {name: qtype.name.lower() for name, qtype in types.items()}
+    rounding = None if gptq is None else gptq_rounding(loaded, items, qtypes, gptq, progress)
 
-    def write(path: Path, provenance: str | None = None) -> None:
+    def write(path: Path, provenance: str | None = None, rounding: GptqRounding | None = None) -> None:
         _write_file(path, loaded, plan, (tokens, items, types, rounding), _file_type(written), provenance, progress)
 
     weights, imatrix_record = (None, None) if imatrix is None else importance_matrix(loaded, items, imatrix, progress)
@@ -791,7 +793,7 @@ def export_gguf(
     # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
     with atomic_file(out, overwrite=overwrite) as tmp:
         if ftype is None:
-            write(tmp)
+            write(tmp, rounding=rounding)
             quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
             if rounding is not None:
                 quantization["gptq"] = rounding.record()
@@ -803,6 +805,19 @@ def export_gguf(
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
                 write(source, _provenance(quantization))
                 llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides, imatrix=weights)
+                if rounding is not None:  # the recipe's types known, its legacy-block matrices GPTQ-rounded, again
+                    chosen = _matrix_types(tmp)
+                    rounding.keep(chosen)
+                    write(source, _provenance(quantization), rounding)
+                    llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides,
+                                      imatrix=weights)  # fmt: skip
+                    if _matrix_types(tmp) != chosen:
+                        raise HeadlabError("llama.cpp's recipe chose other tensor types for the GPTQ-rounded file")
+                    kept = _written_as_given(source, tmp, list(rounding.errors))
+                    quantization["gptq"] = {**rounding.record(), "written_as_rounded": kept}
+                    if kept < len(rounding.errors):
+                        notes.append(f"llama.cpp rounded {len(rounding.errors) - kept} of the {len(rounding.errors)} "
+                                     "GPTQ-rounded matrices again (its importance-weighted scale search)")  # fmt: skip
         stored, problem = _stored_types(tmp, outtype)
         if quantization is not None:
             quantization["fallback_matrices"] = stored["fallbacks"]
@@ -925,14 +940,15 @@ def calibrated_modules(loaded: LoadedModel, items: list, *, lookup_table: bool =
     return modules, without
 
 
-def gptq_rounding(loaded: LoadedModel, items: list, types: dict, outtype: str, batches, progress: bool = True):
-    """A GptqRounding for every matrix written in `outtype` whose input is a transformers linear layer's
-    (`calibrated_modules`; not a tied token_embd, which is also the input lookup table that GPTQ's output
-    objective does not see), from E[x x^T] over the calibration `batches`. Refuses when those second moments would
-    not fit in half the host's available memory."""
-    qtype = gguf.GGMLQuantizationType[outtype.upper()]
+def gptq_rounding(loaded: LoadedModel, items: list, qtypes: dict | None, batches, progress: bool = True):
+    """A GptqRounding for every matrix written in a GPTQ type (`qtypes`: {name: type}; None for a llama.cpp file
+    type, whose recipe's choice `GptqRounding.keep` takes once known) whose input is a
+    transformers linear layer's (`calibrated_modules`; not a tied token_embd, which is also the input lookup table
+    that GPTQ's output objective does not see), from E[x x^T] over the calibration `batches`. Refuses when those
+    second moments would not fit in half the host's available memory."""
     modules, _ = calibrated_modules(loaded, items, lookup_table=False)
-    modules = {name: module for name, module in modules.items() if types[name] == qtype}
+    if qtypes is not None:
+        modules = {name: module for name, module in modules.items() if qtypes.get(name) in GPTQ_TYPES}
     needed = 8 * sum(module.in_features**2 for module in modules.values())  # float64 sums, all held in one pass
     available = available_memory("cpu")
     if available is not None and needed > available // 2:
@@ -941,7 +957,7 @@ def gptq_rounding(loaded: LoadedModel, items: list, types: dict, outtype: str, b
             f"has {human_bytes(available)} available; export without --gptq"
         )
     grams, tokens = input_grams(loaded, modules, batches, progress=progress, desc="GPTQ inputs")
-    return GptqRounding(grams, outtype, {"tokens": tokens, "text": batches.meta})
+    return GptqRounding(grams, qtypes, {"tokens": tokens, "text": batches.meta})
 
 
 def export_bytes(items: list, outtype: str, by_llamacpp: bool) -> tuple[int, str]:
@@ -983,6 +999,23 @@ def _block(outtype: str) -> int:
     if llamacpp_ftype(outtype):
         return 32 if outtype == "iq4_nl" else 256
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[outtype.upper()]][0]
+
+
+def _matrix_types(path: Path) -> dict[str, str]:
+    """{matrix name: its ggml type, lower case} in a GGUF file."""
+    return {t.name: t.tensor_type.name.lower() for t in gguf.GGUFReader(path).tensors if len(t.shape) > 1}
+
+
+def _written_as_given(source: Path, written: Path, names: list[str]) -> int:
+    """How many of the matrices `names` the quantized file `written` holds exactly as the f32 file `source` gave them
+    (dequantized): GPTQ's rounding survives llama.cpp's quantizer when it lands on the grid it was rounded to."""
+    given = {t.name: t for t in gguf.GGUFReader(source).tensors if t.name in names}
+    same = 0
+    for tensor in gguf.GGUFReader(written).tensors:
+        if tensor.name in given:
+            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            same += bool(np.array_equal(values.reshape(-1), np.asarray(given[tensor.name].data).reshape(-1)))
+    return same
 
 
 def _stored_types(path: Path, outtype: str) -> tuple[dict, str | None]:

@@ -113,20 +113,28 @@ def gptq_round(weight: torch.Tensor, gram: torch.Tensor, qtype: str, *, damping:
 
 class GptqRounding:
     """Rounds named matrices by GPTQ as they are written (`rounding(name, weight)`), each against its calibration
-    second moments `grams` {name: E[x x^T]}, which it frees as it goes; records each one's output error against
-    round to nearest's."""
+    second moments {name: E[x x^T]} onto its type's grid ({name: type}: those in GRIDS are rounded; None until
+    `keep` gives them); frees each one's moments once used, and records its output error against round to
+    nearest's."""
 
-    def __init__(self, grams: dict[str, torch.Tensor], qtype: str, calibration: dict):
-        self.grams, self.qtype, self.calibration = grams, qtype, calibration
+    def __init__(self, grams: dict[str, torch.Tensor], qtypes: dict[str, str] | None, calibration: dict):
+        self.grams, self.qtypes, self.calibration = grams, {}, calibration
         self.errors: dict[str, tuple[float, float]] = {}
+        if qtypes is not None:
+            self.keep(qtypes)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.grams
+        return name in self.grams and self.qtypes.get(name) in GRIDS
+
+    def keep(self, qtypes: dict[str, str]) -> None:
+        """Round only the matrices `qtypes` names, in the types it gives (those llama.cpp's recipe chose)."""
+        self.grams = {name: gram for name, gram in self.grams.items() if qtypes.get(name) in GRIDS}
+        self.qtypes = qtypes
 
     def __call__(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        gram = self.grams.pop(name)
-        rounded = gptq_round(weight, gram, self.qtype)
-        nearest = round_to_nearest(weight, self.qtype)
+        gram, qtype = self.grams.pop(name), self.qtypes[name]
+        rounded = gptq_round(weight, gram, qtype)
+        nearest = round_to_nearest(weight, qtype)
         self.errors[name] = (output_error(weight, rounded, gram), output_error(weight, nearest, gram))
         return rounded.to(torch.float32)  # exact: q d has at most 8 + 11 significant bits
 
@@ -136,8 +144,12 @@ class GptqRounding:
         ratios = {name: gptq / nearest for name, (gptq, nearest) in self.errors.items() if nearest > 0}
         worst = max(ratios, key=ratios.get) if ratios else None
         total = sum(nearest for _, nearest in self.errors.values())
+        types: dict[str, int] = {}
+        for name in self.errors:
+            types[self.qtypes[name]] = types.get(self.qtypes[name], 0) + 1
         return {
             "matrices": len(self.errors),
+            "types": types,
             "damping": DAMPING,
             **self.calibration,
             "output_error_vs_nearest": sum(gptq for gptq, _ in self.errors.values()) / total if total else None,
