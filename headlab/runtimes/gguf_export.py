@@ -793,13 +793,18 @@ def export_gguf(
     # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
     with atomic_file(out, overwrite=overwrite) as tmp:
         if ftype is None:
-            write(tmp, rounding=rounding)
             quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
+            if rounding is not None:
+                quantization["gptq"] = rounding.calibration
+            write(tmp, f"headlab (gguf {quantization['gguf']}){_gptq_words(quantization)}" if rounding else None,
+                  rounding)  # fmt: skip
             if rounding is not None:
                 quantization["gptq"] = rounding.record()
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
                             **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
+            if rounding is not None:
+                quantization["gptq"] = rounding.calibration
             overrides, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
             notes += overridden
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
@@ -981,7 +986,18 @@ def _provenance(quantization: dict) -> str:
         parts.append(f"commit {quantization['commit']}")
     imatrix = quantization.get("imatrix")
     weighted = f", importance matrix of {imatrix['tokens']} calibration tokens" if imatrix else ""
-    return f"llama.cpp {quantization['ftype']} from {quantization['from']}{weighted} ({', '.join(parts)})"
+    return (
+        f"llama.cpp {quantization['ftype']} from {quantization['from']}{weighted}{_gptq_words(quantization)} "
+        f"({', '.join(parts)})"
+    )
+
+
+def _gptq_words(quantization: dict) -> str:
+    """The provenance's words for GPTQ (", its q8_0 / q5_0 / q4_0 matrices GPTQ-rounded on N calibration tokens")."""
+    gptq = quantization.get("gptq")
+    return (
+        f", its {' / '.join(GPTQ_TYPES)} matrices GPTQ-rounded on {gptq['tokens']} calibration tokens" if gptq else ""
+    )
 
 
 def _package_version(name: str) -> str | None:
