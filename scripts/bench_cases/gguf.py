@@ -2,16 +2,17 @@
 a 3 -> 1 KV conversion and an MLA conversion at the MQA budget (also after the default recovery), each exported to
 GGUF (f32) and scored on the eval split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer)
 and Q4_K_M (llama.cpp's), whose distance from transformers is the quantization's, and Q4_K_M with an importance
-matrix (export-gguf --imatrix); the per-layer prune and both MLA models too. Every Q4_K_M file is also scored on
-held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0> runs some models only and keeps the
+matrix (export-gguf --imatrix); the per-layer prune and both MLA models too; each quantized type also with GPTQ
+rounding (export-gguf --gptq) beside round to nearest. Every Q4_K_M file is also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0> runs some models only and keeps the
 saved rows of the others."""
 
 from __future__ import annotations
 
 TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32, Q8_0, Q4_K_M)"
 # Output types per model (by its number in `variants`); the others are exported in f32 only. "+imatrix": with
-# export-gguf --imatrix (IMATRIX_TOKENS of the default corpus's calibration part, windows of 512).
-QUANTIZED = ("f32", "q8_0", "q4_k_m", "q4_k_m+imatrix")
+# export-gguf --imatrix, "+gptq": with --gptq (each from IMATRIX_TOKENS of the default corpus's calibration part,
+# windows of 512).
+QUANTIZED = ("f32", "q8_0", "q8_0+gptq", "q4_k_m", "q4_k_m+imatrix", "q4_k_m+imatrix+gptq")
 OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED, 5: QUANTIZED}  # the original, the per-layer prune (deci), MLA
 # (deepseek2), MLA after recovery
 MAX_TOKENS, SEQ_LEN = 4096, 256  # 16 windows: 512 tokens left a quantized file's distance within noise
@@ -95,12 +96,14 @@ def run(args) -> dict:
         windows = eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
         held_out = None
         for name in OUTTYPES.get(index, ("f32",)):
-            outtype, weighted = name.removesuffix("+imatrix"), name.endswith("+imatrix")
+            outtype, *flags = name.split("+")
+            weighted, rounded = "imatrix" in flags, "gptq" in flags
             batches = (
-                calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=IMATRIX_TOKENS) if weighted else None
+                calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=IMATRIX_TOKENS) if flags else None
             )
             with tempfile.TemporaryDirectory() as tmp:
-                record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False, imatrix=batches)
+                record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False,
+                                     imatrix=batches if weighted else None, gptq=batches if rounded else None)  # fmt: skip
                 result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
                 if outtype == "q4_k_m":  # the k-quant rows also on held-out text
                     held_out = held_out or eval_windows(loaded, HELD_OUT, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
@@ -114,6 +117,7 @@ def run(args) -> dict:
                     "kv_heads": sum(record["head_count_kv"]),
                     "outtype": record["outtype"],
                     "imatrix": weighted,
+                    "gptq": rounded,
                     "bytes": record["bytes"],
                     "tensor_type_counts": record["tensor_type_counts"],
                     "quantization": record["quantization"],
@@ -124,6 +128,10 @@ def run(args) -> dict:
     order = {label: index for index, (label, _) in enumerate(variants(None))}
     rows.sort(key=lambda row: order.get(row["model"], len(order)))  # stable: each model's types stay in order
     return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "rows": rows}
+
+
+def _file_label(row: dict) -> str:
+    return f"{row.get('outtype', 'f32')}{' + imatrix' if row.get('imatrix') else ''}{' + gptq' if row.get('gptq') else ''}"
 
 
 def markdown(r: dict) -> str:
@@ -144,7 +152,7 @@ def markdown(r: dict) -> str:
         size = f", {row['bytes'] / 2**20:.1f} MiB" if row.get("bytes") else ""
         lines.append(
             f"| {row['model']} | {row['architecture']} | {row['heads']} / {row['kv_heads']} | "
-            f"{row.get('outtype', 'f32')}{' + imatrix' if row.get('imatrix') else ''}{size} | "
+            f"{_file_label(row)}{size} | "
             f"{row['perplexity_transformers']:.4f} | "
             f"{row['perplexity_llamacpp']:.4f} | {100 * row['relative_difference']:.4f}% | "
             f"{row['max_abs_logit_diff']:.2e} | {row['max_abs_logit']:.1f} |"
@@ -164,7 +172,7 @@ def markdown(r: dict) -> str:
         for row in outside:
             other = row["held_out"]
             lines.append(
-                f"| {row['model']} | {row['outtype']}{' + imatrix' if row.get('imatrix') else ''} | "
+                f"| {row['model']} | {_file_label(row)} | "
                 f"{100 * row['relative_difference']:.2f}% | {other['perplexity_transformers']:.4f} | "
                 f"{other['perplexity_llamacpp']:.4f} | {100 * other['relative_difference']:.2f}% |"
             )
@@ -173,17 +181,24 @@ def markdown(r: dict) -> str:
         lines += ["", "Tensors by stored type in the quantized files (read back with the gguf package's reader):", ""]
         for row in quantized:
             by = row["quantization"]
-            weighted = by.get("imatrix")
+            weighted, rounded = by.get("imatrix"), by.get("gptq")
             who = (
                 f"llama.cpp {by['ftype']} from {by['from']}, ggml {by['ggml']} ({by['commit']})"
                 + (f", importance matrix of {weighted['tokens']} calibration tokens" if weighted else "")
                 if by["by"] == "llama.cpp"
                 else f"headlab with gguf {by.get('gguf')}"
             )
+            if rounded:
+                who += (
+                    f"; GPTQ on {rounded['tokens']} calibration tokens: {rounded['matrices']} matrices, output error "
+                    f"{rounded['output_error_vs_nearest']:.3f}x round to nearest's"
+                    + (f", {rounded['written_as_rounded']} kept by llama.cpp's quantizer"
+                       if "written_as_rounded" in rounded else "")
+                )  # fmt: skip
             counts = ", ".join(f"{n} {name}" for name, n in row["tensor_type_counts"].items())
             fallback = len(by.get("fallback_matrices") or {})
             lines.append(
-                f"- {row['model']}, {row['outtype']}{' + imatrix' if row.get('imatrix') else ''} ({who}): {counts}"
+                f"- {row['model']}, {_file_label(row)} ({who}): {counts}"
                 + (f"; {fallback} matrices in a fallback type (rows not a multiple of the block)" if fallback else "")
             )
     return "\n".join(lines)
