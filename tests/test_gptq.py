@@ -114,17 +114,27 @@ def test_gptq_moves_the_output_less_than_round_to_nearest(qtype):
 
 
 def test_input_grams_are_the_second_moments_over_real_tokens():
-    """By hand: E[x x^T] of layer 0's q-projection input (the normed embeddings) over the unpadded tokens only."""
+    """By hand: E[x x^T] of layer 0's q-projection input (the normed embeddings) over the unpadded tokens only, held
+    once for q, k and v (called on the same tensor), and the MLP's gate input on its own."""
     loaded = tiny()
     model = loaded.model
     rows = [list(range(5, 29)), list(range(40, 51))]
     ids, mask = _batch(loaded, rows)
-    module = model.model.layers[0].self_attn.q_proj
-    grams, tokens = input_grams(loaded, {"q": module}, _Batches([(ids, mask)]))
+    block = model.model.layers[0]
+    modules = {"q": block.self_attn.q_proj, "k": block.self_attn.k_proj, "v": block.self_attn.v_proj,
+               "gate": block.mlp.gate_proj}  # fmt: skip
+    grams, tokens = input_grams(loaded, modules, _Batches([(ids, mask), (ids, mask)]))
+    captured = []
+    hook = block.mlp.gate_proj.register_forward_pre_hook(lambda module, args: captured.append(args[0]))
     with torch.no_grad():
-        normed = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))[mask.bool()].double()
-    assert tokens == 35
+        normed = block.input_layernorm(model.model.embed_tokens(ids))[mask.bool()].double()
+        model(input_ids=ids, attention_mask=mask)
+    hook.remove()
+    gate_input = captured[0][mask.bool()].double()
+    assert tokens == 70
     torch.testing.assert_close(grams["q"], normed.T @ normed / 35, rtol=1e-6, atol=1e-10)
+    assert grams["k"] is grams["q"] and grams["v"] is grams["q"]
+    torch.testing.assert_close(grams["gate"], gate_input.T @ gate_input / 35, rtol=1e-6, atol=1e-10)
 
 
 def _calibration(loaded):

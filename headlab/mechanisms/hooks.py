@@ -81,16 +81,19 @@ def input_grams(loaded: LoadedModel, modules: dict, batches, *, progress: bool =
 
 def _input_moments(loaded: LoadedModel, modules: dict, batches, second: bool, progress: bool, desc: str):
     """One pass of the model with a pre-hook per module summing, in float64 over the real tokens, x_j^2 or (second)
-    x x^T, divided by their number at the end."""
-    # a linear's width is known up front (a module that never runs then reads as zeros); others' at the first call
-    sums = {}
-    for key, module in modules.items():
-        width = getattr(module, "in_features", 0)
-        sums[key] = torch.zeros((width, width) if second else (width,), dtype=torch.float64)
-    state = {"mask": None, "tokens": 0}
+    x x^T, divided by their number at the end. Modules called in a row on the very same tensor (q, k and v; gate and
+    up) share one sum: the moments are computed and held once."""
+    sums: dict = {}
+    shared: dict = {}  # key -> the key whose sum it shares
+    state = {"mask": None, "tokens": 0, "last": None}
 
     def accumulate(key):
         def add(x):
+            last = state["last"]
+            if last is not None and last[0] is x and last[1] != key:  # the previous module's input, the same object
+                shared[key] = shared.get(last[1], last[1])
+                return
+            state["last"] = (x, key)
             mask = state["mask"].to(x.device, torch.float64)  # [B, T]
             x = x.detach().double()
             if second:
@@ -98,15 +101,22 @@ def _input_moments(loaded: LoadedModel, modules: dict, batches, second: bool, pr
                 moment = ((rows * mask.reshape(-1, 1)).T @ rows).cpu()
             else:
                 moment = torch.einsum("btc,bt->c", x**2, mask).cpu()
-            sums[key] = moment if sums[key].numel() == 0 else sums[key] + moment
+            sums[key] = sums[key] + moment if key in sums else moment
 
         return add
 
     device = loaded.device  # where the inputs go, also under a device map
     with torch.no_grad(), module_hooks((module, accumulate(key)) for key, module in modules.items()):
         for input_ids, attention_mask, *_ in tqdm(batches, desc=desc, unit="batch", disable=not progress):
-            state["mask"] = attention_mask
+            state["mask"], state["last"] = attention_mask, None
             state["tokens"] += int(attention_mask.sum())
             loaded.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
+    state["last"] = None
     tokens = max(state["tokens"], 1)
-    return {key: total / tokens for key, total in sums.items()}, state["tokens"]
+    means = {key: total.div_(tokens) for key, total in sums.items()}  # in place: no second copy of the moments
+    out = {}
+    for key, module in modules.items():  # a module that never ran reads as zeros of its (linear) width
+        width = getattr(module, "in_features", 0)
+        empty = torch.zeros((width, width) if second else (width,), dtype=torch.float64)
+        out[key] = means.get(shared.get(key, key), empty)
+    return out, state["tokens"]
