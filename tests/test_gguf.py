@@ -538,17 +538,23 @@ def test_imatrix_types_write_and_run_with_an_importance_matrix(tmp_path, layout)
     assert math.isfinite(result["perplexity_llamacpp"]) and result["relative_difference"] < 0.5, result
 
 
+def calibrated_export_args(tmp_path, capsys, *options) -> list:
+    """A tiny model saved under tmp_path/model and a text file beside it: export-gguf's arguments for them, 256
+    calibration tokens and no llama.cpp check, plus `options`."""
+    loaded = tiny(**QUANT_SHAPES)
+    loaded.model.save_pretrained(tmp_path / "model")
+    loaded.tokenizer.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # save_pretrained's progress bar
+    (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 4)
+    return ["export-gguf", "--model", tmp_path / "model", "--device", "cpu", "--data", tmp_path / "text.txt",
+            *options, "--calibration-tokens", "256", "--no-verify"]  # fmt: skip
+
+
 @needs_llamacpp
 def test_export_gguf_imatrix_on_the_command_line(tmp_path, capsys):
     """`export-gguf --outtype Q4_K_M --imatrix`: calibration windows from the corpus's calibration part, the table's
     importance-matrix row, the record and the file's provenance say how many tokens it measured."""
-    loaded = tiny(**QUANT_SHAPES)
-    loaded.model.save_pretrained(tmp_path / "model")
-    loaded.tokenizer.save_pretrained(tmp_path / "model")
-    capsys.readouterr()
-    (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 4)
-    args = ["export-gguf", "--model", tmp_path / "model", "--device", "cpu", "--data", tmp_path / "text.txt",
-            "--outtype", "Q4_K_M", "--imatrix", "--calibration-tokens", "256", "--no-verify"]  # fmt: skip
+    args = calibrated_export_args(tmp_path, capsys, "--outtype", "Q4_K_M", "--imatrix")
     code, out, err = run_cli([*args, "--out", tmp_path / "m.gguf", "--json"], capsys)
     assert code == 0, err
     import json

@@ -9,8 +9,18 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_gguf import QUANT_SHAPES, _batch, _Batches, _windows, needs_llamacpp, read, tensor_of, tiny
-from tiny_text import SAMPLE_TEXT, run_cli
+from test_gguf import (
+    QUANT_SHAPES,
+    _batch,
+    _Batches,
+    _windows,
+    calibrated_export_args,
+    needs_llamacpp,
+    read,
+    tensor_of,
+    tiny,
+)
+from tiny_text import run_cli
 
 from headlab.core.errors import HeadlabError
 from headlab.mechanisms.hooks import input_grams
@@ -211,13 +221,7 @@ def test_llamacpp_q4_k_m_keeps_gptqs_legacy_blocks(tmp_path):
 def test_export_gguf_gptq_on_the_command_line(tmp_path, capsys):
     """`export-gguf --outtype q8_0 --gptq`: calibration windows from the corpus's calibration part, and the table's
     GPTQ row gives the matrices, the tokens and the output error against round to nearest's."""
-    loaded = tiny(**QUANT_SHAPES)
-    loaded.model.save_pretrained(tmp_path / "model")
-    loaded.tokenizer.save_pretrained(tmp_path / "model")
-    capsys.readouterr()
-    (tmp_path / "text.txt").write_text(SAMPLE_TEXT * 4)
-    args = ["export-gguf", "--model", tmp_path / "model", "--device", "cpu", "--data", tmp_path / "text.txt",
-            "--outtype", "q8_0", "--gptq", "--calibration-tokens", "256", "--no-verify"]  # fmt: skip
+    args = calibrated_export_args(tmp_path, capsys, "--outtype", "q8_0", "--gptq")
     code, out, err = run_cli([*args, "--out", tmp_path / "m.gguf", "--json"], capsys)
     assert code == 0, err
     gptq = json.loads(out)["quantization"]["gptq"]
