@@ -759,8 +759,9 @@ def export_gguf(
     in f32 to a second temporary file beside `out` (removed afterwards), which llama.cpp's quantizer reads into the
     first. `verify(path)` (optional) runs on the finished temporary file before it is published; its result goes
     into the returned record. `imatrix` (calibration batches, llama.cpp types only) gives llama.cpp's quantizer an
-    importance matrix measured on them (`importance_matrix`). `gptq` (calibration batches, GPTQ_TYPES only) rounds
-    every matrix with a calibration input by GPTQ instead of to nearest (`gptq_rounding`). Returns what was written.
+    importance matrix measured on them (`importance_matrix`). `gptq` (calibration batches; GPTQ_TYPES, or a llama.cpp
+    type, whose recipe's matrices in those types are then rounded) rounds every matrix with a calibration input by
+    GPTQ instead of to nearest (`gptq_rounding`). Returns what was written.
     """
     out = Path(out)
     check_output_name(out)
