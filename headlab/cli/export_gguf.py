@@ -45,7 +45,7 @@ from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LL
     is_flag=True,
     help="round each matrix by GPTQ (each column's rounding error moved onto the columns not yet rounded, against "
     "its inputs on --calibration-tokens of the corpus's calibration part) instead of to nearest; still plain "
-    f"ggml blocks; {', '.join(GPTQ_TYPES)} only",
+    f"ggml blocks; for {', '.join(GPTQ_TYPES)}, and a llama.cpp type's matrices its recipe puts in those",
 )
 @calibration_tokens_option(8192, "calibration tokens for --imatrix or --gptq (windows of 512; one forward pass)")
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")

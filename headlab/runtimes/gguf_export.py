@@ -485,7 +485,7 @@ def check_type(outtype: str, imatrix: bool = False, gptq: bool = False) -> str:
     (the floats and what gguf.quants quantizes in numpy: q8_0, q4_0, q4_1, q5_0, q5_1, ...), every matrix in that
     type, which an importance matrix cannot weight. Q8_0 stays there: llama.cpp's Q8_0 file is byte-identical in
     every tensor (its Q8_0 rounding takes no importance matrix either). `gptq` takes GPTQ_TYPES, and llama.cpp
-    file types, whose matrices its recipe rounds in those types it rounds."""
+    file types (GPTQ then rounds the matrices their recipe puts in GPTQ_TYPES)."""
     outtype = LLAMACPP_ALIASES.get(outtype.lower(), outtype.lower())
     if gptq and outtype not in GPTQ_TYPES and not llamacpp_ftype(outtype):
         raise HeadlabError(
@@ -994,7 +994,8 @@ def _provenance(quantization: dict) -> str:
 
 
 def _gptq_words(quantization: dict) -> str:
-    """The provenance's words for GPTQ (", its q8_0 / q5_0 / q4_0 matrices GPTQ-rounded on N calibration tokens")."""
+    """The provenance's words for GPTQ (", its q8_0 / q5_0 / q4_0 matrices GPTQ-rounded on N calibration tokens":
+    the types GPTQ rounds, whichever of them the file holds)."""
     gptq = quantization.get("gptq")
     return (
         f", its {' / '.join(GPTQ_TYPES)} matrices GPTQ-rounded on {gptq['tokens']} calibration tokens" if gptq else ""
