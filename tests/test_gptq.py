@@ -200,12 +200,32 @@ def test_gptq_moments_too_large_for_memory_are_refused_before_the_pass(tmp_path,
 
 
 @needs_llamacpp
-def test_llamacpp_q4_k_m_keeps_gptqs_legacy_blocks(tmp_path):
+def test_gptq_moments_too_large_for_a_llamacpp_recipe_leave_nothing(tmp_path, monkeypatch):
+    """With a llama.cpp file type the memory check waits for the recipe's choice (after the first quantization);
+    its refusal is the same one line, and the scratch files are gone."""
+    monkeypatch.setattr(gguf_export, "available_memory", lambda device: 1000)
+    loaded = tiny(**{**QUANT_SHAPES, "num_attention_heads": 2, "num_key_value_heads": 1})
+    with pytest.raises(HeadlabError, match="GPTQ's input second moments need") as refusal:
+        export_gguf(loaded, tmp_path / "m.gguf", outtype="Q4_K_M", progress=False, gptq=_calibration(loaded))
+    assert "\n" not in str(refusal.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_llamacpp
+def test_llamacpp_q4_k_m_keeps_gptqs_legacy_blocks(tmp_path, monkeypatch):
     """Q4_K_M with --gptq: llama.cpp's recipe picks the types (q4_k / q6_k where rows split into 256, its q5_0
     fallback where they do not: attn_output's 128-wide rows here); the q5_0 matrices are GPTQ-rounded, survive
-    llama.cpp's quantizer exactly, and the file runs in llama.cpp within Q4_K_M's usual distance of transformers."""
+    llama.cpp's quantizer exactly, and the file runs in llama.cpp within Q4_K_M's usual distance of transformers.
+    The input moments are measured for those matrices alone, not for the k-quant ones."""
     from headlab.runtimes.llamacpp import compare_logprobs
 
+    measured = []
+
+    def recording_grams(loaded, modules, *args, **kwargs):
+        measured.extend(modules)
+        return input_grams(loaded, modules, *args, **kwargs)
+
+    monkeypatch.setattr(gguf_export, "input_grams", recording_grams)
     loaded = tiny(**{**QUANT_SHAPES, "num_attention_heads": 2, "num_key_value_heads": 1})
     record = export_gguf(loaded, tmp_path / "m.gguf", outtype="Q4_K_M", progress=False, gptq=_calibration(loaded))
     gptq = record["quantization"]["gptq"]
@@ -213,6 +233,8 @@ def test_llamacpp_q4_k_m_keeps_gptqs_legacy_blocks(tmp_path):
     legacy = sorted(n for n, t in tensors.items() if len(t.shape) > 1 and t.tensor_type.name.lower() in GPTQ_TYPES)
     calibrated = [n for n in legacy if n != "token_embd.weight"]
     assert calibrated and gptq["matrices"] == len(calibrated) == gptq["written_as_rounded"], (gptq, legacy)
+    assert sorted(measured) == calibrated, (measured, calibrated)
+    assert any(t.tensor_type.name.lower() not in GPTQ_TYPES for t in tensors.values() if len(t.shape) > 1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]  # the f32 scratch file is gone
     result = compare_logprobs(loaded, tmp_path / "m.gguf", _windows(loaded))
     assert result["relative_difference"] < 0.05, result

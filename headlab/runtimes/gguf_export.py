@@ -783,8 +783,13 @@ def export_gguf(
         notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
                      "scale)")  # fmt: skip
 
-    qtypes = None if ftype else {name: qtype.name.lower() for name, qtype in types.items()}
-    rounding = None if gptq is None else gptq_rounding(loaded, items, qtypes, gptq, progress)
+    # GPTQ's matrices: for headlab's own types known now (moments measured before any writing), for a llama.cpp
+    # file type only once its recipe has chosen (after the first quantization), so moments are measured for the
+    # matrices it rounds and no others
+    rounding = None
+    if gptq is not None and ftype is None:
+        rounding = gptq_rounding(loaded, items, {name: qtype.name.lower() for name, qtype in types.items()}, gptq,
+                                 progress)  # fmt: skip
 
     def write(path: Path, provenance: str | None = None, rounding: GptqRounding | None = None) -> None:
         _write_file(path, loaded, plan, (tokens, items, types, rounding), _file_type(written), provenance, progress)
@@ -804,16 +809,15 @@ def export_gguf(
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
                             **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
-            if rounding is not None:
-                quantization["gptq"] = rounding.calibration
             overrides, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
             notes += overridden
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
                 write(source, _provenance(quantization))
                 llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides, imatrix=weights)
-                if rounding is not None:  # the recipe's types known, its legacy-block matrices GPTQ-rounded, again
+                if gptq is not None:  # the recipe's types known: its legacy-block matrices GPTQ-rounded, then again
                     chosen = _matrix_types(tmp)
-                    rounding.keep(chosen)
+                    rounding = gptq_rounding(loaded, items, chosen, gptq, progress)
+                    quantization["gptq"] = rounding.calibration
                     write(source, _provenance(quantization), rounding)
                     llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides,
                                       imatrix=weights)  # fmt: skip
@@ -946,15 +950,14 @@ def calibrated_modules(loaded: LoadedModel, items: list, *, lookup_table: bool =
     return modules, without
 
 
-def gptq_rounding(loaded: LoadedModel, items: list, qtypes: dict | None, batches, progress: bool = True):
-    """A GptqRounding for every matrix written in a GPTQ type (`qtypes`: {name: type}; None for a llama.cpp file
-    type, whose recipe's choice `GptqRounding.keep` takes once known) whose input is a
-    transformers linear layer's (`calibrated_modules`; not a tied token_embd, which is also the input lookup table
-    that GPTQ's output objective does not see), from E[x x^T] over the calibration `batches`. Refuses when those
-    second moments would not fit in half the host's available memory."""
+def gptq_rounding(loaded: LoadedModel, items: list, qtypes: dict[str, str], batches, progress: bool = True):
+    """A GptqRounding for every matrix written in a GPTQ type (`qtypes`: {name: type}, headlab's or the types a
+    llama.cpp recipe chose) whose input is a transformers linear layer's (`calibrated_modules`; not a tied
+    token_embd, which is also the input lookup table that GPTQ's output objective does not see), from E[x x^T] over
+    the calibration `batches`, measured for those matrices alone. Refuses when those second moments would not fit in
+    half the host's available memory."""
     modules, _ = calibrated_modules(loaded, items, lookup_table=False)
-    if qtypes is not None:
-        modules = {name: module for name, module in modules.items() if qtypes.get(name) in GPTQ_TYPES}
+    modules = {name: module for name, module in modules.items() if qtypes.get(name) in GPTQ_TYPES}
     needed = 8 * sum(module.in_features**2 for module in modules.values())  # float64 sums, all held in one pass
     available = available_memory("cpu")
     if available is not None and needed > available // 2:

@@ -113,23 +113,16 @@ def gptq_round(weight: torch.Tensor, gram: torch.Tensor, qtype: str, *, damping:
 
 class GptqRounding:
     """Rounds named matrices by GPTQ as they are written (`rounding(name, weight)`), each against its calibration
-    second moments {name: E[x x^T]} onto its type's grid ({name: type}: those in GRIDS are rounded; None until
-    `keep` gives them); frees each one's moments once used, and records its output error against round to
-    nearest's."""
+    second moments {name: E[x x^T]} onto its type's grid ({name: type}: those in GRIDS are rounded); frees each
+    one's moments once used, and records its output error against round to nearest's."""
 
-    def __init__(self, grams: dict[str, torch.Tensor], qtypes: dict[str, str] | None, calibration: dict):
-        self.grams, self.qtypes, self.calibration = grams, {}, calibration
+    def __init__(self, grams: dict[str, torch.Tensor], qtypes: dict[str, str], calibration: dict):
+        self.grams = {name: gram for name, gram in grams.items() if qtypes.get(name) in GRIDS}
+        self.qtypes, self.calibration = qtypes, calibration
         self.errors: dict[str, tuple[float, float]] = {}
-        if qtypes is not None:
-            self.keep(qtypes)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.grams and self.qtypes.get(name) in GRIDS
-
-    def keep(self, qtypes: dict[str, str]) -> None:
-        """Round only the matrices `qtypes` names, in the types it gives (those llama.cpp's recipe chose)."""
-        self.grams = {name: gram for name, gram in self.grams.items() if qtypes.get(name) in GRIDS}
-        self.qtypes = qtypes
+        return name in self.grams
 
     def __call__(self, name: str, weight: torch.Tensor) -> torch.Tensor:
         gram, qtype = self.grams.pop(name), self.qtypes[name]
