@@ -404,3 +404,26 @@ def test_cli_recovery_saves_identical_weights_on_a_fast_and_a_slow_machine(tmp_p
         fast = load_file(tmp_path / f"{name}-fast" / "model.safetensors")
         slow_weights = load_file(tmp_path / f"{name}-slow" / "model.safetensors")
         assert fast.keys() == slow_weights.keys() and all(torch.equal(fast[k], slow_weights[k]) for k in fast)
+
+
+@pytest.mark.parametrize("forced, expected", [("native", True), ("float32", False)])
+def test_bf16_autocast_by_default_where_bfloat16_products_are_native(monkeypatch, forced, expected):
+    """CUDA always; a CPU only with native bfloat16 kernels (HEADLAB_CPU_MATMUL forces the probe's answer), since
+    elsewhere torch's bfloat16 products are far slower than float32's."""
+    from headlab.recovery.uptrain import default_bf16
+
+    monkeypatch.setenv("HEADLAB_CPU_MATMUL", forced)
+    assert default_bf16(torch.device("cpu")) is expected
+    assert default_bf16(torch.device("cuda")) is True
+    assert default_bf16(torch.device("meta")) is False
+
+
+def test_recover_bf16_option_reaches_the_uptraining_config():
+    """--recover-bf16 / --no-recover-bf16 on prune, convert-gqa and convert-mla set UptrainConfig.bf16; without
+    either the default (None: default_bf16 of the device) stands."""
+    from headlab.cli._recovery import recovery_spec
+
+    base = dict(stages="uptrain", minutes=None, steps=2, lr=1e-4, objective="kl", parallel="data")
+    assert recovery_spec({**base, "bf16": False}).uptrain.bf16 is False
+    assert recovery_spec({**base, "bf16": True}).uptrain.bf16 is True
+    assert recovery_spec({**base, "bf16": None}).uptrain.bf16 is None

@@ -78,7 +78,11 @@ def training_options(function):
         click.option("--eval-tokens", type=int, default=1024, show_default=True, help="eval-split tokens"),
         click.option("--eval-seq-len", type=int, default=256, show_default=True),
         click.option("--no-gradient-checkpointing", is_flag=True, help="keep activations (faster, more memory)"),
-        click.option("--bf16/--no-bf16", default=None, help="bfloat16 autocast [default: on CUDA only]"),
+        click.option(
+            "--bf16/--no-bf16",
+            default=None,
+            help="bfloat16 autocast of the student and teacher [default: on CUDA and on CPUs with native bfloat16 kernels (AVX512-BF16, AMX)]",
+        ),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option(
             "--parallel",
