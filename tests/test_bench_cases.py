@@ -429,3 +429,21 @@ def test_the_q8_classes_case_quantizes_only_the_named_matrices_and_restores_the_
            "max_abs_logit_diff": 1.5}  # fmt: skip
     text = case.markdown({"max_tokens": 4096, "seq_len": 256, "rows": [row]})
     assert "| original | feed-forward only (ffn_up) | 30.0000 | 30.3000 | +1.000% | 1.50 |" in text
+
+
+def test_recovery_bf16_table_gives_each_row_and_the_speed_ratios():
+    case = _case("recovery_bf16")
+    domains = ("pydoc-topics", "broad", "speeches", "encyclopedia")
+    before = dict(zip(domains, (100.0, 160.0, 100.0, 200.0)))
+
+    def row(name, after, seconds, uptrain_seconds, step):
+        return {"row": name, "bf16": name != "float32", "before": before, "after": dict(zip(domains, after)),
+                "seconds": seconds, "uptrain_seconds": uptrain_seconds, "median_step_seconds": step}  # fmt: skip
+
+    result = {"domains": domains, "rows": [row("float32", (20, 50, 50, 100), 600, 500, 8.0),
+                                           row("bfloat16 autocast", (21, 52, 55, 90), 400, 250, 4.0)]}  # fmt: skip
+    text = case.markdown(result)
+    assert "| float32 | 20.00 | 50.00 | 50.00 | 100.00 | 0.500, 0.500 | 600 | 500 | 8.00 |" in text
+    assert "| bfloat16 autocast | 21.00 | 52.00 | 55.00 | 90.00 | 0.550, 0.450 | 400 | 250 | 4.00 |" in text
+    assert "recovery 1.50x faster, uptraining 2.00x, median step 2.00x" in text
+    assert case.markdown({"skipped": "needs a CPU", "rows": []}) == "Not measured: needs a CPU"

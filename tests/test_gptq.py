@@ -188,25 +188,18 @@ def test_gptq_refusals_come_before_any_work(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_gptq_moments_too_large_for_memory_are_refused_before_the_pass(tmp_path, monkeypatch):
-    """The float64 second moments are held for every matrix at once: more than half the available memory is one
-    line naming the bytes, and nothing is written."""
-    monkeypatch.setattr(gguf_export, "available_memory", lambda device: 1000)
-    loaded = tiny()
-    with pytest.raises(HeadlabError, match="GPTQ's input second moments need") as refusal:
-        export_gguf(loaded, tmp_path / "m.gguf", outtype="q8_0", progress=False, gptq=_calibration(loaded))
-    assert "\n" not in str(refusal.value)
-    assert list(tmp_path.iterdir()) == []
-
-
-@needs_llamacpp
-def test_gptq_moments_too_large_for_a_llamacpp_recipe_leave_nothing(tmp_path, monkeypatch):
-    """With a llama.cpp file type the memory check waits for the recipe's choice (after the first quantization);
-    its refusal is the same one line, and the scratch files are gone."""
+@pytest.mark.parametrize(
+    "outtype",
+    ["q8_0", pytest.param("Q4_K_M", marks=needs_llamacpp)],
+)
+def test_gptq_moments_too_large_for_memory_are_refused_and_leave_nothing(tmp_path, monkeypatch, outtype):
+    """The float64 second moments are held for every GPTQ matrix at once: more than half the available memory is
+    one line naming the bytes, and nothing is written. q8_0: before any writing; a llama.cpp file type: once its
+    recipe has chosen the matrices (after the first quantization), its scratch files gone too."""
     monkeypatch.setattr(gguf_export, "available_memory", lambda device: 1000)
     loaded = tiny(**{**QUANT_SHAPES, "num_attention_heads": 2, "num_key_value_heads": 1})
     with pytest.raises(HeadlabError, match="GPTQ's input second moments need") as refusal:
-        export_gguf(loaded, tmp_path / "m.gguf", outtype="Q4_K_M", progress=False, gptq=_calibration(loaded))
+        export_gguf(loaded, tmp_path / "m.gguf", outtype=outtype, progress=False, gptq=_calibration(loaded))
     assert "\n" not in str(refusal.value)
     assert list(tmp_path.iterdir()) == []
 

@@ -28,8 +28,8 @@ def recovery_options(function):
         type=int,
         default=DEFAULT_STEPS,
         show_default=True,
-        help="uptraining budget in optimiser steps of 4 x 256 calibration tokens (on 2 CPU cores about 6 s each with "
-        "bfloat16 kernels, 9 s without); "
+        help="uptraining budget in optimiser steps of 4 x 256 calibration tokens (on 2 CPU cores about 5 s each with "
+        "bfloat16 kernels, 8 s without); "
         "local reconstruction reads 4,096 calibration tokens. A budget gives the same model on any machine",
     )
     @click.option(

@@ -1,8 +1,9 @@
 """16-bit matrix products on a CPU without native bfloat16 kernels, computed in float32.
 
 torch's CPU kernels for bfloat16/float16 products need AVX512-BF16 or AMX; without them they fall back to a generic
-loop. On this project's 2-core AVX2 EPYC, [256, 2048] @ [2048, 4096] in bfloat16 (the input gradient of a linear
-layer) runs at 0.3 GFLOP/s against 79 in float32, and the forward product at 10 against 76, so a bfloat16 checkpoint
+loop. On a 2-core AVX2 EPYC (this project's machine until December 2026; the current one has AVX512-BF16),
+[256, 2048] @ [2048, 4096] in bfloat16 (the input gradient of a linear layer) runs at 0.3 GFLOP/s against 79 in
+float32, and the forward product at 10 against 76, so a bfloat16 checkpoint
 offloaded with `--device-map auto` (which keeps the stored dtype) took hours for one `importance` batch at the 8B
 shape. A model loaded on such a CPU in a 16-bit dtype therefore runs its linear layers and matmuls with float32
 arithmetic on the 16-bit values: the weights stay 16-bit in memory, each product upcasts its operands (in row

@@ -306,8 +306,8 @@ def heldout_perplexity(student: LoadedModel, batches: list, bf16: bool = False) 
 
 def default_bf16(device: torch.device) -> bool:
     """bfloat16 autocast by default where products are fast in it: CUDA, and CPUs with native bfloat16 kernels
-    (AVX512-BF16 or AMX; the default recovery measured 1.6x faster on such a 2-core CPU, at the same held-out
-    perplexity, docs/recovery.md). Elsewhere float32: without those kernels torch's bfloat16 products are far slower."""
+    (AVX512-BF16 or AMX; uptraining measured 1.4x faster on such a 2-core CPU at the same perplexity on four
+    domains, docs/recovery.md). Elsewhere float32: without those kernels torch's bfloat16 products are far slower."""
     return device.type == "cuda" or (device.type == "cpu" and cpu_matmul.native_half_matmul())
 
 
