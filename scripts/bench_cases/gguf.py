@@ -3,7 +3,7 @@ a 3 -> 1 KV conversion and an MLA conversion at the MQA budget (also after the d
 GGUF (f32) and scored on the eval split by both runtimes; the embedded model also as Q8_0 (headlab's numpy quantizer)
 and Q4_K_M (llama.cpp's), whose distance from transformers is the quantization's, and Q4_K_M with an importance
 matrix (export-gguf --imatrix); the per-layer prune and both MLA models too; each quantized type also with GPTQ
-rounding (export-gguf --gptq) beside round to nearest. Every Q4_K_M file is also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0> runs some models only and keeps the
+rounding (export-gguf --gptq) beside round to nearest. Every quantized file is also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0> runs some models only and keeps the
 saved rows of the others."""
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED, 5: QUANTIZED}  # the origi
 # (deepseek2), MLA after recovery
 MAX_TOKENS, SEQ_LEN = 4096, 256  # 16 windows: 512 tokens left a quantized file's distance within noise
 IMATRIX_TOKENS = 8192  # export-gguf's --calibration-tokens default
-# Text the calibration never saw, for the k-quant rows: an importance matrix fitted to its corpus should not only
-# help there (headlab.core.corpora: held out of the default corpus).
+# Text the calibration never saw, for every quantized row: an importance matrix or GPTQ fitted to its corpus should
+# not only help there, and a rounding's distance on one text is partly that text's (headlab.core.corpora: held out
+# of the default corpus).
 HELD_OUT = "speeches"
 
 
@@ -105,7 +106,7 @@ def run(args) -> dict:
                 record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False,
                                      imatrix=batches if weighted else None, gptq=batches if rounded else None)  # fmt: skip
                 result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
-                if outtype == "q4_k_m":  # the k-quant rows also on held-out text
+                if outtype != "f32":  # every quantized file also on held-out text
                     held_out = held_out or eval_windows(loaded, HELD_OUT, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
                     outside = compare_logprobs(loaded, Path(tmp) / "m.gguf", held_out)
                     result["held_out"] = {"corpus": HELD_OUT, **outside}
@@ -161,7 +162,7 @@ def markdown(r: dict) -> str:
     if outside:
         lines += [
             "",
-            f"The k-quant files on text the calibration never saw (`{outside[0]['held_out']['corpus']}`, held out of "
+            f"The quantized files on text the calibration never saw (`{outside[0]['held_out']['corpus']}`, held out of "
             "the default corpus, same windows), beside the eval split: llama.cpp's perplexity against transformers' "
             "on the same tokens.",
             "",
