@@ -328,6 +328,7 @@ CASES = [
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "iq2_xxs", "--out", "g.gguf"], "add --imatrix"),
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "q8_0", "--imatrix", "--out", "g.gguf"], "drop --imatrix"),
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "q4_1", "--gptq", "--out", "g.gguf"], "drop --gptq"),
+    (["export-gguf", "--model", "{llama}", *M, "--smooth", "--smooth-alpha", "1.5", "--out", "g.gguf"], "--smooth-alpha"),
     # speed
     (["speed", "{llama}", "--device", "cpu", "--contexts", "100", "--runtime", "transformers"], "maximum positions"),
     (["speed", "{llama}", "--device", "cpu", "--contexts", "16", "--out", "{existing}"], "--overwrite"),

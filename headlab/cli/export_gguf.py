@@ -47,9 +47,27 @@ from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LL
     "its inputs on --calibration-tokens of the corpus's calibration part) instead of to nearest; still plain "
     f"ggml blocks; for {', '.join(GPTQ_TYPES)}, and a llama.cpp type's matrices its recipe puts in those",
 )
-@calibration_tokens_option(8192, "calibration tokens for --imatrix or --gptq (windows of 512; one forward pass)")
+@click.option(
+    "--smooth",
+    is_flag=True,
+    help="rescale every feed-forward's inputs exactly (SmoothQuant: range moved from activation outliers into the "
+    "weights, from their maxima on --calibration-tokens of the corpus's calibration part), so that llama.cpp's "
+    "8-bit activation rounding in quantized products loses less; the importance matrix and GPTQ see the rescaled "
+    "inputs",
+)
+@click.option(
+    "--smooth-alpha",
+    type=click.FloatRange(0, 1),
+    default=0.5,
+    show_default=True,
+    help="with --smooth: s = max|x|^alpha / max|W|^(1 - alpha); 0 leaves activations alone, 1 moves all their range",
+)
+@calibration_tokens_option(
+    8192, "calibration tokens for --imatrix, --gptq or --smooth (windows of 512; one forward pass each)"
+)
 @click.option("--json", "as_json", is_flag=True, help="print JSON instead of a table")
-def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, calibration_tokens, as_json):
+def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, smooth_alpha, calibration_tokens,
+            as_json):  # fmt: skip
     """Export to GGUF: llama/SmolLM2, mistral, qwen2, qwen3, and deepseek_v3 with dense MLPs (MLA, llama.cpp's
     `deepseek2`); per-layer head counts go to llama.cpp's `deci` architecture (the one whose graph builds each layer
     with its own head counts)."""
@@ -66,10 +84,11 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, calibrat
     if verify and missing:
         raise HeadlabError(f"--verify needs llama.cpp: {missing}")
     verify = not missing if verify is None else verify
-    text = text.resolved() if imatrix or gptq else text  # one corpus load for the calibration and the eval part
+    calibrated = imatrix or gptq or smooth
+    text = text.resolved() if calibrated else text  # one corpus load for the calibration and the eval part
     loaded = load()
     check, notes, calibration = None, [], None
-    if imatrix or gptq:
+    if calibrated:
         window = min(512, loaded.max_positions or 512)
         spec = text.but(split="calibration", max_tokens=calibration_tokens, seq_len=window, batch_size=4)
         calibration = spec.batches(loaded.tokenizer, max_positions=loaded.max_positions)
@@ -85,7 +104,8 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, calibrat
             return compare_logprobs(loaded, path, windows, progress=not as_json)
 
     record = export_gguf(loaded, out, outtype=outtype, overwrite=overwrite, progress=not as_json, verify=check,
-                         imatrix=calibration if imatrix else None, gptq=calibration if gptq else None)  # fmt: skip
+                         imatrix=calibration if imatrix else None, gptq=calibration if gptq else None,
+                         smooth=calibration if smooth else None, smooth_alpha=smooth_alpha)  # fmt: skip
     record["notes"] = record["notes"] + notes
     if as_json:
         click.echo(json.dumps(record, indent=2))
@@ -124,6 +144,11 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, calibrat
             missing = f"; none for {len(without)} ({', '.join(without[:2])}{', ...' * (len(without) > 2)})"
             used = f"{weighted['entries']} matrices, {weighted['tokens']} calibration tokens"
             rows.append(("importance matrix", used + (missing if without else "")))
+    smoothed = record.get("smoothing")
+    if smoothed:
+        low, high = smoothed["scale_range"]
+        rows.append(("smoothing", f"SmoothQuant alpha {smoothed['alpha']} on {smoothed['blocks']} feed-forwards from "
+                                  f"{smoothed['tokens']} calibration tokens; scales {low:.3g} to {high:.3g}"))  # fmt: skip
     rounded = quantization.get("gptq")
     if rounded:
         worst = rounded["worst_matrix"] or {}

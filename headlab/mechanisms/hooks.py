@@ -69,20 +69,29 @@ def module_hooks(module_hooks: Iterable[tuple[nn.Module, SiteHook]]):
 def input_mean_squares(loaded: LoadedModel, modules: dict, batches, *, progress: bool = False, desc: str = "inputs"):
     """({key: E[x_j^2] over the real (unpadded) tokens of `batches`, x the first input of modules[key]} as float64
     tensors [features], and the number of tokens they average): one pass of the model with a pre-hook per module."""
-    return _input_moments(loaded, modules, batches, False, progress, desc)
+    return _input_moments(loaded, modules, batches, "squares", progress, desc)
+
+
+def input_abs_max(loaded: LoadedModel, modules: dict, batches, *, progress: bool = False, desc: str = "inputs"):
+    """({key: max_t |x_tj| over the real (unpadded) tokens of `batches`, x the first input of modules[key]} as float64
+    tensors [features], and the number of tokens): the activation ranges SmoothQuant's scales need (Xiao et al. 2023,
+    eq. 4)."""
+    return _input_moments(loaded, modules, batches, "abs_max", progress, desc)
 
 
 def input_grams(loaded: LoadedModel, modules: dict, batches, *, progress: bool = False, desc: str = "inputs"):
     """({key: E[x x^T] over the real (unpadded) tokens of `batches`, x the first input of modules[key]} as float64
     tensors [features, features], and the number of tokens they average): the second moments GPTQ's objective
     ||X W^T - X Q^T||^2 = tr((W - Q) X^T X (W - Q)^T) needs (Frantar et al. 2023, eq. 1)."""
-    return _input_moments(loaded, modules, batches, True, progress, desc)
+    return _input_moments(loaded, modules, batches, "gram", progress, desc)
 
 
-def _input_moments(loaded: LoadedModel, modules: dict, batches, second: bool, progress: bool, desc: str):
-    """One pass of the model with a pre-hook per module summing, in float64 over the real tokens, x_j^2 or (second)
-    x x^T, divided by their number at the end. Modules called in a row on the very same tensor (q, k and v; gate and
-    up) share one sum: the moments are computed and held once."""
+def _input_moments(loaded: LoadedModel, modules: dict, batches, kind: str, progress: bool, desc: str):
+    """One pass of the model with a pre-hook per module summing, in float64 over the real tokens, x_j^2 (kind
+    "squares") or x x^T ("gram"), divided by their number at the end, or taking max_t |x_tj| ("abs_max"). Modules
+    called in a row on the very same tensor (q, k and v; gate and up) share one sum: the moments are computed and held
+    once."""
+    second = kind == "gram"
     sums: dict = {}
     shared: dict = {}  # key -> the key whose sum it shares
     state = {"mask": None, "tokens": 0, "last": None}
@@ -96,6 +105,10 @@ def _input_moments(loaded: LoadedModel, modules: dict, batches, second: bool, pr
             state["last"] = (x, key)
             mask = state["mask"].to(x.device, torch.float64)  # [B, T]
             x = x.detach().double()
+            if kind == "abs_max":  # padding reads as 0, below every real |x|
+                moment = (x.abs() * mask[..., None]).reshape(-1, x.shape[-1]).amax(0).cpu()
+                sums[key] = torch.maximum(sums[key], moment) if key in sums else moment
+                return
             if second:
                 rows = x.reshape(-1, x.shape[-1])
                 moment = ((rows * mask.reshape(-1, 1)).T @ rows).cpu()
@@ -113,7 +126,8 @@ def _input_moments(loaded: LoadedModel, modules: dict, batches, second: bool, pr
             loaded.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
     state["last"] = None
     tokens = max(state["tokens"], 1)
-    means = {key: total.div_(tokens) for key, total in sums.items()}  # in place: no second copy of the moments
+    # in place: no second copy of the moments; maxima are not averaged
+    means = sums if kind == "abs_max" else {key: total.div_(tokens) for key, total in sums.items()}
     out = {}
     for key, module in modules.items():  # a module that never ran reads as zeros of its (linear) width
         width = getattr(module, "in_features", 0)

@@ -47,6 +47,7 @@ from headlab.runtimes import llamacpp
 from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LLAMACPP_ALIASES, LLAMACPP_TYPES
 from headlab.runtimes.gptq import GptqRounding
 from headlab.runtimes.imatrix import input_mean_squares
+from headlab.runtimes.smoothing import DEFAULT_ALPHA, Smoothing, activation_smoothing
 
 # Tensor types: the float ones are written by numpy; any other ggml type only if gguf.quants can quantize it.
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -749,6 +750,8 @@ def export_gguf(
     verify=None,
     imatrix=None,
     gptq=None,
+    smooth=None,
+    smooth_alpha: float = DEFAULT_ALPHA,
 ) -> dict:
     """Write `loaded` as a GGUF file at `out` atomically (a temporary file beside it, renamed at the end; see
     headlab.core.fsio.atomic_file: a second run writing `out` meanwhile is refused, and overwrite replaces only a GGUF
@@ -761,7 +764,10 @@ def export_gguf(
     into the returned record. `imatrix` (calibration batches, llama.cpp types only) gives llama.cpp's quantizer an
     importance matrix measured on them (`importance_matrix`). `gptq` (calibration batches; GPTQ_TYPES, or a llama.cpp
     type, whose recipe's matrices in those types are then rounded) rounds every matrix with a calibration input by
-    GPTQ instead of to nearest (`gptq_rounding`). Returns what was written.
+    GPTQ instead of to nearest (`gptq_rounding`). `smooth` (calibration batches) rescales every feed-forward's inputs
+    exactly so that llama.cpp's 8-bit activation rounding loses less (SmoothQuant with `smooth_alpha`:
+    headlab.runtimes.smoothing); the importance matrix and GPTQ then see the rescaled inputs. Returns what was
+    written.
     """
     out = Path(out)
     check_output_name(out)
@@ -783,32 +789,45 @@ def export_gguf(
         notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
                      "scale)")  # fmt: skip
 
+    smoothing = None
+    if smooth is not None:
+        tensors = {name: tensor for name, _, tensor in items}
+        smoothing = activation_smoothing(loaded, calibrated_modules(loaded, items)[0], items,
+                                         lambda name: _resident(tensors[name]), smooth, smooth_alpha, progress)  # fmt: skip
     # GPTQ's matrices: for headlab's own types known now (moments measured before any writing), for a llama.cpp
     # file type only once its recipe has chosen (after the first quantization), so moments are measured for the
     # matrices it rounds and no others
     rounding = None
     if gptq is not None and ftype is None:
         rounding = gptq_rounding(loaded, items, {name: qtype.name.lower() for name, qtype in types.items()}, gptq,
-                                 progress)  # fmt: skip
+                                 progress, smoothing)  # fmt: skip
 
     def write(path: Path, provenance: str | None = None, rounding: GptqRounding | None = None) -> None:
-        _write_file(path, loaded, plan, (tokens, items, types, rounding), _file_type(written), provenance, progress)
+        content = (tokens, items, types, smoothing, rounding)
+        _write_file(path, loaded, plan, content, _file_type(written), provenance, progress)
 
-    weights, imatrix_record = (None, None) if imatrix is None else importance_matrix(loaded, items, imatrix, progress)
+    weights, imatrix_record = (None, None)
+    if imatrix is not None:
+        weights, imatrix_record = importance_matrix(loaded, items, imatrix, progress, smoothing)
     # atomic_file: one run at a time writes `out` (a lock), a temporary file beside it, renamed into place without
     # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
     with atomic_file(out, overwrite=overwrite) as tmp:
         if ftype is None:
             quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
+            if quantization is not None and smoothing is not None:
+                quantization["smoothing"] = smoothing.record()
             if rounding is not None:
                 quantization["gptq"] = rounding.calibration
-            write(tmp, f"headlab (gguf {quantization['gguf']}){_gptq_words(quantization)}" if rounding else None,
-                  rounding)  # fmt: skip
+            calibrated = rounding is not None or smoothing is not None
+            write(tmp, f"headlab (gguf {quantization['gguf']}){_calibration_words(quantization)}" if calibrated
+                  and quantization else None, rounding)  # fmt: skip
             if rounding is not None:
                 quantization["gptq"] = rounding.record()
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
                             **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
+            if smoothing is not None:
+                quantization["smoothing"] = smoothing.record()
             overrides, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
             notes += overridden
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
@@ -816,7 +835,7 @@ def export_gguf(
                 llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides, imatrix=weights)
                 if gptq is not None:  # the recipe's types known: its legacy-block matrices GPTQ-rounded, then again
                     chosen = _matrix_types(tmp)
-                    rounding = gptq_rounding(loaded, items, chosen, gptq, progress)
+                    rounding = gptq_rounding(loaded, items, chosen, gptq, progress, smoothing)
                     quantization["gptq"] = rounding.calibration
                     write(source, _provenance(quantization), rounding)
                     llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides,
@@ -834,6 +853,8 @@ def export_gguf(
         if problem:
             notes.append(problem)
         record = _record(out, tmp, plan, outtype, stored, quantization, tokens, notes)
+        if smoothing is not None:
+            record["smoothing"] = smoothing.record()
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
@@ -857,8 +878,8 @@ def _export_items(loaded: LoadedModel, plan: ExportPlan, config) -> list[tuple]:
 def _write_file(path: Path, loaded: LoadedModel, plan: ExportPlan, content: tuple, file_type, provenance, progress):
     """One GGUF file at `path`: headlab's mark (and `provenance`, which llama.cpp's quantizer copies into its output),
     the hyperparameters, the tokenizer, then the tensors streamed one at a time. content: (tokenizer fields, items,
-    GGUF type per tensor name, a GptqRounding or None)."""
-    tokens, items, types, rounding = content
+    GGUF type per tensor name, a Smoothing or None, a GptqRounding or None)."""
+    tokens, items, types, smoothing, rounding = content
     writer = gguf.GGUFWriter(path, plan.target.arch)
     writer.add_string(GGUF_MARK, __version__)  # what lets a later --overwrite recognise the file as headlab's
     if provenance:
@@ -871,6 +892,8 @@ def _write_file(path: Path, loaded: LoadedModel, plan: ExportPlan, content: tupl
     writer.write_ti_data_to_file()
     for name, block, tensor in tqdm(items, desc="export-gguf", unit="tensor", disable=not progress):
         tensor = _resident(tensor)
+        if smoothing is not None:  # the rescaled tensor is the one GPTQ rounds
+            tensor = smoothing(name, tensor)
         if rounding is not None and name in rounding:  # rows permuted later (RoPE interleave): GPTQ rounds rows apart
             tensor = rounding(name, tensor)
         writer.write_tensor_data(_encoded(plan, name, block, tensor, types[name]))
@@ -917,13 +940,17 @@ def _llamacpp_tensor_types(plan: ExportPlan, outtype: str, imatrix_record: dict 
                    f"written q8_0 ({', '.join(without[:2])}, ...)"]  # fmt: skip
 
 
-def importance_matrix(loaded: LoadedModel, items: list, batches, progress: bool = True) -> tuple[dict, dict]:
+def importance_matrix(
+    loaded: LoadedModel, items: list, batches, progress: bool = True, smoothing: Smoothing | None = None
+) -> tuple[dict, dict]:
     """llama.cpp's importance matrix for the matrices in `items`: E[x_j^2] of each one's input over the calibration
     `batches`, for every matrix whose input in llama.cpp's graph is the input of one transformers linear layer
     (`calibrated_modules`). Returns ({GGUF name: float32 [in_features]}, a record: tokens, entries, the matrices
-    without one, the calibration text)."""
+    without one, the calibration text). With a `smoothing`, of the rescaled inputs."""
     modules, without = calibrated_modules(loaded, items)
     weights, tokens = input_mean_squares(loaded, modules, batches, progress=progress)
+    if smoothing is not None:
+        weights = {name: smoothing.moments(name, torch.from_numpy(value)).numpy() for name, value in weights.items()}
     return weights, {"tokens": tokens, "entries": len(weights), "matrices_without": without, "text": batches.meta}
 
 
@@ -950,7 +977,9 @@ def calibrated_modules(loaded: LoadedModel, items: list, *, lookup_table: bool =
     return modules, without
 
 
-def gptq_rounding(loaded: LoadedModel, items: list, qtypes: dict[str, str], batches, progress: bool = True):
+def gptq_rounding(
+    loaded: LoadedModel, items: list, qtypes: dict[str, str], batches, progress: bool = True, smoothing=None
+):
     """A GptqRounding for every matrix written in a GPTQ type (`qtypes`: {name: type}, headlab's or the types a
     llama.cpp recipe chose) whose input is a transformers linear layer's (`calibrated_modules`; not a tied
     token_embd, which is also the input lookup table that GPTQ's output objective does not see), from E[x x^T] over
@@ -966,6 +995,8 @@ def gptq_rounding(loaded: LoadedModel, items: list, qtypes: dict[str, str], batc
             f"has {human_bytes(available)} available; export without --gptq"
         )
     grams, tokens = input_grams(loaded, modules, batches, progress=progress, desc="GPTQ inputs")
+    if smoothing is not None:  # of the rescaled inputs (a shared sum is rescaled once per matrix reading it)
+        grams = {name: smoothing.moments(name, gram) for name, gram in grams.items()}
     return GptqRounding(grams, qtypes, {"tokens": tokens, "text": batches.meta})
 
 
@@ -991,18 +1022,23 @@ def _provenance(quantization: dict) -> str:
     imatrix = quantization.get("imatrix")
     weighted = f", importance matrix of {imatrix['tokens']} calibration tokens" if imatrix else ""
     return (
-        f"llama.cpp {quantization['ftype']} from {quantization['from']}{weighted}{_gptq_words(quantization)} "
+        f"llama.cpp {quantization['ftype']} from {quantization['from']}{weighted}{_calibration_words(quantization)} "
         f"({', '.join(parts)})"
     )
 
 
-def _gptq_words(quantization: dict) -> str:
-    """The provenance's words for GPTQ (", its q8_0 / q5_0 / q4_0 matrices GPTQ-rounded on N calibration tokens":
-    the types GPTQ rounds, whichever of them the file holds)."""
-    gptq = quantization.get("gptq")
-    return (
-        f", its {' / '.join(GPTQ_TYPES)} matrices GPTQ-rounded on {gptq['tokens']} calibration tokens" if gptq else ""
-    )
+def _calibration_words(quantization: dict) -> str:
+    """The provenance's words for smoothing and GPTQ (", feed-forward inputs smoothed (SmoothQuant, alpha 0.5, N
+    calibration tokens), its q8_0 / q5_0 / q4_0 matrices GPTQ-rounded on N calibration tokens": the types GPTQ
+    rounds, whichever of them the file holds)."""
+    smoothing, gptq = quantization.get("smoothing"), quantization.get("gptq")
+    words = ""
+    if smoothing:
+        words += (f", feed-forward inputs smoothed (SmoothQuant, alpha {smoothing['alpha']}, {smoothing['tokens']} "
+                  "calibration tokens)")  # fmt: skip
+    if gptq:
+        words += f", its {' / '.join(GPTQ_TYPES)} matrices GPTQ-rounded on {gptq['tokens']} calibration tokens"
+    return words
 
 
 def _package_version(name: str) -> str | None:
