@@ -4,15 +4,17 @@ GGUF (f32) and scored on the eval split by both runtimes; the embedded model als
 and Q4_K_M (llama.cpp's), whose distance from transformers is the quantization's, and Q4_K_M with an importance
 matrix (export-gguf --imatrix); the per-layer prune and both MLA models too; each quantized type also with GPTQ
 rounding (export-gguf --gptq) beside round to nearest. Every quantized file is also scored on held-out text. HEADLAB_BENCH_GGUF_MODELS=<comma list of model numbers, from 0> runs some models only and keeps the
-saved rows of the others."""
+saved rows of the others; HEADLAB_BENCH_GGUF_TYPES=<comma list of QUANTIZED names> runs those file types only (of
+the models run), keeping the saved rows of the others."""
 
 from __future__ import annotations
 
 TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32, Q8_0, Q4_K_M)"
 # Output types per model (by its number in `variants`); the others are exported in f32 only. "+imatrix": with
-# export-gguf --imatrix, "+gptq": with --gptq (each from IMATRIX_TOKENS of the default corpus's calibration part,
-# windows of 512).
-QUANTIZED = ("f32", "q8_0", "q8_0+gptq", "q4_k_m", "q4_k_m+imatrix", "q4_k_m+imatrix+gptq")
+# export-gguf --imatrix, "+gptq": with --gptq, "+smooth": with --smooth (each from IMATRIX_TOKENS of the default
+# corpus's calibration part, windows of 512).
+QUANTIZED = ("f32", "q8_0", "q8_0+gptq", "q8_0+smooth", "q4_k_m", "q4_k_m+imatrix", "q4_k_m+imatrix+gptq",
+             "q4_k_m+imatrix+smooth")
 OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED, 5: QUANTIZED}  # the original, the per-layer prune (deci), MLA
 # (deepseek2), MLA after recovery
 MAX_TOKENS, SEQ_LEN = 4096, 256  # 16 windows: 512 tokens left a quantized file's distance within noise
@@ -81,12 +83,14 @@ def run(args) -> dict:
     import os
 
     chosen = os.environ.get("HEADLAB_BENCH_GGUF_MODELS")
+    types = [name for name in os.environ.get("HEADLAB_BENCH_GGUF_TYPES", "").split(",") if name]
     rows = []
-    if chosen:  # the rows of the models not run now stay
+    if chosen or types:  # the rows of the models and types not run now stay
         from benchmark import saved_result
 
-        labels = [label for index, (label, _) in enumerate(variants(None)) if str(index) in chosen.split(",")]
-        rows = [row for row in saved_result("gguf").get("rows", []) if row["model"] not in labels]
+        labels = [label for index, (label, _) in enumerate(variants(None)) if not chosen or str(index) in chosen.split(",")]
+        run_now = lambda row: row["model"] in labels and (not types or _type_name(row) in types)  # noqa: E731
+        rows = [row for row in saved_result("gguf").get("rows", []) if not run_now(row)]
     for index, (label, edit) in enumerate(variants(None)):
         if chosen and str(index) not in chosen.split(","):
             continue
@@ -97,14 +101,17 @@ def run(args) -> dict:
         windows = eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
         held_out = None
         for name in OUTTYPES.get(index, ("f32",)):
+            if types and name not in types:
+                continue
             outtype, *flags = name.split("+")
-            weighted, rounded = "imatrix" in flags, "gptq" in flags
+            weighted, rounded, smoothed = "imatrix" in flags, "gptq" in flags, "smooth" in flags
             batches = (
                 calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=IMATRIX_TOKENS) if flags else None
             )
             with tempfile.TemporaryDirectory() as tmp:
                 record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False,
-                                     imatrix=batches if weighted else None, gptq=batches if rounded else None)  # fmt: skip
+                                     imatrix=batches if weighted else None, gptq=batches if rounded else None,
+                                     smooth=batches if smoothed else None)  # fmt: skip
                 result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
                 if outtype != "f32":  # every quantized file also on held-out text
                     held_out = held_out or eval_windows(loaded, HELD_OUT, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
@@ -119,6 +126,7 @@ def run(args) -> dict:
                     "outtype": record["outtype"],
                     "imatrix": weighted,
                     "gptq": rounded,
+                    "smooth": smoothed,
                     "bytes": record["bytes"],
                     "tensor_type_counts": record["tensor_type_counts"],
                     "quantization": record["quantization"],
@@ -127,12 +135,19 @@ def run(args) -> dict:
             )
         del loaded
     order = {label: index for index, (label, _) in enumerate(variants(None))}
-    rows.sort(key=lambda row: order.get(row["model"], len(order)))  # stable: each model's types stay in order
+    kinds = {name: index for index, name in enumerate(QUANTIZED)}
+    rows.sort(key=lambda row: (order.get(row["model"], len(order)), kinds.get(_type_name(row), len(kinds))))
     return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "rows": rows}
 
 
+def _type_name(row: dict) -> str:
+    """The row's QUANTIZED name ("q4_k_m+imatrix+gptq")."""
+    flags = [flag for flag in ("imatrix", "gptq", "smooth") if row.get(flag)]
+    return "+".join([row.get("outtype", "f32"), *flags])
+
+
 def _file_label(row: dict) -> str:
-    return f"{row.get('outtype', 'f32')}{' + imatrix' if row.get('imatrix') else ''}{' + gptq' if row.get('gptq') else ''}"
+    return _type_name(row).replace("+", " + ")
 
 
 def markdown(r: dict) -> str:
