@@ -8,7 +8,7 @@ from dataclasses import replace
 import click
 
 from headlab.core.data import TextSpec
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL
+from headlab.recovery.choices import BF16_DEFAULT, DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL
 
 
 def recovery_options(function):
@@ -54,8 +54,7 @@ def recovery_options(function):
     @click.option(
         "--recover-bf16/--no-recover-bf16",
         default=None,
-        help="uptraining in bfloat16 autocast (student and teacher) [default: on CUDA and on CPUs with native "
-        "bfloat16 kernels (AVX512-BF16, AMX)]",
+        help=f"uptraining in bfloat16 autocast (student and teacher) [default: {BF16_DEFAULT}]",
     )
     @functools.wraps(function)
     def wrapper(

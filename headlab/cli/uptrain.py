@@ -11,7 +11,7 @@ import click
 from headlab.cli.options import guard, guard_checkpoint_space
 from headlab.core.errors import HeadlabError
 from headlab.core.model_names import DEFAULT_MODEL, DTYPE_NAMES
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED
+from headlab.recovery.choices import BF16_DEFAULT, DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED
 
 
 def training_options(function):
@@ -81,7 +81,7 @@ def training_options(function):
         click.option(
             "--bf16/--no-bf16",
             default=None,
-            help="bfloat16 autocast of the student and teacher [default: on CUDA and on CPUs with native bfloat16 kernels (AVX512-BF16, AMX)]",
+            help=f"bfloat16 autocast of the student and teacher [default: {BF16_DEFAULT}]",
         ),
         click.option("--seed", type=int, default=0, show_default=True),
         click.option(

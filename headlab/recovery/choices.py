@@ -19,3 +19,5 @@ DEFAULT_LR = 3e-5
 # The default budget: 64 steps of 4 x 256 tokens (65,536 tokens), about what the former 10-minute default trained on a
 # 2-core CPU. A step budget trains the same model on any machine.
 DEFAULT_STEPS = 64
+# Where uptraining runs in bfloat16 autocast unless told (headlab.recovery.uptrain.default_bf16), for the help texts
+BF16_DEFAULT = "on CUDA and on CPUs with native bfloat16 kernels (AVX512-BF16, AMX)"

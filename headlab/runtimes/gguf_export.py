@@ -789,11 +789,8 @@ def export_gguf(
         notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
                      "scale)")  # fmt: skip
 
-    smoothing = None
-    if smooth is not None:
-        tensors = {name: tensor for name, _, tensor in items}
-        smoothing = activation_smoothing(loaded, calibrated_modules(loaded, items)[0], items,
-                                         lambda name: _resident(tensors[name]), smooth, smooth_alpha, progress)  # fmt: skip
+    smoothing = None if smooth is None else feed_forward_smoothing(loaded, items, smooth, smooth_alpha, progress)
+    smoothed = None if smoothing is None else smoothing.record()
     # GPTQ's matrices: for headlab's own types known now (moments measured before any writing), for a llama.cpp
     # file type only once its recipe has chosen (after the first quantization), so moments are measured for the
     # matrices it rounds and no others
@@ -814,20 +811,19 @@ def export_gguf(
     with atomic_file(out, overwrite=overwrite) as tmp:
         if ftype is None:
             quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
-            if quantization is not None and smoothing is not None:
-                quantization["smoothing"] = smoothing.record()
+            if quantization is not None and smoothed is not None:
+                quantization["smoothing"] = smoothed
             if rounding is not None:
                 quantization["gptq"] = rounding.calibration
-            calibrated = rounding is not None or smoothing is not None
-            write(tmp, f"headlab (gguf {quantization['gguf']}){_calibration_words(quantization)}" if calibrated
-                  and quantization else None, rounding)  # fmt: skip
+            words = _calibration_words(quantization) if quantization else ""  # provenance only for calibrated files
+            write(tmp, f"headlab (gguf {quantization['gguf']}){words}" if words else None, rounding)
             if rounding is not None:
                 quantization["gptq"] = rounding.record()
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
                             **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
-            if smoothing is not None:
-                quantization["smoothing"] = smoothing.record()
+            if smoothed is not None:
+                quantization["smoothing"] = smoothed
             overrides, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
             notes += overridden
             with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
@@ -853,8 +849,8 @@ def export_gguf(
         if problem:
             notes.append(problem)
         record = _record(out, tmp, plan, outtype, stored, quantization, tokens, notes)
-        if smoothing is not None:
-            record["smoothing"] = smoothing.record()
+        if smoothed is not None:
+            record["smoothing"] = smoothed
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
@@ -975,6 +971,14 @@ def calibrated_modules(loaded: LoadedModel, items: list, *, lookup_table: bool =
     without = sorted(name for name, shape in written.items()
                      if len(shape) > 1 and name not in modules and name != "token_embd.weight")  # fmt: skip
     return modules, without
+
+
+def feed_forward_smoothing(loaded: LoadedModel, items: list, batches, alpha: float, progress: bool = True):
+    """SmoothQuant's scales for every feed-forward in `items` (headlab.runtimes.smoothing.activation_smoothing), the
+    activation maxima read at the inputs of the transformers layers behind ffn_gate and ffn_down."""
+    tensors = {name: tensor for name, _, tensor in items}
+    modules, _ = calibrated_modules(loaded, items)
+    return activation_smoothing(loaded, modules, items, lambda name: _resident(tensors[name]), batches, alpha, progress)
 
 
 def gptq_rounding(

@@ -23,6 +23,9 @@ from headlab.mechanisms.hooks import input_abs_max
 
 DEFAULT_ALPHA = 0.5
 SCALE_FLOOR = 1e-5  # a channel that never fires (max |x| = 0) or a zero weight column: no division by zero
+# The tensors a block's rescaling changes (GGUF names less "blk.N."); ffn_gate's and ffn_down's biases add to outputs
+# the rescaling leaves alone
+RESCALED = ("ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_up.bias", "ffn_down.weight")
 
 
 def smoothing_scale(activation_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
@@ -48,13 +51,13 @@ class Smoothing:
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         block, short = _split(name)
-        if block not in self.scales:
+        if block not in self.scales or short not in RESCALED:  # attention and the rest pass through untouched
             return tensor
         s_in, s_mid = self.scales[block]
         value = tensor.double()
         if short == "ffn_norm.weight":
             value = value / s_in
-        elif short in ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"):
+        elif short != "ffn_up.bias":  # the three matrices: columns times the scale of the input they read
             value = value * self._input_scale(name)
         if short == "ffn_up.weight":
             value = value / s_mid[:, None]
@@ -71,9 +74,9 @@ class Smoothing:
         return (value.double() / scale).to(value.dtype)
 
     def record(self) -> dict:
-        ratios = torch.cat([torch.cat(pair) for pair in self.scales.values()]) if self.scales else torch.ones(1)
+        every = torch.cat([torch.cat(pair) for pair in self.scales.values()]) if self.scales else torch.ones(1)
         return {"method": "SmoothQuant (Xiao et al. 2023), feed-forward inputs", "alpha": self.alpha,
-                "blocks": len(self.scales), "scale_range": [float(ratios.min()), float(ratios.max())],
+                "blocks": len(self.scales), "scale_range": [float(every.min()), float(every.max())],
                 **self.calibration}  # fmt: skip
 
 
