@@ -78,7 +78,7 @@ def test_a_retrieval_step_distills_on_the_answer_alone():
     assert result.meta["calibration"]["long_windows"]["kind"] == "retrieval"
     from headlab.recovery.uptrain import _data  # the same training text the run streamed from
 
-    streams, _, _ = _data(student, corpus, UptrainConfig(long_seq_len=LENGTH, long_kind="retrieval", **settings))
+    streams, _, _, _ = _data(student, corpus, UptrainConfig(long_seq_len=LENGTH, long_kind="retrieval", **settings))
     ids, attention, _, scored = next(streams[1])
     with torch.no_grad():
         student_logits, teacher_logits = start(ids).logits, teacher.model(ids).logits

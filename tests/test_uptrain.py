@@ -423,7 +423,7 @@ def test_recover_bf16_option_reaches_the_uptraining_config():
     either the default (None: default_bf16 of the device) stands."""
     from headlab.cli._recovery import recovery_spec
 
-    base = dict(stages="uptrain", minutes=None, steps=2, lr=1e-4, objective="kl", parallel="data")
+    base = dict(stages="uptrain", minutes=None, steps=2, lr=1e-4, objective="kl", parallel="data", generated=0.0)
     assert recovery_spec({**base, "bf16": False}).uptrain.bf16 is False
     assert recovery_spec({**base, "bf16": True}).uptrain.bf16 is True
     assert recovery_spec({**base, "bf16": None}).uptrain.bf16 is None

@@ -8,12 +8,12 @@ from dataclasses import replace
 import click
 
 from headlab.core.data import TextSpec
-from headlab.recovery.choices import BF16_DEFAULT, DEFAULT_LR, DEFAULT_STEPS, OBJECTIVES, PARALLEL
+from headlab.recovery.choices import BF16_DEFAULT, DEFAULT_LR, DEFAULT_STEPS, GENERATED_HELP, OBJECTIVES, PARALLEL
 
 
 def recovery_options(function):
     """--recover, --recover-steps, --recover-minutes, --recover-lr, --recover-objective, --recover-parallel,
-    --recover-bf16."""
+    --recover-bf16, --recover-generated."""
 
     @click.option(
         "--recover",
@@ -52,6 +52,13 @@ def recovery_options(function):
         "state; the batch of 4 windows is all processes' together); fsdp needs torchrun",
     )
     @click.option(
+        "--recover-generated",
+        type=click.FloatRange(0, 1),
+        default=0.0,
+        show_default=True,
+        help=GENERATED_HELP,
+    )
+    @click.option(
         "--recover-bf16/--no-recover-bf16",
         default=None,
         help=f"uptraining in bfloat16 autocast (student and teacher) [default: {BF16_DEFAULT}]",
@@ -66,6 +73,7 @@ def recovery_options(function):
         recover_objective,
         recover_parallel,
         recover_bf16,
+        recover_generated,
         **kwargs,
     ):
         options = dict(
@@ -76,6 +84,7 @@ def recovery_options(function):
             objective=recover_objective,
             parallel=recover_parallel,
             bf16=recover_bf16,
+            generated=recover_generated,
         )
         return function(*args, recovery_options=options, **kwargs)
 
@@ -92,7 +101,8 @@ def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | N
     if not stages:
         return None
     config = UptrainConfig(steps=options["steps"], minutes=options["minutes"], lr=options["lr"])
-    config = replace(config, objective=options["objective"], parallel=options["parallel"], bf16=options["bf16"])
+    config = replace(config, objective=options["objective"], parallel=options["parallel"], bf16=options["bf16"],
+                     generated=options["generated"])  # fmt: skip
     spec = RecoverySpec(stages=stages, minutes=options["minutes"], uptrain=config)
     spec.check()
     return spec

@@ -11,7 +11,16 @@ import click
 from headlab.cli.options import guard, guard_checkpoint_space
 from headlab.core.errors import HeadlabError
 from headlab.core.model_names import DEFAULT_MODEL, DTYPE_NAMES
-from headlab.recovery.choices import BF16_DEFAULT, DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED
+from headlab.recovery.choices import (
+    BF16_DEFAULT,
+    DEFAULT_LR,
+    DEFAULT_STEPS,
+    GENERATED_HELP,
+    LONG_KINDS,
+    OBJECTIVES,
+    PARALLEL,
+    TRAINED,
+)
 
 
 def training_options(function):
@@ -72,6 +81,13 @@ def training_options(function):
             show_default=True,
             help="what the long windows hold: text (calibration windows) or retrieval (synthetic key-value needle "
             "prompts over the calibration text, distilled on the answer alone)",
+        ),
+        click.option(
+            "--generated",
+            type=click.FloatRange(0, 1),
+            default=0.0,
+            show_default=True,
+            help=GENERATED_HELP,
         ),
         click.option("--heldout-tokens", type=int, default=2048, show_default=True, help="held-out calibration"),
         click.option("--eval-every", type=int, default=None, help="steps between eval-split perplexities"),

@@ -2,4 +2,4 @@
 distillation, and the pipeline that chains them.
 """
 
-__all__ = ["choices", "compensate", "fsdp", "reconstruct", "recover", "retrieval_windows", "uptrain"]
+__all__ = ["choices", "compensate", "fsdp", "reconstruct", "recover", "retrieval_windows", "teacher_samples", "uptrain"]

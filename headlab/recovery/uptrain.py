@@ -52,6 +52,7 @@ from headlab.recovery import fsdp
 from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED, WHOLE_AFTER
 from headlab.recovery.reconstruct import check_pair, dead_heads, dead_heads_kept
 from headlab.recovery.retrieval_windows import RETRIEVAL_TASKS, retrieval_batches
+from headlab.recovery.teacher_samples import TeacherSamples, mixed_batches
 
 
 @dataclass
@@ -104,6 +105,10 @@ class UptrainConfig:
     # What the long windows hold: text (calibration windows) or retrieval (synthetic key-value needle prompts over the
     # calibration text, distilled on the answer alone: headlab.recovery.retrieval_windows).
     long_kind: str = "text"
+    # Share of each batch's short windows sampled from the teacher itself (0: none), from its prefix token at
+    # temperature 1: text in the unedited model's own distribution, so that recovery also restores it where the
+    # calibration corpus has no text (LLM-QAT's data-free distillation; headlab.recovery.teacher_samples).
+    generated: float = 0.0
     trained: str = "attention"  # attention | norms (attention + every norm) | all
     objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed | kl_layers
     ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
@@ -159,9 +164,21 @@ class UptrainConfig:
             raise HeadlabError(f"unknown objective={self.objective!r}; use one of {', '.join(OBJECTIVES)}")
         if not (0 <= self.ce_weight <= 1):
             raise HeadlabError(f"ce_weight={self.ce_weight} must be in [0, 1]")
+        if not (0 <= self.generated <= 1):
+            raise HeadlabError(f"generated={self.generated} must be a share of the batch in [0, 1]")
+        if self.generated and not self.generated_windows:
+            raise HeadlabError(
+                f"generated={self.generated} of a batch of {self.batch_size} windows rounds to none; give at least "
+                f"{1 / (2 * self.batch_size):.3g}, or 0"
+            )
         if not (self.layers_weight >= 0 and math.isfinite(self.layers_weight)):
             raise HeadlabError(f"layers_weight={self.layers_weight} must be >= 0")
         self.check_parallel()
+
+    @property
+    def generated_windows(self) -> int:
+        """Windows of each batch sampled from the teacher: round(generated x batch_size)."""
+        return round(self.generated * self.batch_size)
 
     def check_parallel(self) -> None:
         """fsdp needs torchrun (its processes are what it shards over) and a batch the world divides (each rank takes
@@ -172,6 +189,8 @@ class UptrainConfig:
             raise HeadlabError(f"unknown whole_after={self.whole_after!r}; use one of {', '.join(WHOLE_AFTER)}")
         if self.parallel != "fsdp":
             return
+        if self.generated:  # sampling runs the sharded teacher's forward per token; not built or tested under FSDP
+            raise HeadlabError("generated windows are not available with parallel=fsdp; use parallel=data or 0")
         if not distributed.torchrun():
             raise HeadlabError(
                 "parallel=fsdp shards over torchrun processes; start the command with torchrun --nproc-per-node N "
@@ -413,9 +432,11 @@ def heldout_batches(student: LoadedModel, sets: dict[str, torch.Tensor], seq_len
     }
 
 
-def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
-    """(training stream, held-out batches per domain, record): training windows stream from the calibration part
-    without its held-out text (heldout_sets); the eval part is never touched here."""
+def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig, teacher: LoadedModel | None = None,
+          bf16: bool = False):  # fmt: skip
+    """(training streams, held-out batches per domain, record, teacher samples or None): training windows stream
+    from the calibration part without its held-out text (heldout_sets), with config.generated of each short batch
+    sampled from the teacher (headlab.recovery.teacher_samples); the eval part is never touched here."""
     tokenizer = student.tokenizer
     for name in ("seq_len", "long_seq_len"):
         if student.max_positions is not None and getattr(config, name) > student.max_positions:
@@ -442,6 +463,16 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
     }
     if config.parallel == "fsdp":  # batch_size is the world's: this rank streams its share of each batch
         config = replace(config, batch_size=config.batch_size // distributed.world_size())
+    samples = None
+    if config.generated:
+        most = config.steps * config.accumulation * config.generated_windows  # never sample more than a run can use
+        samples = TeacherSamples(teacher, config.seq_len, config.seed, bf16, limit=most)
+        record["generated"] = {
+            "windows_per_batch": config.generated_windows,
+            "sampling": "the teacher's next-token distribution at temperature 1 (whole vocabulary), from the prefix "
+            "token, seq_len tokens a window",
+            "method": "LLM-QAT's data-free distillation (Liu et al. 2023)",
+        }
     if config.long_seq_len:  # one long window per micro-batch and rank (under fsdp too: a window is not split)
         long = replace(config, seq_len=config.long_seq_len, batch_size=1, seed=config.seed + 1)
         record["long_windows"] = {"seq_len": config.long_seq_len, "every": config.long_every, "kind": config.long_kind}
@@ -450,10 +481,19 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig):
             record["long_windows"] |= {"tasks": list(RETRIEVAL_TASKS), "loss": "the answer tokens and the newline"}
         else:
             long_stream = stream_batches(tokenizer, train_text, long, pad_id)
-        streams = (stream_batches(tokenizer, train_text, config, pad_id), long_stream)
+        streams = (_short_stream(tokenizer, train_text, config, pad_id, samples), long_stream)
     else:
-        streams = (stream_batches(tokenizer, train_text, config, pad_id), None)
-    return streams, heldout, record
+        streams = (_short_stream(tokenizer, train_text, config, pad_id, samples), None)
+    return streams, heldout, record, samples
+
+
+def _short_stream(tokenizer, train_text: str, config: UptrainConfig, pad_id: int, samples: TeacherSamples | None):
+    """The short-window batches: calibration windows, or batch_size - n of them and n sampled from the teacher."""
+    if samples is None:
+        return stream_batches(tokenizer, train_text, config, pad_id)
+    own = config.batch_size - config.generated_windows
+    calibration = stream_batches(tokenizer, train_text, replace(config, batch_size=own), pad_id) if own else None
+    return mixed_batches(calibration, samples, config.generated_windows, pad_id)
 
 
 def domain_perplexities(student: LoadedModel, heldout: dict, bf16: bool = False) -> dict[str, float]:
@@ -518,6 +558,7 @@ class _Run:
     optimizer: torch.optim.Optimizer
     eval_args: dict = field(default_factory=dict)
     dead: list[list[int]] | None = None  # dead heads per layer, read before any sharding
+    samples: TeacherSamples | None = None  # the teacher's sampled windows (config.generated), for the record
 
     def stream(self, step: int) -> Iterator:
         """The batches of this step: long windows every long_every-th step when configured, else short ones."""
@@ -555,9 +596,9 @@ def uptrain(
     keep the best state (`_train`), the record (`_record`)."""
     config = replace(config or UptrainConfig(), **settings)
     corpus = _check(student, teacher, data, text_column, config)
-    streams, heldout, data_record = _data(student, corpus, config)
     trains_on = torch.device(config.shards_on) if config.parallel == "fsdp" and config.shards_on else student.device
     bf16 = default_bf16(trains_on) if config.bf16 is None else config.bf16
+    streams, heldout, data_record, samples = _data(student, corpus, config, teacher, bf16)
     # under fsdp only rank 0 may hold the weights before sharding (the others pass a skeleton): its finding is sent
     dead = distributed.from_rank0(lambda: _dead_per_layer(student))
     held = _held_before_sharding(student, teacher) if config.parallel == "fsdp" else None
@@ -571,6 +612,7 @@ def uptrain(
         run = _Run(
             student, teacher, config, corpus, streams, heldout, data_record, bf16, params, optimizer, eval_args, dead
         )
+        run.samples = samples
         start = time.perf_counter()
         best = _Best.of(params, run.heldout_perplexities())
         rows = [_first_row(best.perplexity, run.evaluate())]
@@ -744,6 +786,9 @@ def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, 
         "optimiser_state": student_bytes["optimiser_state"],
         "total": student_bytes["total"] + teacher_bytes,
     }
+    calibration = dict(run.data_record)
+    if run.samples is not None:  # how many windows were sampled, and the seconds that took
+        calibration["generated"] = calibration["generated"] | run.samples.record()
     return {
         "student": run.student.describe(),
         "teacher": run.teacher.describe() if run.teacher is not None else None,
@@ -779,7 +824,7 @@ def _record(run: _Run, best: _Best, rows: list[dict], loop: dict, final: float, 
         # the AdamW state; rank 0's numbers (FSDP's dim-0 shards differ between ranks by padding at most)
         "bytes_per_process": memory,
         "sharded_bytes_per_process": memory["total"],
-        "calibration": run.data_record,
+        "calibration": calibration,
         "eval": {"data": run.corpus.spec, **run.eval_args},
         "seconds": time.perf_counter() - start,
     }

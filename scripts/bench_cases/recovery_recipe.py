@@ -13,6 +13,7 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # the generalization case's settings and the edited models
 
+MODELS = {"svd": "svd 3 -> 1", "mla": "MLA at the MQA budget"}
 TITLE = "Recovery recipe against out-of-domain perplexity (svd 3 -> 1, `broad`, default budget)"
 RECIPES = {
     "default": {},
@@ -26,9 +27,16 @@ RECIPES = {
     "twice the steps of half the windows (same tokens)": {"steps": 128, "batch_size": 2},
     "twice the steps of half the windows, lr 1.5e-5": {"steps": 128, "batch_size": 2, "lr": 1.5e-5},
     "twice the budget (128 steps), lr 1.5e-5": {"steps": 128, "lr": 1.5e-5},
+    "half of each batch sampled from the teacher": {"generated": 0.5},
+    "half of each batch sampled from the teacher, lr 1.5e-5": {"generated": 0.5, "lr": 1.5e-5},
+    "three quarters of each batch sampled from the teacher": {"generated": 0.75},
+    "three quarters of each batch sampled from the teacher, lr 1.5e-5": {"generated": 0.75, "lr": 1.5e-5},
 }
 CHOSEN = [name for name in os.environ.get("HEADLAB_BENCH_RECIPES", "").split(";") if name] or list(RECIPES)
 THREADS = int(os.environ.get("HEADLAB_BENCH_RECIPE_THREADS", 0)) or None  # torch threads per row (default: all)
+# The edited model the rows start from: svd (the merge 3 -> 1, default) or mla (MLA at the MQA budget), as the
+# generalization case builds them
+MODEL = os.environ.get("HEADLAB_BENCH_RECIPE_MODEL", "svd")
 
 
 def run(args) -> dict:
@@ -50,16 +58,17 @@ def run(args) -> dict:
     teacher = load_model(None, device=args.device)
     rows = []
     for name in CHOSEN:
-        edited = _edited("svd", teacher, corpora["broad"], torch.device(args.device))
+        edited = _edited(MODEL, teacher, corpora["broad"], torch.device(args.device))
         before = perplexities(edited, corpora)
         start = time.perf_counter()
         record = recover(edited, teacher, RecoverySpec(uptrain=UptrainConfig(**RECIPES[name])), data=corpora["broad"],
                          progress=False)  # fmt: skip
         seconds = time.perf_counter() - start
         up = record["uptrain"]
-        rows.append({"recipe": name, "overrides": RECIPES[name], "before": before, "after": perplexities(edited, corpora),
+        rows.append({"recipe": name, "model": MODEL, "overrides": RECIPES[name], "before": before, "after": perplexities(edited, corpora),
                      "passkey": retrieval(edited)["passkey"], "seconds": seconds, "kept_step": up["kept_step"],
-                     "steps": up["steps_run"], "local_kept": record["local"]["kept"]})  # fmt: skip
+                     "steps": up["steps_run"], "local_kept": record["local"]["kept"],
+                     "bf16": up.get("bf16_autocast"), "generated": up["calibration"].get("generated")})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
         del edited
     return {"domains": domains, "threads": torch.get_num_threads(), "rows": rows}
@@ -82,8 +91,9 @@ def markdown(r: dict) -> str:
     for row in r["rows"]:
         ratios = ", ".join(f"{row['after'][d] / row['before'][d]:.3f}" for d in ("speeches", "encyclopedia"))
         setting = ", ".join(f"`{k}={v}`" for k, v in row["overrides"].items()) or "-"
+        model = "" if row.get("model", "svd") == "svd" else f"{MODELS[row['model']]}: "
         lines.append(
-            f"| {row['recipe']} | {setting} | " + " | ".join(f"{row['after'][d]:.2f}" for d in domains)
+            f"| {model}{row['recipe']} | {setting} | " + " | ".join(f"{row['after'][d]:.2f}" for d in domains)
             + f" | {ratios} | {row['passkey'][0]}/{row['passkey'][1]} | {row['seconds']:.0f} |"
         )
     return "\n".join(lines)
