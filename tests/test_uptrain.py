@@ -235,9 +235,11 @@ def test_cli_uptrain_and_convert_gqa_recover(tmp_path, capsys):
     assert code == 2 and "exists" in err
     convert = ["convert-gqa", "--model", tmp_path / "teacher", "--device", "cpu", "--kv-heads", "1", "--data", corpus]
     convert += ["--seq-len", "32", "--max-tokens", "128", "--recover", "local,uptrain", "--recover-steps", "3"]
-    code, out, err = run_cli([*convert, "--out", tmp_path / "gqa"], capsys)
+    code, out, err = run_cli([*convert, "--recover-generated", "0.5", "--out", tmp_path / "gqa"], capsys)
     assert code == 0, err
     assert "after recovery (local+uptrain, " in out and (tmp_path / "gqa" / "recovery" / "local.csv").exists()
+    recorded = json.loads((tmp_path / "gqa" / "headlab.json").read_text())["recovery"]["uptrain"]
+    assert recorded["config"]["generated"] == 0.5 and recorded["calibration"]["generated"]["windows"] == 3 * 2
     prune = ["prune", "--model", tmp_path / "teacher", "--device", "cpu", "--data", corpus, "--seq-len", "32"]
     prune += ["--heads", "0:0;1:2", "--max-tokens", "128", "--recover", "local"]
     code, out, err = run_cli([*prune, "--out", tmp_path / "pruned"], capsys)
