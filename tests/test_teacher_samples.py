@@ -27,22 +27,37 @@ def _teacher(name: str = "llama"):
 
 
 @torch.no_grad()
-def _slow_samples(teacher, count: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+def _slow_samples(teacher, count: int, seq_len: int, generator: torch.Generator, start="bos") -> torch.Tensor:
     """The obvious sampler: the whole prefix through the model for every token, no cache."""
     ids = torch.full((count, 1), teacher.tokenizer.bos_token_id, dtype=torch.long)
-    for _ in range(seq_len - 1):
+    if start == "random":  # then a uniform draw among the non-special ids, listed by hand
+        special = set(teacher.tokenizer.all_special_ids)
+        pool = torch.tensor([i for i in range(teacher.model.config.vocab_size) if i not in special])
+        ids = torch.cat([ids, pool[torch.randint(len(pool), (count, 1), generator=generator)]], dim=1)
+    while ids.shape[1] < seq_len:
         logits = teacher.model(input_ids=ids).logits[:, -1]
         ids = torch.cat([ids, torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=generator)], dim=1)
     return ids
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
-def test_the_cached_sampler_draws_what_the_slow_one_draws(name):
+@pytest.mark.parametrize("name, start", [("llama", "bos"), ("qwen3", "bos"), ("llama", "random")])
+def test_the_cached_sampler_draws_what_the_slow_one_draws(name, start):
     teacher = _teacher(name)
-    fast = TS.sample_windows(teacher, 5, 12, torch.Generator().manual_seed(3))
-    slow = _slow_samples(teacher, 5, 12, torch.Generator().manual_seed(3))
+    fast = TS.sample_windows(teacher, 5, 12, torch.Generator().manual_seed(3), start=start)
+    slow = _slow_samples(teacher, 5, 12, torch.Generator().manual_seed(3), start=start)
     assert fast.shape == (5, 12) and torch.equal(fast, slow)
     assert bool((fast[:, 0] == teacher.tokenizer.bos_token_id).all())
+
+
+def test_a_random_start_draws_every_ordinary_token_and_no_special_one():
+    teacher = _teacher()
+    second = TS.sample_windows(teacher, 3000, 2, torch.Generator().manual_seed(1), start="random")[:, 1]
+    special = set(teacher.tokenizer.all_special_ids)
+    assert not special & set(second.tolist())
+    ordinary = teacher.model.config.vocab_size - len(special)
+    assert len(set(second.tolist())) == ordinary  # 3,000 uniform draws over 124 ids miss none (p < 1e-8)
+    with pytest.raises(HeadlabError, match="unknown start"):
+        TS.sample_windows(teacher, 1, 4, torch.Generator(), start="middle")
 
 
 def test_samples_follow_the_teachers_distribution_at_temperature_one():
@@ -122,6 +137,7 @@ def test_uptraining_with_generated_windows_records_them_and_keeps_the_held_out_r
         (dict(generated=-0.1), r"generated=-0.1 must be a share"),
         (dict(generated=0.1, batch_size=4), r"rounds to none"),
         (dict(generated=0.5, parallel="fsdp"), r"not available with parallel=fsdp"),
+        (dict(generated=0.5, generated_start="middle"), r"unknown generated_start"),
     ],
 )
 def test_bad_generated_shares_are_refused(settings, message):

@@ -16,6 +16,7 @@ from headlab.recovery.choices import (
     DEFAULT_LR,
     DEFAULT_STEPS,
     GENERATED_HELP,
+    GENERATED_STARTS,
     LONG_KINDS,
     OBJECTIVES,
     PARALLEL,
@@ -88,6 +89,14 @@ def training_options(function):
             default=0.0,
             show_default=True,
             help=GENERATED_HELP,
+        ),
+        click.option(
+            "--generated-start",
+            type=click.Choice(GENERATED_STARTS),
+            default="bos",
+            show_default=True,
+            help="how each sampled window begins: bos (the BOS token alone) or random (then a token drawn uniformly "
+            "from the vocabulary, as LLM-QAT begins its samples)",
         ),
         click.option("--heldout-tokens", type=int, default=2048, show_default=True, help="held-out calibration"),
         click.option("--eval-every", type=int, default=None, help="steps between eval-split perplexities"),

@@ -21,6 +21,9 @@ DEFAULT_LR = 3e-5
 DEFAULT_STEPS = 64
 # Where uptraining runs in bfloat16 autocast unless told (headlab.recovery.uptrain.default_bf16), for the help texts
 BF16_DEFAULT = "on CUDA and on CPUs with native bfloat16 kernels (AVX512-BF16, AMX)"
+# How a window sampled from the teacher begins: bos (its prefix token alone) or random (then a uniformly drawn ordinary
+# token, as LLM-QAT starts its samples; headlab.recovery.teacher_samples)
+GENERATED_STARTS = ("bos", "random")
 # --generated / --recover-generated (UptrainConfig.generated; headlab.recovery.teacher_samples)
 GENERATED_HELP = (
     "share of each batch's windows sampled from the teacher itself (temperature 1, from its BOS token) instead of "

@@ -24,7 +24,11 @@ import torch
 from headlab.core import distributed
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
+from headlab.recovery.choices import GENERATED_STARTS
 
+# How a sample begins: bos (the prefix token alone) or random (the prefix token, then a token drawn uniformly from the
+# vocabulary less special tokens, as LLM-QAT starts its samples)
+STARTS = GENERATED_STARTS
 SEED_OFFSET = 104729  # the samples' generator: the run's seed plus this (plus the rank under torchrun)
 # Windows sampled together: one prefill and seq_len - 1 cached decode steps for all of them. A decode step's cost is
 # mostly per-step overhead on a CPU: 6.1 ms a token at 32 windows, 4.2 at 64, 3.2 at 128 (the embedded model, 2 cores,
@@ -40,18 +44,37 @@ def prefix_token(tokenizer) -> int:
     raise HeadlabError("sampling from the teacher needs a BOS or EOS token to start from; the tokenizer has neither")
 
 
+def ordinary_tokens(teacher: LoadedModel) -> torch.Tensor:
+    """The ids a random start draws from: the model's vocabulary less the tokenizer's special tokens."""
+    vocab = int(teacher.model.config.get_text_config().vocab_size)
+    keep = torch.ones(vocab, dtype=torch.bool)
+    keep[[i for i in teacher.tokenizer.all_special_ids if i < vocab]] = False
+    return keep.nonzero().flatten()
+
+
 @torch.no_grad()
 def sample_windows(
-    teacher: LoadedModel, count: int, seq_len: int, generator: torch.Generator, bf16: bool = False
+    teacher: LoadedModel,
+    count: int,
+    seq_len: int,
+    generator: torch.Generator,
+    bf16: bool = False,
+    start: str = "bos",
 ) -> torch.Tensor:
-    """[count, seq_len] token ids: the prefix token, then seq_len - 1 tokens each drawn from the teacher's next-token
-    distribution softmax(logits) given the tokens before it (ancestral sampling, temperature 1)."""
+    """[count, seq_len] token ids: the prefix token, then (start "random") one token drawn uniformly from the
+    ordinary vocabulary, then tokens each drawn from the teacher's next-token distribution softmax(logits) given the
+    tokens before it (ancestral sampling, temperature 1)."""
     from transformers import DynamicCache  # start-up: transformers loads when sampling runs
 
+    if start not in STARTS:
+        raise HeadlabError(f"unknown start {start!r}; use one of {', '.join(STARTS)}")
     model, device = teacher.model, teacher.device
     ids = torch.full((count, 1), prefix_token(teacher.tokenizer), dtype=torch.long)
+    if start == "random":  # LLM-QAT's first token: uniform over the vocabulary, so windows begin on every topic
+        pool = ordinary_tokens(teacher)
+        ids = torch.cat([ids, pool[torch.randint(len(pool), (count, 1), generator=generator)]], dim=1)
     step_ids, cache = ids, DynamicCache(config=model.config)
-    for _ in range(seq_len - 1):
+    for _ in range(seq_len - ids.shape[1]):
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             out = model(input_ids=step_ids.to(device), cache=cache, use_cache=True)  # writes `cache` in place
         probs = torch.softmax(out.logits[:, -1].float(), dim=-1).cpu()  # float32: the sampled distribution itself
@@ -66,10 +89,11 @@ class TeacherSamples:
     taken and sampled and the seconds spent sampling (the record's)."""
 
     def __init__(self, teacher: LoadedModel, seq_len: int, seed: int, bf16: bool = False, chunk: int = CHUNK,
-                 limit: int | None = None):  # fmt: skip
+                 limit: int | None = None, start: str = "bos"):  # fmt: skip
         if teacher is None:
             raise HeadlabError("generated windows are sampled from the teacher; give one (or generated=0)")
         self.teacher, self.seq_len, self.bf16, self.chunk, self.limit = teacher, seq_len, bf16, chunk, limit
+        self.start = start
         self.generator = torch.Generator().manual_seed(seed + SEED_OFFSET + distributed.rank())
         self.pending: list[torch.Tensor] = []
         self.windows, self.sampled, self.seconds = 0, 0, 0.0
@@ -79,14 +103,16 @@ class TeacherSamples:
         while len(self.pending) < count:
             missing = count - len(self.pending)
             size = max(missing, min(self.chunk, self.limit - self.sampled)) if self.limit is not None else self.chunk
-            start = time.perf_counter()
+            began = time.perf_counter()
             was_training = self.teacher.model.training
             self.teacher.model.eval()  # no dropout in the sampled distribution
             try:
-                self.pending.extend(sample_windows(self.teacher, size, self.seq_len, self.generator, self.bf16))
+                self.pending.extend(
+                    sample_windows(self.teacher, size, self.seq_len, self.generator, self.bf16, self.start)
+                )
             finally:
                 self.teacher.model.train(was_training)
-            self.seconds += time.perf_counter() - start
+            self.seconds += time.perf_counter() - began
             self.sampled += size
         taken, self.pending = self.pending[:count], self.pending[count:]
         self.windows += count

@@ -49,7 +49,16 @@ from headlab.core.streaming import LayerEditor
 from headlab.measure.evaluate import perplexity
 from headlab.mechanisms.recompute import activation_checkpointing
 from headlab.recovery import fsdp
-from headlab.recovery.choices import DEFAULT_LR, DEFAULT_STEPS, LONG_KINDS, OBJECTIVES, PARALLEL, TRAINED, WHOLE_AFTER
+from headlab.recovery.choices import (
+    DEFAULT_LR,
+    DEFAULT_STEPS,
+    GENERATED_STARTS,
+    LONG_KINDS,
+    OBJECTIVES,
+    PARALLEL,
+    TRAINED,
+    WHOLE_AFTER,
+)
 from headlab.recovery.reconstruct import check_pair, dead_heads, dead_heads_kept
 from headlab.recovery.retrieval_windows import RETRIEVAL_TASKS, retrieval_batches
 from headlab.recovery.teacher_samples import TeacherSamples, mixed_batches
@@ -109,6 +118,7 @@ class UptrainConfig:
     # temperature 1: text in the unedited model's own distribution, so that recovery also restores it where the
     # calibration corpus has no text (LLM-QAT's data-free distillation; headlab.recovery.teacher_samples).
     generated: float = 0.0
+    generated_start: str = "bos"  # bos | random: how each sample begins (headlab.recovery.teacher_samples.STARTS)
     trained: str = "attention"  # attention | norms (attention + every norm) | all
     objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed | kl_layers
     ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
@@ -170,6 +180,10 @@ class UptrainConfig:
             raise HeadlabError(
                 f"generated={self.generated} of a batch of {self.batch_size} windows rounds to none; give at least "
                 f"{1 / (2 * self.batch_size):.3g}, or 0"
+            )
+        if self.generated_start not in GENERATED_STARTS:
+            raise HeadlabError(
+                f"unknown generated_start={self.generated_start!r}; use one of {', '.join(GENERATED_STARTS)}"
             )
         if not (self.layers_weight >= 0 and math.isfinite(self.layers_weight)):
             raise HeadlabError(f"layers_weight={self.layers_weight} must be >= 0")
@@ -466,7 +480,7 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig, teacher: 
     samples = None
     if config.generated:
         most = config.steps * config.accumulation * config.generated_windows  # never sample more than a run can use
-        samples = TeacherSamples(teacher, config.seq_len, config.seed, bf16, limit=most)
+        samples = TeacherSamples(teacher, config.seq_len, config.seed, bf16, limit=most, start=config.generated_start)
         record["generated"] = {
             "windows_per_batch": config.generated_windows,
             "sampling": "the teacher's next-token distribution at temperature 1 (whole vocabulary), from the prefix "

@@ -31,6 +31,11 @@ RECIPES = {
     "half of each batch sampled from the teacher, lr 1.5e-5": {"generated": 0.5, "lr": 1.5e-5},
     "three quarters of each batch sampled from the teacher": {"generated": 0.75},
     "three quarters of each batch sampled from the teacher, lr 1.5e-5": {"generated": 0.75, "lr": 1.5e-5},
+    "half of each batch sampled from the teacher from a random first token, lr 1.5e-5": {
+        "generated": 0.5,
+        "generated_start": "random",
+        "lr": 1.5e-5,
+    },
 }
 CHOSEN = [name for name in os.environ.get("HEADLAB_BENCH_RECIPES", "").split(";") if name] or list(RECIPES)
 THREADS = int(os.environ.get("HEADLAB_BENCH_RECIPE_THREADS", 0)) or None  # torch threads per row (default: all)
