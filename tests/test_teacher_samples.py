@@ -156,6 +156,16 @@ def test_generated_windows_need_a_teacher():
 def test_recover_generated_option_reaches_the_uptraining_config():
     from headlab.cli._recovery import recovery_spec
 
-    base = dict(stages="uptrain", minutes=None, steps=2, lr=1e-4, objective="kl", parallel="data", bf16=None)
+    base = dict(
+        stages="uptrain",
+        minutes=None,
+        steps=2,
+        lr=1e-4,
+        objective="kl",
+        parallel="data",
+        bf16=None,
+        generated_start="random",
+    )
     assert recovery_spec({**base, "generated": 0.5}).uptrain.generated == 0.5
     assert recovery_spec({**base, "generated": 0.0}).uptrain.generated == 0.0
+    assert recovery_spec({**base, "generated": 0.5}).uptrain.generated_start == "random"

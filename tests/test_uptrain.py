@@ -235,11 +235,13 @@ def test_cli_uptrain_and_convert_gqa_recover(tmp_path, capsys):
     assert code == 2 and "exists" in err
     convert = ["convert-gqa", "--model", tmp_path / "teacher", "--device", "cpu", "--kv-heads", "1", "--data", corpus]
     convert += ["--seq-len", "32", "--max-tokens", "128", "--recover", "local,uptrain", "--recover-steps", "3"]
-    code, out, err = run_cli([*convert, "--recover-generated", "0.5", "--out", tmp_path / "gqa"], capsys)
+    sampled = ["--recover-generated", "0.5", "--recover-generated-start", "random"]
+    code, out, err = run_cli([*convert, *sampled, "--out", tmp_path / "gqa"], capsys)
     assert code == 0, err
     assert "after recovery (local+uptrain, " in out and (tmp_path / "gqa" / "recovery" / "local.csv").exists()
     recorded = json.loads((tmp_path / "gqa" / "headlab.json").read_text())["recovery"]["uptrain"]
     assert recorded["config"]["generated"] == 0.5 and recorded["calibration"]["generated"]["windows"] == 3 * 2
+    assert recorded["config"]["generated_start"] == "random"
     prune = ["prune", "--model", tmp_path / "teacher", "--device", "cpu", "--data", corpus, "--seq-len", "32"]
     prune += ["--heads", "0:0;1:2", "--max-tokens", "128", "--recover", "local"]
     code, out, err = run_cli([*prune, "--out", tmp_path / "pruned"], capsys)
@@ -425,7 +427,16 @@ def test_recover_bf16_option_reaches_the_uptraining_config():
     either the default (None: default_bf16 of the device) stands."""
     from headlab.cli._recovery import recovery_spec
 
-    base = dict(stages="uptrain", minutes=None, steps=2, lr=1e-4, objective="kl", parallel="data", generated=0.0)
+    base = dict(
+        stages="uptrain",
+        minutes=None,
+        steps=2,
+        lr=1e-4,
+        objective="kl",
+        parallel="data",
+        generated=0.0,
+        generated_start="bos",
+    )
     assert recovery_spec({**base, "bf16": False}).uptrain.bf16 is False
     assert recovery_spec({**base, "bf16": True}).uptrain.bf16 is True
     assert recovery_spec({**base, "bf16": None}).uptrain.bf16 is None

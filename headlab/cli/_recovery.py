@@ -8,12 +8,20 @@ from dataclasses import replace
 import click
 
 from headlab.core.data import TextSpec
-from headlab.recovery.choices import BF16_DEFAULT, DEFAULT_LR, DEFAULT_STEPS, GENERATED_HELP, OBJECTIVES, PARALLEL
+from headlab.recovery.choices import (
+    BF16_DEFAULT,
+    DEFAULT_LR,
+    DEFAULT_STEPS,
+    GENERATED_HELP,
+    GENERATED_STARTS,
+    OBJECTIVES,
+    PARALLEL,
+)
 
 
 def recovery_options(function):
     """--recover, --recover-steps, --recover-minutes, --recover-lr, --recover-objective, --recover-parallel,
-    --recover-bf16, --recover-generated."""
+    --recover-bf16, --recover-generated, --recover-generated-start."""
 
     @click.option(
         "--recover",
@@ -59,6 +67,13 @@ def recovery_options(function):
         help=GENERATED_HELP,
     )
     @click.option(
+        "--recover-generated-start",
+        type=click.Choice(GENERATED_STARTS),
+        default="bos",
+        show_default=True,
+        help="with --recover-generated: each sampled window begins at BOS alone, or at BOS and a random token",
+    )
+    @click.option(
         "--recover-bf16/--no-recover-bf16",
         default=None,
         help=f"uptraining in bfloat16 autocast (student and teacher) [default: {BF16_DEFAULT}]",
@@ -74,6 +89,7 @@ def recovery_options(function):
         recover_parallel,
         recover_bf16,
         recover_generated,
+        recover_generated_start,
         **kwargs,
     ):
         options = dict(
@@ -85,6 +101,7 @@ def recovery_options(function):
             parallel=recover_parallel,
             bf16=recover_bf16,
             generated=recover_generated,
+            generated_start=recover_generated_start,
         )
         return function(*args, recovery_options=options, **kwargs)
 
@@ -102,7 +119,7 @@ def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | N
         return None
     config = UptrainConfig(steps=options["steps"], minutes=options["minutes"], lr=options["lr"])
     config = replace(config, objective=options["objective"], parallel=options["parallel"], bf16=options["bf16"],
-                     generated=options["generated"])  # fmt: skip
+                     generated=options["generated"], generated_start=options["generated_start"])  # fmt: skip
     spec = RecoverySpec(stages=stages, minutes=options["minutes"], uptrain=config)
     spec.check()
     return spec

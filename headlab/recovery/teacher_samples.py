@@ -1,8 +1,9 @@
 """Windows sampled from the teacher for uptraining: text in the unedited model's own distribution, mixed into the
 calibration windows (`UptrainConfig.generated`).
 
-Distilling on calibration text alone teaches the student that text: recovery lowered perplexity on the calibration
-domains three times more than on prose it never saw (docs/recovery.md, "What moves out-of-domain recovery").
+Distilling on calibration text alone teaches the student that text: the default recovery of the svd merge 3 -> 1 cut
+perplexity on its calibration corpus to 0.34x and on two corpora it never saw to 0.53x and 0.56x (docs/recovery.md,
+"What moves out-of-domain recovery").
 Text the teacher writes itself, from its prefix token with nothing else to condition on, is a sample of everything
 it was trained on, so a KL towards the teacher on it restores the model where the calibration corpus has no text.
 This is LLM-QAT's data-free distillation (Liu et al. 2023, "LLM-QAT: Data-Free Quantization Aware Training for Large

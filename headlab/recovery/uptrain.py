@@ -204,7 +204,9 @@ class UptrainConfig:
         if self.parallel != "fsdp":
             return
         if self.generated:  # sampling runs the sharded teacher's forward per token; not built or tested under FSDP
-            raise HeadlabError("generated windows are not available with parallel=fsdp; use parallel=data or 0")
+            raise HeadlabError(
+                "generated windows are not available with parallel=fsdp; use parallel=data, or generated=0"
+            )
         if not distributed.torchrun():
             raise HeadlabError(
                 "parallel=fsdp shards over torchrun processes; start the command with torchrun --nproc-per-node N "
