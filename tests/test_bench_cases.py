@@ -375,6 +375,8 @@ def test_recovery_recipe_table_prints_every_domain_and_the_held_out_ratios():
          "after": {"pydoc-topics": 20.0, "broad": 55.0, "speeches": 55.0, "encyclopedia": 100.0}},
         {"recipe": "lr", "overrides": {"lr": 6e-5}, "before": before, "passkey": [1, 6], "seconds": 901.0,
          "after": {"pydoc-topics": 21.0, "broad": 56.0, "speeches": 66.0, "encyclopedia": 150.0}},
+        {"recipe": "sampled", "model": "mla", "overrides": {"generated": 0.5}, "passkey": [0, 6], "seconds": 800.0,
+         "before": {**before, "speeches": 88.0}, "after": {**before, "speeches": 44.0}},
     ]  # fmt: skip
     table = case.markdown({"domains": list(before), "threads": 2, "rows": rows, "note": "ran beside each other"})
     lines = table.splitlines()
@@ -385,6 +387,8 @@ def test_recovery_recipe_table_prints_every_domain_and_the_held_out_ratios():
     assert "| 0.500, 0.500 |" in default and "| 0/6 |" in default and "| - |" in default
     changed = next(line for line in lines if line.startswith("| lr"))
     assert "`lr=6e-05`" in changed and "| 0.600, 0.750 |" in changed and "| 66.00 |" in changed
+    mla = next(line for line in lines if "sampled" in line)  # another start model: named, its own before (44 / 88)
+    assert mla.startswith("| MLA at the MQA budget: sampled |") and "| 0.500, 1.000 |" in mla
 
 
 def test_merge_retrieval_table_gives_each_layouts_share_of_the_cache_and_both_tasks():

@@ -31,6 +31,7 @@ RECIPES = {
     "half of each batch sampled from the teacher, lr 1.5e-5": {"generated": 0.5, "lr": 1.5e-5},
     "three quarters of each batch sampled from the teacher": {"generated": 0.75},
     "three quarters of each batch sampled from the teacher, lr 1.5e-5": {"generated": 0.75, "lr": 1.5e-5},
+    "half of each batch sampled from the teacher from a random first token": {"generated": 0.5, "generated_start": "random"},
     "half of each batch sampled from the teacher from a random first token, lr 1.5e-5": {
         "generated": 0.5,
         "generated_start": "random",
