@@ -151,21 +151,3 @@ def test_generated_windows_need_a_teacher():
     with pytest.raises(HeadlabError, match="sampled from the teacher"):
         uptrain(student, None, data="broad", steps=1, objective="ce", generated=0.5, seq_len=16, heldout_tokens=64,
                 eval_tokens=0, progress=False)  # fmt: skip
-
-
-def test_recover_generated_option_reaches_the_uptraining_config():
-    from headlab.cli._recovery import recovery_spec
-
-    base = dict(
-        stages="uptrain",
-        minutes=None,
-        steps=2,
-        lr=1e-4,
-        objective="kl",
-        parallel="data",
-        bf16=None,
-        generated_start="random",
-    )
-    assert recovery_spec({**base, "generated": 0.5}).uptrain.generated == 0.5
-    assert recovery_spec({**base, "generated": 0.0}).uptrain.generated == 0.0
-    assert recovery_spec({**base, "generated": 0.5}).uptrain.generated_start == "random"

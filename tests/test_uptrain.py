@@ -422,21 +422,17 @@ def test_bf16_autocast_by_default_where_bfloat16_products_are_native(monkeypatch
     assert default_bf16(torch.device("meta")) is False
 
 
-def test_recover_bf16_option_reaches_the_uptraining_config():
+def test_recover_bf16_and_generated_options_reach_the_uptraining_config():
     """--recover-bf16 / --no-recover-bf16 on prune, convert-gqa and convert-mla set UptrainConfig.bf16; without
-    either the default (None: default_bf16 of the device) stands."""
+    either the default (None: default_bf16 of the device) stands. --recover-generated and --recover-generated-start
+    set the sampled share and its start."""
     from headlab.cli._recovery import recovery_spec
 
-    base = dict(
-        stages="uptrain",
-        minutes=None,
-        steps=2,
-        lr=1e-4,
-        objective="kl",
-        parallel="data",
-        generated=0.0,
-        generated_start="bos",
-    )
+    base = dict(stages="uptrain", minutes=None, steps=2, lr=1e-4, objective="kl", parallel="data", bf16=None)
+    base |= dict(generated=0.0, generated_start="bos")
     assert recovery_spec({**base, "bf16": False}).uptrain.bf16 is False
     assert recovery_spec({**base, "bf16": True}).uptrain.bf16 is True
-    assert recovery_spec({**base, "bf16": None}).uptrain.bf16 is None
+    assert recovery_spec(base).uptrain.bf16 is None
+    sampled = recovery_spec({**base, "generated": 0.5, "generated_start": "random"}).uptrain
+    assert sampled.generated == 0.5 and sampled.generated_start == "random"
+    assert recovery_spec(base).uptrain.generated == 0.0
