@@ -25,11 +25,10 @@ import torch
 from headlab.core import distributed
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
+from headlab.measure.evaluate import _prefix_token
+from headlab.measure.stats import special_token_ids
 from headlab.recovery.choices import GENERATED_STARTS
 
-# How a sample begins: bos (the prefix token alone) or random (the prefix token, then a token drawn uniformly from the
-# vocabulary less special tokens, as LLM-QAT starts its samples)
-STARTS = GENERATED_STARTS
 SEED_OFFSET = 104729  # the samples' generator: the run's seed plus this (plus the rank under torchrun)
 # Windows sampled together: one prefill and seq_len - 1 cached decode steps for all of them. A decode step's cost is
 # mostly per-step overhead on a CPU: 6.1 ms a token at 32 windows, 4.2 at 64, 3.2 at 128 (the embedded model, 2 cores,
@@ -39,17 +38,19 @@ CHUNK = 128
 
 def prefix_token(tokenizer) -> int:
     """The token every sample starts from: BOS, else EOS (what headlab's perplexity puts before a text)."""
-    for token_id in (tokenizer.bos_token_id, tokenizer.eos_token_id):
-        if token_id is not None:
-            return int(token_id)
-    raise HeadlabError("sampling from the teacher needs a BOS or EOS token to start from; the tokenizer has neither")
+    token_id = _prefix_token(tokenizer)
+    if token_id is None:
+        raise HeadlabError(
+            "sampling from the teacher needs a BOS or EOS token to start from; the tokenizer has neither"
+        )
+    return token_id
 
 
 def ordinary_tokens(teacher: LoadedModel) -> torch.Tensor:
-    """The ids a random start draws from: the model's vocabulary less the tokenizer's special tokens."""
+    """The ids a random start draws from: the model's vocabulary less its special ids (special_token_ids)."""
     vocab = int(teacher.model.config.get_text_config().vocab_size)
     keep = torch.ones(vocab, dtype=torch.bool)
-    keep[[i for i in teacher.tokenizer.all_special_ids if i < vocab]] = False
+    keep[[i for i in special_token_ids(teacher) if 0 <= i < vocab]] = False
     return keep.nonzero().flatten()
 
 
@@ -67,8 +68,8 @@ def sample_windows(
     tokens before it (ancestral sampling, temperature 1)."""
     from transformers import DynamicCache  # start-up: transformers loads when sampling runs
 
-    if start not in STARTS:
-        raise HeadlabError(f"unknown start {start!r}; use one of {', '.join(STARTS)}")
+    if start not in GENERATED_STARTS:
+        raise HeadlabError(f"unknown start {start!r}; use one of {', '.join(GENERATED_STARTS)}")
     model, device = teacher.model, teacher.device
     ids = torch.full((count, 1), prefix_token(teacher.tokenizer), dtype=torch.long)
     if start == "random":  # LLM-QAT's first token: uniform over the vocabulary, so windows begin on every topic

@@ -118,7 +118,7 @@ class UptrainConfig:
     # temperature 1: text in the unedited model's own distribution, so that recovery also restores it where the
     # calibration corpus has no text (LLM-QAT's data-free distillation; headlab.recovery.teacher_samples).
     generated: float = 0.0
-    generated_start: str = "bos"  # bos | random: how each sample begins (headlab.recovery.teacher_samples.STARTS)
+    generated_start: str = "bos"  # bos | random: how each sample begins (choices.GENERATED_STARTS)
     trained: str = "attention"  # attention | norms (attention + every norm) | all
     objective: str = "kl"  # kl (to the teacher) | ce (next-token cross-entropy) | mixed | kl_layers
     ce_weight: float = 0.5  # mixed: (1 - w) KL + w CE
