@@ -14,6 +14,23 @@ from headlab.core.units import human_bytes
 from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LLAMACPP_TYPES
 
 
+class SmoothingAlpha(click.ParamType):
+    """A number in [0, 1] or "auto" (headlab.runtimes.smoothing.AUTO)."""
+
+    name = "[0..1|auto]"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, float) or value == "auto":
+            return value
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is None or not 0 <= number <= 1:
+            self.fail(f"{value!r} is not a number in [0, 1] or 'auto'", param, ctx)
+        return number
+
+
 @click.command("export-gguf")
 @model_options
 @data_options(default_split="eval", max_tokens=512, seq_len=256, batch_size=1)
@@ -57,10 +74,12 @@ from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LL
 )
 @click.option(
     "--smooth-alpha",
-    type=click.FloatRange(0, 1),
-    default=0.5,
+    type=SmoothingAlpha(),
+    default="0.5",
     show_default=True,
-    help="with --smooth: s = max|x|^alpha / max|W|^(1 - alpha); 0 leaves activations alone, 1 moves all their range",
+    help="with --smooth: s = max|x|^alpha / max|W|^(1 - alpha); 0 leaves activations alone, 1 moves all their range; "
+    "'auto' picks, for each feed-forward input, alpha 0, 0.25, ..., 1 or no rescaling by the error of llama.cpp's "
+    "rounded product on calibration tokens (q8_0, q5_0 and q4_0 files)",
 )
 @calibration_tokens_option(
     8192, "calibration tokens for --imatrix, --gptq or --smooth (windows of 512; one forward pass each)"
@@ -80,6 +99,10 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, 
     if out.is_dir():  # before loading: a folder is never replaced by a file
         raise HeadlabError(f"--out {out} is a directory; export-gguf writes one .gguf file")
     outtype = check_type(outtype, imatrix, gptq)
+    if smooth:
+        from headlab.runtimes.smoothing import check_alpha
+
+        check_alpha(smooth_alpha, outtype)
     missing = unavailable()
     if verify and missing:
         raise HeadlabError(f"--verify needs llama.cpp: {missing}")
@@ -149,6 +172,8 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, 
         low, high = smoothed["scale_range"]
         rows.append(("smoothing", f"SmoothQuant alpha {smoothed['alpha']} on {smoothed['blocks']} feed-forwards from "
                                   f"{smoothed['tokens']} calibration tokens; scales {low:.3g} to {high:.3g}"))  # fmt: skip
+        if smoothed.get("chosen_alpha"):
+            rows.append(("alphas chosen (inputs)", _alpha_counts(smoothed["chosen_alpha"])))
     rounded = quantization.get("gptq")
     if rounded:
         worst = rounded["worst_matrix"] or {}
@@ -168,3 +193,13 @@ def _counts(heads: list[int], kv_heads: list[int]) -> str:
     return f"{sum(heads)} / {sum(kv_heads)} in {len(heads)} layers: " + " ".join(
         f"{h}/{g}" for h, g in zip(heads, kv_heads)
     )
+
+
+def _alpha_counts(chosen: dict) -> str:
+    """"0.5: 31, none: 12, ..." over every feed-forward input of an 'auto' smoothing."""
+    counts: dict[str, int] = {}
+    for pair in chosen.values():
+        for alpha in pair:
+            label = "none" if alpha is None else f"{alpha:g}"
+            counts[label] = counts.get(label, 0) + 1
+    return ", ".join(f"{label}: {n}" for label, n in sorted(counts.items(), key=lambda item: -item[1]))

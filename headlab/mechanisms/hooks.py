@@ -79,6 +79,14 @@ def input_abs_max(loaded: LoadedModel, modules: dict, batches, *, progress: bool
     return _input_moments(loaded, modules, batches, "abs_max", progress, desc)
 
 
+def input_rows(loaded: LoadedModel, modules: dict, batches, *, limit: int, every: int = 4, progress: bool = False,
+               desc: str = "inputs"):  # fmt: skip
+    """({key: the inputs x of modules[key] at every `every`-th real (unpadded) token of each batch, at most `limit`
+    rows, as float32 [rows, features]}, and the number of tokens the pass read): samples of the inputs themselves,
+    for an error that is not a function of their moments (a rounding of the activations, headlab.runtimes.smoothing)."""
+    return _input_moments(loaded, modules, batches, "rows", progress, desc, limit=limit, every=every)
+
+
 def input_grams(loaded: LoadedModel, modules: dict, batches, *, progress: bool = False, desc: str = "inputs"):
     """({key: E[x x^T] over the real (unpadded) tokens of `batches`, x the first input of modules[key]} as float64
     tensors [features, features], and the number of tokens they average): the second moments GPTQ's objective
@@ -86,11 +94,12 @@ def input_grams(loaded: LoadedModel, modules: dict, batches, *, progress: bool =
     return _input_moments(loaded, modules, batches, "gram", progress, desc)
 
 
-def _input_moments(loaded: LoadedModel, modules: dict, batches, kind: str, progress: bool, desc: str):
+def _input_moments(loaded: LoadedModel, modules: dict, batches, kind: str, progress: bool, desc: str, *,
+                   limit: int = 0, every: int = 1):  # fmt: skip
     """One pass of the model with a pre-hook per module summing, in float64 over the real tokens, x_j^2 (kind
     "squares") or x x^T ("gram"), divided by their number at the end, or taking max_t |x_tj| ("abs_max"). Modules
     called in a row on the very same tensor (q, k and v; gate and up) share one sum: the moments are computed and held
-    once."""
+    once. Kind "rows" keeps the inputs themselves: every `every`-th real token of a batch, `limit` rows at most."""
     second = kind == "gram"
     sums: dict = {}
     shared: dict = {}  # key -> the key whose sum it shares
@@ -104,6 +113,13 @@ def _input_moments(loaded: LoadedModel, modules: dict, batches, kind: str, progr
                 return
             state["last"] = (x, key)
             mask = state["mask"].to(x.device, torch.float64)  # [B, T]
+            if kind == "rows":
+                held = sums.setdefault(key, [])
+                room = limit - sum(len(rows) for rows in held)
+                if room > 0:
+                    real = x.detach()[state["mask"].to(x.device).bool()][::every][:room]
+                    held.append(real.float().cpu())
+                return
             x = x.detach().double()
             if kind == "abs_max":  # padding reads as 0, below every real |x|
                 moment = (x.abs() * mask[..., None]).reshape(-1, x.shape[-1]).amax(0).cpu()
@@ -126,11 +142,15 @@ def _input_moments(loaded: LoadedModel, modules: dict, batches, kind: str, progr
             loaded.model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
     state["last"] = None
     tokens = max(state["tokens"], 1)
-    # in place: no second copy of the moments; maxima are not averaged
-    means = sums if kind == "abs_max" else {key: total.div_(tokens) for key, total in sums.items()}
+    # in place: no second copy of the moments; maxima and rows are not averaged
+    if kind == "rows":
+        means = {key: torch.cat(held) for key, held in sums.items()}
+    else:
+        means = sums if kind == "abs_max" else {key: total.div_(tokens) for key, total in sums.items()}
     out = {}
     for key, module in modules.items():  # a module that never ran reads as zeros of its (linear) width
         width = getattr(module, "in_features", 0)
-        empty = torch.zeros((width, width) if second else (width,), dtype=torch.float64)
+        shape = (0, width) if kind == "rows" else (width, width) if second else (width,)
+        empty = torch.zeros(shape, dtype=torch.float32 if kind == "rows" else torch.float64)
         out[key] = means.get(shared.get(key, key), empty)
     return out, state["tokens"]

@@ -47,7 +47,7 @@ from headlab.runtimes import llamacpp
 from headlab.runtimes.choices import DEFAULT_TYPE, GPTQ_TYPES, IMATRIX_TYPES, LLAMACPP_ALIASES, LLAMACPP_TYPES
 from headlab.runtimes.gptq import GptqRounding
 from headlab.runtimes.imatrix import input_mean_squares
-from headlab.runtimes.smoothing import DEFAULT_ALPHA, Smoothing, activation_smoothing
+from headlab.runtimes.smoothing import DEFAULT_ALPHA, Smoothing, activation_smoothing, check_alpha
 
 # Tensor types: the float ones are written by numpy; any other ggml type only if gguf.quants can quantize it.
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -751,7 +751,7 @@ def export_gguf(
     imatrix=None,
     gptq=None,
     smooth=None,
-    smooth_alpha: float = DEFAULT_ALPHA,
+    smooth_alpha: float | str = DEFAULT_ALPHA,
 ) -> dict:
     """Write `loaded` as a GGUF file at `out` atomically (a temporary file beside it, renamed at the end; see
     headlab.core.fsio.atomic_file: a second run writing `out` meanwhile is refused, and overwrite replaces only a GGUF
@@ -765,8 +765,8 @@ def export_gguf(
     importance matrix measured on them (`importance_matrix`). `gptq` (calibration batches; GPTQ_TYPES, or a llama.cpp
     type, whose recipe's matrices in those types are then rounded) rounds every matrix with a calibration input by
     GPTQ instead of to nearest (`gptq_rounding`). `smooth` (calibration batches) rescales every feed-forward's inputs
-    exactly so that llama.cpp's 8-bit activation rounding loses less (SmoothQuant with `smooth_alpha`:
-    headlab.runtimes.smoothing); the importance matrix and GPTQ then see the rescaled inputs. Returns what was
+    exactly so that llama.cpp's 8-bit activation rounding loses less (SmoothQuant with `smooth_alpha`, a number or
+    "auto", chosen per input on the file's simulated rounding: headlab.runtimes.smoothing); the importance matrix and GPTQ then see the rescaled inputs. Returns what was
     written.
     """
     out = Path(out)
@@ -775,6 +775,8 @@ def export_gguf(
         raise HeadlabError(f"out={out} is a directory; export-gguf writes one .gguf file")
     check_out(out, overwrite)  # before the work; atomic_file checks again when it starts writing
     outtype = check_type(outtype, imatrix is not None, gptq is not None)
+    if smooth is not None:
+        check_alpha(smooth_alpha, outtype)
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
@@ -789,7 +791,10 @@ def export_gguf(
         notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
                      "scale)")  # fmt: skip
 
-    smoothing = None if smooth is None else feed_forward_smoothing(loaded, items, smooth, smooth_alpha, progress)
+    smoothing = None
+    if smooth is not None:
+        qtypes = {name: qtype.name.lower() for name, qtype in types.items()}
+        smoothing = feed_forward_smoothing(loaded, items, smooth, smooth_alpha, progress, qtypes)
     smoothed = None if smoothing is None else smoothing.record()
     # GPTQ's matrices: for headlab's own types known now (moments measured before any writing), for a llama.cpp
     # file type only once its recipe has chosen (after the first quantization), so moments are measured for the
@@ -973,12 +978,15 @@ def calibrated_modules(loaded: LoadedModel, items: list, *, lookup_table: bool =
     return modules, without
 
 
-def feed_forward_smoothing(loaded: LoadedModel, items: list, batches, alpha: float, progress: bool = True):
+def feed_forward_smoothing(loaded: LoadedModel, items: list, batches, alpha, progress: bool = True,
+                           qtypes: dict[str, str] | None = None):  # fmt: skip
     """SmoothQuant's scales for every feed-forward in `items` (headlab.runtimes.smoothing.activation_smoothing), the
-    activation maxima read at the inputs of the transformers layers behind ffn_gate and ffn_down."""
+    activation maxima read at the inputs of the transformers layers behind ffn_gate and ffn_down (`qtypes`: the
+    types the tensors are written in, which alpha "auto" scores)."""
     tensors = {name: tensor for name, _, tensor in items}
     modules, _ = calibrated_modules(loaded, items)
-    return activation_smoothing(loaded, modules, items, lambda name: _resident(tensors[name]), batches, alpha, progress)
+    resident = lambda name: _resident(tensors[name])  # noqa: E731
+    return activation_smoothing(loaded, modules, items, resident, batches, alpha, progress, qtypes)
 
 
 def gptq_rounding(
