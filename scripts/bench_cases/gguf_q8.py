@@ -1,0 +1,82 @@
+"""Q8_0 files on more text: the gguf case's original, per-layer prune and MLA at the MQA budget, each exported as
+Q8_0 rounded to nearest, with `--smooth` (alpha 0.5) and with `--smooth --smooth-alpha auto`, scored by llama.cpp
+against transformers on 16,384 eval tokens and 16,384 held-out tokens (`speeches`). At q8_0 a file's distance is a
+few tenths of a percent, about the spread between roundings of one model on the gguf case's 4,096 tokens; four
+times the text resolves which rounding is better. HEADLAB_BENCH_GGUF_Q8_MODELS=<comma list of the gguf case's model
+numbers> (default 0,2,4)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.append(str(Path(__file__).resolve().parent))
+
+TITLE = "Q8_0 in llama.cpp on 16,384 tokens: round to nearest, SmoothQuant and its per-input alpha"
+MAX_TOKENS, SEQ_LEN = 16384, 256
+FILES = {"round to nearest": None, "--smooth": 0.5, "--smooth --smooth-alpha auto": "auto"}
+CALIBRATION_TOKENS = 8192  # export-gguf --calibration-tokens' default
+
+
+def run(args) -> dict:
+    import tempfile
+
+    from gguf import variants  # the gguf case's models
+
+    from headlab.core.data import calibration_batches
+    from headlab.core.loading import LoadedModel, from_model, load_model
+    from headlab.runtimes.gguf_export import export_gguf
+    from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable
+
+    missing = unavailable()
+    if missing:
+        return {"skipped": missing, "rows": []}
+    chosen = os.environ.get("HEADLAB_BENCH_GGUF_Q8_MODELS", "0,2,4").split(",")
+    rows = []
+    for index, (label, edit) in enumerate(variants(None)):
+        if str(index) not in chosen:
+            continue
+        loaded = load_model(None, device="cpu")
+        built = edit(loaded)
+        loaded = built if isinstance(built, LoadedModel) else loaded
+        loaded = from_model(loaded.model, loaded.tokenizer)
+        texts = {"eval": eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN),
+                 "speeches": eval_windows(loaded, "speeches", max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)}  # fmt: skip
+        batches = calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=CALIBRATION_TOKENS)
+        for name, alpha in FILES.items():
+            with tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp) / "m.gguf"
+                record = export_gguf(loaded, path, outtype="q8_0", progress=False,
+                                     smooth=None if alpha is None else batches, smooth_alpha=alpha or 0.5)  # fmt: skip
+                scores = {text: compare_logprobs(loaded, path, windows) for text, windows in texts.items()}
+            smoothing = record.get("smoothing") or {}
+            rows.append({"model": label, "file": name, "chosen_alpha": smoothing.get("chosen_alpha"),
+                         **{text: {key: score[key] for key in ("perplexity_transformers", "perplexity_llamacpp",
+                                                               "relative_difference", "scored_tokens")}
+                            for text, score in scores.items()}})  # fmt: skip
+            print(label, name, {text: f"{100 * s['relative_difference']:.3f}%" for text, s in scores.items()},
+                  flush=True)
+        del loaded
+    return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "calibration_tokens": CALIBRATION_TOKENS, "rows": rows}
+
+
+def markdown(r: dict) -> str:
+    if r.get("skipped"):
+        return f"Not measured: {r['skipped']}"
+    lines = [
+        f"`headlab export-gguf --outtype q8_0` with each rounding ({r['calibration_tokens']} calibration tokens of the "
+        f"default corpus for the smoothing); llama.cpp's perplexity over transformers' on the same tokens: the first "
+        f"{r['max_tokens']} tokens of the eval split and of the held-out `speeches` text, windows of {r['seq_len']}.",
+        "",
+        *([r["note"], ""] if r.get("note") else []),
+        "| model | file | eval: ppl transformers | eval: relative diff | speeches: ppl transformers | "
+        "speeches: relative diff |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for row in r["rows"]:
+        ev, held = row["eval"], row["speeches"]
+        lines.append(f"| {row['model']} | {row['file']} | {ev['perplexity_transformers']:.4f} | "
+                     f"{100 * ev['relative_difference']:+.3f}% | {held['perplexity_transformers']:.4f} | "
+                     f"{100 * held['relative_difference']:+.3f}% |")  # fmt: skip
+    return "\n".join(lines)
