@@ -8,10 +8,7 @@ numbers> (default 0,2,4)."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
-
-sys.path.append(str(Path(__file__).resolve().parent))
 
 TITLE = "Q8_0 in llama.cpp on 16,384 tokens: round to nearest, SmoothQuant and its per-input alpha"
 MAX_TOKENS, SEQ_LEN = 16384, 256
@@ -22,7 +19,8 @@ CALIBRATION_TOKENS = 8192  # export-gguf --calibration-tokens' default
 def run(args) -> dict:
     import tempfile
 
-    from gguf import variants  # the gguf case's models
+    from benchmark import load_case  # the gguf case by path: `import gguf` is the gguf package
+
 
     from headlab.core.data import calibration_batches
     from headlab.core.loading import LoadedModel, from_model, load_model
@@ -34,6 +32,7 @@ def run(args) -> dict:
         return {"skipped": missing, "rows": []}
     chosen = os.environ.get("HEADLAB_BENCH_GGUF_Q8_MODELS", "0,2,4").split(",")
     rows = []
+    variants = load_case(Path(__file__).resolve().parent / "gguf.py").variants  # the gguf case's models
     for index, (label, edit) in enumerate(variants(None)):
         if str(index) not in chosen:
             continue
