@@ -1,25 +1,28 @@
-"""Q8_0 files on more text: the gguf case's original, per-layer prune and MLA at the MQA budget, each exported as
-Q8_0 rounded to nearest, with `--smooth` (alpha 0.5) and with `--smooth --smooth-alpha auto`, scored by llama.cpp
-against transformers on 16,384 eval tokens and 16,384 held-out tokens (`speeches`). At q8_0 a file's distance is a
-few tenths of a percent, about the spread between roundings of one model on the gguf case's 4,096 tokens; four
-times the text resolves which rounding is better. HEADLAB_BENCH_GGUF_Q8_MODELS=<comma list of the gguf case's model
-numbers> (default 0,2,4)."""
+"""Quantized files on more text: the gguf case's original, per-layer prune and MLA at the MQA budget, each exported
+as Q8_0 rounded to nearest, with `--smooth` (alpha 0.5) and with `--smooth --smooth-alpha auto`, and as Q4_K_M with
+an importance matrix, scored by llama.cpp against transformers on 16,384 eval tokens and 16,384 held-out tokens
+(`speeches`). At q8_0 a file's distance is a few tenths of a percent, about the spread between roundings of one model
+on the gguf case's 4,096 tokens; four times the text resolves which rounding is better. HEADLAB_BENCH_GGUF_16K_MODELS=
+<comma list of the gguf case's model numbers> (default 0,2,4) and HEADLAB_BENCH_GGUF_16K_FILES=<comma list of FILES
+keys> run some only, keeping the saved rows of the others."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-TITLE = "Q8_0 in llama.cpp on 16,384 tokens: round to nearest, SmoothQuant and its per-input alpha"
+TITLE = "Quantized GGUF files in llama.cpp on 16,384 tokens: Q8_0 roundings (nearest, SmoothQuant, per-input alpha), Q4_K_M"
 MAX_TOKENS, SEQ_LEN = 16384, 256
-FILES = {"round to nearest": None, "--smooth": 0.5, "--smooth --smooth-alpha auto": "auto"}
+# file label -> (outtype, --imatrix, --smooth-alpha or None for no smoothing)
+FILES = {"q8_0": ("q8_0", False, None), "q8_0 --smooth": ("q8_0", False, 0.5),
+         "q8_0 --smooth --smooth-alpha auto": ("q8_0", False, "auto"), "q4_k_m --imatrix": ("q4_k_m", True, None)}
 CALIBRATION_TOKENS = 8192  # export-gguf --calibration-tokens' default
 
 
 def run(args) -> dict:
     import tempfile
 
-    from benchmark import load_case  # the gguf case by path: `import gguf` is the gguf package
+    from benchmark import load_case, saved_result  # the gguf case by path: `import gguf` is the gguf package
 
 
     from headlab.core.data import calibration_batches
@@ -30,9 +33,12 @@ def run(args) -> dict:
     missing = unavailable()
     if missing:
         return {"skipped": missing, "rows": []}
-    chosen = os.environ.get("HEADLAB_BENCH_GGUF_Q8_MODELS", "0,2,4").split(",")
-    rows = []
+    chosen = os.environ.get("HEADLAB_BENCH_GGUF_16K_MODELS", "0,2,4").split(",")
+    files = [name for name in os.environ.get("HEADLAB_BENCH_GGUF_16K_FILES", "").split(",") if name] or list(FILES)
     variants = load_case(Path(__file__).resolve().parent / "gguf.py").variants  # the gguf case's models
+    labels = [label for index, (label, _) in enumerate(variants(None)) if str(index) in chosen]
+    rows = [row for row in saved_result("gguf_16k").get("rows", [])
+            if not (row["model"] in labels and row["file"] in files)]  # fmt: skip
     for index, (label, edit) in enumerate(variants(None)):
         if str(index) not in chosen:
             continue
@@ -43,10 +49,12 @@ def run(args) -> dict:
         texts = {"eval": eval_windows(loaded, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN),
                  "speeches": eval_windows(loaded, "speeches", max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)}  # fmt: skip
         batches = calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=CALIBRATION_TOKENS)
-        for name, alpha in FILES.items():
+        for name in files:
+            outtype, weighted, alpha = FILES[name]
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "m.gguf"
-                record = export_gguf(loaded, path, outtype="q8_0", progress=False,
+                record = export_gguf(loaded, path, outtype=outtype, progress=False,
+                                     imatrix=batches if weighted else None,
                                      smooth=None if alpha is None else batches, smooth_alpha=alpha or 0.5)  # fmt: skip
                 scores = {text: compare_logprobs(loaded, path, windows) for text, windows in texts.items()}
             smoothing = record.get("smoothing") or {}
@@ -57,6 +65,8 @@ def run(args) -> dict:
             print(label, name, {text: f"{100 * s['relative_difference']:.3f}%" for text, s in scores.items()},
                   flush=True)
         del loaded
+    order = {label: index for index, (label, _) in enumerate(variants(None))}
+    rows.sort(key=lambda row: (order.get(row["model"], len(order)), list(FILES).index(row["file"])))
     return {"max_tokens": MAX_TOKENS, "seq_len": SEQ_LEN, "calibration_tokens": CALIBRATION_TOKENS, "rows": rows}
 
 
@@ -64,8 +74,8 @@ def markdown(r: dict) -> str:
     if r.get("skipped"):
         return f"Not measured: {r['skipped']}"
     lines = [
-        f"`headlab export-gguf --outtype q8_0` with each rounding ({r['calibration_tokens']} calibration tokens of the "
-        f"default corpus for the smoothing); llama.cpp's perplexity over transformers' on the same tokens: the first "
+        f"`headlab export-gguf --outtype TYPE` with each option ({r['calibration_tokens']} calibration tokens of the "
+        f"default corpus for the smoothing and the importance matrix); llama.cpp's perplexity over transformers' on the same tokens: the first "
         f"{r['max_tokens']} tokens of the eval split and of the held-out `speeches` text, windows of {r['seq_len']}.",
         "",
         *([r["note"], ""] if r.get("note") else []),
