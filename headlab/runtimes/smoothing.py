@@ -166,8 +166,10 @@ def activation_smoothing(loaded, modules: dict, items: list, weight, batches, al
     GGUF name -> the resident tensor). `alpha` "auto" (needs `qtypes`, {GGUF name: the type it is written in}) chooses
     each input's alpha, or none, by `chosen_scale` on inputs sampled in a second pass."""
     check_alpha(alpha)
+    if alpha == AUTO and qtypes is None:
+        raise ValueError("smoothing alpha 'auto' scores the file's rounding: pass the types it is written in (qtypes)")
     names = {name for name, _, _ in items}
-    feed_forward = FEED_FORWARD
+    feed_forward = FEED_FORWARD  # gate, up, down
     blocks = sorted({block for name in names if (block := _split(name)[0]) is not None})
     whole = [b for b in blocks if f"blk.{b}.ffn_norm.weight" in names
              and all(f"blk.{b}.{short}" in names and f"blk.{b}.{short}" in modules for short in feed_forward)]  # fmt: skip
@@ -188,10 +190,9 @@ def activation_smoothing(loaded, modules: dict, items: list, weight, batches, al
         else:
             if any(qtypes.get(f"blk.{b}.{short}") not in GRIDS for short in feed_forward):
                 continue  # a matrix that fell back to another type (a width no block divides): left unscaled
-            typed = lambda *pairs: [(w, qtypes[f"blk.{b}.{short}"]) for w, short in pairs]  # noqa: E731
-            s_in, a_in = chosen_scale(maxima[gate_input], rows[gate_input],
-                                      typed((gate, "ffn_gate.weight"), (up, "ffn_up.weight")))  # fmt: skip
-            s_mid, a_mid = chosen_scale(maxima[down_input], rows[down_input], typed((down, "ffn_down.weight")))
+            gate_type, up_type, down_type = (qtypes[f"blk.{b}.{short}"] for short in feed_forward)
+            s_in, a_in = chosen_scale(maxima[gate_input], rows[gate_input], [(gate, gate_type), (up, up_type)])
+            s_mid, a_mid = chosen_scale(maxima[down_input], rows[down_input], [(down, down_type)])
             chosen[b] = (a_in, a_mid)
         scales[b] = (s_in, s_mid)
     calibration = {"tokens": tokens, "text": batches.meta}

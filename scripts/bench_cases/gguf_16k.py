@@ -11,11 +11,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-TITLE = "Quantized GGUF files in llama.cpp on 16,384 tokens: Q8_0 roundings (nearest, SmoothQuant, per-input alpha), Q4_K_M"
+TITLE = (
+    "Quantized GGUF files in llama.cpp on 16,384 tokens: Q8_0 roundings (nearest, SmoothQuant, per-input alpha), Q4_K_M"
+)
 MAX_TOKENS, SEQ_LEN = 16384, 256
 # file label -> (outtype, --imatrix, --smooth-alpha or None for no smoothing)
-FILES = {"q8_0": ("q8_0", False, None), "q8_0 --smooth": ("q8_0", False, 0.5),
-         "q8_0 --smooth --smooth-alpha auto": ("q8_0", False, "auto"), "q4_k_m --imatrix": ("q4_k_m", True, None)}
+FILES = {
+    "q8_0": ("q8_0", False, None),
+    "q8_0 --smooth": ("q8_0", False, 0.5),
+    "q8_0 --smooth --smooth-alpha auto": ("q8_0", False, "auto"),
+    "q4_k_m --imatrix": ("q4_k_m", True, None),
+}
 CALIBRATION_TOKENS = 8192  # export-gguf --calibration-tokens' default
 
 
@@ -23,7 +29,6 @@ def run(args) -> dict:
     import tempfile
 
     from benchmark import load_case, saved_result  # the gguf case by path: `import gguf` is the gguf package
-
 
     from headlab.core.data import calibration_batches
     from headlab.core.loading import LoadedModel, from_model, load_model
@@ -62,8 +67,9 @@ def run(args) -> dict:
                          **{text: {key: score[key] for key in ("perplexity_transformers", "perplexity_llamacpp",
                                                                "relative_difference", "scored_tokens")}
                             for text, score in scores.items()}})  # fmt: skip
-            print(label, name, {text: f"{100 * s['relative_difference']:.3f}%" for text, s in scores.items()},
-                  flush=True)
+            print(
+                label, name, {text: f"{100 * s['relative_difference']:.3f}%" for text, s in scores.items()}, flush=True
+            )
         del loaded
     order = {label: index for index, (label, _) in enumerate(variants(None))}
     rows.sort(key=lambda row: (order.get(row["model"], len(order)), list(FILES).index(row["file"])))
