@@ -1,6 +1,6 @@
 """Quantized files on more text: the gguf case's original, per-layer prune and MLA at the MQA budget, each exported
 as Q8_0 rounded to nearest, with `--smooth` (alpha 0.5) and with `--smooth --smooth-alpha auto`, and as Q4_K_M with
-an importance matrix, scored by llama.cpp against transformers on 16,384 eval tokens and 16,384 held-out tokens
+an importance matrix (also with GPTQ rounding), scored by llama.cpp against transformers on 16,384 eval tokens and 16,384 held-out tokens
 (`speeches`). At q8_0 a file's distance is a few tenths of a percent, about the spread between roundings of one model
 on the gguf case's 4,096 tokens; four times the text resolves which rounding is better. HEADLAB_BENCH_GGUF_16K_MODELS=
 <comma list of the gguf case's model numbers> (default 0,2,4) and HEADLAB_BENCH_GGUF_16K_FILES=<comma list of FILES
@@ -15,12 +15,13 @@ TITLE = (
     "Quantized GGUF files in llama.cpp on 16,384 tokens: Q8_0 roundings (nearest, SmoothQuant, per-input alpha), Q4_K_M"
 )
 MAX_TOKENS, SEQ_LEN = 16384, 256
-# file label -> (outtype, --imatrix, --smooth-alpha or None for no smoothing)
+# file label -> (outtype, --imatrix, --gptq, --smooth-alpha or None for no smoothing)
 FILES = {
-    "q8_0": ("q8_0", False, None),
-    "q8_0 --smooth": ("q8_0", False, 0.5),
-    "q8_0 --smooth --smooth-alpha auto": ("q8_0", False, "auto"),
-    "q4_k_m --imatrix": ("q4_k_m", True, None),
+    "q8_0": ("q8_0", False, False, None),
+    "q8_0 --smooth": ("q8_0", False, False, 0.5),
+    "q8_0 --smooth --smooth-alpha auto": ("q8_0", False, False, "auto"),
+    "q4_k_m --imatrix": ("q4_k_m", True, False, None),
+    "q4_k_m --imatrix --gptq": ("q4_k_m", True, True, None),
 }
 CALIBRATION_TOKENS = 8192  # export-gguf --calibration-tokens' default
 
@@ -55,11 +56,12 @@ def run(args) -> dict:
                  "speeches": eval_windows(loaded, "speeches", max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)}  # fmt: skip
         batches = calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=CALIBRATION_TOKENS)
         for name in files:
-            outtype, weighted, alpha = FILES[name]
+            outtype, weighted, rounded, alpha = FILES[name]
             with tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp) / "m.gguf"
                 record = export_gguf(loaded, path, outtype=outtype, progress=False,
                                      imatrix=batches if weighted else None,
+                    gptq=batches if rounded else None,
                                      smooth=None if alpha is None else batches, smooth_alpha=alpha or 0.5)  # fmt: skip
                 scores = {text: compare_logprobs(loaded, path, windows) for text, windows in texts.items()}
             smoothing = record.get("smoothing") or {}
