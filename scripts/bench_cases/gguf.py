@@ -11,10 +11,9 @@ from __future__ import annotations
 
 TITLE = "GGUF export: llama.cpp perplexity against transformers on the same checkpoint (f32, Q8_0, Q4_K_M)"
 # Output types per model (by its number in `variants`); the others are exported in f32 only. "+imatrix": with
-# export-gguf --imatrix, "+gptq": with --gptq, "+smooth": with --smooth, "+smooth_auto": with --smooth
-# --smooth-alpha auto (each from IMATRIX_TOKENS of the default
+# export-gguf --imatrix, "+gptq": with --gptq, "+smooth": with --smooth (each from IMATRIX_TOKENS of the default
 # corpus's calibration part, windows of 512).
-QUANTIZED = ("f32", "q8_0", "q8_0+gptq", "q8_0+smooth", "q8_0+smooth_auto", "q4_k_m", "q4_k_m+imatrix", "q4_k_m+imatrix+gptq",
+QUANTIZED = ("f32", "q8_0", "q8_0+gptq", "q8_0+smooth", "q4_k_m", "q4_k_m+imatrix", "q4_k_m+imatrix+gptq",
              "q4_k_m+imatrix+smooth")
 OUTTYPES = {0: QUANTIZED, 2: QUANTIZED, 4: QUANTIZED, 5: QUANTIZED}  # the original, the per-layer prune (deci), MLA
 # (deepseek2), MLA after recovery
@@ -105,16 +104,14 @@ def run(args) -> dict:
             if types and name not in types:
                 continue
             outtype, *flags = name.split("+")
-            weighted, rounded = "imatrix" in flags, "gptq" in flags
-            smoothed = "smooth" in flags or "smooth_auto" in flags
-            alpha = "auto" if "smooth_auto" in flags else 0.5
+            weighted, rounded, smoothed = "imatrix" in flags, "gptq" in flags, "smooth" in flags
             batches = (
                 calibration_batches(loaded.tokenizer, seq_len=512, max_tokens=IMATRIX_TOKENS) if flags else None
             )
             with tempfile.TemporaryDirectory() as tmp:
                 record = export_gguf(loaded, Path(tmp) / "m.gguf", outtype=outtype, progress=False,
                                      imatrix=batches if weighted else None, gptq=batches if rounded else None,
-                                     smooth=batches if smoothed else None, smooth_alpha=alpha)  # fmt: skip
+                                     smooth=batches if smoothed else None)  # fmt: skip
                 result = compare_logprobs(loaded, Path(tmp) / "m.gguf", windows)
                 if outtype != "f32":  # every quantized file also on held-out text
                     held_out = held_out or eval_windows(loaded, HELD_OUT, max_tokens=MAX_TOKENS, seq_len=SEQ_LEN)
@@ -130,7 +127,6 @@ def run(args) -> dict:
                     "imatrix": weighted,
                     "gptq": rounded,
                     "smooth": smoothed,
-                    **({"smooth_alpha": alpha} if smoothed else {}),
                     "bytes": record["bytes"],
                     "tensor_type_counts": record["tensor_type_counts"],
                     "quantization": record["quantization"],
@@ -147,7 +143,6 @@ def run(args) -> dict:
 def _type_name(row: dict) -> str:
     """The row's QUANTIZED name ("q4_k_m+imatrix+gptq")."""
     flags = [flag for flag in ("imatrix", "gptq", "smooth") if row.get(flag)]
-    flags = [f"{flag}_auto" if flag == "smooth" and row.get("smooth_alpha") == "auto" else flag for flag in flags]
     return "+".join([row.get("outtype", "f32"), *flags])
 
 

@@ -61,7 +61,7 @@ def run(args) -> dict:
                 path = Path(tmp) / "m.gguf"
                 record = export_gguf(loaded, path, outtype=outtype, progress=False,
                                      imatrix=batches if weighted else None,
-                    gptq=batches if rounded else None,
+                                     gptq=batches if rounded else None,
                                      smooth=None if alpha is None else batches, smooth_alpha=alpha or 0.5)  # fmt: skip
                 scores = {text: compare_logprobs(loaded, path, windows) for text, windows in texts.items()}
             smoothing = record.get("smoothing") or {}
