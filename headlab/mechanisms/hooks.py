@@ -5,8 +5,8 @@ Sites: "attn_in" (the attention module's input, [B, T, C]) and "heads_out" (the 
 before the output projection, [B, T, H * D]), per attention layer; and the model-level "resid_final" (the residual
 stream entering the final norm, [B, T, C]), given the model in the layer's place; `module_hooks` takes modules
 directly. `fn(x)` sees the site's tensor; it returns None to leave it alone or a tensor of the same shape to replace
-it. Gates, compensation statistics, KV similarity, merge statistics, logit attribution, the GGUF importance matrix, GPTQ's moments
-and the smoothing's activation maxima and sampled inputs use it.
+it. Gates, compensation statistics, KV similarity, merge statistics, logit attribution, the GGUF importance matrix,
+GPTQ's moments and the smoothing's activation maxima and sampled inputs use it.
 """
 
 from __future__ import annotations
