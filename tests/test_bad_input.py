@@ -264,6 +264,11 @@ CASES = [
         ["prune", "--model", "{llama}", *M, *DATA, "--heads", "0:0", "--recover", "local", "--recover-minutes", "-3"],
         "--recover-minutes",
     ),
+    (  # a share of the batch that rounds to no window: the error names the option, not the config field
+        ["convert-gqa", "--model", "{mha}", *M, *DATA, "--kv-heads", "2", "--recover", "uptrain",
+         "--recover-generated", "0.1"],
+        "--recover-generated 0.1 of a batch",
+    ),  # fmt: skip
     # gqa-sweep
     (["gqa-sweep", "--model", "{gpt2}", *M, *DATA], "gpt2"),
     (["gqa-sweep", "--model", "{mha}", *M, *DATA, "--kv-heads", "3"], "3"),

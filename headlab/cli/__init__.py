@@ -103,6 +103,8 @@ LIBRARY_NAMES = {
     "lr": "recover_lr",
     "objective": "recover_objective",
     "parallel": "recover_parallel",
+    "generated": "recover_generated",
+    "generated_start": "recover_generated_start",
     "max_length": "seq_len",
     "groupings": "grouping",  # gqa-sweep's comma lists
     "pools": "pool",
