@@ -334,7 +334,7 @@ CASES = [
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "q8_0", "--imatrix", "--out", "g.gguf"], "drop --imatrix"),
     (["export-gguf", "--model", "{llama}", *M, "--outtype", "q4_1", "--gptq", "--out", "g.gguf"], "drop --gptq"),
     (["export-gguf", "--model", "{llama}", *M, "--smooth", "--smooth-alpha", "1.5", "--out", "g.gguf"], "--smooth-alpha"),
-    (["export-gguf", "--model", "{llama}", *M, "--smooth", "--smooth-alpha", "most", "--out", "g.gguf"], "--smooth-alpha"),
+    (["export-gguf", "--model", "{llama}", *M, "--smooth", "--smooth-alpha", "x", "--out", "g.gguf"], "--smooth-alpha"),
     (["export-gguf", "--model", "{llama}", *M, "--smooth", "--smooth-alpha", "auto", "--out", "g.gguf"], "not f16"),
     # speed
     (["speed", "{llama}", "--device", "cpu", "--contexts", "100", "--runtime", "transformers"], "maximum positions"),

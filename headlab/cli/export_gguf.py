@@ -93,6 +93,7 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, 
     # start-up: torch and gguf load when the command runs, not for --help
     from headlab.runtimes.gguf_export import check_type, export_gguf
     from headlab.runtimes.llamacpp import compare_logprobs, eval_windows, unavailable, window_length
+    from headlab.runtimes.smoothing import check_alpha
 
     # the one output guard: never onto, around or inside the model or the corpus it reads (symlinks resolved)
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
@@ -100,8 +101,6 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, 
         raise HeadlabError(f"--out {out} is a directory; export-gguf writes one .gguf file")
     outtype = check_type(outtype, imatrix, gptq)
     if smooth:
-        from headlab.runtimes.smoothing import check_alpha
-
         check_alpha(smooth_alpha, outtype)
     missing = unavailable()
     if verify and missing:

@@ -1,10 +1,10 @@
 """Quantized files on more text: the gguf case's original, per-layer prune and MLA at the MQA budget, each exported
 as Q8_0 rounded to nearest, with `--smooth` (alpha 0.5) and with `--smooth --smooth-alpha auto`, and as Q4_K_M with
-an importance matrix (also with GPTQ rounding), scored by llama.cpp against transformers on 16,384 eval tokens and 16,384 held-out tokens
-(`speeches`). At q8_0 a file's distance is a few tenths of a percent, about the spread between roundings of one model
-on the gguf case's 4,096 tokens; four times the text resolves which rounding is better. HEADLAB_BENCH_GGUF_16K_MODELS=
-<comma list of the gguf case's model numbers> (default 0,2,4) and HEADLAB_BENCH_GGUF_16K_FILES=<comma list of FILES
-keys> run some only, keeping the saved rows of the others."""
+an importance matrix (also with GPTQ rounding), scored by llama.cpp against transformers on 16,384 eval tokens and
+16,384 held-out tokens (`speeches`). At q8_0 a file's distance is a few tenths of a percent, about the spread between
+roundings of one model on the gguf case's 4,096 tokens; four times the text resolves which rounding is better.
+HEADLAB_BENCH_GGUF_16K_MODELS=<comma list of the gguf case's model numbers> (default 0,2,4) and
+HEADLAB_BENCH_GGUF_16K_FILES=<comma list of FILES keys> run some only, keeping the saved rows of the others."""
 
 from __future__ import annotations
 
@@ -83,7 +83,8 @@ def markdown(r: dict) -> str:
         return f"Not measured: {r['skipped']}"
     lines = [
         f"`headlab export-gguf --outtype TYPE` with each option ({r['calibration_tokens']} calibration tokens of the "
-        f"default corpus for the smoothing and the importance matrix); llama.cpp's perplexity over transformers' on the same tokens: the first "
+        "default corpus for the smoothing and the importance matrix); llama.cpp's perplexity over transformers' on "
+        "the same tokens: the first "
         f"{r['max_tokens']} tokens of the eval split and of the held-out `speeches` text, windows of {r['seq_len']}.",
         "",
         *([r["note"], ""] if r.get("note") else []),
