@@ -63,18 +63,24 @@ def q8_0_activations(x: torch.Tensor) -> torch.Tensor:
     return (levels * scale.half().to(x.dtype)).reshape(x.shape)
 
 
-def quantized_product_error(rows: torch.Tensor, weights: list[tuple[torch.Tensor, str]], scale: torch.Tensor | None):
+def exact_products(rows: torch.Tensor, weights: list[tuple[torch.Tensor, str]]) -> list[torch.Tensor]:
+    """x W^T in float64 for each (W, type): what every candidate scale's rounded product is compared with."""
+    return [rows.double() @ weight.double().T for weight, _ in weights]
+
+
+def quantized_product_error(rows: torch.Tensor, weights: list[tuple[torch.Tensor, str]], scale: torch.Tensor | None,
+                            exact: list[torch.Tensor] | None = None) -> float:  # fmt: skip
     """sum over (W, type) of ||Q8(x / s) Q(W diag(s))^T - x W^T||^2 / ||x W^T||^2 over the sampled inputs `rows`
     [tokens, in]: how far llama.cpp's product with the rescaled tensors lands from the exact one (scale None: no
-    rescaling)."""
+    rescaling; `exact`: exact_products of the same rows and weights, computed once for many scales)."""
     x = rows.double()
     inputs = q8_0_activations(x if scale is None else x / scale)
+    exact = exact_products(rows, weights) if exact is None else exact
     total = 0.0
-    for weight, qtype in weights:
-        exact = x @ weight.double().T
+    for (weight, qtype), product in zip(weights, exact):
         stored = weight if scale is None else weight.double() * scale
-        error = inputs @ round_to_nearest(stored, qtype).T - exact
-        total += float(error.square().sum() / exact.square().sum().clamp_min(1e-30))
+        error = inputs @ round_to_nearest(stored, qtype).T - product
+        total += float(error.square().sum() / product.square().sum().clamp_min(1e-30))
     return total
 
 
@@ -83,7 +89,8 @@ def chosen_scale(maxima: torch.Tensor, rows: torch.Tensor, weights: list[tuple[t
     the smallest quantized_product_error on `rows`."""
     matrices = [weight for weight, _ in weights]
     candidates = {None: None, **{alpha: smoothing_scale(maxima, matrices, alpha) for alpha in ALPHA_GRID}}
-    errors = {alpha: quantized_product_error(rows, weights, scale) for alpha, scale in candidates.items()}
+    exact = exact_products(rows, weights)
+    errors = {alpha: quantized_product_error(rows, weights, scale, exact) for alpha, scale in candidates.items()}
     best = min(errors, key=errors.get)
     scale = candidates[best]
     return (torch.ones_like(maxima, dtype=torch.float64) if scale is None else scale), best
