@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import click
 import pytest
 import torch
 from test_gguf import (
@@ -21,6 +22,7 @@ from test_gguf import (
 from test_gptq import _calibration
 from tiny_text import run_cli
 
+from headlab.cli.export_gguf import SmoothingAlpha
 from headlab.core.loading import from_model
 from headlab.mechanisms.hooks import input_abs_max, input_mean_squares
 from headlab.runtimes.gguf_export import _export_items, _gguf_names, calibrated_modules, importance_matrix, plan_export
@@ -225,3 +227,14 @@ def test_export_gguf_smooth_alpha_auto_on_the_command_line(tmp_path, capsys):
     code, out, err = run_cli([*f16, "--out", tmp_path / "f.gguf"], capsys)
     assert code == 2 and "'auto' scores the rounding of q8_0, q5_0, q4_0 files only, not f16" in err, err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "f.gguf").exists()
+
+
+@pytest.mark.parametrize(("given", "parsed"), [("auto", "auto"), ("AUTO", "auto"), (" Auto ", "auto"), ("0.25", 0.25)])
+def test_smooth_alpha_option_reads_auto_in_any_case_and_shows_it_as_written(given, parsed):
+    """--help shows the metavar `[0..1|auto]` as the option takes it (click would upper-case a type's name), and the
+    word is read in any case, like --outtype's llama.cpp types; numbers outside [0, 1] stay refused."""
+    alpha = SmoothingAlpha()
+    assert alpha.get_metavar(None) == "[0..1|auto]"
+    assert alpha.convert(given, None, None) == parsed
+    with pytest.raises(click.BadParameter):
+        alpha.convert("1.5", None, None)

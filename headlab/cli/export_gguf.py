@@ -19,9 +19,14 @@ class SmoothingAlpha(click.ParamType):
 
     name = "[0..1|auto]"
 
+    def get_metavar(self, param, ctx=None):  # click upper-cases `name` otherwise; ctx is absent before click 8.2
+        return self.name
+
     def convert(self, value, param, ctx):
-        if isinstance(value, float) or value == "auto":
+        if isinstance(value, float):
             return value
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
         try:
             number = float(value)
         except ValueError:
