@@ -29,6 +29,7 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from importlib import metadata
 from pathlib import Path
 
@@ -766,8 +767,8 @@ def export_gguf(
     type, whose recipe's matrices in those types are then rounded) rounds every matrix with a calibration input by
     GPTQ instead of to nearest (`gptq_rounding`). `smooth` (calibration batches) rescales every feed-forward's inputs
     exactly so that llama.cpp's 8-bit activation rounding loses less (SmoothQuant with `smooth_alpha`, a number or
-    "auto", chosen per input on the file's simulated rounding: headlab.runtimes.smoothing); the importance matrix and GPTQ then see the rescaled inputs. Returns what was
-    written.
+    "auto", chosen per input on the file's simulated rounding: headlab.runtimes.smoothing); the importance matrix and
+    GPTQ then see the rescaled inputs. Returns what was written.
     """
     out = Path(out)
     check_output_name(out)
@@ -815,15 +816,7 @@ def export_gguf(
     # replacing what appeared meanwhile, with the umask's permissions; a full disk is one line.
     with atomic_file(out, overwrite=overwrite) as tmp:
         if ftype is None:
-            quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
-            if quantization is not None and smoothed is not None:
-                quantization["smoothing"] = smoothed
-            if rounding is not None:
-                quantization["gptq"] = rounding.calibration
-            words = _calibration_words(quantization) if quantization else ""  # provenance only for calibrated files
-            write(tmp, f"headlab (gguf {quantization['gguf']}){words}" if words else None, rounding)
-            if rounding is not None:
-                quantization["gptq"] = rounding.record()
+            quantization = _write_by_headlab(tmp, write, outtype, smoothed, rounding)
         else:
             quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
                             **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
@@ -831,23 +824,12 @@ def export_gguf(
                 quantization["smoothing"] = smoothed
             overrides, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
             notes += overridden
-            with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
-                write(source, _provenance(quantization))
-                llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides, imatrix=weights)
-                if gptq is not None:  # the recipe's types known: its legacy-block matrices GPTQ-rounded, then again
-                    chosen = _matrix_types(tmp)
-                    rounding = gptq_rounding(loaded, items, chosen, gptq, progress, smoothing)
-                    quantization["gptq"] = rounding.calibration
-                    write(source, _provenance(quantization), rounding)
-                    llamacpp.quantize(source, tmp, ftype, quantization["nthread"], tensor_types=overrides,
-                                      imatrix=weights)  # fmt: skip
-                    if _matrix_types(tmp) != chosen:
-                        raise HeadlabError("llama.cpp's recipe chose other tensor types for the GPTQ-rounded file")
-                    kept = _written_as_given(source, tmp, list(rounding.errors))
-                    quantization["gptq"] = {**rounding.record(), "written_as_rounded": kept}
-                    if kept < len(rounding.errors):
-                        notes.append(f"llama.cpp rounded {len(rounding.errors) - kept} of the {len(rounding.errors)} "
-                                     "GPTQ-rounded matrices again (its importance-weighted scale search)")  # fmt: skip
+            recipe_gptq = None
+            if gptq is not None:
+                recipe_gptq = partial(
+                    gptq_rounding, loaded, items, batches=gptq, progress=progress, smoothing=smoothing
+                )
+            notes += _quantize_by_llamacpp(out, tmp, write, quantization, overrides, weights, recipe_gptq)
         stored, problem = _stored_types(tmp, outtype)
         if quantization is not None:
             quantization["fallback_matrices"] = stored["fallbacks"]
@@ -859,6 +841,49 @@ def export_gguf(
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
+
+
+def _write_by_headlab(tmp: Path, write, outtype: str, smoothed: dict | None, rounding) -> dict | None:
+    """headlab writes `tmp` in `outtype` itself (float, or the gguf package's quantizers, GPTQ-rounded with
+    `rounding`); returns the quantization record (None for a float type)."""
+    quantization = None if outtype in FLOAT_TYPES else {"by": "gguf", "gguf": _package_version("gguf")}
+    if quantization is not None and smoothed is not None:
+        quantization["smoothing"] = smoothed
+    if rounding is not None:
+        quantization["gptq"] = rounding.calibration
+    words = _calibration_words(quantization) if quantization else ""  # provenance only for calibrated files
+    write(tmp, f"headlab (gguf {quantization['gguf']}){words}" if words else None, rounding)
+    if rounding is not None:
+        quantization["gptq"] = rounding.record()
+    return quantization
+
+
+def _quantize_by_llamacpp(out: Path, tmp: Path, write, quantization: dict, overrides, weights, gptq) -> list[str]:
+    """llama.cpp's quantizer writes `tmp` from an f32 file `write` puts beside `out` (removed at the end). With `gptq`
+    (the recipe's {name: type} -> a GptqRounding) the f32 file is written again with the matrices the recipe puts in
+    legacy blocks GPTQ-rounded, and quantized again. Fills `quantization`'s record; returns notes for the user."""
+    notes = []
+    with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
+        write(source, _provenance(quantization))
+        llamacpp.quantize(source, tmp, quantization["ftype"], quantization["nthread"], tensor_types=overrides,
+                          imatrix=weights)  # fmt: skip
+        if gptq is None:
+            return notes
+        # The recipe's types are known only now: its legacy-block matrices GPTQ-rounded, then quantized again
+        chosen = _matrix_types(tmp)
+        rounding = gptq(chosen)
+        quantization["gptq"] = rounding.calibration
+        write(source, _provenance(quantization), rounding)
+        llamacpp.quantize(source, tmp, quantization["ftype"], quantization["nthread"], tensor_types=overrides,
+                          imatrix=weights)  # fmt: skip
+        if _matrix_types(tmp) != chosen:
+            raise HeadlabError("llama.cpp's recipe chose other tensor types for the GPTQ-rounded file")
+        kept = _written_as_given(source, tmp, list(rounding.errors))
+        quantization["gptq"] = {**rounding.record(), "written_as_rounded": kept}
+        if kept < len(rounding.errors):
+            notes.append(f"llama.cpp rounded {len(rounding.errors) - kept} of the {len(rounding.errors)} "
+                         "GPTQ-rounded matrices again (its importance-weighted scale search)")  # fmt: skip
+    return notes
 
 
 def _export_items(loaded: LoadedModel, plan: ExportPlan, config) -> list[tuple]:
