@@ -216,6 +216,34 @@ def test_measured_rope_dim_search_uses_calibration(text):
     assert record["plan"]["rope_dim"] == best["rope_dim"] and record["plan"]["rope_choice"] == "measured"
 
 
+def test_measured_split_also_measures_the_key_weight(text):
+    """Under a budget the latent metric's key weight is tried at every KEY_WEIGHTS entry with the chosen split (its
+    weight 1 the split search's own build) and the lowest calibration NLL kept; given numbers keep weight 1."""
+    loaded = loaded_tiny("llama")
+    _, record = converted(loaded, text, budget="mqa")
+    tried = record["key_weight_search"]
+    assert sorted(t["key_weight"] for t in tried) == sorted(mla.KEY_WEIGHTS)
+    split = [t for t in record["rope_dim_search"] if t["rope_dim"] == record["plan"]["rope_dim"]][0]
+    assert [t["calibration_nll"] for t in tried if t["key_weight"] == 1.0] == [split["calibration_nll"]]
+    best = min(tried, key=lambda t: t["calibration_nll"])
+    assert record["plan"]["key_weight"] == best["key_weight"]
+    assert record["calibration_nll_after"] == pytest.approx(best["calibration_nll"], rel=1e-6)
+    _, given = converted(loaded, text, kv_lora_rank=16, rope_dim=16)
+    assert "key_weight_search" not in given and given["plan"]["key_weight"] == 1.0
+
+
+def test_key_weight_scales_the_equal_energy_balance():
+    """beta = key_weight x E_v / E_k (equal relative energy at 1), read back from the layer's record."""
+    loaded = loaded_tiny("llama")
+    plan = mla.plan_mla(loaded, kv_lora_rank=16, rope_dim=16)
+    w = loaded.adapter.read(loaded.layers[0])
+    x = torch.randn(65, 200, dtype=torch.float64)
+    gram = x @ x.T
+    equal = mla.convert_layer(w, gram, plan).balance
+    quarter = mla.convert_layer(w, gram, mla._replace(plan, key_weight=0.25)).balance
+    assert quarter == pytest.approx(0.25 * equal, rel=1e-12) and equal > 0
+
+
 @pytest.mark.parametrize(
     ("written", "parsed"),
     [("gqa", "gqa"), ("MQA", "mqa"), ("48", 48), ("0.125", 0.125), ("12.5%", 0.125), ("1", 1.0), (" 100% ", 1.0)],

@@ -96,9 +96,10 @@ def print_summary(record: dict) -> None:
     from headlab.recovery.recover import describe_stop
 
     plan = record["plan"]
+    weight = f"; key weight {plan['key_weight']:g} measured" if "key_weight_search" in record else ""
     rows = [
         ("MLA layout", f"latent {plan['kv_lora_rank']} + rope {plan['rope_dim']} per token per layer "
-                       f"(full rank {plan['full_rank']}; rope dim {plan['rope_choice']})"),
+                       f"(full rank {plan['full_rank']}; rope dim {plan['rope_choice']}{weight})"),
     ]  # fmt: skip
     if plan.get("q_lora_rank") is not None:
         rows.append(("query", f"low rank {plan['q_lora_rank']} (q_a -> q_b)"))
@@ -113,6 +114,8 @@ def print_summary(record: dict) -> None:
         rows.append(
             (f"  tried {tried['kv_lora_rank']}+{tried['rope_dim']}", f"calibration NLL {tried['calibration_nll']:.4f}")
         )
+    for tried in record.get("key_weight_search", []):
+        rows.append((f"  key weight {tried['key_weight']:g}", f"calibration NLL {tried['calibration_nll']:.4f}"))
     before, after = record.get("perplexity_before"), record.get("perplexity_after")
     if before and after:
         rows.append(("perplexity", f"{before['perplexity']:.4f} -> {after['perplexity']:.4f}"))

@@ -16,7 +16,8 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    the residual key (D dims).
 2. Latent: [k_nope; v] (2GD rows, a linear map A of the layer input x) is reduced-rank regressed onto kv_lora_rank
    latent dims under a metric B = blockdiag(beta * sum_h E[q_h q_h^T], sum_h W_o[h]^T W_o[h]) (query-aware keys,
-   output-aware values; beta balances the two, equal relative energy), calibrated on the input Gram Sigma = E[x x^T]:
+   output-aware values; beta balances the two: equal relative energy times the plan's key weight, measured with a
+   measured split), calibrated on the input Gram Sigma = E[x x^T]:
    latent = U^T B^{1/2} A, decode = B^{-1/2} U, U = top eigenvectors of B^{1/2} A Sigma A^T B^{1/2}. Exact at
    full rank (2GD - rope_dim). Each latent dim is then scaled to unit calibration mean square (lam_i / N), the
    decode taking the inverse, so a quantized KV cache sharing one scale per token keeps the weak dims.
@@ -76,6 +77,11 @@ FOLD_TOLERANCE = 1e-7
 RIDGE = 1e-8
 # Rope dims tried for a budget below full rank: this many of rd, rd/2, rd/4, ... (the largest that leave a latent).
 AUTO_ROPE_CANDIDATES = 3
+# Key weights the measured split is also tried with (multiples of equal relative energy), lowest calibration NLL kept.
+# Below full rank the latent serves keys and values together; equal relative energy over-weights keys: on the
+# embedded model at the MQA budget 0.5 lowers calibration NLL 4.114 -> 4.085, 0.1 gives 4.109, 4 is far worse
+# (docs/mla.md, "Budgets").
+KEY_WEIGHTS = (1.0, 0.5, 0.25)
 # RoPE types whose kept frequencies and magnitude deepseek_v3's rotary embedding reproduces exactly (mla_rope_parameters).
 MLA_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Largest relative difference allowed between the source's kept inverse frequencies and the converted model's: float32
@@ -100,6 +106,9 @@ class MlaPlan:
     rope_choice: str = "given"  # given, full (every frequency, latent at full rank) or measured (on calibration)
     q_bias: bool = False  # the source has a query bias: the q_lora path carries it
     q_lora_rank: int | None = None  # a low-rank query (q_a: C -> q_lora_rank, q_b: -> H (D + r)); None: full rank
+    # The latent metric's key weight as a multiple of equal relative energy (step 2 of the module doc); 1 unless the
+    # split was measured, when convert_to_mla also measures it among KEY_WEIGHTS
+    key_weight: float = 1.0
 
     @property
     def full_rank(self) -> int:
@@ -609,7 +618,7 @@ def convert_layer(
             for g in range(G)
         )
         # A side with (numerically) nothing to keep, as the residual keys of an MQA source, leaves the metric as is.
-        balance = e_v / e_k if min(e_k, e_v) > 1e-12 * max(e_k, e_v) else 1.0
+        balance = plan.key_weight * e_v / e_k if min(e_k, e_v) > 1e-12 * max(e_k, e_v) else 1.0
     blocks = [_ridged(b) for b in (*(balance * key_metric), *value_metric)]  # B = blockdiag(blocks), per block
     encode, decode_all, lam, energy_kept = _reduced_rank(A, SA, blocks, R)  # [R, C+1], [2GD, R]
     # Latent dim i has calibration mean square lam_i / N, and the eigenvalues fall by orders of magnitude: a quantized
@@ -1146,6 +1155,10 @@ def _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_
     multipliers = all_qk_norm_multipliers(loaded, grams)
     if plan.rope_choice == "measured":
         plan, record["rope_dim_search"] = _search_rope_dim(loaded, plan, grams, phases, multipliers, batches, pre_norm)
+        if plan.kv_lora_rank < plan.full_rank:  # at full rank the latent is exact whatever its metric
+            plan, record["key_weight_search"] = _search_key_weight(
+                loaded, plan, record["rope_dim_search"], grams, phases, multipliers, batches, pre_norm
+            )
     mla = build_mla(loaded, plan, grams, phases, progress, qk_multipliers=multipliers, pre_norm=pre_norm)
     nll = calibration_nll(mla.model, batches, device)
     steps = {}
@@ -1260,6 +1273,23 @@ def _search_rope_dim(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipli
         del model
     best = min(tried, key=lambda t: t["calibration_nll"])
     return _replace(plan, rope_dim=best["rope_dim"], kv_lora_rank=best["kv_lora_rank"]), tried
+
+
+def _search_key_weight(loaded: LoadedModel, plan: MlaPlan, rope_tried: list, grams, phases, multipliers, batches,
+                       pre_norm=None):  # fmt: skip
+    """(plan with the KEY_WEIGHTS entry of lowest calibration NLL for its split, every weight tried with its NLL); the
+    weight 1 of the split is the rope-dim search's own build, not built again."""
+    same_split = [t for t in rope_tried if (t["rope_dim"], t["kv_lora_rank"]) == (plan.rope_dim, plan.kv_lora_rank)]
+    tried = [{"key_weight": plan.key_weight, "calibration_nll": same_split[0]["calibration_nll"]}] if same_split else []
+    for weight in KEY_WEIGHTS:
+        if any(t["key_weight"] == weight for t in tried):
+            continue
+        candidate = _replace(plan, key_weight=weight)
+        model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers, pre_norm=pre_norm).model
+        tried.append({"key_weight": weight, "calibration_nll": calibration_nll(model, batches, loaded.device)})
+        del model
+    best = min(tried, key=lambda t: t["calibration_nll"])
+    return _replace(plan, key_weight=best["key_weight"]), tried
 
 
 @takes_text(split="eval", seq_len=512, batch_size=1, max_tokens=2048)

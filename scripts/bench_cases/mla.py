@@ -45,17 +45,24 @@ def run(args) -> dict:
     points = []
     targets = [("gqa", mla.plan_mla(source, "gqa"))]
     targets += [("mqa", mla.plan_mla(source, kv_lora_rank=r, rope_dim=d)) for r, d in MQA_SPLITS]
+    # the latent metric's other key weights (mla.KEY_WEIGHTS), for the split --budget mqa picks at weight 1
+    first = mla.plan_mla(source, kv_lora_rank=MQA_SPLITS[0][0], rope_dim=MQA_SPLITS[0][1])
+    targets += [("mqa", mla._replace(first, key_weight=w)) for w in mla.KEY_WEIGHTS if w != 1.0]
     for budget, plan in targets:
         start = time.perf_counter()
         converted = mla.build_mla(source, plan, grams, phases)
         seconds = time.perf_counter() - start
         points.append({"budget": budget, "kv_lora_rank": plan.kv_lora_rank, "rope_dim": plan.rope_dim,
-                       "numbers": plan.cache_numbers, "build_seconds": seconds,
+                       "key_weight": plan.key_weight, "numbers": plan.cache_numbers, "build_seconds": seconds,
                        "calibration_nll": mla.calibration_nll(converted.model, batches, source.device),
                        "perplexity": ppl(converted), "domains": domain_ppl(converted)})  # fmt: skip
         del converted
     mqa = [p for p in points if p["budget"] == "mqa"]
-    result["mqa_rule_pick"] = min(mqa, key=lambda p: p["calibration_nll"])["rope_dim"]  # what --budget mqa picks
+    # what --budget mqa picks: the split of lowest calibration NLL at key weight 1, then that split's best weight
+    split = min((p for p in mqa if p.get("key_weight", 1.0) == 1.0), key=lambda p: p["calibration_nll"])["rope_dim"]
+    result["mqa_rule_pick"] = split
+    result["mqa_rule_key_weight"] = min((p for p in mqa if p["rope_dim"] == split),
+                                        key=lambda p: p["calibration_nll"])["key_weight"]  # fmt: skip
     result["mla"] = points
     for method in ("svd", "mean"):
         merged = load_model(None, device=args.device)
@@ -94,9 +101,12 @@ def markdown(r: dict) -> str:
         f"| original GQA, 3 KV heads | 384 | {r['original']:.2f} | {cells(r.get('original_domains'))}| |",
     ]
     for p in r["mla"]:
-        pick = " (rule's pick)" if p["budget"] == "mqa" and p["rope_dim"] == r["mqa_rule_pick"] else ""
+        weight = p.get("key_weight", 1.0)  # results from before the key-weight search have weight 1 only
+        picked = (p["rope_dim"], weight) == (r["mqa_rule_pick"], r.get("mqa_rule_key_weight", 1.0))
+        pick = " (rule's pick)" if p["budget"] == "mqa" and picked else ""
+        keyed = "" if weight == 1.0 else f", key weight {weight:g}"
         lines.append(
-            f"| MLA {p['kv_lora_rank']} + {p['rope_dim']}, {p['budget'].upper()} budget{pick} | {p['numbers']} | "
+            f"| MLA {p['kv_lora_rank']} + {p['rope_dim']}{keyed}, {p['budget'].upper()} budget{pick} | {p['numbers']} | "
             f"{p['perplexity']:.2f} | {cells(p.get('domains'))}{p['calibration_nll']:.4f} | {p['build_seconds']:.0f} |"
         )
     lines += [
@@ -105,7 +115,9 @@ def markdown(r: dict) -> str:
         f"| MQA, mean pool (`convert-gqa --kv-heads 1`) | 128 | {r['gqa_mean']:.2f} | "
         f"{cells(r.get('gqa_mean_domains'))}| {r['gqa_mean_seconds']:.0f} |",
         "",
-        "`--budget mqa` picks the split with the lowest calibration NLL (never the eval split); its pick is marked. "
+        "`--budget mqa` picks the split with the lowest calibration NLL (never the eval split), then that split's key "
+        "weight of the latent metric (1, 0.5, 0.25: multiples of equal relative energy) the same way; its pick is "
+        "marked. "
         "Reproduce: `python scripts/benchmark.py --case mla`.",
     ]
     return "\n".join(lines)
