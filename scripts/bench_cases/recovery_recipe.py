@@ -37,6 +37,9 @@ RECIPES = {
         "generated_start": "random",
         "lr": 1.5e-5,
     },
+    # RecoverySpec fields (the stages and local reconstruction's data) under "spec"; the rest are UptrainConfig's
+    "uptraining alone (no local reconstruction)": {"spec": {"stages": ["uptrain"]}},
+    "local reconstruction on 16,384 tokens": {"spec": {"local_tokens": 16384}},
 }
 CHOSEN = [name for name in os.environ.get("HEADLAB_BENCH_RECIPES", "").split(";") if name] or list(RECIPES)
 THREADS = int(os.environ.get("HEADLAB_BENCH_RECIPE_THREADS", 0)) or None  # torch threads per row (default: all)
@@ -67,13 +70,14 @@ def run(args) -> dict:
         edited = _edited(MODEL, teacher, corpora["broad"], torch.device(args.device))
         before = perplexities(edited, corpora)
         start = time.perf_counter()
-        record = recover(edited, teacher, RecoverySpec(uptrain=UptrainConfig(**RECIPES[name])), data=corpora["broad"],
-                         progress=False)  # fmt: skip
+        overrides = dict(RECIPES[name])
+        spec = RecoverySpec(**overrides.pop("spec", {}), uptrain=UptrainConfig(**overrides))
+        record = recover(edited, teacher, spec, data=corpora["broad"], progress=False)
         seconds = time.perf_counter() - start
         up = record["uptrain"]
         rows.append({"recipe": name, "model": MODEL, "overrides": RECIPES[name], "before": before, "after": perplexities(edited, corpora),
                      "passkey": retrieval(edited)["passkey"], "seconds": seconds, "kept_step": up["kept_step"],
-                     "steps": up["steps_run"], "local_kept": record["local"]["kept"],
+                     "steps": up["steps_run"], "local_kept": record.get("local", {}).get("kept"),
                      "bf16": up.get("bf16_autocast"), "generated": up["calibration"].get("generated")})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
         del edited
@@ -96,7 +100,8 @@ def markdown(r: dict) -> str:
         lines[1:1] = ["", r["note"]]
     for row in r["rows"]:
         ratios = ", ".join(f"{row['after'][d] / row['before'][d]:.3f}" for d in ("speeches", "encyclopedia"))
-        setting = ", ".join(f"`{k}={v}`" for k, v in row["overrides"].items()) or "-"
+        flat = {**row["overrides"].get("spec", {}), **{k: v for k, v in row["overrides"].items() if k != "spec"}}
+        setting = ", ".join(f"`{k}={v}`" for k, v in flat.items()) or "-"
         model = "" if row.get("model", "svd") == "svd" else f"{MODELS[row['model']]}: "
         lines.append(
             f"| {model}{row['recipe']} | {setting} | " + " | ".join(f"{row['after'][d]:.2f}" for d in domains)
