@@ -16,8 +16,8 @@ Per layer (H query heads, G KV heads, head dim D, rotary dims rd in rotate_half 
    the residual key (D dims).
 2. Latent: [k_nope; v] (2GD rows, a linear map A of the layer input x) is reduced-rank regressed onto kv_lora_rank
    latent dims under a metric B = blockdiag(beta * sum_h E[q_h q_h^T], sum_h W_o[h]^T W_o[h]) (query-aware keys,
-   output-aware values; beta balances the two: equal relative energy times the plan's key weight, measured with a
-   measured split), calibrated on the input Gram Sigma = E[x x^T]:
+   output-aware values; beta balances the two: equal relative energy times the plan's key weight, measured along
+   with the split when the split is measured), calibrated on the input Gram Sigma = E[x x^T]:
    latent = U^T B^{1/2} A, decode = B^{-1/2} U, U = top eigenvectors of B^{1/2} A Sigma A^T B^{1/2}. Exact at
    full rank (2GD - rope_dim). Each latent dim is then scaled to unit calibration mean square (lam_i / N), the
    decode taking the inverse, so a quantized KV cache sharing one scale per token keeps the weak dims.
@@ -80,7 +80,7 @@ AUTO_ROPE_CANDIDATES = 3
 # Key weights the measured split is also tried with (multiples of equal relative energy), lowest calibration NLL kept.
 # Below full rank the latent serves keys and values together; equal relative energy over-weights keys: on the
 # embedded model at the MQA budget 0.5 lowers calibration NLL 4.114 -> 4.085, 0.1 gives 4.109, 4 is far worse
-# (docs/mla.md, "Budgets").
+# (docs/mla.md, "The latent's key weight").
 KEY_WEIGHTS = (1.0, 0.5, 0.25)
 # RoPE types whose kept frequencies and magnitude deepseek_v3's rotary embedding reproduces exactly (mla_rope_parameters).
 MLA_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -1156,8 +1156,9 @@ def _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_
     if plan.rope_choice == "measured":
         plan, record["rope_dim_search"] = _search_rope_dim(loaded, plan, grams, phases, multipliers, batches, pre_norm)
         if plan.kv_lora_rank < plan.full_rank:  # at full rank the latent is exact whatever its metric
+            nll_split = min(t["calibration_nll"] for t in record["rope_dim_search"])  # the chosen split's
             plan, record["key_weight_search"] = _search_key_weight(
-                loaded, plan, record["rope_dim_search"], grams, phases, multipliers, batches, pre_norm
+                loaded, plan, nll_split, grams, phases, multipliers, batches, pre_norm
             )
     mla = build_mla(loaded, plan, grams, phases, progress, qk_multipliers=multipliers, pre_norm=pre_norm)
     nll = calibration_nll(mla.model, batches, device)
@@ -1265,31 +1266,30 @@ def _parameter_count(model: nn.Module) -> int:
 
 def _search_rope_dim(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipliers, batches, pre_norm=None):
     """(the candidate of auto_rope_dims(plan) with the lowest calibration NLL, every candidate tried with its NLL)."""
-    tried = []
-    for candidate in auto_rope_dims(plan):
-        model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers, pre_norm=pre_norm).model
-        tried.append({"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
-                      "calibration_nll": calibration_nll(model, batches, loaded.device)})  # fmt: skip
-        del model
+    tried = [{"rope_dim": candidate.rope_dim, "kv_lora_rank": candidate.kv_lora_rank,
+              "calibration_nll": _candidate_nll(loaded, candidate, grams, phases, multipliers, batches, pre_norm)}
+             for candidate in auto_rope_dims(plan)]  # fmt: skip
     best = min(tried, key=lambda t: t["calibration_nll"])
     return _replace(plan, rope_dim=best["rope_dim"], kv_lora_rank=best["kv_lora_rank"]), tried
 
 
-def _search_key_weight(loaded: LoadedModel, plan: MlaPlan, rope_tried: list, grams, phases, multipliers, batches,
+def _search_key_weight(loaded: LoadedModel, plan: MlaPlan, nll: float, grams, phases, multipliers, batches,
                        pre_norm=None):  # fmt: skip
-    """(plan with the KEY_WEIGHTS entry of lowest calibration NLL for its split, every weight tried with its NLL); the
-    weight 1 of the split is the rope-dim search's own build, not built again."""
-    same_split = [t for t in rope_tried if (t["rope_dim"], t["kv_lora_rank"]) == (plan.rope_dim, plan.kv_lora_rank)]
-    tried = [{"key_weight": plan.key_weight, "calibration_nll": same_split[0]["calibration_nll"]}] if same_split else []
-    for weight in KEY_WEIGHTS:
-        if any(t["key_weight"] == weight for t in tried):
-            continue
+    """(plan with the KEY_WEIGHTS entry of lowest calibration NLL for its split, every weight tried with its NLL);
+    `nll`: the plan's own, measured by the rope-dim search, so its weight is not built again."""
+    tried = [{"key_weight": plan.key_weight, "calibration_nll": nll}]
+    for weight in (w for w in KEY_WEIGHTS if w != plan.key_weight):
         candidate = _replace(plan, key_weight=weight)
-        model = build_mla(loaded, candidate, grams, phases, qk_multipliers=multipliers, pre_norm=pre_norm).model
-        tried.append({"key_weight": weight, "calibration_nll": calibration_nll(model, batches, loaded.device)})
-        del model
+        nll = _candidate_nll(loaded, candidate, grams, phases, multipliers, batches, pre_norm)
+        tried.append({"key_weight": weight, "calibration_nll": nll})
     best = min(tried, key=lambda t: t["calibration_nll"])
     return _replace(plan, key_weight=best["key_weight"]), tried
+
+
+def _candidate_nll(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipliers, batches, pre_norm=None) -> float:
+    """Calibration NLL of `plan` built in memory (the model dropped on return): one candidate of a measured choice."""
+    model = build_mla(loaded, plan, grams, phases, qk_multipliers=multipliers, pre_norm=pre_norm).model
+    return calibration_nll(model, batches, loaded.device)
 
 
 @takes_text(split="eval", seq_len=512, batch_size=1, max_tokens=2048)
