@@ -1154,12 +1154,8 @@ def _convert(loaded, plan, batches, progress, grams, mean_rotation, phases, pre_
     # one H x D x C^2 pass per layer: computed once for every build below (the rope-dim search builds up to five)
     multipliers = all_qk_norm_multipliers(loaded, grams)
     if plan.rope_choice == "measured":
-        plan, record["rope_dim_search"] = _search_rope_dim(loaded, plan, grams, phases, multipliers, batches, pre_norm)
-        if plan.kv_lora_rank < plan.full_rank:  # at full rank the latent is exact whatever its metric
-            nll_split = min(t["calibration_nll"] for t in record["rope_dim_search"])  # the chosen split's
-            plan, record["key_weight_search"] = _search_key_weight(
-                loaded, plan, nll_split, grams, phases, multipliers, batches, pre_norm
-            )
+        plan, searches = _measured_plan(loaded, plan, grams, phases, multipliers, batches, pre_norm)
+        record.update(searches)
     mla = build_mla(loaded, plan, grams, phases, progress, qk_multipliers=multipliers, pre_norm=pre_norm)
     nll = calibration_nll(mla.model, batches, device)
     steps = {}
@@ -1262,6 +1258,18 @@ def _block_form_steps(loaded: LoadedModel, mla: LoadedModel) -> dict:
 def _parameter_count(model: nn.Module) -> int:
     """Distinct parameters (a tied lm_head counted once)."""
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _measured_plan(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipliers, batches, pre_norm=None):
+    """(plan with its split measured and, below full rank, the split's key weight, {search: what it tried})."""
+    plan, rope_tried = _search_rope_dim(loaded, plan, grams, phases, multipliers, batches, pre_norm)
+    searches = {"rope_dim_search": rope_tried}
+    if plan.kv_lora_rank < plan.full_rank:  # at full rank the latent is exact whatever its metric
+        nll = min(t["calibration_nll"] for t in rope_tried)  # the chosen split's, built at weight 1
+        plan, searches["key_weight_search"] = _search_key_weight(
+            loaded, plan, nll, grams, phases, multipliers, batches, pre_norm
+        )
+    return plan, searches
 
 
 def _search_rope_dim(loaded: LoadedModel, plan: MlaPlan, grams, phases, multipliers, batches, pre_norm=None):
