@@ -771,13 +771,7 @@ def export_gguf(
     GPTQ then see the rescaled inputs. Returns what was written.
     """
     out = Path(out)
-    check_output_name(out)
-    if os.path.isdir(out):
-        raise HeadlabError(f"out={out} is a directory; export-gguf writes one .gguf file")
-    check_out(out, overwrite)  # before the work; atomic_file checks again when it starts writing
-    outtype = check_type(outtype, imatrix is not None, gptq is not None)
-    if smooth is not None:
-        check_alpha(smooth_alpha, outtype)
+    outtype = _check_export_args(out, overwrite, outtype, imatrix, gptq, smooth, smooth_alpha)
     plan = plan_export(loaded)
     config = loaded.model.config.get_text_config()
     tokens, notes = _tokenizer_fields(loaded.tokenizer, int(config.vocab_size))
@@ -785,12 +779,8 @@ def export_gguf(
     ftype = llamacpp_ftype(outtype)  # None: headlab writes the type itself
     written = QUANTIZE_FROM if ftype else outtype
     check_free_space(out, *export_bytes(items, outtype, ftype is not None))  # before any tensor is converted
-    types = {name: _tensor_type("f32" if plan.kept_f32(name) else written, name, tuple(t.shape))
-             for name, _, t in items}  # fmt: skip
-    kept = sorted({name.split(".", 2)[-1] for name, _, _ in items if plan.kept_f32(name)})
-    if kept and outtype != "f32":
-        notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
-                     "scale)")  # fmt: skip
+    types, kept_notes = _tensor_types(plan, items, written, outtype)
+    notes += kept_notes
 
     smoothing = None
     if smooth is not None:
@@ -818,18 +808,16 @@ def export_gguf(
         if ftype is None:
             quantization = _write_by_headlab(tmp, write, outtype, smoothed, rounding)
         else:
-            quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
-                            **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
-            if smoothed is not None:
-                quantization["smoothing"] = smoothed
-            overrides, overridden = _llamacpp_tensor_types(plan, outtype, imatrix_record)
-            notes += overridden
             recipe_gptq = None
             if gptq is not None:
                 recipe_gptq = partial(
                     gptq_rounding, loaded, items, batches=gptq, progress=progress, smoothing=smoothing
                 )
-            notes += _quantize_by_llamacpp(out, tmp, write, quantization, overrides, weights, recipe_gptq)
+            quantization = {"by": "llama.cpp", "ftype": ftype, "from": QUANTIZE_FROM, "nthread": llamacpp.threads(),
+                            **llamacpp.versions(), "imatrix": imatrix_record}  # fmt: skip
+            if smoothed is not None:
+                quantization["smoothing"] = smoothed
+            notes += _quantize_by_llamacpp(out, tmp, write, plan, outtype, quantization, weights, recipe_gptq)
         stored, problem = _stored_types(tmp, outtype)
         if quantization is not None:
             quantization["fallback_matrices"] = stored["fallbacks"]
@@ -841,6 +829,32 @@ def export_gguf(
         if verify is not None:
             record["verification"] = verify(tmp)
     return record
+
+
+def _tensor_types(plan: ExportPlan, items: list, written: str, outtype: str) -> tuple[dict, list[str]]:
+    """Each tensor's GGUF type in the file headlab writes (`written`; f32 for what the plan keeps in f32), and a note
+    naming the tensors kept in f32 when the user asked for another type."""
+    types = {name: _tensor_type("f32" if plan.kept_f32(name) else written, name, tuple(t.shape))
+             for name, _, t in items}  # fmt: skip
+    kept = sorted({name.split(".", 2)[-1] for name, _, _ in items if plan.kept_f32(name)})
+    notes = []
+    if kept and outtype != "f32":
+        notes.append(f"{', '.join(kept)} kept in f32 (the latent-norm fold makes them too small for f16 or a block "
+                     "scale)")  # fmt: skip
+    return types, notes
+
+
+def _check_export_args(out: Path, overwrite: bool, outtype: str, imatrix, gptq, smooth, smooth_alpha) -> str:
+    """export_gguf's argument checks, before any work (one line each): the output's name and place, the type against
+    the calibrations asked for, the smoothing alpha; returns the type as written."""
+    check_output_name(out)
+    if os.path.isdir(out):
+        raise HeadlabError(f"out={out} is a directory; export-gguf writes one .gguf file")
+    check_out(out, overwrite)  # before the work; atomic_file checks again when it starts writing
+    outtype = check_type(outtype, imatrix is not None, gptq is not None)
+    if smooth is not None:
+        check_alpha(smooth_alpha, outtype)
+    return outtype
 
 
 def _write_by_headlab(tmp: Path, write, outtype: str, smoothed: dict | None, rounding) -> dict | None:
@@ -858,11 +872,14 @@ def _write_by_headlab(tmp: Path, write, outtype: str, smoothed: dict | None, rou
     return quantization
 
 
-def _quantize_by_llamacpp(out: Path, tmp: Path, write, quantization: dict, overrides, weights, gptq) -> list[str]:
-    """llama.cpp's quantizer writes `tmp` from an f32 file `write` puts beside `out` (removed at the end). With `gptq`
-    (the recipe's {name: type} -> a GptqRounding) the f32 file is written again with the matrices the recipe puts in
-    legacy blocks GPTQ-rounded, and quantized again. Fills `quantization`'s record; returns notes for the user."""
-    notes = []
+def _quantize_by_llamacpp(
+    out: Path, tmp: Path, write, plan: ExportPlan, outtype: str, quantization: dict, weights, gptq
+) -> list[str]:
+    """llama.cpp's quantizer writes `tmp` in `outtype` (with headlab's per-tensor type overrides) from an f32 file
+    `write` puts beside `out` (removed at the end). With `gptq` (the recipe's {name: type} -> a GptqRounding) the f32
+    file is written again with the matrices the recipe puts in legacy blocks GPTQ-rounded, and quantized again. Fills
+    `quantization`'s record; returns notes for the user."""
+    overrides, notes = _llamacpp_tensor_types(plan, outtype, quantization["imatrix"])
     with scratch_file(out) as source:  # the f32 file, beside `out`: same file system, removed at the end
         write(source, _provenance(quantization))
         llamacpp.quantize(source, tmp, quantization["ftype"], quantization["nthread"], tensor_types=overrides,
