@@ -219,6 +219,7 @@ CASES = [
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--minutes", "0"], "--minutes"),
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--steps", "99999999999"], "--steps"),
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--objective", "mse"], "mse"),
+    (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--long-batch-size", "0"], "--long-batch-size"),
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--recover", "local,global"], "global"),
     # FSDP2 shards over torchrun's processes: without torchrun it is refused, not ignored (tests/test_uptrain_fsdp.py)
     (["uptrain", "--student", "{llama}", "--teacher", "{mha}", *M, *DATA, "--parallel", "fsdp"], "torchrun"),

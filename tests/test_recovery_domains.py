@@ -131,7 +131,7 @@ def test_long_windows_join_the_mix_every_nth_step():
     )
     tokens = result.curve["tokens"].diff().iloc[1:].tolist()  # tokens per step: 4 x 32 short, 1 x 64 long
     assert tokens == [128, 64, 128, 64]
-    assert result.meta["calibration"]["long_windows"] == {"seq_len": 64, "every": 2, "kind": "text"}
+    assert result.meta["calibration"]["long_windows"] == {"seq_len": 64, "every": 2, "kind": "text", "batch_size": 1}
 
 
 def test_long_windows_past_the_models_positions_fail_before_work():

@@ -58,6 +58,27 @@ def test_the_stream_is_deterministic_alternates_templates_and_never_asks_for_the
         next(RW.retrieval_batches(tokenizer, text[:300], LENGTH, seed=0))
 
 
+def test_batched_windows_are_the_single_windows_right_padded_and_never_scored_in_the_padding():
+    tokenizer, text = tiny_tokenizer(), _text()
+    singles = list(itertools.islice(RW.retrieval_batches(tokenizer, text, LENGTH, seed=3), 4))
+    batches = list(itertools.islice(RW.retrieval_batches(tokenizer, text, LENGTH, seed=3, batch_size=2, pad_id=7), 2))
+    for batch, pair in zip(batches, (singles[:2], singles[2:])):
+        ids, attention, epoch, scored = batch
+        assert ids.shape[0] == 2 and epoch == 0
+        for row, (single_ids, _, _, single_scored) in enumerate(pair):
+            width = single_ids.shape[1]
+            assert torch.equal(ids[row, :width], single_ids[0]) and torch.equal(scored[row, :width], single_scored[0])
+            assert bool(attention[row, :width].all()) and not bool(attention[row, width:].any())
+            assert bool((ids[row, width:] == 7).all()) and not bool(scored[row, width:].any())
+    # windows of unequal length (answers of other token counts): the shorter one is padded, its padding unscored
+    short = (torch.tensor([[1, 2, 3]]), torch.ones(1, 3, dtype=torch.long), torch.tensor([[False, True, False]]))
+    long = (torch.tensor([[4, 5, 6, 7, 8]]), torch.ones(1, 5, dtype=torch.long), torch.ones(1, 5, dtype=torch.bool))
+    ids, attention, scored = RW._padded([short, long], pad_id=0)
+    assert ids.tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+    assert attention.tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    assert scored.tolist() == [[False, True, False, False, False], [True] * 5]
+
+
 def _pair():
     teacher = from_model(tiny_model("llama", max_position_embeddings=1024), tiny_tokenizer())
     student = from_model(copy.deepcopy(teacher.model), tiny_tokenizer())

@@ -70,10 +70,17 @@ def training_options(function):
             type=int,
             default=0,
             show_default=True,
-            help="tokens of the long windows mixed into training (0: none); one window per micro-batch",
+            help="tokens of the long windows mixed into training (0: none)",
         ),
         click.option(
             "--long-every", type=int, default=4, show_default=True, help="every N-th step trains on long windows"
+        ),
+        click.option(
+            "--long-batch-size",
+            type=int,
+            default=1,
+            show_default=True,
+            help="long windows per micro-batch (and process under torchrun)",
         ),
         click.option(
             "--long-kind",

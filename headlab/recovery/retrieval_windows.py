@@ -45,23 +45,39 @@ def retrieval_window(tokenizer, haystack: Haystack, task: str, length: int, dept
     return ids, torch.ones_like(ids), loss_mask
 
 
-def retrieval_batches(tokenizer, text: str, length: int, seed: int, source: str = "calibration") -> Iterator:
-    """Endless (input_ids, attention_mask, epoch, loss_mask) of one retrieval window each: tasks in turn
-    (RETRIEVAL_TASKS), needle depths uniform in [0, 1], haystack slices and needles drawn from (seed, count), so the
-    stream is the same on any machine. Under torchrun each rank takes every N-th window."""
+def retrieval_batches(tokenizer, text: str, length: int, seed: int, source: str = "calibration", *,
+                      batch_size: int = 1, pad_id: int = 0) -> Iterator:  # fmt: skip
+    """Endless (input_ids, attention_mask, epoch, loss_mask) of `batch_size` retrieval windows each (right-padded
+    with `pad_id` to the longest, padding masked out and never scored): tasks in turn (RETRIEVAL_TASKS), needle
+    depths uniform in [0, 1], haystack slices and needles drawn from (seed, count), so the stream is the same on any
+    machine. Under torchrun each rank takes every N-th window."""
     haystack = Haystack(tokenizer, text, source)
     if haystack.tokens < length:
         raise HeadlabError(
             f"the calibration text ({haystack.tokens:,} tokens) is too short for {length}-token retrieval windows"
         )
     rng = random.Random(f"retrieval/{seed}")
-    count = 0
+    count, held = 0, []
     while True:
         task = RETRIEVAL_TASKS[count % len(RETRIEVAL_TASKS)]
         depth = rng.random()
         if count % distributed.world_size() == distributed.rank():
-            ids, attention, loss_mask = retrieval_window(
-                tokenizer, haystack, task, length, round(depth, 4), count, seed + SEED_OFFSET
-            )
-            yield ids, attention, 0, loss_mask
+            held.append(retrieval_window(tokenizer, haystack, task, length, round(depth, 4), count, seed + SEED_OFFSET))
+            if len(held) == batch_size:
+                ids, attention, scored = _padded(held, pad_id)
+                yield ids, attention, 0, scored
+                held = []
         count += 1
+
+
+def _padded(windows: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, loss_mask) of the windows stacked, each right-padded to the longest."""
+    width = max(ids.shape[1] for ids, _, _ in windows)
+    ids = torch.full((len(windows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(windows), width), dtype=torch.long)
+    scored = torch.zeros((len(windows), width), dtype=torch.bool)
+    for row, (window_ids, _, loss_mask) in enumerate(windows):
+        ids[row, : window_ids.shape[1]] = window_ids[0]
+        attention[row, : window_ids.shape[1]] = 1
+        scored[row, : window_ids.shape[1]] = loss_mask[0]
+    return ids, attention, scored

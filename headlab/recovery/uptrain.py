@@ -107,10 +107,11 @@ class UptrainConfig:
     accumulation: int = 1  # micro-batches per optimiser step
     seq_len: int = 256
     batch_size: int = 4
-    # Long windows in the mix (0: none): every long_every-th step trains on windows of long_seq_len tokens, one per
-    # micro-batch, so what recovery restores includes attention over long distances (retrieval), not only 256 tokens.
+    # Long windows in the mix (0: none): every long_every-th step trains on micro-batches of long_batch_size windows of
+    # long_seq_len tokens, so what recovery restores includes attention over long distances (retrieval), not only 256.
     long_seq_len: int = 0
     long_every: int = 4
+    long_batch_size: int = 1  # long windows per micro-batch (and rank)
     # What the long windows hold: text (calibration windows) or retrieval (synthetic key-value needle prompts over the
     # calibration text, distilled on the answer alone: headlab.recovery.retrieval_windows).
     long_kind: str = "text"
@@ -158,7 +159,7 @@ class UptrainConfig:
             raise HeadlabError(f"unknown long_kind={self.long_kind!r}; use one of {', '.join(LONG_KINDS)}")
         if self.long_kind == "retrieval" and not self.long_seq_len:
             raise HeadlabError("long_kind='retrieval' needs long_seq_len (the retrieval windows' length)")
-        for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len", "long_every"):
+        for name in ("accumulation", "batch_size", "heldout_tokens", "eval_seq_len", "long_every", "long_batch_size"):
             if getattr(self, name) < 1:
                 raise HeadlabError(f"{name}={getattr(self, name)} must be >= 1")
         for name in ("heldout_every", "eval_every"):
@@ -489,11 +490,13 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig, teacher: 
             "token, seq_len tokens a window",
             "method": "LLM-QAT's data-free distillation (Liu et al. 2023)",
         }
-    if config.long_seq_len:  # one long window per micro-batch and rank (under fsdp too: a window is not split)
-        long = replace(config, seq_len=config.long_seq_len, batch_size=1, seed=config.seed + 1)
-        record["long_windows"] = {"seq_len": config.long_seq_len, "every": config.long_every, "kind": config.long_kind}
+    if config.long_seq_len:  # long_batch_size whole windows per micro-batch and rank (under fsdp, none is split)
+        long = replace(config, seq_len=config.long_seq_len, batch_size=config.long_batch_size, seed=config.seed + 1)
+        record["long_windows"] = {"seq_len": config.long_seq_len, "every": config.long_every, "kind": config.long_kind,
+                                  "batch_size": config.long_batch_size}  # fmt: skip
         if config.long_kind == "retrieval":
-            long_stream = retrieval_batches(tokenizer, train_text, config.long_seq_len, config.seed)
+            long_stream = retrieval_batches(tokenizer, train_text, config.long_seq_len, config.seed,
+                                            batch_size=config.long_batch_size, pad_id=pad_id)  # fmt: skip
             record["long_windows"] |= {"tasks": list(RETRIEVAL_TASKS), "loss": "the answer tokens and the newline"}
         else:
             long_stream = stream_batches(tokenizer, train_text, long, pad_id)

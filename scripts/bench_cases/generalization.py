@@ -29,13 +29,13 @@ def perplexities(loaded, corpora: dict) -> dict:
     }
 
 
-def retrieval(loaded, tasks=("passkey",)) -> dict:
-    """{task: [correct, prompts]} of the PASSKEY grid, the haystack from the prose domain's eval split."""
+def retrieval(loaded, tasks=("passkey",), grid: dict | None = None) -> dict:
+    """{task: [correct, prompts]} of the PASSKEY grid (or `grid`), the haystack from the prose domain's eval split."""
     from headlab.core.data import TextSpec, load_corpus
     from headlab.measure.longctx import long_context
 
     haystack = TextSpec(load_corpus("prose"), split="eval", max_tokens=None)
-    measured = long_context(loaded, text=haystack, tasks=tasks, position_sequences_count=0, progress=False, **PASSKEY)
+    measured = long_context(loaded, text=haystack, tasks=tasks, position_sequences_count=0, progress=False, **(grid or PASSKEY))
     return {row.task: [int(row.correct), int(row.prompts)] for row in measured.lengths.itertuples()}
 
 
