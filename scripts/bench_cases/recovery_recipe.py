@@ -52,6 +52,8 @@ RECIPES = {
         "generated": 0.5,
         "generated_start": "random",
     },
+    # the default in bfloat16 autocast, named (the rows before 2026-12-06 ran in float32, "default" among them)
+    "default, bfloat16 autocast": {"bf16": True},
     # 64 retrieval prompts of 512 tokens (16 long steps of 4): the merged model finds no passkey even at 512 tokens
     # (0/10, the original 7/10), so short prompts are the cheap place to restore the mechanism
     "retrieval windows, 4 x 512 tokens every 4th step": {
