@@ -147,15 +147,7 @@ def direct_logit_attribution(loaded, text: str, *, target=None, positions: str =
         raise HeadlabError(f"positions={positions!r}; use one of {', '.join(POSITIONS)}")
     _check_model(loaded)
     ids = _encode(loaded, text, "text")
-    if target is None:
-        if len(ids) < 2:
-            raise HeadlabError("text is one token: its next token is unknown; give a target token")
-        where = list(range(len(ids) - 1)) if positions == "all" else [len(ids) - 2]
-        targets = [ids[i + 1] for i in where]
-    else:
-        fixed = token_id(loaded, target)
-        where = list(range(len(ids))) if positions == "all" else [len(ids) - 1]
-        targets = [fixed] * len(where)
+    where, targets = _positions_and_targets(loaded, ids, target, positions)
     adapter, model, layers = loaded.adapter, loaded.model, loaded.layers
     logits, heads, resid = _capture(loaded, torch.tensor([ids]))
     norm = adapter.final_norm(model)
@@ -216,7 +208,12 @@ def direct_logit_attribution(loaded, text: str, *, target=None, positions: str =
         }
         for k, (p, t) in enumerate(zip(where, targets))
     ]
-    error = float((total - own).abs().max())
+    sum_check = {
+        "identity": "sum_heads contribution + rest + lm_head_bias = logit (pre-soft-cap, from the model's own norm "
+        "and unembedding)",
+        "max_abs_error": float((total - own).abs().max()),
+        "max_abs_logit": float(own.abs().max()),
+    }
     table.attrs["meta"] = {
         **loaded.describe(),
         "text": text,
@@ -224,11 +221,37 @@ def direct_logit_attribution(loaded, text: str, *, target=None, positions: str =
         "positions": positions,
         "target_given": target is not None,
         "per_position": records,
+        **_attribution_conventions(loaded, norm, softcap),
+        "sum_check": sum_check,
+        "heads": int(per_head.shape[1]),
+        "blocks": {layer.index: layer.block for layer in layers},
+    }
+    return table
+
+
+def _positions_and_targets(loaded, ids: list[int], target, positions: str) -> tuple[list[int], list[int]]:
+    """The positions read and the token each one's logit is taken for: without a target, the text's own next tokens
+    (the second-to-last position, or every position with a next token); with one, that token at the last position or
+    at every position."""
+    if target is None:
+        if len(ids) < 2:
+            raise HeadlabError("text is one token: its next token is unknown; give a target token")
+        where = list(range(len(ids) - 1)) if positions == "all" else [len(ids) - 2]
+        return where, [ids[i + 1] for i in where]
+    fixed = token_id(loaded, target)
+    where = list(range(len(ids))) if positions == "all" else [len(ids) - 1]
+    return where, [fixed] * len(where)
+
+
+def _attribution_conventions(loaded, norm, softcap) -> dict:
+    """The meta entries that say how the attribution reads the model: the final norm frozen, soft-capping, and what
+    the rest term holds."""
+    return {
         "norm": {
             "module": type(norm.module).__name__,
             "kind": "LayerNorm (centred)" if norm.centred else "RMSNorm",
             "eps": norm.eps,
-            "gain": "1 + weight" if adapter.norm_offset else "weight",
+            "gain": "1 + weight" if loaded.adapter.norm_offset else "weight",
             "bias_in_rest": norm.bias is not None,
             "convention": NORM_CONVENTION,
         },
@@ -236,16 +259,7 @@ def direct_logit_attribution(loaded, text: str, *, target=None, positions: str =
         "softcap_convention": SOFTCAP_CONVENTION,
         "rest_holds": "embeddings, MLPs, output-projection biases, non-softmax (linear-attention) blocks, the final "
         "norm's bias",
-        "sum_check": {
-            "identity": "sum_heads contribution + rest + lm_head_bias = logit (pre-soft-cap, from the model's own norm "
-            "and unembedding)",
-            "max_abs_error": error,
-            "max_abs_logit": float(own.abs().max()),
-        },
-        "heads": int(per_head.shape[1]),
-        "blocks": {layer.index: layer.block for layer in layers},
     }
-    return table
 
 
 @dataclass
