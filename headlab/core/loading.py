@@ -299,6 +299,53 @@ def disk_offload(device: torch.device, max_memory: int) -> dict:
     return {"device_map": "auto", "max_memory": budget, "offload_folder": folder}
 
 
+def _model_source(spec: str) -> tuple[str, dict]:
+    """(where transformers loads `spec` from, the extra from_pretrained arguments): the embedded checkpoint, a .gguf
+    file's folder (with gguf_file), a checkpoint directory, or a hub id that is cached or reachable; else one line."""
+    from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
+
+    if spec == DEFAULT_MODEL:
+        return str(embedded_checkpoint()), {}
+    check_model_path(spec)
+    path = Path(spec).expanduser()
+    if path.is_file() and _is_gguf_name(spec):
+        return str(path.parent), {"gguf_file": path.name}
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise HeadlabError(f"{spec} is a directory without config.json; is it a saved checkpoint?")
+        return str(path), {}
+    if _looks_like_path(spec):
+        raise HeadlabError(f"no such model file or directory: {spec}")
+    try:
+        AutoConfig.from_pretrained(spec, local_files_only=True)
+    except (OSError, ValueError):
+        if not _hub_reachable():
+            raise HeadlabError(
+                f"cannot reach the hub to download {spec!r} (no network?) and it is not cached; "
+                "pass a local checkpoint directory instead"
+            ) from None
+    return spec, {}
+
+
+def _read_config(spec: str, source: str, load_kwargs: dict):
+    """The model's config, its config.json checked first by headlab (headlab.core.validate) and any parse failure one
+    line."""
+    from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
+
+    if (Path(source) / "config.json").is_file():
+        validate.check_config_file(Path(source) / "config.json", spec)  # before transformers' own validators
+    verbosity = hf_logging.get_verbosity()
+    # transformers logs config oddities (an unknown rope_type) as warnings on stderr, beside headlab's one line; an
+    # unknown value is refused by name when the model is built (_load_weights)
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoConfig.from_pretrained(source, **load_kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input
+        raise HeadlabError(f"cannot load a model config from {spec!r}: {validate.error_line(error)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
 def load_model(
     spec: str | None = None,
     *,
@@ -319,8 +366,6 @@ def load_model(
     dtype is kept. weights=False (`load_structure`): every check, but the modules are built on the meta device and
     no weight is loaded; check_weights then reads the files one tensor at a time.
     """
-    from transformers import AutoConfig  # start-up: the config registry loads on the first model load only
-
     hf_logging.disable_progress_bar()  # headlab shows its own progress; per-tensor loading bars are noise
     spec = spec or DEFAULT_MODEL
     torch_device = resolve_device(device)
@@ -329,43 +374,8 @@ def load_model(
     if device_map is not None and device_map not in DEVICE_MAPS:
         raise HeadlabError(f"unknown device_map={device_map!r}; only 'auto' is supported")
 
-    load_kwargs: dict = {}
-    if spec != DEFAULT_MODEL:
-        check_model_path(spec)
-    if spec == DEFAULT_MODEL:
-        source = str(embedded_checkpoint())
-    elif Path(spec).expanduser().is_file() and _is_gguf_name(spec):
-        gguf = Path(spec).expanduser()
-        source, load_kwargs = str(gguf.parent), {"gguf_file": gguf.name}
-    elif Path(spec).expanduser().is_dir():
-        source = str(Path(spec).expanduser())
-        if not (Path(source) / "config.json").is_file():
-            raise HeadlabError(f"{spec} is a directory without config.json; is it a saved checkpoint?")
-    elif _looks_like_path(spec):
-        raise HeadlabError(f"no such model file or directory: {spec}")
-    else:
-        source = spec
-        try:
-            AutoConfig.from_pretrained(spec, local_files_only=True)
-        except (OSError, ValueError):
-            if not _hub_reachable():
-                raise HeadlabError(
-                    f"cannot reach the hub to download {spec!r} (no network?) and it is not cached; "
-                    "pass a local checkpoint directory instead"
-                ) from None
-
-    if (Path(source) / "config.json").is_file():
-        validate.check_config_file(Path(source) / "config.json", spec)  # before transformers' own validators
-    verbosity = hf_logging.get_verbosity()
-    # transformers logs config oddities (an unknown rope_type) as warnings on stderr, beside headlab's one line; an
-    # unknown value is refused by name when the model is built (_load_weights)
-    hf_logging.set_verbosity_error()
-    try:
-        config = AutoConfig.from_pretrained(source, **load_kwargs)
-    except Exception as error:  # noqa: BLE001 - any failure to parse a user's config.json is bad input
-        raise HeadlabError(f"cannot load a model config from {spec!r}: {validate.error_line(error)}") from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    source, load_kwargs = _model_source(spec)
+    config = _read_config(spec, source, load_kwargs)
     adapter = adapter_for(config)
     validate.check_config_heads(config, adapter, spec)
     if Path(source).is_dir():
