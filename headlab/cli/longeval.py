@@ -105,12 +105,7 @@ def command(  # click passes every option as a parameter
     length_list = parse_list(lengths, token_count, "lengths") if lengths is not None else None
     depth_list = parse_list(depths, float, "depths")
     gguf = Path(load.spec) if load.spec and str(load.spec).lower().endswith(".gguf") else None
-    if kv_cache != "full" and (runtime == "llamacpp" or kv_policy is not None):
-        raise HeadlabError("--kv-cache runs in transformers' own cache: not with --runtime llamacpp or --kv-policy")
-    if runtime == "llamacpp" and gguf is None:
-        raise HeadlabError("--runtime llamacpp decodes a .gguf file: give --model FILE.gguf")
-    if runtime == "llamacpp" and kv_policy is not None:
-        raise HeadlabError("--kv-policy runs in transformers (headlab's cache), not with --runtime llamacpp")
+    _check_runtime(runtime, gguf, kv_cache, kv_policy)
     out = out or DEFAULT_OUT
     guard(out, overwrite, {"model": load.spec}, data=data, **{"kv-policy": kv_policy})
     # start-up: torch, pandas and seaborn load when the command runs, not for --help
@@ -118,8 +113,6 @@ def command(  # click passes every option as a parameter
     from headlab.kv.policy import applied_policy, measured_generate, policy_record, read_policy
     from headlab.measure.longctx import cache_generate, long_context
     from headlab.mechanisms.quantized_cache import check_kv_cache
-    from headlab.runtimes.lm_eval_bridge import long_task_files
-    from headlab.viz.plots import figure_bytes, plot_needle_heatmap, plot_position_nll
 
     check_kv_cache(kv_cache)  # a missing backend package is named before the model loads
     policy = read_policy(kv_policy) if kv_policy is not None else None
@@ -155,7 +148,30 @@ def command(  # click passes every option as a parameter
     result.meta["kv_cache"] = kv_cache
     if kv_cache != "full":
         result.meta["kv_cache_measured"] = caches
-    model_name = loaded.spec or "model"
+    write_run(out, result.tables(), result.meta, overwrite=overwrite, extra_files=_run_files(result, loaded.spec, out))
+    if as_json:
+        click.echo(json.dumps({**result.meta, "lengths_table": result.lengths.to_dict("records"),
+                               "positions_table": result.positions.to_dict("records")}, indent=2, default=str))  # fmt: skip
+        return
+    _print_result(result, caches if kv_cache != "full" else [], kv_cache, out)
+
+
+def _check_runtime(runtime: str, gguf: Path | None, kv_cache: str, kv_policy) -> None:
+    """The runtime, cache and policy options that cannot go together, refused before anything loads."""
+    if kv_cache != "full" and (runtime == "llamacpp" or kv_policy is not None):
+        raise HeadlabError("--kv-cache runs in transformers' own cache: not with --runtime llamacpp or --kv-policy")
+    if runtime == "llamacpp" and gguf is None:
+        raise HeadlabError("--runtime llamacpp decodes a .gguf file: give --model FILE.gguf")
+    if runtime == "llamacpp" and kv_policy is not None:
+        raise HeadlabError("--kv-policy runs in transformers (headlab's cache), not with --runtime llamacpp")
+
+
+def _run_files(result, model_name: str | None, out) -> dict:
+    """The run directory's files beside its tables: the figures and lm-eval task files of the same prompts."""
+    from headlab.runtimes.lm_eval_bridge import long_task_files  # start-up: loads with the run, not for --help
+    from headlab.viz.plots import figure_bytes, plot_needle_heatmap, plot_position_nll  # start-up: seaborn
+
+    model_name = model_name or "model"
     figures = {
         "figures/needle_heatmap.png": figure_bytes(plot_needle_heatmap(result.cells, f"{model_name}: retrieval"))
     }
@@ -166,12 +182,11 @@ def command(  # click passes every option as a parameter
     # The YAMLs name their jsonl by absolute path (lm-eval resolves data files from its working directory): the
     # path the run directory will have once published.
     task_files = long_task_files(result.prompt_list, Path(out).resolve() / "lm_eval_tasks")
-    extra = {f"lm_eval_tasks/{name}": content for name, content in task_files.items()}
-    write_run(out, result.tables(), result.meta, overwrite=overwrite, extra_files={**figures, **extra})
-    if as_json:
-        click.echo(json.dumps({**result.meta, "lengths_table": result.lengths.to_dict("records"),
-                               "positions_table": result.positions.to_dict("records")}, indent=2, default=str))  # fmt: skip
-        return
+    return {**figures, **{f"lm_eval_tasks/{name}": content for name, content in task_files.items()}}
+
+
+def _print_result(result, measured: list, kv_cache: str, out) -> None:
+    """The accuracy table with its intervals, the measured quantized-cache bytes per length, NLL by position."""
     shown = result.lengths.assign(
         accuracy=[
             f"{a:.0%} [{lo:.0%}, {hi:.0%}]"
@@ -179,7 +194,7 @@ def command(  # click passes every option as a parameter
         ]
     )
     click.echo(shown[["task", "length", "prompts", "correct", "accuracy", "recall"]].to_string(index=False))
-    measured = caches if kv_cache != "full" else []  # a --kv-policy run's caches are reported in its meta
+    # a --kv-policy run's caches are reported in its meta (measured is empty then)
     for length in sorted({row["length"] for row in measured}):
         rows = [row for row in measured if row["length"] == length]
         per_prompt = sum(row["cache_bytes"] for row in rows) / sum(row["prompts"] for row in rows)
