@@ -137,6 +137,12 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, 
     if as_json:
         click.echo(json.dumps(record, indent=2))
         return
+    print_rows(_summary_rows(record, missing))
+
+
+def _summary_rows(record: dict, missing: str | None) -> list[tuple[str, str]]:
+    """The export's summary as (label, value) rows: the file, layout, tensor types and tokenizer; the llama.cpp check
+    (or why it was skipped: `missing`); the quantizer, importance matrix, smoothing and GPTQ; the notes."""
     rows = [
         ("file", f"{record['out']} ({human_bytes(record['bytes'])}, {record['outtype']})"),
         ("llama.cpp architecture", record["architecture"] + ("" if record["uniform"] else " (per-layer head counts)")),
@@ -168,9 +174,9 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, 
         weighted = quantization.get("imatrix")
         if weighted:
             without = weighted["matrices_without"]
-            missing = f"; none for {len(without)} ({', '.join(without[:2])}{', ...' * (len(without) > 2)})"
+            none_for = f"; none for {len(without)} ({', '.join(without[:2])}{', ...' * (len(without) > 2)})"
             used = f"{weighted['entries']} matrices, {weighted['tokens']} calibration tokens"
-            rows.append(("importance matrix", used + (missing if without else "")))
+            rows.append(("importance matrix", used + (none_for if without else "")))
     smoothed = record.get("smoothing")
     if smoothed:
         low, high = smoothed["scale_range"]
@@ -188,7 +194,7 @@ def command(load, text, out, overwrite, outtype, verify, imatrix, gptq, smooth, 
             f"{worst.get('output_error_vs_nearest', float('nan')):.3f}x)",
         ))  # fmt: skip
     rows += [("note", note) for note in record["notes"]]
-    print_rows(rows)
+    return rows
 
 
 def _counts(heads: list[int], kv_heads: list[int]) -> str:
