@@ -130,6 +130,15 @@ def command(  # click passes every option as a parameter
             record["kv_policy"] = under
         click.echo(json.dumps(record, indent=2))
         return
+    print_rows(_perplexity_rows(result, under, kv_policy))
+    if table is not None:
+        click.echo("\neval split of each text (docs/evaluation.md, Out-of-domain perplexity):")
+        _echo_domains(table)
+
+
+def _perplexity_rows(result, under: dict | None, kv_policy) -> list[tuple[str, str]]:
+    """The perplexity run's summary as (label, value) rows: every measure, the windows, speed and memory, the measured
+    KV cache, and the policy it ran under (`under`, from the policy file `kv_policy`)."""
     rows = [
         ("objective", result.objective),
         ("perplexity", f"{result.perplexity:.4f}"),
@@ -149,10 +158,7 @@ def command(  # click passes every option as a parameter
     if under is not None:
         fraction = under["kv_fraction_at"]["fraction"]
         rows.append(("KV policy", f"{kv_policy}: {fraction:.3f} of the cache at max-length (masked)"))
-    print_rows(rows)
-    if table is not None:
-        click.echo("\neval split of each text (docs/evaluation.md, Out-of-domain perplexity):")
-        _echo_domains(table)
+    return rows
 
 
 def _echo_domains(table) -> None:
