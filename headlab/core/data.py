@@ -429,6 +429,19 @@ def chunk_windows(num_tokens: int, seq_len: int, min_len: int = 2) -> list[Windo
     ]
 
 
+def right_padded(rows: list, fill, *, width: int | None = None, dtype=None) -> torch.Tensor:
+    """Rows of unequal length (id lists or 1-D tensors) as one [B, T] tensor, each row right-padded with `fill`; T is
+    `width`, or the longest row's length."""
+    import torch  # start-up: the CLI reads TextSpec and the corpus choices without torch
+
+    rows = [torch.as_tensor(row, dtype=dtype) for row in rows]
+    width = max(len(row) for row in rows) if width is None else width
+    padded = torch.full((len(rows), width), fill, dtype=rows[0].dtype)
+    for index, row in enumerate(rows):
+        padded[index, : len(row)] = row
+    return padded
+
+
 def batch_windows(ids: torch.Tensor, windows: list[Window] | list[ScoredWindow], batch_size: int, pad_id: int = 0):
     """Group windows into right-padded batches: yields (input_ids [B, T], attention_mask [B, T], windows)."""
     import torch  # start-up: the CLI reads TextSpec and the corpus choices without torch

@@ -21,7 +21,7 @@ import torch
 from tqdm.auto import tqdm
 
 from headlab.core import distributed
-from headlab.core.data import TextSpec, split_text, takes_text
+from headlab.core.data import TextSpec, right_padded, split_text, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
 from headlab.measure.detectors import (
@@ -537,14 +537,15 @@ def retrieval_batches(sequences, *, batch_size: int, pad_id: int = 0):
     {"retrieval": target})."""
     for first in range(0, len(sequences), batch_size):
         group = sequences[first : first + batch_size]
-        width = max(len(ids) for ids, _ in group)
-        input_ids = torch.full((len(group), width), pad_id, dtype=torch.long)  # [B, T]
-        mask = torch.zeros((len(group), width), dtype=torch.long)  # [B, T]
-        target = torch.full((len(group), width), -1, dtype=torch.long)  # [B, T]
-        for row, (ids, keys) in enumerate(group):
-            input_ids[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids), 1
-            target[row, : len(keys)] = torch.tensor(keys)
+        input_ids, mask = _ids_and_mask([ids for ids, _ in group], pad_id)  # [B, T] each
+        target = right_padded([keys for _, keys in group], -1, width=input_ids.shape[1], dtype=torch.long)  # [B, T]
         yield input_ids, mask, {"retrieval": target}
+
+
+def _ids_and_mask(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows right-padded with pad_id into [B, T] input_ids, and their attention mask (1 on the real tokens)."""
+    input_ids = right_padded(rows, pad_id, dtype=torch.long)
+    return input_ids, right_padded([[1] * len(ids) for ids in rows], 0, dtype=torch.long)
 
 
 def retrieval_statistics(
@@ -775,13 +776,7 @@ def _text_batches(loaded, texts: list[str], batch_size: int) -> list:
     pad = getattr(loaded.tokenizer, "pad_token_id", None) or 0
     batches = []
     for first in range(0, len(encoded), batch_size):
-        group = encoded[first : first + batch_size]
-        width = max(len(ids) for ids in group)
-        input_ids = torch.full((len(group), width), pad, dtype=torch.long)  # [B, T]
-        mask = torch.zeros((len(group), width), dtype=torch.long)  # [B, T]
-        for row, ids in enumerate(group):
-            input_ids[row, : len(ids)], mask[row, : len(ids)] = torch.tensor(ids, dtype=torch.long), 1
-        batches.append((input_ids, mask))
+        batches.append(_ids_and_mask(encoded[first : first + batch_size], pad))  # [B, T] each
     return batches
 
 

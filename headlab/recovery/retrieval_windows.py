@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from headlab.core import distributed
+from headlab.core.data import right_padded
 from headlab.core.errors import HeadlabError
 from headlab.measure.long_tasks import Haystack, build_prompt
 
@@ -72,12 +73,5 @@ def retrieval_batches(tokenizer, text: str, length: int, seed: int, source: str 
 
 def _padded(windows: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, loss_mask) of the windows stacked, each right-padded to the longest."""
-    width = max(ids.shape[1] for ids, _, _ in windows)
-    ids = torch.full((len(windows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(windows), width), dtype=torch.long)
-    scored = torch.zeros((len(windows), width), dtype=torch.bool)
-    for row, (window_ids, _, loss_mask) in enumerate(windows):
-        ids[row, : window_ids.shape[1]] = window_ids[0]
-        attention[row, : window_ids.shape[1]] = 1
-        scored[row, : window_ids.shape[1]] = loss_mask[0]
-    return ids, attention, scored
+    ids, attention, scored = zip(*((window_ids[0], mask[0], loss_mask[0]) for window_ids, mask, loss_mask in windows))
+    return right_padded(ids, pad_id), right_padded(attention, 0), right_padded(scored, False)
