@@ -1288,8 +1288,8 @@ def _search_key_weight(loaded: LoadedModel, plan: MlaPlan, nll: float, grams, ph
     tried = [{"key_weight": plan.key_weight, "calibration_nll": nll}]
     for weight in (w for w in KEY_WEIGHTS if w != plan.key_weight):
         candidate = _replace(plan, key_weight=weight)
-        nll = _candidate_nll(loaded, candidate, grams, phases, multipliers, batches, pre_norm)
-        tried.append({"key_weight": weight, "calibration_nll": nll})
+        candidate_nll = _candidate_nll(loaded, candidate, grams, phases, multipliers, batches, pre_norm)
+        tried.append({"key_weight": weight, "calibration_nll": candidate_nll})
     best = min(tried, key=lambda t: t["calibration_nll"])
     return _replace(plan, key_weight=best["key_weight"]), tried
 
