@@ -10,13 +10,14 @@ import json
 import random
 import re
 
+import pandas as pd
 import pytest
 import torch
 from models import tiny_inputs, tiny_model
 from tiny_text import SAMPLE_TEXT, run_cli, save_tiny
 
 from headlab.core.checkpoint import save_checkpoint
-from headlab.core.data import TextSpec
+from headlab.core.data import TextSpec, split_text
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import from_model, load_model
 from headlab.kv import budget as B
@@ -24,6 +25,7 @@ from headlab.kv import gqa
 from headlab.kv.grouping import expand_weights, pool_weights
 from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.importance import scoring_batches, sequence_nll
+from headlab.recovery.retrieval_windows import retrieval_batches
 
 
 def _wide(**overrides):
@@ -301,3 +303,91 @@ def test_empty_layer_checkpoint_reloads_and_is_attention_free_in_gguf(tmp_path):
 def test_cli_allow_empty_layer_needs_a_budget(tmp_path, capsys):
     code, out, err = run_cli(_command(tmp_path, "--kv-heads", "2", "--allow-empty-layer"), capsys)
     assert code == 2 and "--allow-empty-layer applies to --kv-budget" in err and not (tmp_path / "out").exists()
+
+
+# ---- the retrieval cost (--retrieval-weight) ---------------------------------------------------------------------
+
+
+def _long_tiny(tmp_path):
+    """A tiny 3-layer Llama (8 query, 4 KV heads) with room for 768-token retrieval prompts, and its text file."""
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3,
+                    max_position_embeddings=1024)  # fmt: skip
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 80)
+    return src
+
+
+def test_retrieval_costs_match_a_slow_recomputation(tmp_path):
+    loaded = load_model(str(_long_tiny(tmp_path)), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="calibration", max_tokens=128, seq_len=32).resolved()
+    haystack = split_text(text.corpus, "calibration").text
+    spec = B.BudgetSpec(0.5, retrieval_weight=0.5, retrieval_len=768, retrieval_prompts=2)
+    costs = B.layer_costs(loaded, spec, None, text.batches(loaded.tokenizer), progress=False, retrieval_text=haystack)
+    stream = retrieval_batches(loaded.tokenizer, haystack, 768, seed=0)
+    prompts = [next(stream) for _ in range(2)]
+
+    @torch.no_grad()
+    def answer_nll(model) -> float:
+        """-log p of every answer token, from the full log-softmax, averaged over the answer tokens of both prompts."""
+        total, count = 0.0, 0
+        for ids, _, _, answer in prompts:
+            logp = torch.log_softmax(model(input_ids=ids).logits.double(), -1)[0]
+            for t in range(ids.shape[1] - 1):
+                if answer[0, t]:
+                    total -= float(logp[t, ids[0, t + 1]])
+                    count += 1
+        return total / count
+
+    original = answer_nll(loaded.model)
+    for layer_index, g in ((0, 1), (1, 2)):
+        by_hand = from_model(copy.deepcopy(loaded.model), loaded.tokenizer)
+        layer = by_hand.layers[layer_index]
+        by_hand.adapter.write(layer, pool_weights(by_hand.adapter.read(layer), g, "mean", seed=layer_index))
+        row = costs[(costs.layer == layer_index) & (costs.kv_heads == g)].iloc[0]
+        assert row.retrieval_increase == pytest.approx(answer_nll(by_hand.model) - original, abs=1e-5)
+        assert row.cost == pytest.approx(row.loss_increase + 0.5 * row.retrieval_increase, abs=1e-12)
+    assert (costs[costs.kv_heads == 4][["loss_increase", "retrieval_increase", "cost"]] == 0).all().all()
+
+
+def test_allocation_minimises_the_cost_column_when_there_is_one():
+    loaded = _wide()
+    # Text alone would merge layer 0 (cheapest loss); the retrieval cost makes layer 2 the cheap one.
+    rows = []
+    for layer, loss, cost in ((0, 0.1, 5.0), (1, 0.2, 0.3), (2, 0.3, 0.2)):
+        rows += [dict(layer=layer, kv_heads=4, loss_increase=0.0, cost=0.0),
+                 dict(layer=layer, kv_heads=1, loss_increase=loss, cost=cost)]  # fmt: skip
+    frame = pd.DataFrame(rows)
+    budget = 9 / 12  # one layer at 1 KV head, two at 4
+    assert B.allocation(loaded, frame.drop(columns="cost"), budget) == [1, 4, 4]
+    assert B.allocation(loaded, frame, budget) == [4, 4, 1]
+
+
+def test_cli_retrieval_weight_records_its_costs(tmp_path, capsys):
+    _long_tiny(tmp_path)
+    extra = ("--kv-budget", "0.5", "--retrieval-weight", "1", "--retrieval-len", "768", "--json")
+    code, out, err = run_cli(_command(tmp_path, *extra), capsys)
+    assert code == 0, err
+    record = json.loads(out)
+    retrieval = record["conversion"]["retrieval_cost"]
+    assert retrieval["weight"] == 1 and retrieval["prompt_tokens"] == 768 and retrieval["prompts"] == 6
+    costs = pd.read_csv(tmp_path / "out" / "kv_budget" / "costs.csv")
+    assert {"retrieval_increase", "cost", "chosen"} <= set(costs.columns)
+    chosen = costs[costs.chosen].sort_values("layer")
+    assert list(chosen.kv_heads) == record["conversion"]["kv_heads_per_layer"]
+    assert retrieval["predicted_retrieval_increase"] == pytest.approx(chosen.retrieval_increase.sum())
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--kv-heads", "2", "--retrieval-weight", "1"), "--retrieval-weight weighs per-layer costs"),
+        (("--kv-budget", "0.5", "--retrieval-weight", "-1"), "--retrieval-weight"),
+        (
+            ("--kv-budget", "0.5", "--retrieval-weight", "1", "--retrieval-len", "100000"),
+            "--retrieval-len 100000 must be in",
+        ),
+    ],
+)
+def test_cli_retrieval_weight_refusals(tmp_path, capsys, extra, message):
+    code, out, err = run_cli(_command(tmp_path, *extra), capsys)
+    assert code == 2 and message in err and not (tmp_path / "out").exists()
+    assert "Traceback" not in err

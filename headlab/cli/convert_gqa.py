@@ -149,6 +149,22 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     help="with --kv-budget: calibration tokens each per-layer cost is measured on",
 )
 @click.option(
+    "--retrieval-weight",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="with --kv-budget: add this weight x each layer's NLL increase on the answers of synthetic retrieval "
+    "prompts (needle and multi-key over the calibration text) to its cost, so that the layers retrieval runs "
+    "through keep their heads; 0: text NLL alone. One more forward pass per layer and count over the prompts",
+)
+@click.option(
+    "--retrieval-len",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="with --retrieval-weight: tokens per retrieval prompt (6 prompts)",
+)
+@click.option(
     "--method",
     type=click.Choice(tuple(KV_METHODS)),
     default="mean",
@@ -182,6 +198,8 @@ def command(  # click passes every option as a parameter
     kv_budget,
     allow_empty_layer,
     search_tokens,
+    retrieval_weight,
+    retrieval_len,
     method,
     pool,
     grouping,
@@ -209,6 +227,8 @@ def command(  # click passes every option as a parameter
         raise HeadlabError("give --kv-heads N (every layer) or --kv-budget FRACTION (per layer), one of them")
     if allow_empty_layer and kv_budget is None:
         raise HeadlabError("--allow-empty-layer applies to --kv-budget (per-layer counts); add --kv-budget FRACTION")
+    if retrieval_weight and kv_budget is None:
+        raise HeadlabError("--retrieval-weight weighs per-layer costs; add --kv-budget FRACTION")
     if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading; the layers' floor is checked after
         raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the original KV cache in (0, 1]")
     if kv_budget is not None and (streaming or grouping != "contiguous"):
@@ -243,7 +263,8 @@ def command(  # click passes every option as a parameter
         from headlab.kv.budget import BudgetSpec, check_budget_spec  # start-up: torch loads when the command runs
 
         budget = BudgetSpec(kv_budget, method=method, pool=pool, seed=seed, search_tokens=search_tokens,
-                            allow_empty_layer=allow_empty_layer)  # fmt: skip
+                            allow_empty_layer=allow_empty_layer, retrieval_weight=retrieval_weight,
+                            retrieval_len=retrieval_len)  # fmt: skip
         check_budget_spec(loaded, budget)  # before the long-context measurement
     before = measure(loaded, text, lengths, not as_json) if lengths else None  # before the conversion edits it
     common = dict(text=text, calibration_tokens=calibration_tokens, evaluate=not no_eval, overwrite=overwrite,

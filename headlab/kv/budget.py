@@ -2,7 +2,10 @@
 keeps its own number of KV heads, a divisor of its G, placed where fewer heads cost least.
 
 Costs: c_l(g) = mean calibration NLL with layer l alone converted to g KV heads (pooled, or merged as the method
-merges), minus the original model's; c_l(G) = 0. Allocation: the g_l minimising sum_l c_l(g_l) subject to
+merges), minus the original model's; c_l(G) = 0. With a retrieval weight w > 0, c_l(g) += w r_l(g), r_l(g) the same
+increase of the mean NLL of the answer tokens of synthetic retrieval prompts (RULER's single needle and multi-key,
+haystack from the calibration text; headlab.recovery.retrieval_windows): text NLL alone places the cache where
+perplexity needs it and leaves none of the layers that long-context retrieval runs through (docs/commands/convert-gqa.md). Allocation: the g_l minimising sum_l c_l(g_l) subject to
 sum_l g_l D_l <= budget (KV bytes per token are proportional to sum_l g_l D_l), solved exactly by dynamic
 programming over the layers (a multiple-choice knapsack). The costs are taken as additive over layers, as prune's
 budget search takes them; Puzzle (Bercovich et al. 2024, Nemotron-51B) scores per-layer variants alone and
@@ -26,7 +29,8 @@ from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.grouping import gqa_layers, pool_weights
 from headlab.kv.methods import KV_METHODS, POOLS
 from headlab.measure.costs import budget_units, kv_choices
-from headlab.measure.importance import scoring_batches, sequence_nll
+from headlab.measure.importance import ScoringBatch, scoring_batches, sequence_nll
+from headlab.recovery.retrieval_windows import retrieval_batches
 
 
 def allocate_kv(costs: list[dict[int, float]], widths: list[int], budget: int) -> list[int]:
@@ -62,6 +66,11 @@ class BudgetSpec:
     # Also let a layer (not layer 0) lose its attention entirely: 0 KV heads. Only llama.cpp's deci holds no cache
     # for such a layer (headlab.runtimes.gguf_export); transformers keeps one zero-output padding head there.
     allow_empty_layer: bool = False
+    # Weight w of the retrieval cost r_l(g) added to each layer's text cost (0: text NLL alone), and the prompts it is
+    # measured on: so many retrieval prompts of so many tokens over the calibration text.
+    retrieval_weight: float = 0.0
+    retrieval_len: int = 1024
+    retrieval_prompts: int = 6
 
 
 def layer_choices(layer, spec: BudgetSpec) -> list[int]:
@@ -95,22 +104,50 @@ def _layer_options(loaded: LoadedModel, method: str, pool: str, seed: int, kv_he
     return chosen.layer_merge(loaded, {layer.index: kv_heads for layer in layers}, batches, progress=progress)
 
 
+def retrieval_scoring(loaded: LoadedModel, spec: BudgetSpec, text: str) -> list[ScoringBatch]:
+    """spec.retrieval_prompts retrieval prompts of spec.retrieval_len tokens over `text` (the calibration split), each
+    scored on its answer tokens only (labels -100 elsewhere), as the per-layer retrieval cost reads them."""
+    out = []
+    stream = retrieval_batches(loaded.tokenizer, text, spec.retrieval_len, seed=spec.seed)
+    for _, (ids, mask, _epoch, answer) in zip(range(spec.retrieval_prompts), stream):
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = torch.where(answer[:, :-1], ids[:, 1:], -100)  # position t predicts token t+1
+        out.append(ScoringBatch(ids, mask, labels))
+    return out
+
+
+def _mean_nll(loaded: LoadedModel, batches: list[ScoringBatch]) -> float:
+    """Mean NLL per scored token of `batches` (the scored tokens are counted from their labels)."""
+    tokens = float(sum(b.scored for b in batches))
+    return sum(float(sequence_nll(loaded.model, b, loaded.device).double().sum()) for b in batches) / tokens
+
+
 @torch.no_grad()
-def layer_costs(loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_batches, progress: bool = True):
+def layer_costs(
+    loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_batches, progress: bool = True, retrieval_text=None
+):
     """The table of c_l(g): one row per (layer, KV heads) with the calibration NLL increase of converting that layer
-    alone (0 for its own G), and its KV numbers per token (2 g D; 0 for a layer left without attention)."""
+    alone (0 for its own G), and its KV numbers per token (2 g D; 0 for a layer left without attention). With
+    spec.retrieval_weight > 0 also `retrieval_increase` (the answer-token NLL increase on retrieval prompts over
+    `retrieval_text`, the calibration split) and `cost` = loss_increase + weight x retrieval_increase, which the
+    allocation then minimises."""
     check_resident(loaded, "the per-layer KV budget")
     layers = gqa_layers(loaded)
     scored = scoring_batches(loaded, search_batches)
-    tokens = float(sum(b.scored for b in scored))
-    if not tokens:
+    if not sum(b.scored for b in scored):
         raise HeadlabError("no calibration tokens to measure the per-layer costs on")
+    retrieving = spec.retrieval_weight > 0
+    if retrieving and not retrieval_text:
+        raise HeadlabError("a retrieval weight needs calibration text for the retrieval prompts")
+    retrieval = retrieval_scoring(loaded, spec, retrieval_text) if retrieving else []
 
-    def loss() -> float:
-        return sum(float(sequence_nll(loaded.model, b, loaded.device).double().sum()) for b in scored) / tokens
+    def losses() -> dict:
+        measured = {"loss_increase": _mean_nll(loaded, scored)}
+        return measured | ({"retrieval_increase": _mean_nll(loaded, retrieval)} if retrieving else {})
 
-    reference = loss()
-    rows = [dict(layer=layer.index, kv_heads=layer.num_kv_heads, loss_increase=0.0) for layer in layers]
+    reference = losses()
+    zero = {name: 0.0 for name in reference}
+    rows = [dict(layer=layer.index, kv_heads=layer.num_kv_heads, **zero) for layer in layers]
     counts = sorted({g for layer in layers for g in layer_choices(layer, spec) if g < layer.num_kv_heads})
     total = sum(len(layer_choices(layer, spec)) - 1 for layer in layers)
     bar = tqdm(total=total, desc="per-layer KV costs", disable=not progress, unit="model")
@@ -123,7 +160,8 @@ def layer_costs(loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_bat
             original = adapter.read(layer)
             adapter.write(layer, options[layer.index])
             try:
-                rows.append(dict(layer=layer.index, kv_heads=g, loss_increase=loss() - reference))
+                measured = losses()
+                rows.append(dict(layer=layer.index, kv_heads=g, **{k: measured[k] - reference[k] for k in measured}))
             finally:
                 adapter.write(layer, original)
             bar.update()
@@ -131,16 +169,20 @@ def layer_costs(loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_bat
     width = {layer.index: layer.head_dim for layer in layers}
     frame = pd.DataFrame(rows).sort_values(["layer", "kv_heads"], ascending=[True, False], ignore_index=True)
     frame["kv_numbers_per_token"] = 2 * frame["kv_heads"] * frame["layer"].map(width)
+    if retrieving:
+        frame["cost"] = frame["loss_increase"] + spec.retrieval_weight * frame["retrieval_increase"]
     return frame
 
 
 def allocation(loaded: LoadedModel, costs: pd.DataFrame, fraction: float) -> list[int]:
     """The per-layer KV-head counts of `costs` (layer_costs) that fit `fraction` of the original KV bytes at least
-    total cost; a 0 row in `costs` (allow_empty_layer) lets that layer lose its attention."""
+    total cost (its `cost` column where it has one, else `loss_increase`); a 0 row in `costs` (allow_empty_layer)
+    lets that layer lose its attention."""
     layers = gqa_layers(loaded)
+    column = "cost" if "cost" in costs else "loss_increase"
     per_layer = [
-        {int(r.kv_heads): float(r.loss_increase) for r in costs[costs.layer == layer.index].itertuples()}
-        for layer in layers
+        {int(kv): float(cost) for kv, cost in zip(rows.kv_heads, rows[column])}
+        for rows in (costs[costs.layer == layer.index] for layer in layers)
     ]
     empty = any(0 in options for options in per_layer)
     return allocate_kv(per_layer, [layer.head_dim for layer in layers], budget_units(layers, fraction, empty))
@@ -208,4 +250,12 @@ def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
         raise HeadlabError(f"unknown pool={spec.pool!r}; use one of {', '.join(POOLS)}")
     if spec.search_tokens < 1:
         raise HeadlabError(f"search_tokens={spec.search_tokens} must be at least 1")
+    if not spec.retrieval_weight >= 0 or spec.retrieval_weight == float("inf"):
+        raise HeadlabError(f"retrieval_weight={spec.retrieval_weight} must be a finite number >= 0")
+    if spec.retrieval_weight > 0:
+        if spec.retrieval_prompts < 1:
+            raise HeadlabError(f"retrieval_prompts={spec.retrieval_prompts} must be at least 1")
+        limit = loaded.max_positions
+        if spec.retrieval_len < 1 or (limit is not None and spec.retrieval_len > limit):
+            raise HeadlabError(f"retrieval_len={spec.retrieval_len} must be in [1, the model's {limit} positions]")
     budget_units(gqa_layers(loaded), spec.fraction, spec.allow_empty_layer)

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from headlab.core.arch import AttentionLayer
 from headlab.core.checkpoint import check_checkpoint_out, probe_inputs, save_with_record
-from headlab.core.data import TextSpec, takes_text
+from headlab.core.data import TextSpec, split_text, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out, resumable_directory
 from headlab.core.loading import LoadedModel, check_resident
@@ -329,11 +329,20 @@ def convert_budget_checkpoint(
     merge_batches = _merge_batches(loaded, calibration) if KV_METHODS[budget.method].calibrated else None
     search = text.but(split="calibration", max_tokens=budget.search_tokens)
     search_batches = search.batches(loaded.tokenizer, max_positions=loaded.max_positions)
-    costs = layer_costs(loaded, budget, merge_batches, search_batches, progress=progress)
+    # The retrieval prompts' haystack is the calibration split, as the costs' text is (never the eval text).
+    haystack = split_text(text.corpus, "calibration").text if budget.retrieval_weight > 0 else None
+    costs = layer_costs(loaded, budget, merge_batches, search_batches, progress=progress, retrieval_text=haystack)
     counts = allocation(loaded, costs, budget.fraction)
     costs["chosen"] = [count == counts[layer] for layer, count in zip(costs.layer, costs.kv_heads)]
     record["conversion"] = apply_counts(loaded, counts, budget, merge_batches, progress=progress)
     record["conversion"].update(fraction=budget.fraction, search_tokens=search_batches.meta)
+    if budget.retrieval_weight > 0:
+        record["conversion"]["retrieval_cost"] = {
+            "weight": budget.retrieval_weight,
+            "prompt_tokens": budget.retrieval_len,
+            "prompts": budget.retrieval_prompts,
+            "predicted_retrieval_increase": float(costs.retrieval_increase[costs.chosen].sum()),
+        }
     record["kv_heads_after"] = sorted(set(counts)) if len(set(counts)) > 1 else counts[0]
     record["predicted_loss_increase"] = float(costs.loss_increase[costs.chosen].sum())
     record.update(_measured(loaded, "after", score))
