@@ -5,11 +5,11 @@ Costs: c_l(g) = mean calibration NLL with layer l alone converted to g KV heads 
 merges), minus the original model's; c_l(G) = 0. With a retrieval weight w > 0, c_l(g) += w r_l(g), r_l(g) the same
 increase of the mean NLL of the answer tokens of synthetic retrieval prompts (RULER's single needle and multi-key,
 haystack from the calibration text; headlab.recovery.retrieval_windows): text NLL alone places the cache where
-perplexity needs it and leaves none of the layers that long-context retrieval runs through (docs/commands/convert-gqa.md). Allocation: the g_l minimising sum_l c_l(g_l) subject to
-sum_l g_l D_l <= budget (KV bytes per token are proportional to sum_l g_l D_l), solved exactly by dynamic
-programming over the layers (a multiple-choice knapsack). The costs are taken as additive over layers, as prune's
-budget search takes them; Puzzle (Bercovich et al. 2024, Nemotron-51B) scores per-layer variants alone and
-combines them the same way.
+perplexity needs it and leaves none of the layers that long-context retrieval runs through
+(docs/commands/convert-gqa.md). Allocation: the g_l minimising sum_l c_l(g_l) subject to sum_l g_l D_l <= budget
+(KV bytes per token are proportional to sum_l g_l D_l), solved exactly by dynamic programming over the layers (a
+multiple-choice knapsack). The costs are taken as additive over layers, as prune's budget search takes them;
+Puzzle (Bercovich et al. 2024, Nemotron-51B) scores per-layer variants alone and combines them the same way.
 
 A layout whose layers differ is saved with headlab's per-layer head record (headlab.core.layout, loaded by
 headlab.core.loading.load_model) and exports to llama.cpp's `deci` architecture, which reads n_head_kv per layer.
@@ -17,6 +17,7 @@ headlab.core.loading.load_model) and exports to llama.cpp's `deci` architecture,
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pandas as pd
@@ -250,7 +251,7 @@ def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
         raise HeadlabError(f"unknown pool={spec.pool!r}; use one of {', '.join(POOLS)}")
     if spec.search_tokens < 1:
         raise HeadlabError(f"search_tokens={spec.search_tokens} must be at least 1")
-    if not spec.retrieval_weight >= 0 or spec.retrieval_weight == float("inf"):
+    if not (math.isfinite(spec.retrieval_weight) and spec.retrieval_weight >= 0):
         raise HeadlabError(f"retrieval_weight={spec.retrieval_weight} must be a finite number >= 0")
     if spec.retrieval_weight > 0:
         if spec.retrieval_prompts < 1:
