@@ -391,3 +391,79 @@ def test_cli_retrieval_weight_refusals(tmp_path, capsys, extra, message):
     code, out, err = run_cli(_command(tmp_path, *extra), capsys)
     assert code == 2 and message in err and not (tmp_path / "out").exists()
     assert "Traceback" not in err
+
+
+def test_weighted_costs_add_the_weighted_retrieval_increase_or_drop_the_cost():
+    frame = pd.DataFrame({"layer": [0, 0], "kv_heads": [4, 1], "loss_increase": [0.0, 0.25],
+                          "retrieval_increase": [0.0, 0.5], "cost": [0.0, 99.0]})  # fmt: skip
+    assert list(B.weighted_costs(frame, 3.0).cost) == [0.0, 0.25 + 3.0 * 0.5]
+    assert "cost" not in B.weighted_costs(frame, 0.0)
+    assert list(frame.cost) == [0.0, 99.0]  # the measured table is not edited
+
+
+def test_ladder_budget_rows_place_each_weight_from_one_measurement(tmp_path):
+    from headlab.kv.ladder import budget_rows
+
+    loaded = load_model(str(_long_tiny(tmp_path)), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="eval", max_tokens=128, seq_len=32).resolved()
+    before = _logits(loaded)
+    rows = budget_rows(loaded, (0.5,), text, 128, "mean", progress=False, search_tokens=128,
+                       retrieval_weights=(0.0, 50.0), retrieval_len=768)  # fmt: skip
+    assert torch.equal(_logits(loaded), before)
+    assert list(rows.variant) == ["budget 0.5", "budget 0.5 retrieval x50"] and list(rows.retrieval_weight) == [0, 50]
+    search = text.but(split="calibration", max_tokens=128, batch_size=4).batches(loaded.tokenizer)
+    haystack = split_text(text.corpus, "calibration").text
+    spec = B.BudgetSpec(1.0, search_tokens=128, retrieval_weight=50.0, retrieval_len=768)
+    costs = B.layer_costs(loaded, spec, None, search, progress=False, retrieval_text=haystack)
+    for row in rows.itertuples():
+        counts = B.allocation(loaded, B.weighted_costs(costs, row.retrieval_weight), row.budget)
+        assert row.kv_heads_per_layer == ",".join(map(str, counts))
+        fresh = load_model(str(tmp_path / "src"), device="cpu")
+        B.apply_counts(fresh, counts, B.BudgetSpec(row.budget), None)
+        assert row.perplexity == pytest.approx(perplexity_of(fresh, text), rel=1e-6)
+
+
+def perplexity_of(loaded, text) -> float:
+    from headlab.measure.evaluate import perplexity
+
+    return perplexity(loaded, text=text, progress=False).perplexity
+
+
+def _sweep_command(tmp_path, *extra):
+    return ["gqa-sweep", "--model", tmp_path / "src", "--data", tmp_path / "t.txt", "--max-tokens", "128",
+            "--seq-len", "32", "--calibration-tokens", "128", "--kv-heads", "4,1", "--pool", "mean",
+            "--grouping", "contiguous", "--out", tmp_path / "sweep", *extra]  # fmt: skip
+
+
+def test_cli_gqa_sweep_retrieval_weights(tmp_path, capsys):
+    _long_tiny(tmp_path)
+    extra = ("--kv-budgets", "0.5", "--retrieval-weights", "0,1", "--retrieval-len", "768")
+    code, out, err = run_cli(_sweep_command(tmp_path, *extra), capsys)
+    assert code == 0, err
+    assert "budget 0.5 retrieval x1" in out
+    frame = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
+    budget = frame[frame.action == "kv-budget"]
+    assert list(budget.retrieval_weight) == [0, 1]
+    meta = json.loads((tmp_path / "sweep" / "meta.json").read_text())
+    assert meta["kv_budgets"]["retrieval_weights"] == [0, 1]
+    assert meta["kv_budgets"]["retrieval_prompts"]["tokens"] == 768
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--retrieval-weights", "1"), "--retrieval-weights weighs the per-layer costs of --kv-budgets"),
+        (("--kv-budgets", "0.5", "--retrieval-weights", "1,-2"), "--retrieval-weights -2.0 must be"),
+        (("--kv-budgets", "0.5", "--retrieval-weights", "x"), "--retrieval-weights: cannot read"),
+        (("--kv-budgets", "0.5", "--retrieval-len", "768"), "add --retrieval-weights"),
+        (
+            ("--kv-budgets", "0.5", "--retrieval-weights", "1", "--retrieval-len", "100000"),
+            "--retrieval-len 100000 must be in",
+        ),
+    ],
+)
+def test_cli_gqa_sweep_retrieval_weight_refusals(tmp_path, capsys, extra, message):
+    _command(tmp_path)  # writes the tiny model and text
+    code, out, err = run_cli(_sweep_command(tmp_path, *extra), capsys)
+    assert code == 2 and message in err and not (tmp_path / "sweep").exists()
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -3,6 +3,7 @@ pooling rules; a table, meta.json and a plot."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import click
@@ -51,6 +52,21 @@ from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS, mla_budget
     "svd merge when --method includes svd, else mean pooling); the per-layer costs are measured once, one forward "
     "pass over 1,024 calibration tokens per layer and smaller count",
 )
+@click.option(
+    "--retrieval-weights",
+    default=None,
+    metavar="W,W",
+    help="with --kv-budgets: comma list of retrieval weights, one row per budget and weight, each placed by text NLL "
+    "+ W x the NLL increase on synthetic retrieval prompts (convert-gqa --retrieval-weight; 0: text NLL alone); "
+    "the retrieval costs are measured once for every weight [default: 0]",
+)
+@click.option(
+    "--retrieval-len",
+    type=click.IntRange(min=1),
+    default=1024,
+    show_default=True,
+    help="with --retrieval-weights: tokens per retrieval prompt (6 prompts over the calibration split)",
+)
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")
 @long_context_option(help_text=sweep_help("every variant measured (and each --mla row; a row reusing another's "
@@ -65,6 +81,8 @@ def command(
     seed,
     mla,
     kv_budgets,
+    retrieval_weights,
+    retrieval_len,
     text,
     out,
     overwrite,
@@ -84,6 +102,7 @@ def command(
     for fraction in fractions:  # before loading; the floor of one KV head per layer is checked by the ladder
         if not 0 < fraction <= 1:
             raise HeadlabError(f"--kv-budgets {fraction} must be a fraction of the KV cache in (0, 1]")
+    weights = _retrieval_weights(retrieval_weights, fractions, retrieval_len)
     run = run_ladder if budgets or fractions else run_sweep
     loaded = load()
     if lengths:  # an encoder or a length beyond the model's positions fails before the first conversion
@@ -94,6 +113,8 @@ def command(
         overwrite=overwrite,
         **({"mla": budgets} if budgets or fractions else {}),
         **({"kv_budgets": fractions} if fractions else {}),
+        # in the resumable run's key only when asked for: runs placed by text NLL alone resume as before
+        **({"retrieval_weights": weights, "retrieval_len": retrieval_len} if weights != (0.0,) else {}),
         kv_heads=None if kv_heads is None else parse_list(kv_heads, int, "kv-heads"),
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
         pools=tuple(parse_list(pool, str, "pool", POOLS)),
@@ -112,3 +133,18 @@ def command(
             f"{passkey}{same}"
         )
     click.echo(f"written: {out}/sweep.csv, sweep.parquet, meta.json, gqa_sweep.png")
+
+
+def _retrieval_weights(option, fractions, retrieval_len) -> tuple[float, ...]:
+    """--retrieval-weights as a tuple (default (0.0,): text NLL alone), refused without --kv-budgets or below 0."""
+    if option is None:
+        if retrieval_len != 1024:
+            raise HeadlabError("--retrieval-len sizes the prompts of --retrieval-weights; add --retrieval-weights W")
+        return (0.0,)
+    if not fractions:
+        raise HeadlabError("--retrieval-weights weighs the per-layer costs of --kv-budgets; add --kv-budgets F")
+    weights = tuple(parse_list(option, float, "retrieval-weights"))
+    for weight in weights:
+        if not (math.isfinite(weight) and weight >= 0):
+            raise HeadlabError(f"--retrieval-weights {weight} must be a finite number >= 0")
+    return tuple(dict.fromkeys(weights))  # a weight given twice is one row

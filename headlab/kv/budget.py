@@ -170,8 +170,16 @@ def layer_costs(
     width = {layer.index: layer.head_dim for layer in layers}
     frame = pd.DataFrame(rows).sort_values(["layer", "kv_heads"], ascending=[True, False], ignore_index=True)
     frame["kv_numbers_per_token"] = 2 * frame["kv_heads"] * frame["layer"].map(width)
-    if retrieving:
-        frame["cost"] = frame["loss_increase"] + spec.retrieval_weight * frame["retrieval_increase"]
+    return weighted_costs(frame, spec.retrieval_weight) if retrieving else frame
+
+
+def weighted_costs(costs: pd.DataFrame, retrieval_weight: float) -> pd.DataFrame:
+    """`costs` (layer_costs, measured with a retrieval weight) with `cost` = loss_increase + w x retrieval_increase
+    for w = `retrieval_weight`; w 0 drops the column, so the allocation reads the text cost alone. One measurement
+    serves every weight: the two increases do not depend on it."""
+    frame = costs.drop(columns="cost", errors="ignore")
+    if retrieval_weight > 0:
+        frame["cost"] = frame["loss_increase"] + retrieval_weight * frame["retrieval_increase"]
     return frame
 
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import pandas as pd
 
-from headlab.core.data import TextSpec, takes_text
+from headlab.core.data import TextSpec, split_text, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
-from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
+from headlab.kv.budget import BudgetSpec, allocation, apply_counts, check_budget_spec, layer_costs, weighted_costs
 from headlab.kv.gqa import gqa_sweep, measured_kv_bytes_per_token, resumable_sweep
 from headlab.kv.methods import KV_METHODS, MLA_BUDGETS, mla_budget
 from headlab.kv.mla import convert_to_mla, input_grams, plan_mla, rope_phases
-from headlab.measure.costs import budget_units, kv_bytes_per_token
+from headlab.measure.costs import kv_bytes_per_token
 from headlab.measure.evaluate import perplexity
 from headlab.measure.longctx import passkey_columns
 from headlab.mechanisms.restore import restoring
@@ -94,11 +94,15 @@ def budget_rows(
     progress: bool,
     long_context=None,
     search_tokens: int = 1024,
+    retrieval_weights: tuple[float, ...] = (0.0,),
+    retrieval_len: int = 1024,
 ) -> pd.DataFrame:
-    """One sweep row per per-layer KV budget (headlab.kv.budget, `convert-gqa --kv-budget`): the per-layer costs are
-    measured once, each fraction allocated from them and converted in place, scored on `text` like the other rows,
-    then the model is restored."""
-    spec = BudgetSpec(1.0, method=method, search_tokens=search_tokens)
+    """One sweep row per per-layer KV budget and retrieval weight (headlab.kv.budget, `convert-gqa --kv-budget
+    --retrieval-weight`): the per-layer costs are measured once (with the retrieval prompts when a weight is above
+    0), each fraction allocated from them under each weight and converted in place, scored on `text` like the other
+    rows, then the model is restored."""
+    spec = BudgetSpec(1.0, method=method, search_tokens=search_tokens, retrieval_weight=max(retrieval_weights),
+                      retrieval_len=retrieval_len)  # fmt: skip
     calibration = text.but(split="calibration", batch_size=4)
     merge_batches = None
     if KV_METHODS[method].calibrated:
@@ -106,34 +110,42 @@ def budget_rows(
             loaded.tokenizer, max_positions=loaded.max_positions
         )
     search = calibration.but(max_tokens=search_tokens).batches(loaded.tokenizer, max_positions=loaded.max_positions)
-    costs = layer_costs(loaded, spec, merge_batches, search, progress=progress)
+    # The retrieval prompts' haystack is the calibration split, as convert-gqa's is (never the eval text).
+    haystack = split_text(text.corpus, "calibration").text if spec.retrieval_weight > 0 else None
+    measured = layer_costs(loaded, spec, merge_batches, search, progress=progress, retrieval_text=haystack)
     rows = []
     for fraction in fractions:
-        counts = allocation(loaded, costs, fraction)
-        with restoring(loaded):
-            apply_counts(loaded, counts, spec, merge_batches, progress=False, record_layout=False)
-            result = perplexity(loaded, text=text, progress=False)
-            rows.append(
-                {
-                    "variant": f"budget {fraction:g}",
-                    "kv_heads": sum(counts) / len(counts),  # the mean over layers; kv_heads_per_layer says which
-                    "action": "kv-budget",
-                    "grouping": "per-layer",
-                    "method": method,
-                    "pool": "mean" if KV_METHODS[method].pools else None,
-                    "budget": fraction,
-                    "kv_heads_per_layer": ",".join(map(str, counts)),
-                    "perplexity": result.perplexity,
-                    "nll": result.nll,
-                    "scored_tokens": result.scored_tokens,
-                    "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
-                    "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
-                    "permuted_layers": 0,
-                    "same_as": None,
-                    **(passkey_columns(loaded, text, long_context) if long_context else {}),
-                }
-            )
+        for weight in retrieval_weights:
+            costs = weighted_costs(measured, weight)
+            counts = allocation(loaded, costs, fraction)
+            with restoring(loaded):
+                apply_counts(loaded, counts, spec, merge_batches, progress=False, record_layout=False)
+                rows.append(_budget_row(loaded, text, long_context, fraction, weight, method, counts))
     return pd.DataFrame(rows)
+
+
+def _budget_row(loaded: LoadedModel, text: TextSpec, long_context, fraction, weight, method, counts) -> dict:
+    """The sweep row of the converted `loaded` at one budget `fraction` placed under retrieval weight `weight`."""
+    result = perplexity(loaded, text=text, progress=False)
+    return {
+        "variant": f"budget {fraction:g}" + (f" retrieval x{weight:g}" if weight > 0 else ""),
+        "kv_heads": sum(counts) / len(counts),  # the mean over layers; kv_heads_per_layer says which
+        "action": "kv-budget",
+        "grouping": "per-layer",
+        "method": method,
+        "pool": "mean" if KV_METHODS[method].pools else None,
+        "budget": fraction,
+        "retrieval_weight": weight,
+        "kv_heads_per_layer": ",".join(map(str, counts)),
+        "perplexity": result.perplexity,
+        "nll": result.nll,
+        "scored_tokens": result.scored_tokens,
+        "kv_bytes_per_token": measured_kv_bytes_per_token(loaded),
+        "kv_bytes_per_token_formula": kv_bytes_per_token(loaded),
+        "permuted_layers": 0,
+        "same_as": None,
+        **(passkey_columns(loaded, text, long_context) if long_context else {}),
+    }
 
 
 @takes_text(split="eval", seq_len=512, batch_size=4, max_tokens=2048)
@@ -142,16 +154,25 @@ def ladder(
     *,
     mla: tuple = MLA_BUDGETS,  # convert-mla budgets (headlab.kv.methods.mla_budget): rungs, counts, fractions
     kv_budgets: tuple[float, ...] = (),
+    retrieval_weights: tuple[float, ...] = (0.0,),
+    retrieval_len: int = 1024,
     text: TextSpec,
     calibration_tokens: int = 2048,
     **sweep,
 ) -> tuple[pd.DataFrame, dict]:
     """The gqa sweep (headlab.kv.gqa.gqa_sweep, keywords `sweep`) plus one MLA row per budget in `mla` and one
-    per-layer KV-budget row per fraction in `kv_budgets` (svd merge when the sweep's methods include it, else mean
-    pooling), on one eval text; relative_kv_bytes is against the unconverted model's cache for every row."""
+    per-layer KV-budget row per fraction in `kv_budgets` and weight in `retrieval_weights` (svd merge when the
+    sweep's methods include it, else mean pooling; cost = text NLL + weight x retrieval NLL, prompts of
+    `retrieval_len` tokens), on one eval text; relative_kv_bytes is against the unconverted model's cache for every
+    row."""
     plans = check_mla_budgets(loaded, mla)
-    for fraction in kv_budgets:  # a fraction outside (0, 1] or below one KV head per layer fails before any work
-        budget_units(loaded.layers, fraction)
+    method = "svd" if "svd" in sweep.get("methods", ()) else "mean"
+    if kv_budgets and not retrieval_weights:
+        raise HeadlabError("retrieval_weights= is empty; give at least one weight (0: text NLL alone)")
+    for fraction in kv_budgets:  # a fraction, weight or prompt length out of range fails before any work
+        for weight in retrieval_weights:
+            check_budget_spec(loaded, BudgetSpec(fraction, method=method, retrieval_weight=weight,
+                                                 retrieval_len=retrieval_len))  # fmt: skip
     text = text.resolved()
     progress = sweep.get("progress", True)
     frame, meta = gqa_sweep(loaded, text=text, calibration_tokens=calibration_tokens, **sweep)
@@ -167,18 +188,22 @@ def ladder(
         frame = pd.concat([frame, rows], ignore_index=True)
         meta["mla"] = {"budgets": list(mla), "conversion": "headlab.kv.mla.convert_to_mla (training-free)"}
     if kv_budgets:
-        method = "svd" if "svd" in sweep.get("methods", ()) else "mean"
         if journal is not None and journal.done("kv-budget"):
             rows = pd.DataFrame(journal.records["kv-budget"]["rows"])
         else:
-            rows = budget_rows(
-                loaded, kv_budgets, text, calibration_tokens, method, progress, sweep.get("long_context")
-            )
+            long_context = sweep.get("long_context")
+            rows = budget_rows(loaded, kv_budgets, text, calibration_tokens, method, progress, long_context,
+                               retrieval_weights=retrieval_weights, retrieval_len=retrieval_len)  # fmt: skip
             if journal is not None:
                 journal.finish("kv-budget", {"rows": rows.to_dict("records")})
         rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
         frame = pd.concat([frame, rows], ignore_index=True)
-        meta["kv_budgets"] = {"fractions": list(kv_budgets), "method": method, "conversion": "headlab.kv.budget"}
+        meta["kv_budgets"] = {"fractions": list(kv_budgets), "method": method, "conversion": "headlab.kv.budget",
+                              "retrieval_weights": list(retrieval_weights)}  # fmt: skip
+        if max(retrieval_weights) > 0:
+            prompts = BudgetSpec(1.0).retrieval_prompts
+            meta["kv_budgets"]["retrieval_prompts"] = {"tokens": retrieval_len, "prompts": prompts,
+                                                       "haystack": "calibration split"}  # fmt: skip
     return frame, meta
 
 
