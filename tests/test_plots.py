@@ -168,6 +168,22 @@ def test_gqa_sweep_plot_leaves_out_repeated_variants():
     assert sorted(t.get_text() for t in ax.texts) == ["G=1", "G=2", "G=4"]
 
 
+def test_gqa_sweep_plot_keeps_budget_labels_apart_and_joins_rows_on_one_point():
+    budget = [
+        (f"budget 0.5 retrieval x{w:g}" if w else "budget 0.5", 1.5, "kv-budget", "per-layer", None, ppl, 384, None)
+        for w, ppl in ((0, 76.9), (1, 82.9), (4, 84.3), (16, 84.3))
+    ]
+    columns = ["variant", "kv_heads", "action", "grouping", "pool", "perplexity", "kv_bytes_per_token", "same_as"]
+    fig = plots.plot_gqa_sweep(pd.concat([gqa_table(), pd.DataFrame(budget, columns=columns)]), "tiny")
+    ax = fig.axes[0]
+    texts = {t.get_text(): t for t in ax.texts if t.get_text().startswith("budget")}
+    assert sorted(texts) == ["budget 0.5", "budget 0.5 retrieval x1", "budget 0.5 retrieval x4 = x16"]
+    fig.canvas.draw()
+    # each label's baseline in points, bottom to top: its point's height plus its offset (xyann, in points)
+    heights = sorted(ax.transData.transform(t.xy)[1] * 72 / fig.dpi + t.xyann[1] for t in texts.values())
+    assert all(upper - lower >= 11 - 1e-6 for lower, upper in zip(heights, heights[1:]))
+
+
 def maps_table(tokens=("<s>", "a", "b")) -> pd.DataFrame:
     rows = []
     T = len(tokens)

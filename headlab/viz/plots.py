@@ -376,20 +376,55 @@ def plot_gqa_sweep(frame: pd.DataFrame, title: str = ""):
     else:
         ax.ticklabel_format(axis="y", useOffset=False, style="plain")  # no "+1.27e2" offset over the title
         ax.set_ylabel("perplexity (eval split)")
+    ax.set_xlim(0, data["KiB per token"].max() * 1.15)
+    labels = []
     for (kib, ppl), group in data.groupby(["KiB per token", "perplexity"]):
         first = group.iloc[0]
-        # MLA: latent + rope; a per-layer KV budget: its fraction
+        # MLA: latent + rope; a per-layer KV budget: its fraction (and retrieval weight); rows that land on one point
+        # (two weights that place the same layout) share one label
         named = first.get("action") in ("mla", "kv-budget")
-        label = first.get("variant") if named else f"G={int(first['kv_heads'])}"
+        label = _shared_label(list(dict.fromkeys(group["variant"]))) if named else f"G={int(first['kv_heads'])}"
         below = first.get("action") == "mla"  # an MLA rung shares its bytes with a KV-head rung: label it below
-        ax.annotate(label, (kib, ppl), textcoords="offset points", xytext=(6, -12 if below else 4), fontsize=9)
-    ax.set_xlim(0, data["KiB per token"].max() * 1.15)
+        labels.append((kib, ppl, label, -12 if below else 4))
     ax.set_xlabel("KV-cache KiB per token (measured)")
     ax.set_title(title or "KV heads: perplexity against KV-cache size")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
+    _annotate_apart(ax, labels)  # after the layout: the spacing is in points on the final axes
     return fig
+
+
+def _shared_label(variants: list[str]) -> str:
+    """One label for rows on one point: the first variant, then each other one without the words it shares with the
+    first from the start ("budget 0.5 retrieval x4", "budget 0.5 retrieval x16" -> "budget 0.5 retrieval x4 = x16")."""
+    first = variants[0].split()
+    rest = []
+    for variant in variants[1:]:
+        words = variant.split()
+        shared = next((i for i, (a, b) in enumerate(zip(first, words)) if a != b), min(len(first), len(words)))
+        rest.append(" ".join(words[shared:]) or variant)
+    return " = ".join([variants[0], *rest])
+
+
+def _annotate_apart(ax, labels, spacing: float = 11.0) -> None:
+    """Annotate each (x, y, text, offset in points) at its point; labels that share an x and would overlap are set
+    in a column `spacing` points apart, each with a thin line back to its point: budget rows at one KV size differ by
+    a few perplexity points and would print over each other."""
+    to_points = 72.0 / ax.figure.dpi
+    for x, column in pd.DataFrame(labels, columns=["x", "y", "text", "offset"]).groupby("x"):
+        y_points = [ax.transData.transform((x, y))[1] * to_points for y in column["y"]]
+        rows = sorted(zip(column.itertuples(), y_points), key=lambda item: item[1])
+        heights, placed = [], float("-inf")
+        for row, y_point in rows:
+            placed = max(y_point + row.offset, placed + spacing)
+            heights.append(placed)
+        # one label moved: the whole column gets leader lines, so no label reads as another point's
+        crowded = any(h - y - row.offset > 1 for (row, y), h in zip(rows, heights))
+        leader = {"arrowstyle": "-", "lw": 0.5, "color": "0.4"} if crowded else None
+        for (row, y_point), height in zip(rows, heights):
+            ax.annotate(row.text, (x, row.y), textcoords="offset points", xytext=(16 if crowded else 6, height - y_point),
+                        fontsize=9, ha="left", va="center" if crowded else "baseline", arrowprops=leader)  # fmt: skip
 
 
 # ---- attention-pattern gallery --------------------------------------------------------------------------------
