@@ -1,8 +1,9 @@
 """Per-layer KV budgets with a retrieval cost (`convert-gqa --kv-budget 0.5 --method svd --retrieval-weight W`) on
-the embedded model, training-free: the layout placed by calibration NLL alone against the layout placed by NLL plus
-W x the answer NLL of synthetic retrieval prompts (needle and multi-key over the calibration split of `broad`), at the
-same bytes. Perplexity on the calibration corpus's eval split and two held-out domains; passkey (a template the cost
-never sees) at 512 and 2,048 tokens and multi-key at 2,048, haystack from the prose domain's eval split."""
+the embedded model, training-free: the layout placed by calibration NLL alone against the layouts placed by NLL plus
+W x the answer NLL of synthetic retrieval prompts (needle and multi-key over the calibration split of `broad`), for
+several W from one cost measurement, at the same bytes. Perplexity on the calibration corpus's eval split and two
+held-out domains; passkey (a template the cost never sees) at 512 and 2,048 tokens and multi-key at 2,048, haystack
+from the prose domain's eval split."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # the generalization case
 
 TITLE = "Per-layer KV budgets with a retrieval cost (`convert-gqa --kv-budget --retrieval-weight`), training-free"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS, SEARCH_TOKENS = 2048, 512, 2048, 1024
-FRACTION, WEIGHTS = 0.5, (0.0, 1.0)
+FRACTION, WEIGHTS = 0.5, (0.0, 0.25, 1.0, 4.0)
 SHORT = dict(lengths=(512,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=2)  # 10 prompts
 LONG = dict(lengths=(2048,), depths=(0.0, 0.5, 1.0), samples=2)  # 6 prompts per task
 
@@ -28,7 +29,7 @@ def run(args) -> dict:
     from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
     from headlab.core.data import TextSpec, load_corpus, split_text
     from headlab.core.loading import from_model, load_model
-    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
+    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs, weighted_costs
     from headlab.measure.costs import kv_bytes_per_token
     from headlab.measure.evaluate import perplexity
 
@@ -61,8 +62,7 @@ def run(args) -> dict:
     result["rows"].append(row | measured(teacher))
     print(result["rows"][-1], flush=True)
     for weight in WEIGHTS:
-        weighted = costs.assign(cost=costs.loss_increase + weight * costs.retrieval_increase)
-        counts = allocation(teacher, weighted, FRACTION)
+        counts = allocation(teacher, weighted_costs(costs, weight), FRACTION)
         student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
         apply_counts(student, counts, spec, merge_batches, progress=False)
         row = {"layout": "per-layer, text NLL" if weight == 0 else f"per-layer, text + {weight:g} x retrieval NLL",
