@@ -646,18 +646,8 @@ def head_statistics(
             means[index][f"detect_{name}"] = values
     induction_meta = None
     if plan.induction:
-        settings = dict(
-            length=plan.induction_len, count=plan.induction_count, seed=plan.seed, batch_size=text.batch_size
-        )
-        for index, values in _collect_induction(loaded, settings, chunk_size, progress).items():
-            means[index].update(values)
-        induction_meta = {
-            "length": plan.induction_len,
-            "sequences": plan.induction_count,
-            "seed": plan.seed,
-            "prefix_tokens": prefix,
-            "suffix_tokens": suffix,
-        }
+        induction_meta = _add_induction(loaded, plan, text.batch_size, chunk_size, progress, means)
+        induction_meta.update(prefix_tokens=prefix, suffix_tokens=suffix)
     if sequences:
         for index, values in _collect_retrieval(loaded, sequences, text.batch_size, chunk_size, progress).items():
             if "retrieval" in values:
@@ -676,15 +666,30 @@ def head_statistics(
         "retrieval": retrieval_meta,
         **(ov_meta or {"successor": None, "copy_suppression": None}),
         "detect": {"patterns": extra, "error_measure": plan.detect_measure} if detect else None,
+        **_conventions(loaded),
+        "denominators": denominators,
+    }
+    return table
+
+
+def _add_induction(loaded, plan: StatsPlan, batch_size: int, chunk_size: int, progress: bool, means: dict) -> dict:
+    """The induction pass (random tokens repeated): its per-head means added to `means`; returns its meta record."""
+    settings = dict(length=plan.induction_len, count=plan.induction_count, seed=plan.seed, batch_size=batch_size)
+    for index, values in _collect_induction(loaded, settings, chunk_size, progress).items():
+        means[index].update(values)
+    return {"length": plan.induction_len, "sequences": plan.induction_count, "seed": plan.seed}
+
+
+def _conventions(loaded) -> dict:
+    """The constants and model facts every statistics table is read with (windows, thresholds, blocks, edge rules)."""
+    return {
         "streaming_windows": list(STREAMING_WINDOWS),
         "positional_threshold": POSITIONAL_THRESHOLD,
         "sink_tokens": SINK_TOKENS,
         "blocks": {layer.index: layer.block for layer in loaded.layers},
         "output_norm_before_gate": loaded.adapter.gated,
-        "denominators": denominators,
         "edge_rules": EDGE_RULES,
     }
-    return table
 
 
 def _ov_statistics(loaded, means: dict, frequency: torch.Tensor) -> dict:
