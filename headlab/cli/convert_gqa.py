@@ -18,6 +18,7 @@ from headlab.cli.options import (
     model_options,
     out_option,
     print_rows,
+    retrieval_len_option,
     streaming_options,
 )
 from headlab.cli.parsing import parse_bytes
@@ -157,13 +158,7 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     "prompts (needle and multi-key over the calibration text) to its cost, so that the layers retrieval runs "
     "through keep their heads; 0: text NLL alone. One more forward pass per layer and count over the prompts",
 )
-@click.option(
-    "--retrieval-len",
-    type=click.IntRange(min=1),
-    default=1024,
-    show_default=True,
-    help="with --retrieval-weight: tokens per retrieval prompt (6 prompts)",
-)
+@retrieval_len_option("with --retrieval-weight: tokens per retrieval prompt (6 prompts)")
 @click.option(
     "--method",
     type=click.Choice(tuple(KV_METHODS)),

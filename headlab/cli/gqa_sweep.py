@@ -9,7 +9,14 @@ from pathlib import Path
 import click
 
 from headlab.cli._long_context import lengths_of, long_context_option, sweep_help
-from headlab.cli.options import calibration_tokens_option, data_options, guard, model_options, out_option
+from headlab.cli.options import (
+    calibration_tokens_option,
+    data_options,
+    guard,
+    model_options,
+    out_option,
+    retrieval_len_option,
+)
 from headlab.cli.parsing import parse_list
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
@@ -60,13 +67,7 @@ from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS, mla_budget
     "+ W x the NLL increase on synthetic retrieval prompts (convert-gqa --retrieval-weight; 0: text NLL alone); "
     "the retrieval costs are measured once for every weight [default: 0]",
 )
-@click.option(
-    "--retrieval-len",
-    type=click.IntRange(min=1),
-    default=1024,
-    show_default=True,
-    help="with --retrieval-weights: tokens per retrieval prompt (6 prompts over the calibration split)",
-)
+@retrieval_len_option("with --retrieval-weights: tokens per retrieval prompt (6 prompts over the calibration split)")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")
 @long_context_option(help_text=sweep_help("every variant measured (and each --mla row; a row reusing another's "

@@ -269,6 +269,11 @@ def calibration_tokens_option(default: int, help_text: str):
     )
 
 
+def retrieval_len_option(help_text: str):
+    """--retrieval-len: tokens per synthetic retrieval prompt of a per-layer budget's retrieval cost (1,024)."""
+    return click.option("--retrieval-len", type=click.IntRange(min=1), default=1024, show_default=True, help=help_text)
+
+
 def low_memory_option(function):
     """--low-memory/--no-low-memory for commands whose gradient pass chooses by the memory available (None)."""
     return click.option(
