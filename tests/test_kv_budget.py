@@ -467,3 +467,61 @@ def test_cli_gqa_sweep_retrieval_weight_refusals(tmp_path, capsys, extra, messag
     code, out, err = run_cli(_sweep_command(tmp_path, *extra), capsys)
     assert code == 2 and message in err and not (tmp_path / "sweep").exists()
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+# ---- refinement of the layout on the measured objective (refine_rounds) -----------------------------------------
+
+
+def _layout_objective(src, layout, spec, search, haystack=None) -> float:
+    """J of `layout` measured the slow way: a fresh model converted by apply_counts, its mean calibration NLL plus
+    w x its mean retrieval-answer NLL."""
+    fresh = load_model(str(src), device="cpu")
+    B.apply_counts(fresh, layout, spec, None, progress=False)
+    text_nll = B._mean_nll(fresh, scoring_batches(fresh, search))
+    if not spec.retrieval_weight:
+        return text_nll
+    return text_nll + spec.retrieval_weight * B._mean_nll(fresh, B.retrieval_scoring(fresh, spec, haystack))
+
+
+@pytest.mark.parametrize("weight", [0.0, 2.0])
+def test_refinement_never_raises_the_measured_objective(tmp_path, weight):
+    src = _long_tiny(tmp_path)
+    loaded = load_model(str(src), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="calibration", max_tokens=128, seq_len=32).resolved()
+    search = text.batches(loaded.tokenizer)
+    haystack = split_text(text.corpus, "calibration").text
+    spec = B.BudgetSpec(0.5, search_tokens=128, refine_rounds=3, retrieval_weight=weight, retrieval_len=768,
+                        retrieval_prompts=2)  # fmt: skip
+    costs = B.layer_costs(loaded, spec, None, search, progress=False, retrieval_text=haystack)
+    start = B.allocation(loaded, costs, 0.5)
+    before = _logits(loaded)
+    counts, rounds = B.refine_counts(loaded, spec, start, None, search, progress=False, retrieval_text=haystack)
+    assert torch.equal(_logits(loaded), before)  # the model is left as it came
+    assert sum(counts) * 16 <= 0.5 * 3 * 4 * 16 and 1 <= len(rounds) <= 3
+    assert rounds[0]["objective_before"] == pytest.approx(_layout_objective(src, start, spec, search, haystack))
+    for record in rounds:
+        assert record["objective_proposed"] == pytest.approx(
+            _layout_objective(src, record["proposed"], spec, search, haystack), abs=1e-5
+        )
+        assert record["kept"] == (record["objective_proposed"] < record["objective_before"])
+    assert _layout_objective(src, counts, spec, search, haystack) <= rounds[0]["objective_before"] + 1e-6
+    assert all(record["kept"] for record in rounds[:-1])  # the search stops at the first proposal it does not keep
+
+
+def test_cli_refine_rounds_records_the_rounds_and_saves_the_refined_layout(tmp_path, capsys):
+    code, out, err = run_cli(_command(tmp_path, "--kv-budget", "0.5", "--refine-rounds", "2", "--json"), capsys)
+    assert code == 0, err
+    conversion = json.loads(out)["conversion"]
+    refinement = conversion["refinement"]
+    assert 1 <= len(refinement["rounds"]) <= 2
+    kept = [r["proposed"] for r in refinement["rounds"] if r["kept"]]
+    assert conversion["kv_heads_per_layer"] == (kept[-1] if kept else refinement["additive_allocation"])
+    saved = load_model(str(tmp_path / "out"), device="cpu")
+    assert [layer.num_kv_heads for layer in saved.layers] == conversion["kv_heads_per_layer"]
+    costs = pd.read_csv(tmp_path / "out" / "kv_budget" / "costs.csv")
+    assert list(costs[costs.chosen].sort_values("layer").kv_heads) == conversion["kv_heads_per_layer"]
+
+
+def test_cli_refine_rounds_needs_a_budget(tmp_path, capsys):
+    code, out, err = run_cli(_command(tmp_path, "--kv-heads", "2", "--refine-rounds", "1"), capsys)
+    assert code == 2 and "--refine-rounds refines a per-layer layout" in err and not (tmp_path / "out").exists()

@@ -57,6 +57,12 @@ def print_summary(record: dict) -> None:
     if per_layer is not None:
         rows.append(("KV budget", f"{conversion['fraction']:g} of the cache, {conversion['method']} per layer, "
                                   f"predicted loss increase {record['predicted_loss_increase']:.4f} nats"))  # fmt: skip
+        if "refinement" in conversion:
+            rounds = conversion["refinement"]["rounds"]
+            kept = [r for r in rounds if r["kept"]]
+            start, end = rounds[0]["objective_before"], (kept[-1]["objective_proposed"] if kept else None)
+            change = f"measured cost {start:.4f} -> {end:.4f}" if kept else "the additive layout measured best"
+            rows.append(("refinement", f"{len(kept)} of {len(rounds)} round(s) kept, {change}"))
     elif conversion["action"] == "pool":
         methods = sorted(set(conversion["methods"]))
         how = conversion["pool"]
@@ -160,6 +166,15 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
 )
 @retrieval_len_option("with --retrieval-weight: tokens per retrieval prompt (6 prompts)")
 @click.option(
+    "--refine-rounds",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="with --kv-budget: after the allocation, rounds of local search on the whole layout's measured cost (each "
+    "layer's options re-measured with the others converted, since per-layer costs do not add up; a round's layout "
+    "is kept only when it measures better). Each round costs as much as the per-layer costs",
+)
+@click.option(
     "--method",
     type=click.Choice(tuple(KV_METHODS)),
     default="mean",
@@ -195,6 +210,7 @@ def command(  # click passes every option as a parameter
     search_tokens,
     retrieval_weight,
     retrieval_len,
+    refine_rounds,
     method,
     pool,
     grouping,
@@ -222,6 +238,8 @@ def command(  # click passes every option as a parameter
         raise HeadlabError("give --kv-heads N (every layer) or --kv-budget FRACTION (per layer), one of them")
     if allow_empty_layer and kv_budget is None:
         raise HeadlabError("--allow-empty-layer applies to --kv-budget (per-layer counts); add --kv-budget FRACTION")
+    if refine_rounds and kv_budget is None:
+        raise HeadlabError("--refine-rounds refines a per-layer layout; add --kv-budget FRACTION")
     if retrieval_weight and kv_budget is None:
         raise HeadlabError("--retrieval-weight weighs per-layer costs; add --kv-budget FRACTION")
     if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading; the layers' floor is checked after
@@ -259,7 +277,7 @@ def command(  # click passes every option as a parameter
 
         budget = BudgetSpec(kv_budget, method=method, pool=pool, seed=seed, search_tokens=search_tokens,
                             allow_empty_layer=allow_empty_layer, retrieval_weight=retrieval_weight,
-                            retrieval_len=retrieval_len)  # fmt: skip
+                            retrieval_len=retrieval_len, refine_rounds=refine_rounds)  # fmt: skip
         check_budget_spec(loaded, budget)  # before the long-context measurement
     before = measure(loaded, text, lengths, not as_json) if lengths else None  # before the conversion edits it
     common = dict(text=text, calibration_tokens=calibration_tokens, evaluate=not no_eval, overwrite=overwrite,

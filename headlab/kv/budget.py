@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pandas as pd
 import torch
@@ -54,6 +55,14 @@ def allocate_kv(costs: list[dict[int, float]], widths: list[int], budget: int) -
     return min(best.values(), key=lambda entry: entry[0])[1]
 
 
+class _LayerShape(NamedTuple):
+    """What the allocation reads of an attention layer, fixed when taken (index, head size, KV heads)."""
+
+    index: int
+    head_dim: int
+    num_kv_heads: int
+
+
 @dataclass(frozen=True)
 class BudgetSpec:
     """How convert-gqa --kv-budget converts: the fraction of the original KV bytes kept, the method (KV_METHODS) and
@@ -72,6 +81,9 @@ class BudgetSpec:
     retrieval_weight: float = 0.0
     retrieval_len: int = 1024
     retrieval_prompts: int = 6
+    # Rounds of local search after the allocation (refine_counts): each re-measures every layer's options with the
+    # other layers at the current layout, since the layers' costs do not add up (0: the additive allocation alone).
+    refine_rounds: int = 0
 
 
 def layer_choices(layer, spec: BudgetSpec) -> list[int]:
@@ -117,6 +129,30 @@ def retrieval_scoring(loaded: LoadedModel, spec: BudgetSpec, text: str) -> list[
     return out
 
 
+def _losses(loaded: LoadedModel, spec: BudgetSpec, search_batches, retrieval_text):
+    """A callable measuring the model as it stands: {"loss_increase": mean calibration NLL} and, with a retrieval
+    weight, {"retrieval_increase": mean answer NLL of the retrieval prompts}; absolute values, which the callers take
+    differences of."""
+    scored = scoring_batches(loaded, search_batches)
+    if not sum(b.scored for b in scored):
+        raise HeadlabError("no calibration tokens to measure the per-layer costs on")
+    retrieving = spec.retrieval_weight > 0
+    if retrieving and not retrieval_text:
+        raise HeadlabError("a retrieval weight needs calibration text for the retrieval prompts")
+    retrieval = retrieval_scoring(loaded, spec, retrieval_text) if retrieving else []
+
+    def losses() -> dict:
+        measured = {"loss_increase": _mean_nll(loaded, scored)}
+        return measured | ({"retrieval_increase": _mean_nll(loaded, retrieval)} if retrieving else {})
+
+    return losses
+
+
+def _objective(measured: dict, weight: float) -> float:
+    """J = text NLL + w x retrieval NLL: what the allocation minimises, for a whole layout."""
+    return measured["loss_increase"] + weight * measured.get("retrieval_increase", 0.0)
+
+
 def _mean_nll(loaded: LoadedModel, batches: list[ScoringBatch]) -> float:
     """Mean NLL per scored token of `batches` (the scored tokens are counted from their labels)."""
     tokens = float(sum(b.scored for b in batches))
@@ -134,18 +170,8 @@ def layer_costs(
     allocation then minimises."""
     check_resident(loaded, "the per-layer KV budget")
     layers = gqa_layers(loaded)
-    scored = scoring_batches(loaded, search_batches)
-    if not sum(b.scored for b in scored):
-        raise HeadlabError("no calibration tokens to measure the per-layer costs on")
     retrieving = spec.retrieval_weight > 0
-    if retrieving and not retrieval_text:
-        raise HeadlabError("a retrieval weight needs calibration text for the retrieval prompts")
-    retrieval = retrieval_scoring(loaded, spec, retrieval_text) if retrieving else []
-
-    def losses() -> dict:
-        measured = {"loss_increase": _mean_nll(loaded, scored)}
-        return measured | ({"retrieval_increase": _mean_nll(loaded, retrieval)} if retrieving else {})
-
+    losses = _losses(loaded, spec, search_batches, retrieval_text)
     reference = losses()
     zero = {name: 0.0 for name in reference}
     rows = [dict(layer=layer.index, kv_heads=layer.num_kv_heads, **zero) for layer in layers]
@@ -187,7 +213,11 @@ def allocation(loaded: LoadedModel, costs: pd.DataFrame, fraction: float) -> lis
     """The per-layer KV-head counts of `costs` (layer_costs) that fit `fraction` of the original KV bytes at least
     total cost (its `cost` column where it has one, else `loss_increase`); a 0 row in `costs` (allow_empty_layer)
     lets that layer lose its attention."""
-    layers = gqa_layers(loaded)
+    return _allocate(gqa_layers(loaded), costs, fraction)
+
+
+def _allocate(layers, costs: pd.DataFrame, fraction: float) -> list[int]:
+    """allocation() over `layers` (the unconverted model's attention layers, read before any layer changed)."""
     column = "cost" if "cost" in costs else "loss_increase"
     per_layer = [
         {int(kv): float(cost) for kv, cost in zip(rows.kv_heads, rows[column])}
@@ -195,6 +225,71 @@ def allocation(loaded: LoadedModel, costs: pd.DataFrame, fraction: float) -> lis
     ]
     empty = any(0 in options for options in per_layer)
     return allocate_kv(per_layer, [layer.head_dim for layer in layers], budget_units(layers, fraction, empty))
+
+
+@torch.no_grad()
+def refine_counts(
+    loaded: LoadedModel,
+    spec: BudgetSpec,
+    counts: list[int],
+    merge_batches,
+    search_batches,
+    progress: bool = True,
+    retrieval_text=None,
+) -> tuple[list[int], list[dict]]:
+    """Local search from `counts` on the measured objective of the whole layout, J(A) = calibration NLL + w x
+    retrieval NLL (w = spec.retrieval_weight), for spec.refine_rounds rounds: with every layer at A's count,
+    c'_l(g) = J(A with layer l at g) - J(A) for each of l's choices; the exact allocation of c' under the budget is
+    A'; A' is kept when its measured J is lower, else the search stops (so J never rises). The single-layer costs
+    (layer_costs) are measured on the original model and do not add up across layers; c' is their first-order
+    correction at A. Each layer's converted weights are those apply_counts writes (from the original model). The
+    model is left as it came. Returns the counts and one record per round."""
+    check_resident(loaded, "the per-layer KV budget")
+    layers, adapter = gqa_layers(loaded), loaded.adapter
+    # The layers' shapes as they are now: a layer object reads its module, which changes as layouts are written.
+    shapes = [_LayerShape(layer.index, layer.head_dim, layer.num_kv_heads) for layer in layers]
+    losses = _losses(loaded, spec, search_batches, retrieval_text)
+    originals = {layer.index: adapter.read(layer) for layer in layers}
+    needed = sorted({g for shape in shapes for g in layer_choices(shape, spec) if g < shape.num_kv_heads})
+    options = {g: _layer_options(loaded, spec.method, spec.pool, spec.seed, g, merge_batches, False) for g in needed}
+
+    def write(layer, shape, g):
+        adapter.write(layer, originals[shape.index] if g == shape.num_kv_heads else options[g][shape.index])
+
+    def measure(layout) -> float:
+        for layer, shape, g in zip(layers, shapes, layout):
+            write(layer, shape, g)
+        return _objective(losses(), spec.retrieval_weight)
+
+    rounds, counts = [], list(counts)
+    per_round = sum(len(layer_choices(shape, spec)) - 1 for shape in shapes)
+    bar = tqdm(total=spec.refine_rounds * per_round, desc="refining the KV layout", disable=not progress, unit="model")
+    try:
+        current = measure(counts)
+        for round_index in range(1, spec.refine_rounds + 1):
+            rows = []
+            for layer, shape, chosen in zip(layers, shapes, counts):
+                for g in layer_choices(shape, spec):
+                    cost = 0.0
+                    if g != chosen:  # layer l alone moved to g, every other layer at the current layout
+                        write(layer, shape, g)
+                        cost = _objective(losses(), spec.retrieval_weight) - current
+                        write(layer, shape, chosen)
+                        bar.update()
+                    rows.append(dict(layer=shape.index, kv_heads=g, cost=cost))
+            proposal = _allocate(shapes, pd.DataFrame(rows), spec.fraction)
+            value = measure(proposal) if proposal != counts else current
+            kept = value < current
+            rounds.append({"round": round_index, "objective_before": current, "proposed": proposal,
+                           "objective_proposed": value, "kept": kept})  # fmt: skip
+            if not kept:
+                break
+            counts, current = proposal, value
+    finally:
+        for layer in layers:
+            adapter.write(layer, originals[layer.index])
+        bar.close()
+    return counts, rounds
 
 
 def apply_counts(
@@ -259,6 +354,8 @@ def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
         raise HeadlabError(f"unknown pool={spec.pool!r}; use one of {', '.join(POOLS)}")
     if spec.search_tokens < 1:
         raise HeadlabError(f"search_tokens={spec.search_tokens} must be at least 1")
+    if not (isinstance(spec.refine_rounds, int) and spec.refine_rounds >= 0):
+        raise HeadlabError(f"refine_rounds={spec.refine_rounds} must be a whole number >= 0")
     if not (math.isfinite(spec.retrieval_weight) and spec.retrieval_weight >= 0):
         raise HeadlabError(f"retrieval_weight={spec.retrieval_weight} must be a finite number >= 0")
     if spec.retrieval_weight > 0:

@@ -24,7 +24,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out, resumable_directory
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.core.tables import write_run, write_run_files
-from headlab.kv.budget import BudgetSpec, allocation, apply_counts, check_budget_spec, layer_costs
+from headlab.kv.budget import BudgetSpec, allocation, apply_counts, check_budget_spec, layer_costs, refine_counts
 from headlab.kv.grouping import (
     ConversionPlan,
     check_direction,
@@ -333,9 +333,16 @@ def convert_budget_checkpoint(
     haystack = split_text(text.corpus, "calibration").text if budget.retrieval_weight > 0 else None
     costs = layer_costs(loaded, budget, merge_batches, search_batches, progress=progress, retrieval_text=haystack)
     counts = allocation(loaded, costs, budget.fraction)
+    refinement = None
+    if budget.refine_rounds:  # local search on the whole layout's measured objective (the costs do not add up)
+        additive = counts
+        counts, rounds = refine_counts(loaded, budget, counts, merge_batches, search_batches, progress, haystack)
+        refinement = {"additive_allocation": additive, "rounds": rounds}
     costs["chosen"] = [count == counts[layer] for layer, count in zip(costs.layer, costs.kv_heads)]
     record["conversion"] = apply_counts(loaded, counts, budget, merge_batches, progress=progress)
     record["conversion"].update(fraction=budget.fraction, search_tokens=search_batches.meta)
+    if refinement is not None:
+        record["conversion"]["refinement"] = refinement
     if budget.retrieval_weight > 0:
         record["conversion"]["retrieval_cost"] = {
             "weight": budget.retrieval_weight,
