@@ -15,6 +15,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # the generalization case
 TITLE = "Per-layer KV budgets with a retrieval cost (`convert-gqa --kv-budget --retrieval-weight`), training-free"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS, SEARCH_TOKENS = 2048, 512, 2048, 1024
 FRACTION, WEIGHTS = 0.5, (0.0, 0.25, 1.0, 4.0)
+REFINED, ROUNDS = (0.0, 1.0), 2  # weights whose layout is also refined (refine_counts), and its rounds
 SHORT = dict(lengths=(512,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=2)  # 10 prompts
 LONG = dict(lengths=(2048,), depths=(0.0, 0.5, 1.0), samples=2)  # 6 prompts per task
 
@@ -22,6 +23,7 @@ LONG = dict(lengths=(2048,), depths=(0.0, 0.5, 1.0), samples=2)  # 6 prompts per
 def run(args) -> dict:
     import copy
     import time
+    from dataclasses import replace
 
     import torch
     from generalization import retrieval
@@ -29,7 +31,7 @@ def run(args) -> dict:
     from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
     from headlab.core.data import TextSpec, load_corpus, split_text
     from headlab.core.loading import from_model, load_model
-    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs, weighted_costs
+    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs, refine_counts, weighted_costs
     from headlab.measure.costs import kv_bytes_per_token
     from headlab.measure.evaluate import perplexity
 
@@ -57,19 +59,36 @@ def run(args) -> dict:
     del work
     result = {"threads": torch.get_num_threads(), "domains": domains, "fraction": FRACTION,
               "retrieval_len": spec.retrieval_len, "retrieval_prompts": spec.retrieval_prompts,
-              "cost_seconds": time.perf_counter() - start, "costs": costs.to_dict("records"), "rows": []}  # fmt: skip
+              "cost_seconds": time.perf_counter() - start, "costs": costs.to_dict("records"), "rows": [],
+              "kv_heads": teacher.layers[0].num_kv_heads}  # fmt: skip
     row = {"layout": "original (GQA-3)", "weight": None, "kv_bytes_per_token": kv_bytes_per_token(teacher)}
     result["rows"].append(row | measured(teacher))
     print(result["rows"][-1], flush=True)
-    for weight in WEIGHTS:
-        counts = allocation(teacher, weighted_costs(costs, weight), FRACTION)
+
+    def layout_row(layout: str, weight: float, counts: list[int], **extra) -> None:
         student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
         apply_counts(student, counts, spec, merge_batches, progress=False)
-        row = {"layout": "per-layer, text NLL" if weight == 0 else f"per-layer, text + {weight:g} x retrieval NLL",
-               "weight": weight, "counts": counts, "kv_bytes_per_token": kv_bytes_per_token(student)}  # fmt: skip
-        result["rows"].append(row | measured(student))
+        row = {"layout": layout, "weight": weight, "counts": counts, "kv_bytes_per_token": kv_bytes_per_token(student)}
+        result["rows"].append(row | extra | measured(student))
         print(result["rows"][-1], flush=True)
-        del student
+
+    for weight in WEIGHTS:
+        counts = allocation(teacher, weighted_costs(costs, weight), FRACTION)
+        layout_row("per-layer, text NLL" if weight == 0 else f"per-layer, text + {weight:g} x retrieval NLL", weight,
+                   counts)  # fmt: skip
+        if weight not in REFINED:
+            continue
+        start = time.perf_counter()
+        refined_spec = replace(spec, retrieval_weight=weight, refine_rounds=ROUNDS)
+        work = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+        refined, rounds = refine_counts(work, refined_spec, counts, merge_batches, search_batches, False, haystack)
+        del work
+        refinement = {"rounds": rounds, "seconds": time.perf_counter() - start}
+        name = f"{result['rows'][-1]['layout']}, refined ({ROUNDS} rounds)"
+        if refined == counts:  # no round kept: the additive layout is the refined one, measured above
+            result["rows"][-1]["refinement"] = refinement
+            continue
+        layout_row(name, weight, refined, refinement=refinement)
     return result
 
 
@@ -89,10 +108,23 @@ def markdown(r: dict) -> str:
     ]  # fmt: skip
     for row in r["rows"]:
         counts = row.get("counts")
-        kept = "all" if counts is None else ", ".join(str(i) for i, g in enumerate(counts) if g == max(counts))
+        whole = r.get("kv_heads", max(counts or [0]))  # the original's KV heads per layer
+        kept = "all" if counts is None else ", ".join(str(i) for i, g in enumerate(counts) if g == whole) or "none"
         accuracy = [f"{row[k][0]}/{row[k][1]}" for k in ("passkey_512", "passkey_2k", "multikey_2k")]
         lines.append(
             f"| {row['layout']} | {row['kv_bytes_per_token'] / original:.3f} | {kept} | "
             + " | ".join(f"{row['ppl'][d]:.2f}" for d in r["domains"]) + " | " + " | ".join(accuracy) + " |"
         )  # fmt: skip
+    refined = [row for row in r["rows"] if "refinement" in row]
+    if refined:
+        lines.append("")
+        lines.append("Refinement (`--refine-rounds`, measured cost J = calibration NLL + w x retrieval NLL of the "
+                     "whole layout; a round's layout is kept only when J falls):")  # fmt: skip
+        for row in refined:
+            steps = "; ".join(
+                f"round {step['round']}: {step['objective_before']:.4f} -> {step['objective_proposed']:.4f} "
+                + ("kept" if step["kept"] else "not kept")
+                for step in row["refinement"]["rounds"]
+            )
+            lines.append(f"- {row['layout']}: {steps} ({row['refinement']['seconds']:.0f} s).")
     return "\n".join(lines)
