@@ -9,7 +9,9 @@ perplexity needs it and leaves none of the layers that long-context retrieval ru
 (docs/commands/convert-gqa.md). Allocation: the g_l minimising sum_l c_l(g_l) subject to sum_l g_l D_l <= budget
 (KV bytes per token are proportional to sum_l g_l D_l), solved exactly by dynamic programming over the layers (a
 multiple-choice knapsack). The costs are taken as additive over layers, as prune's budget search takes them;
-Puzzle (Bercovich et al. 2024, Nemotron-51B) scores per-layer variants alone and combines them the same way.
+Puzzle (Bercovich et al. 2024, Nemotron-51B) scores per-layer variants alone and combines them the same way. They
+do not add up exactly: refine_counts (opt-in) re-measures every layer's options with the others at the allocated
+layout and re-allocates, keeping a round only when the whole layout measures better.
 
 A layout whose layers differ is saved with headlab's per-layer head record (headlab.core.layout, loaded by
 headlab.core.loading.load_model) and exports to llama.cpp's `deci` architecture, which reads n_head_kv per layer.
