@@ -11,6 +11,8 @@ TITLE = "Per-layer KV budgets (`convert-gqa --kv-budget`), training-free"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS, SEARCH_TOKENS = 2048, 512, 2048, 1024
 FRACTIONS = (1 / 3, 1 / 2, 2 / 3)
 EMPTY_FRACTIONS = (1 / 3, 1 / 6, 1 / 8)  # with layers left without attention (llama.cpp bytes)
+# Layouts also refined (refine_counts, text NLL, ROUNDS rounds): (fraction, attention-free layers allowed)
+REFINED, ROUNDS = ((1 / 2, False), (1 / 3, True)), 2
 
 
 def _evenly(counts: list[int]) -> list[int]:
@@ -23,6 +25,7 @@ def _evenly(counts: list[int]) -> list[int]:
 def run(args) -> dict:
     import copy
     import time
+    from dataclasses import replace
 
     import torch
 
@@ -30,7 +33,7 @@ def run(args) -> dict:
     from headlab.core.data import TextSpec, load_corpus
     from headlab.core.loading import from_model, load_model
     from headlab.kv import gqa
-    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
+    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs, refine_counts
     from headlab.measure.costs import kv_bytes_per_token
     from headlab.measure.evaluate import perplexity
 
@@ -84,13 +87,30 @@ def run(args) -> dict:
                            "kv_bytes_per_token": kv_bytes_per_token(student), "predicted_loss_increase": None,
                            "ppl": ppl(student)})  # fmt: skip
     del student
+
+    def refined(name: str, fraction: float, counts: list[int], empty: bool) -> None:
+        if (fraction, empty) not in REFINED:
+            return
+        start = time.perf_counter()
+        work = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+        chosen, rounds = refine_counts(work, replace(spec, fraction=fraction, allow_empty_layer=empty,
+                                                     refine_rounds=ROUNDS), counts, merge_batches, search_batches,
+                                       progress=False)  # fmt: skip
+        del work
+        seconds = time.perf_counter() - start
+        measure(f"{name}, refined ({ROUNDS} rounds)", fraction, chosen)
+        result["rows"][-1]["refinement"] = {"rounds": rounds, "seconds": seconds}
+
     for fraction in FRACTIONS:
         counts = allocation(teacher, costs, fraction)
         measure("per-layer (measured costs)", fraction, counts)
         if len(set(counts)) > 1:
             measure("per-layer (same counts, evenly spread)", fraction, _evenly(counts))
+        refined("per-layer (measured costs)", fraction, counts, False)
     for fraction in EMPTY_FRACTIONS:
-        measure("per-layer, attention-free layers allowed", fraction, allocation(teacher, every, fraction))
+        counts = allocation(teacher, every, fraction)
+        measure("per-layer, attention-free layers allowed", fraction, counts)
+        refined("per-layer, attention-free layers allowed", fraction, counts, True)
     return result
 
 
@@ -118,4 +138,12 @@ def markdown(r: dict) -> str:
             f"| {row['layout']} | {row['kv_bytes_per_token'] / original:.3f} | {where} | {predicted} | "
             + " | ".join(f"{row['ppl'][d]:.2f}" for d in r["domains"]) + " |"
         )
+    for row in (row for row in r["rows"] if "refinement" in row):
+        steps = "; ".join(
+            f"round {step['round']}: {step['objective_before']:.4f} -> {step['objective_proposed']:.4f} "
+            + ("kept" if step["kept"] else "not kept")
+            for step in row["refinement"]["rounds"]
+        )
+        lines.append(f"\n{row['layout']} at {row['fraction']:.3g} (`--refine-rounds`, calibration NLL of the whole "
+                     f"layout): {steps} ({row['refinement']['seconds']:.0f} s).")  # fmt: skip
     return "\n".join(lines)
