@@ -525,3 +525,9 @@ def test_cli_refine_rounds_records_the_rounds_and_saves_the_refined_layout(tmp_p
 def test_cli_refine_rounds_needs_a_budget(tmp_path, capsys):
     code, out, err = run_cli(_command(tmp_path, "--kv-heads", "2", "--refine-rounds", "1"), capsys)
     assert code == 2 and "--refine-rounds refines a per-layer layout" in err and not (tmp_path / "out").exists()
+
+
+def test_describe_rounds_reads_each_round():
+    rounds = [{"round": 1, "objective_before": 3.99288, "proposed": [1], "objective_proposed": 3.86206, "kept": True},
+              {"round": 2, "objective_before": 3.86206, "proposed": [1], "objective_proposed": 3.9, "kept": False}]  # fmt: skip
+    assert B.describe_rounds(rounds) == "round 1: 3.9929 -> 3.8621 kept; round 2: 3.8621 -> 3.9000 not kept"

@@ -115,6 +115,9 @@ def run(args) -> dict:
 
 
 def markdown(r: dict) -> str:
+    # imported here, as run() imports headlab: the case module loads without torch
+    from headlab.kv.budget import describe_rounds
+
     lines = [
         f"Embedded SmolLM2-135M (30 layers x 3 KV heads, float32, {r['threads']} threads). Each layer keeps 3 or 1 KV "
         f"heads; svd merge calibrated on {r['calib_tokens']:,} `broad` calibration tokens; per-layer costs measured "
@@ -139,11 +142,7 @@ def markdown(r: dict) -> str:
             + " | ".join(f"{row['ppl'][d]:.2f}" for d in r["domains"]) + " |"
         )
     for row in (row for row in r["rows"] if "refinement" in row):
-        steps = "; ".join(
-            f"round {step['round']}: {step['objective_before']:.4f} -> {step['objective_proposed']:.4f} "
-            + ("kept" if step["kept"] else "not kept")
-            for step in row["refinement"]["rounds"]
-        )
+        steps = describe_rounds(row["refinement"]["rounds"])
         lines.append(f"\n{row['layout']} at {row['fraction']:.3g} (`--refine-rounds`, calibration NLL of the whole "
                      f"layout): {steps} ({row['refinement']['seconds']:.0f} s).")  # fmt: skip
     return "\n".join(lines)

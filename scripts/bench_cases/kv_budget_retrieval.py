@@ -93,6 +93,9 @@ def run(args) -> dict:
 
 
 def markdown(r: dict) -> str:
+    # imported here, as run() imports headlab: the case module loads without torch
+    from headlab.kv.budget import describe_rounds
+
     original = r["rows"][0]["kv_bytes_per_token"]
     lines = [
         f"Embedded SmolLM2-135M (float32, {r['threads']} threads), svd merge calibrated on 2,048 `broad` calibration "
@@ -121,10 +124,6 @@ def markdown(r: dict) -> str:
         lines.append("Refinement (`--refine-rounds`, measured cost J = calibration NLL + w x retrieval NLL of the "
                      "whole layout; a round's layout is kept only when J falls):")  # fmt: skip
         for row in refined:
-            steps = "; ".join(
-                f"round {step['round']}: {step['objective_before']:.4f} -> {step['objective_proposed']:.4f} "
-                + ("kept" if step["kept"] else "not kept")
-                for step in row["refinement"]["rounds"]
-            )
+            steps = describe_rounds(row["refinement"]["rounds"])
             lines.append(f"- {row['layout']}: {steps} ({row['refinement']['seconds']:.0f} s).")
     return "\n".join(lines)
