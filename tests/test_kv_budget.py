@@ -531,3 +531,28 @@ def test_describe_rounds_reads_each_round():
     rounds = [{"round": 1, "objective_before": 3.99288, "proposed": [1], "objective_proposed": 3.86206, "kept": True},
               {"round": 2, "objective_before": 3.86206, "proposed": [1], "objective_proposed": 3.9, "kept": False}]  # fmt: skip
     assert B.describe_rounds(rounds) == "round 1: 3.9929 -> 3.8621 kept; round 2: 3.8621 -> 3.9000 not kept"
+
+
+def test_cli_gqa_sweep_refine_rounds(tmp_path, capsys):
+    """Each budget row is refined on the whole layout's measured cost, exactly as refine_counts refines it, and says
+    how the rounds went; without --kv-budgets the option is refused before loading."""
+    _command(tmp_path)  # writes the tiny model and text
+    code, out, err = run_cli(_sweep_command(tmp_path, "--kv-budgets", "0.5", "--refine-rounds", "2"), capsys)
+    assert code == 0, err
+    frame = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
+    row = frame[frame.action == "kv-budget"].iloc[0]
+    assert row.refinement.startswith("round 1: ") and 0 <= row.rounds_kept <= 2
+    loaded = load_model(str(tmp_path / "src"), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), max_tokens=128, seq_len=32, batch_size=4)
+    calibration = text.but(split="calibration", batch_size=4)
+    merge = None  # mean pooling: no calibrated merge
+    search = calibration.but(max_tokens=1024).batches(loaded.tokenizer, max_positions=loaded.max_positions)
+    spec = B.BudgetSpec(0.5, refine_rounds=2)
+    counts = B.allocation(loaded, B.layer_costs(loaded, spec, merge, search, progress=False), 0.5)
+    refined, rounds = B.refine_counts(loaded, spec, counts, merge, search, progress=False)
+    assert row.kv_heads_per_layer == ",".join(map(str, refined))
+    assert row.refinement == B.describe_rounds(rounds)
+    meta = json.loads((tmp_path / "sweep" / "meta.json").read_text())
+    assert meta["kv_budgets"]["refine_rounds"] == 2
+    code, out, err = run_cli(_sweep_command(tmp_path, "--refine-rounds", "1", "--out", tmp_path / "bad"), capsys)
+    assert code == 2 and "add --kv-budgets" in err and not (tmp_path / "bad").exists()

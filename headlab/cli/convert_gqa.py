@@ -18,6 +18,7 @@ from headlab.cli.options import (
     model_options,
     out_option,
     print_rows,
+    refine_rounds_option,
     retrieval_len_option,
     streaming_options,
 )
@@ -165,14 +166,10 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     "through keep their heads; 0: text NLL alone. One more forward pass per layer and count over the prompts",
 )
 @retrieval_len_option("with --retrieval-weight: tokens per retrieval prompt (6 prompts)")
-@click.option(
-    "--refine-rounds",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="with --kv-budget: after the allocation, rounds of local search on the whole layout's measured cost (each "
+@refine_rounds_option(
+    "with --kv-budget: after the allocation, rounds of local search on the whole layout's measured cost (each "
     "layer's options re-measured with the others converted, since per-layer costs do not add up; a round's layout "
-    "is kept only when it measures better). Each round costs as much as the per-layer costs",
+    "is kept only when it measures better). Each round costs as much as the per-layer costs"
 )
 @click.option(
     "--method",

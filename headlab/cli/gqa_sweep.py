@@ -15,6 +15,7 @@ from headlab.cli.options import (
     guard,
     model_options,
     out_option,
+    refine_rounds_option,
     retrieval_len_option,
 )
 from headlab.cli.parsing import parse_list
@@ -68,6 +69,11 @@ from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS, mla_budget
     "the retrieval costs are measured once for every weight [default: 0]",
 )
 @retrieval_len_option("with --retrieval-weights: tokens per retrieval prompt (6 prompts over the calibration split)")
+@refine_rounds_option(
+    "with --kv-budgets: after each row's allocation, rounds of local search on the whole layout's measured cost "
+    "(convert-gqa --refine-rounds; a round's layout is kept only when it measures better). Each round of each row "
+    "costs as much as the per-layer costs"
+)
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=4)
 @out_option(required=False, help_text="output directory [default: gqa-sweep]")
 @long_context_option(help_text=sweep_help("every variant measured (and each --mla row; a row reusing another's "
@@ -84,6 +90,7 @@ def command(
     kv_budgets,
     retrieval_weights,
     retrieval_len,
+    refine_rounds,
     text,
     out,
     overwrite,
@@ -104,6 +111,8 @@ def command(
         if not 0 < fraction <= 1:
             raise HeadlabError(f"--kv-budgets {fraction} must be a fraction of the KV cache in (0, 1]")
     weights = _retrieval_weights(retrieval_weights, fractions, retrieval_len)
+    if refine_rounds and not fractions:
+        raise HeadlabError("--refine-rounds refines the per-layer layouts of --kv-budgets; add --kv-budgets F")
     run = run_ladder if budgets or fractions else run_sweep
     loaded = load()
     if lengths:  # an encoder or a length beyond the model's positions fails before the first conversion
@@ -116,6 +125,7 @@ def command(
         **({"kv_budgets": fractions} if fractions else {}),
         # in the resumable run's key only when asked for: runs placed by text NLL alone resume as before
         **({"retrieval_weights": weights, "retrieval_len": retrieval_len} if weights != (0.0,) else {}),
+        **({"refine_rounds": refine_rounds} if refine_rounds else {}),
         kv_heads=None if kv_heads is None else parse_list(kv_heads, int, "kv-heads"),
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
         pools=tuple(parse_list(pool, str, "pool", POOLS)),

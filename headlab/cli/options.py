@@ -274,6 +274,11 @@ def retrieval_len_option(help_text: str):
     return click.option("--retrieval-len", type=click.IntRange(min=1), default=1024, show_default=True, help=help_text)
 
 
+def refine_rounds_option(help_text: str):
+    """--refine-rounds: rounds of local search on a per-layer budget's layout (headlab.kv.budget.refine_counts)."""
+    return click.option("--refine-rounds", type=click.IntRange(min=0), default=0, show_default=True, help=help_text)
+
+
 def low_memory_option(function):
     """--low-memory/--no-low-memory for commands whose gradient pass chooses by the memory available (None)."""
     return click.option(

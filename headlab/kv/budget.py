@@ -155,6 +155,7 @@ def _objective(measured: dict, weight: float) -> float:
     return measured["loss_increase"] + weight * measured.get("retrieval_increase", 0.0)
 
 
+@torch.no_grad()  # refine_counts measures outside layer_costs' no_grad: no graph to build for a number
 def _mean_nll(loaded: LoadedModel, batches: list[ScoringBatch]) -> float:
     """Mean NLL per scored token of `batches` (the scored tokens are counted from their labels)."""
     tokens = float(sum(b.scored for b in batches))

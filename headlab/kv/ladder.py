@@ -8,12 +8,23 @@ An MLA row at budget "gqa" caches as many numbers per token as the source's own 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pandas as pd
 
 from headlab.core.data import TextSpec, split_text, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
-from headlab.kv.budget import BudgetSpec, allocation, apply_counts, check_budget_spec, layer_costs, weighted_costs
+from headlab.kv.budget import (
+    BudgetSpec,
+    allocation,
+    apply_counts,
+    check_budget_spec,
+    describe_rounds,
+    layer_costs,
+    refine_counts,
+    weighted_costs,
+)
 from headlab.kv.gqa import gqa_sweep, measured_kv_bytes_per_token, resumable_sweep
 from headlab.kv.methods import KV_METHODS, MLA_BUDGETS, mla_budget
 from headlab.kv.mla import convert_to_mla, input_grams, plan_mla, rope_phases
@@ -96,11 +107,13 @@ def budget_rows(
     search_tokens: int = 1024,
     retrieval_weights: tuple[float, ...] = (0.0,),
     retrieval_len: int = 1024,
+    refine_rounds: int = 0,
 ) -> pd.DataFrame:
     """One sweep row per per-layer KV budget and retrieval weight (headlab.kv.budget, `convert-gqa --kv-budget
     --retrieval-weight`): the per-layer costs are measured once (with the retrieval prompts when a weight is above
-    0), each fraction allocated from them under each weight and converted in place, scored on `text` like the other
-    rows, then the model is restored."""
+    0), each fraction allocated from them under each weight (then refined for `refine_rounds` rounds on the whole
+    layout's measured cost, refine_counts) and converted in place, scored on `text` like the other rows, then the
+    model is restored."""
     spec = BudgetSpec(1.0, method=method, search_tokens=search_tokens, retrieval_weight=max(retrieval_weights),
                       retrieval_len=retrieval_len)  # fmt: skip
     calibration = text.but(split="calibration", batch_size=4)
@@ -118,9 +131,14 @@ def budget_rows(
         for weight in retrieval_weights:
             costs = weighted_costs(measured, weight)
             counts = allocation(loaded, costs, fraction)
+            refinement = {}
+            if refine_rounds:  # the costs do not add up across layers: search on the whole layout's measured cost
+                refined = replace(spec, fraction=fraction, retrieval_weight=weight, refine_rounds=refine_rounds)
+                counts, rounds = refine_counts(loaded, refined, counts, merge_batches, search, progress, haystack)
+                refinement = {"refinement": describe_rounds(rounds), "rounds_kept": sum(r["kept"] for r in rounds)}
             with restoring(loaded):
                 apply_counts(loaded, counts, spec, merge_batches, progress=False, record_layout=False)
-                rows.append(_budget_row(loaded, text, long_context, fraction, weight, method, counts))
+                rows.append(_budget_row(loaded, text, long_context, fraction, weight, method, counts) | refinement)
     return pd.DataFrame(rows)
 
 
@@ -156,6 +174,7 @@ def ladder(
     kv_budgets: tuple[float, ...] = (),
     retrieval_weights: tuple[float, ...] = (0.0,),
     retrieval_len: int = 1024,
+    refine_rounds: int = 0,
     text: TextSpec,
     calibration_tokens: int = 2048,
     **sweep,
@@ -163,8 +182,8 @@ def ladder(
     """The gqa sweep (headlab.kv.gqa.gqa_sweep, keywords `sweep`) plus one MLA row per budget in `mla` and one
     per-layer KV-budget row per fraction in `kv_budgets` and weight in `retrieval_weights` (svd merge when the
     sweep's methods include it, else mean pooling; cost = text NLL + weight x retrieval NLL, prompts of
-    `retrieval_len` tokens), on one eval text; relative_kv_bytes is against the unconverted model's cache for every
-    row."""
+    `retrieval_len` tokens; each layout refined for `refine_rounds` rounds), on one eval text; relative_kv_bytes is
+    against the unconverted model's cache for every row."""
     plans = check_mla_budgets(loaded, mla)
     method = "svd" if "svd" in sweep.get("methods", ()) else "mean"
     if kv_budgets and not retrieval_weights:
@@ -172,7 +191,7 @@ def ladder(
     for fraction in kv_budgets:  # a fraction, weight or prompt length out of range fails before any work
         for weight in retrieval_weights:
             check_budget_spec(loaded, BudgetSpec(fraction, method=method, retrieval_weight=weight,
-                                                 retrieval_len=retrieval_len))  # fmt: skip
+                                                 retrieval_len=retrieval_len, refine_rounds=refine_rounds))  # fmt: skip
     text = text.resolved()
     progress = sweep.get("progress", True)
     frame, meta = gqa_sweep(loaded, text=text, calibration_tokens=calibration_tokens, **sweep)
@@ -193,13 +212,14 @@ def ladder(
         else:
             long_context = sweep.get("long_context")
             rows = budget_rows(loaded, kv_budgets, text, calibration_tokens, method, progress, long_context,
-                               retrieval_weights=retrieval_weights, retrieval_len=retrieval_len)  # fmt: skip
+                               retrieval_weights=retrieval_weights, retrieval_len=retrieval_len,
+                               refine_rounds=refine_rounds)  # fmt: skip
             if journal is not None:
                 journal.finish("kv-budget", {"rows": rows.to_dict("records")})
         rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
         frame = pd.concat([frame, rows], ignore_index=True)
         meta["kv_budgets"] = {"fractions": list(kv_budgets), "method": method, "conversion": "headlab.kv.budget",
-                              "retrieval_weights": list(retrieval_weights)}  # fmt: skip
+                              "retrieval_weights": list(retrieval_weights), "refine_rounds": refine_rounds}  # fmt: skip
         if max(retrieval_weights) > 0:
             prompts = BudgetSpec(1.0).retrieval_prompts
             meta["kv_budgets"]["retrieval_prompts"] = {"tokens": retrieval_len, "prompts": prompts,
