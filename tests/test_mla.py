@@ -906,6 +906,14 @@ def test_cli_recover_flag_reaches_the_conversion(tmp_path, capsys):
     assert code == 0, err
     assert re.search(r"after recovery \(uptrain, [\d,]+ tokens\)\s+\d", out)
     assert (tmp_path / "o" / "recovery" / "curve.csv").is_file()
+    # convert-mla's default recovery distils on half the teacher's own samples, each from a random first token
+    meta = json.loads((tmp_path / "o" / "recovery" / "meta.json").read_text())
+    generated = meta["uptrain"]["calibration"]["generated"]
+    assert generated["windows_per_batch"] == 2 and generated["start"] == "random"
+    # under --recover-parallel fsdp (no sampling there) the default share is dropped, not refused: what refuses here
+    # is the missing torchrun, the option the user did give
+    code, out, err = run_cli([*args[:-1], tmp_path / "f", "--recover", "uptrain", "--recover-parallel", "fsdp"], capsys)
+    assert code == 2 and "torchrun" in err and "generated" not in err and not (tmp_path / "f").exists()
 
 
 def test_ladder_adds_mla_rows_measured_from_a_real_cache(text, tmp_path):

@@ -19,9 +19,12 @@ from headlab.recovery.choices import (
 )
 
 
-def recovery_options(function):
+def recovery_options(function=None, *, generated: float = 0.0, generated_start: str = "bos"):
     """--recover, --recover-steps, --recover-minutes, --recover-lr, --recover-objective, --recover-parallel,
-    --recover-bf16, --recover-generated, --recover-generated-start."""
+    --recover-bf16, --recover-generated, --recover-generated-start. Used bare (`@recovery_options`) or with a command's
+    own defaults for the sampled share (`@recovery_options(generated=0.5, generated_start="random")`)."""
+    if function is None:
+        return functools.partial(recovery_options, generated=generated, generated_start=generated_start)
 
     @click.option(
         "--recover",
@@ -62,14 +65,14 @@ def recovery_options(function):
     @click.option(
         "--recover-generated",
         type=click.FloatRange(0, 1),
-        default=0.0,
+        default=generated,
         show_default=True,
         help=GENERATED_HELP,
     )
     @click.option(
         "--recover-generated-start",
         type=click.Choice(GENERATED_STARTS),
-        default="bos",
+        default=generated_start,
         show_default=True,
         help="with --recover-generated: each sampled window begins at BOS alone, or at BOS and a random token",
     )
@@ -92,6 +95,10 @@ def recovery_options(function):
         recover_generated_start,
         **kwargs,
     ):
+        if recover_parallel == "fsdp" and _defaulted("recover_generated"):
+            # sampling is not built under FSDP (UptrainConfig.check refuses it): a command whose default samples
+            # shards without it, as asked, rather than refusing an option the user never gave
+            recover_generated = 0.0
         options = dict(
             stages=recover_stages,
             minutes=recover_minutes,
@@ -106,6 +113,11 @@ def recovery_options(function):
         return function(*args, recovery_options=options, **kwargs)
 
     return wrapper
+
+
+def _defaulted(name: str) -> bool:
+    """Whether the running command's option `name` took its default (the user did not give it)."""
+    return click.get_current_context().get_parameter_source(name) is click.core.ParameterSource.DEFAULT
 
 
 def recovery_spec(options: dict, seq_len: int | None = None, batch_size: int | None = None):

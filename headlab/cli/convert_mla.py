@@ -23,6 +23,7 @@ from headlab.cli.options import (
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
 from headlab.kv.methods import MLA_BUDGET_HELP, mla_budget
+from headlab.recovery.choices import MLA_RECOVERY_GENERATED, MLA_RECOVERY_GENERATED_START
 
 
 def _step_line(step: dict) -> str:
@@ -156,7 +157,9 @@ def print_summary(record: dict) -> None:
 @click.option("--no-eval", is_flag=True, help="skip the before/after perplexity")
 @data_options(default_split="eval", max_tokens=2048, seq_len=512, batch_size=1)
 @out_option(required=False, help_text="checkpoint directory (written atomically) [default: headlab-mla]")
-@recovery_options
+# MLA's recovery distils on half the teacher's own samples by default: measured better than calibration text alone on
+# every domain, in and out of the calibration's (docs/recovery.md, the default recipe)
+@recovery_options(generated=MLA_RECOVERY_GENERATED, generated_start=MLA_RECOVERY_GENERATED_START)
 @long_context_option
 @streaming_options("convert")
 @click.option("--json", "as_json", is_flag=True, help="print the JSON record instead of a table")

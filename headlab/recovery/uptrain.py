@@ -486,6 +486,7 @@ def _data(student: LoadedModel, corpus: Corpus, config: UptrainConfig, teacher: 
         samples = TeacherSamples(teacher, config.seq_len, config.seed, bf16, limit=most, start=config.generated_start)
         record["generated"] = {
             "windows_per_batch": config.generated_windows,
+            "start": config.generated_start,
             "sampling": "the teacher's next-token distribution at temperature 1 (whole vocabulary), from the prefix "
             "token, seq_len tokens a window",
             "method": "LLM-QAT's data-free distillation (Liu et al. 2023)",

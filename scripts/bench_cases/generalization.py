@@ -106,8 +106,9 @@ def markdown(r: dict) -> str:
         f"{', '.join(f'{x:.1f}' for x in r['load'])} at the start), perplexity on the first {r['eval_tokens']:,} "
         f"eval-split tokens of each corpus at seq-len {r['seq_len']}; edits calibrated on {r['calib_tokens']:,} "
         "calibration-split tokens of the corpus named; recovery: the default `--recover local,uptrain` budget on "
-        "`broad`. Passkey: 2,048-token prompts, depths 0, 0.5, 1 x 2 samples, haystack from the prose domain's eval "
-        "split. `advantage`: (held-out / in-domain perplexity) over the original's same ratio (1 = the edit costs "
+        "`broad` when run (before 2026-12-07: 64 steps at lr 3e-5; since, 128 steps at 1.5e-5, measured in the "
+        "recovery recipe section). Passkey: 2,048-token prompts, depths 0, 0.5, 1 x 2 samples, haystack from the "
+        "prose domain's eval split. `advantage`: (held-out / in-domain perplexity) over the original's same ratio (1 = the edit costs "
         "as much out of domain as in it).",
         "",
         "| model | calibrated on | " + " | ".join(r["domains"]) + " | " + " | ".join(f"advantage {d}" for d in held)
