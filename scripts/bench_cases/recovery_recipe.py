@@ -60,7 +60,7 @@ RECIPES = {
         "generated": 0.5,
         "generated_start": "random",
     },
-    # the budget at the default lr: the ratio tracks the budget (every row above kept its last step)
+    # twice the budget at the former lr: the ratio tracks the budget (every row above kept its last step)
     "twice the budget (128 steps)": {"steps": 128},
     "twice the budget (128 steps), half sampled from a random first token": {
         "steps": 128,
