@@ -30,6 +30,7 @@ def run(args) -> dict:
     from headlab.core.data import calibration_batches, load_corpus
     from headlab.core.loading import load_model
     from headlab.kv.mla import convert_to_mla, plan_mla
+    from headlab.recovery.choices import MLA_RECOVERY_GENERATED, MLA_RECOVERY_GENERATED_START
     from headlab.recovery.recover import RecoverySpec, recover
     from headlab.recovery.uptrain import UptrainConfig
 
@@ -62,9 +63,12 @@ def run(args) -> dict:
     row |= {"ppl": ppl(mla), "passkey": passkey(mla)}
     result["deep"].append(row)
     print(row, flush=True)
-    spec = RecoverySpec(uptrain=UptrainConfig(**({"steps": STEPS} if STEPS else {})))
+    # convert-mla's defaults: half of each batch sampled from the teacher, each from a random first token
+    sampled = {"generated": MLA_RECOVERY_GENERATED, "generated_start": MLA_RECOVERY_GENERATED_START}
+    spec = RecoverySpec(uptrain=UptrainConfig(**sampled, **({"steps": STEPS} if STEPS else {})))
     start = time.perf_counter()
     recovered = recover(mla, teacher, spec, data=corpora["broad"], progress=False)
+    result["recipe"] = {"steps": spec.uptrain.steps, "lr": spec.uptrain.lr, **sampled}
     up, local = recovered["uptrain"], recovered["local"]
     row = {"model": f"MLA {split} + recovery", "numbers": DEEP_BUDGET, "recovery_seconds": time.perf_counter() - start,
            "tokens": recovered["tokens_seen"], "local_kept": local["kept"], "kept_step": up["kept_step"],
@@ -86,13 +90,22 @@ def run(args) -> dict:
     return result
 
 
+def _recipe(r: dict) -> str:
+    """The recovery the result measured (results before 2026-12-07 ran the default of the time, not recorded)."""
+    recipe = r.get("recipe")
+    if recipe is None:
+        return "the default `--recover local,uptrain` of the time (64 steps at lr 3e-5, calibration text alone)"
+    sampled = f", {recipe['generated']:.0%} of each batch sampled from the original" if recipe["generated"] else ""
+    return f"`--recover local,uptrain`, {recipe['steps']} steps at lr {recipe['lr']:g}{sampled} (convert-mla's default)"
+
+
 def markdown(r: dict) -> str:
     original = r["deep"][0]
     lines = [
         f"Embedded SmolLM2-135M (float32, {r['threads']} threads, load averages "
         f"{', '.join(f'{x:.1f}' for x in r['load'])} at the start); perplexity on the first {r['eval_tokens']:,} "
         f"eval-split tokens of each corpus at seq-len {r['seq_len']}; conversions calibrated on {r['calib_tokens']:,} "
-        "calibration-split tokens of `broad` (the default); recovery: the default `--recover local,uptrain` on "
+        f"calibration-split tokens of `broad` (the default); recovery: {_recipe(r)} on "
         "`broad`. Passkey: 2,048-token prompts, depths 0, 0.5, 1 x 2 samples, haystack from the prose domain's eval "
         "split. `x original`: perplexity over the original's on the same corpus.",
         "",
