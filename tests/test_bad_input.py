@@ -772,15 +772,10 @@ def _check_one_line(error):
     assert "\n" not in str(error) and str(error).strip()
 
 
-@FUZZ
-@given(rows=TABLES)
-def test_fuzzed_score_tables(rows, layers, tmp_path_factory):
-    path = tmp_path_factory.mktemp("scores") / "scores.csv"
-    pd.DataFrame(rows).to_csv(path, index=False)
-    rows = pd.read_csv(path).to_dict("records") if path.stat().st_size > 1 else []  # what the file really says
-    expected = _expected_scores(rows)
+def _check_table(read, path, layers, rows, expected):
+    """`read` takes the table in `path` exactly when the reference reading `expected` does, with the same values."""
     try:
-        scores = read_scores(path, layers)
+        values = read(path, layers)
     except HeadlabError as error:
         _check_one_line(error)
         assert expected is None, (rows, str(error))
@@ -788,20 +783,33 @@ def test_fuzzed_score_tables(rows, layers, tmp_path_factory):
         return
     event("accepted")
     assert expected is not None, rows
-    assert [s.tolist() for s in scores] == expected
+    assert [v.tolist() for v in values] == expected
+
+
+def _check_bytes(read, path, layers, content):
+    """Arbitrary bytes: one-line refusal, or one finite value per head of each layer."""
+    path.write_bytes(content)
+    try:
+        values = read(path, layers)
+    except HeadlabError as error:
+        _check_one_line(error)
+        return
+    assert [len(v) for v in values] == [4, 4] and all(torch.isfinite(v).all() for v in values)
+
+
+@FUZZ
+@given(rows=TABLES)
+def test_fuzzed_score_tables(rows, layers, tmp_path_factory):
+    path = tmp_path_factory.mktemp("scores") / "scores.csv"
+    pd.DataFrame(rows).to_csv(path, index=False)
+    rows = pd.read_csv(path).to_dict("records") if path.stat().st_size > 1 else []  # what the file really says
+    _check_table(read_scores, path, layers, rows, _expected_scores(rows))
 
 
 @FUZZ
 @given(content=st.binary(max_size=300))
 def test_fuzzed_score_bytes(content, layers, tmp_path_factory):
-    path = tmp_path_factory.mktemp("scores") / "scores.csv"
-    path.write_bytes(content)
-    try:
-        scores = read_scores(path, layers)
-    except HeadlabError as error:
-        _check_one_line(error)
-        return
-    assert [len(s) for s in scores] == [4, 4] and all(torch.isfinite(s).all() for s in scores)
+    _check_bytes(read_scores, tmp_path_factory.mktemp("scores") / "scores.csv", layers, content)
 
 
 def _expected_gates(rows):
@@ -840,30 +848,13 @@ def test_fuzzed_mask_tables(rows, layers, tmp_path_factory):
     path = tmp_path_factory.mktemp("mask") / "mask.csv"
     pd.DataFrame(rows).to_csv(path, index=False)
     rows = pd.read_csv(path).to_dict("records")
-    expected = _expected_gates(rows)
-    try:
-        gates = read_mask(path, layers)
-    except HeadlabError as error:
-        _check_one_line(error)
-        assert expected is None, (rows, str(error))
-        event("rejected")
-        return
-    event("accepted")
-    assert expected is not None, rows
-    assert [g.tolist() for g in gates] == expected
+    _check_table(read_mask, path, layers, rows, _expected_gates(rows))
 
 
 @FUZZ
 @given(content=st.binary(max_size=300))
 def test_fuzzed_mask_bytes(content, layers, tmp_path_factory):
-    path = tmp_path_factory.mktemp("mask") / "mask.csv"
-    path.write_bytes(content)
-    try:
-        gates = read_mask(path, layers)
-    except HeadlabError as error:
-        _check_one_line(error)
-        return
-    assert [len(g) for g in gates] == [4, 4] and all(torch.isfinite(g).all() for g in gates)
+    _check_bytes(read_mask, tmp_path_factory.mktemp("mask") / "mask.csv", layers, content)
 
 
 # ---- --seed determinism -----------------------------------------------------------------------------------------
