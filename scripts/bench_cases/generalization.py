@@ -11,11 +11,16 @@ from pathlib import Path
 
 sys.path.append(str(Path(__file__).resolve().parent))  # the recovery case builds the same edited models: reuse it
 
+from headlab.recovery.choices import MLA_RECOVERY_GENERATED as MLA_GENERATED  # noqa: E402 - torch-free
+from headlab.recovery.choices import MLA_RECOVERY_GENERATED_START as MLA_GENERATED_START  # noqa: E402
+
 TITLE = "Generalization: calibration corpus, out-of-domain perplexity and recovery (`--data broad`, the default)"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS = 2048, 512, 2048
 CALIBRATIONS = ("pydoc-topics", "broad")
 PASSKEY = dict(lengths=(2048,), depths=(0.0, 0.5, 1.0), samples=2)  # 6 prompts, haystack: the prose domain's eval split
 STEPS = int(os.environ.get("HEADLAB_BENCH_GEN_STEPS", 0)) or None  # None: the default recovery budget
+# what each command's recovery adds to the Python defaults: convert-mla samples half of each batch from the teacher
+COMMAND_DEFAULTS = {"svd": {}, "mla": {"generated": MLA_GENERATED, "generated_start": MLA_GENERATED_START}}
 
 
 def perplexities(loaded, corpora: dict) -> dict:
@@ -76,7 +81,10 @@ def run(args) -> dict:
                 row["passkey"] = passkey(edited)
                 result["rows"].append(row)
                 print(row, flush=True)
-                spec = RecoverySpec(uptrain=UptrainConfig(**({"steps": STEPS} if STEPS else {})))
+                budget = {"steps": STEPS} if STEPS else {}
+                spec = RecoverySpec(uptrain=UptrainConfig(**COMMAND_DEFAULTS[name], **budget))
+                recipe = {"steps": spec.uptrain.steps, "lr": spec.uptrain.lr, "generated": spec.uptrain.generated}
+                result.setdefault("recipes", {})[name] = recipe
                 start = time.perf_counter()
                 record = recover(edited, teacher, spec, data=corpora[calibration], progress=False)
                 up, local = record["uptrain"], record["local"]
@@ -98,6 +106,20 @@ def _ratio(row: dict, original: dict, calibration: str, domain: str) -> float:
     return (row["ppl"][domain] / row["ppl"][calibration]) / (original["ppl"][domain] / original["ppl"][calibration])
 
 
+def _recipes(r: dict) -> str:
+    """The recoveries the result ran (results before 2026-12-07 ran the default of the time, not recorded)."""
+    if "recipes" not in r:
+        return "the default `--recover local,uptrain` of the time on `broad` (64 steps at lr 3e-5, calibration text)"
+    def sampled(recipe: dict) -> str:
+        return f", {recipe['generated']:.0%} of each batch sampled from the original" if recipe["generated"] else ""
+
+    return "; ".join(
+        f"{name}, `--recover local,uptrain` on `broad` as its command does by default: {recipe['steps']} steps at lr "
+        f"{recipe['lr']:g}{sampled(recipe)}"
+        for name, recipe in r["recipes"].items()
+    )
+
+
 def markdown(r: dict) -> str:
     original = r["rows"][0]
     held = [d for d in r["domains"] if d not in ("pydoc-topics", "broad")]
@@ -105,9 +127,8 @@ def markdown(r: dict) -> str:
         f"Embedded SmolLM2-135M (float32, {r['threads']} threads, load averages "
         f"{', '.join(f'{x:.1f}' for x in r['load'])} at the start), perplexity on the first {r['eval_tokens']:,} "
         f"eval-split tokens of each corpus at seq-len {r['seq_len']}; edits calibrated on {r['calib_tokens']:,} "
-        "calibration-split tokens of the corpus named; recovery: the default `--recover local,uptrain` budget on "
-        "`broad` when run (before 2026-12-07: 64 steps at lr 3e-5; since, 128 steps at 1.5e-5, measured in the "
-        "recovery recipe section). Passkey: 2,048-token prompts, depths 0, 0.5, 1 x 2 samples, haystack from the "
+        f"calibration-split tokens of the corpus named; recovery: {_recipes(r)}. Passkey: 2,048-token prompts, "
+        "depths 0, 0.5, 1 x 2 samples, haystack from the "
         "prose domain's eval split. `advantage`: (held-out / in-domain perplexity) over the original's same ratio (1 = the edit costs "
         "as much out of domain as in it).",
         "",
