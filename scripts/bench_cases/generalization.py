@@ -110,6 +110,7 @@ def _recipes(r: dict) -> str:
     """The recoveries the result ran (results before 2026-12-07 ran the default of the time, not recorded)."""
     if "recipes" not in r:
         return "the default `--recover local,uptrain` of the time on `broad` (64 steps at lr 3e-5, calibration text)"
+
     def sampled(recipe: dict) -> str:
         return f", {recipe['generated']:.0%} of each batch sampled from the original" if recipe["generated"] else ""
 

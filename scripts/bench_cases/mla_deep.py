@@ -69,6 +69,7 @@ def run(args) -> dict:
     start = time.perf_counter()
     recovered = recover(mla, teacher, spec, data=corpora["broad"], progress=False)
     result["recipe"] = {"steps": spec.uptrain.steps, "lr": spec.uptrain.lr, **sampled}
+    result["default_budget"] = STEPS is None  # HEADLAB_BENCH_GEN_STEPS unset
     up, local = recovered["uptrain"], recovered["local"]
     row = {"model": f"MLA {split} + recovery", "numbers": DEEP_BUDGET, "recovery_seconds": time.perf_counter() - start,
            "tokens": recovered["tokens_seen"], "local_kept": local["kept"], "kept_step": up["kept_step"],
@@ -96,7 +97,8 @@ def _recipe(r: dict) -> str:
     if recipe is None:
         return "the default `--recover local,uptrain` of the time (64 steps at lr 3e-5, calibration text alone)"
     sampled = f", {recipe['generated']:.0%} of each batch sampled from the original" if recipe["generated"] else ""
-    return f"`--recover local,uptrain`, {recipe['steps']} steps at lr {recipe['lr']:g}{sampled} (convert-mla's default)"
+    default = " (convert-mla's default)" if r.get("default_budget", True) else ""
+    return f"`--recover local,uptrain`, {recipe['steps']} steps at lr {recipe['lr']:g}{sampled}{default}"
 
 
 def markdown(r: dict) -> str:
