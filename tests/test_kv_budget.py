@@ -246,6 +246,35 @@ def test_ladder_budget_rows_match_a_direct_conversion_and_restore_the_model(tmp_
         assert row.kv_bytes_per_token == kv_bytes_per_token(fresh)
 
 
+def test_budget_rows_convert_each_kv_head_count_once(tmp_path, monkeypatch):
+    """The costs, every row's refinement and every row's conversion share one conversion per count (LayerOptions):
+    an svd merge is a calibration pass, which a sweep of several budgets used to repeat for each row and stage."""
+    from headlab.kv.ladder import budget_rows
+
+    src = save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=3)
+    (tmp_path / "t.txt").write_text(SAMPLE_TEXT * 10)
+    loaded = load_model(str(src), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="eval", max_tokens=128, seq_len=32).resolved()
+    converted = []
+    real = B._layer_options
+    monkeypatch.setattr(B, "_layer_options", lambda *args: converted.append(args[4]) or real(*args))
+    rows = budget_rows(loaded, (0.5, 0.75), text, 128, "svd", progress=False, search_tokens=128, refine_rounds=1)
+    assert len(rows) == 2 and sorted(converted) == [1, 2]  # the counts below 4 that divide it, each once
+
+
+def test_layer_options_cache_per_count_and_spec(tmp_path):
+    loaded = load_model(str(save_tiny("llama", tmp_path / "src", num_attention_heads=8, num_key_value_heads=4)))
+    options = B.LayerOptions(loaded, None)
+    spec = B.BudgetSpec(0.5)
+    first = options(spec, 2)
+    assert options(spec, 2) is first and options(B.BudgetSpec(0.25), 2) is first  # the fraction does not convert
+    seeded = options(B.BudgetSpec(0.5, pool="random", seed=3), 2)
+    assert seeded is not first and set(seeded) == set(first)
+    for index, weights in first.items():  # what the uncached conversion gives
+        expected = B._layer_options(loaded, "mean", spec.pool, spec.seed, 2, None, False)[index]
+        assert torch.equal(weights.k, expected.k) and torch.equal(weights.v, expected.v)
+
+
 def test_cli_gqa_sweep_kv_budgets(tmp_path, capsys):
     _command(tmp_path)  # writes the tiny model and text
     args = ["gqa-sweep", "--model", tmp_path / "src", "--data", tmp_path / "t.txt", "--max-tokens", "128",

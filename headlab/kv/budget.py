@@ -119,6 +119,26 @@ def _layer_options(loaded: LoadedModel, method: str, pool: str, seed: int, kv_he
     return chosen.layer_merge(loaded, {layer.index: kv_heads for layer in layers}, batches, progress=progress)
 
 
+class LayerOptions:
+    """Each layer's weights converted alone to g KV heads (_layer_options), computed once per (method, pool, seed, g)
+    from the model as it is at the first request. layer_costs, refine_counts and apply_counts all convert from the
+    unedited model with the same merge batches, so one calibrated merge (a forward pass over the calibration text)
+    serves all three, and every budget row of a sweep. Writing a cached option copies it (Adapter.write), so the
+    cache is never changed by what is done to the model afterwards."""
+
+    def __init__(self, loaded: LoadedModel, batches):
+        self.loaded, self.batches = loaded, batches
+        self._by_key: dict[tuple, dict] = {}
+
+    def __call__(self, spec: BudgetSpec, kv_heads: int, progress: bool = False) -> dict:
+        key = (spec.method, spec.pool, spec.seed, kv_heads)
+        if key not in self._by_key:
+            self._by_key[key] = _layer_options(
+                self.loaded, spec.method, spec.pool, spec.seed, kv_heads, self.batches, progress
+            )
+        return self._by_key[key]
+
+
 def retrieval_scoring(loaded: LoadedModel, spec: BudgetSpec, text: str) -> list[ScoringBatch]:
     """spec.retrieval_prompts retrieval prompts of spec.retrieval_len tokens over `text` (the calibration split), each
     scored on its answer tokens only (labels -100 elsewhere), as the per-layer retrieval cost reads them."""
@@ -164,14 +184,21 @@ def _mean_nll(loaded: LoadedModel, batches: list[ScoringBatch]) -> float:
 
 @torch.no_grad()
 def layer_costs(
-    loaded: LoadedModel, spec: BudgetSpec, merge_batches, search_batches, progress: bool = True, retrieval_text=None
+    loaded: LoadedModel,
+    spec: BudgetSpec,
+    merge_batches,
+    search_batches,
+    progress: bool = True,
+    retrieval_text=None,
+    options: LayerOptions | None = None,
 ):
     """The table of c_l(g): one row per (layer, KV heads) with the calibration NLL increase of converting that layer
     alone (0 for its own G), and its KV numbers per token (2 g D; 0 for a layer left without attention). With
     spec.retrieval_weight > 0 also `retrieval_increase` (the answer-token NLL increase on retrieval prompts over
     `retrieval_text`, the calibration split) and `cost` = loss_increase + weight x retrieval_increase, which the
-    allocation then minimises."""
+    allocation then minimises. `options`: converted weights shared with later calls (LayerOptions)."""
     check_resident(loaded, "the per-layer KV budget")
+    options_for = options or LayerOptions(loaded, merge_batches)
     layers = gqa_layers(loaded)
     retrieving = spec.retrieval_weight > 0
     losses = _losses(loaded, spec, search_batches, retrieval_text)
@@ -183,7 +210,7 @@ def layer_costs(
     bar = tqdm(total=total, desc="per-layer KV costs", disable=not progress, unit="model")
     adapter = loaded.adapter
     for g in counts:
-        options = _layer_options(loaded, spec.method, spec.pool, spec.seed, g, merge_batches, progress=False)
+        options = options_for(spec, g)
         for layer in layers:
             if layer.index not in options:
                 continue
@@ -239,6 +266,7 @@ def refine_counts(
     search_batches,
     progress: bool = True,
     retrieval_text=None,
+    options: LayerOptions | None = None,
 ) -> tuple[list[int], list[dict]]:
     """Local search from `counts` on the measured objective of the whole layout, J(A) = calibration NLL + w x
     retrieval NLL (w = spec.retrieval_weight), for spec.refine_rounds rounds: with every layer at A's count,
@@ -246,7 +274,8 @@ def refine_counts(
     A'; A' is kept when its measured J is lower, else the search stops (so J never rises). The single-layer costs
     (layer_costs) are measured on the original model and do not add up across layers; c' is their first-order
     correction at A. Each layer's converted weights are those apply_counts writes (from the original model). The
-    model is left as it came. Returns the counts and one record per round."""
+    model is left as it came. `options`: converted weights shared with other calls (LayerOptions). Returns the
+    counts and one record per round."""
     check_resident(loaded, "the per-layer KV budget")
     layers, adapter = gqa_layers(loaded), loaded.adapter
     # The layers' shapes as they are now: a layer object reads its module, which changes as layouts are written.
@@ -254,7 +283,8 @@ def refine_counts(
     losses = _losses(loaded, spec, search_batches, retrieval_text)
     originals = {layer.index: adapter.read(layer) for layer in layers}
     needed = sorted({g for shape in shapes for g in layer_choices(shape, spec) if g < shape.num_kv_heads})
-    options = {g: _layer_options(loaded, spec.method, spec.pool, spec.seed, g, merge_batches, False) for g in needed}
+    options_for = options or LayerOptions(loaded, merge_batches)
+    options = {g: options_for(spec, g) for g in needed}
 
     def write(layer, shape, g):
         adapter.write(layer, originals[shape.index] if g == shape.num_kv_heads else options[g][shape.index])
@@ -305,11 +335,18 @@ def describe_rounds(rounds: list[dict]) -> str:
 
 
 def apply_counts(
-    loaded: LoadedModel, counts: list[int], spec: BudgetSpec, batches, progress: bool = True, record_layout: bool = True
+    loaded: LoadedModel,
+    counts: list[int],
+    spec: BudgetSpec,
+    batches,
+    progress: bool = True,
+    record_layout: bool = True,
+    options: LayerOptions | None = None,
 ) -> dict:
     """Convert every layer to its count (contiguous groups, pooled or merged by spec.method) in place, and (with
     record_layout, for saving) record the layout in the config: the head counts when every layer agrees (vanilla
-    transformers loads it), else headlab's per-layer head record. Returns the conversion record."""
+    transformers loads it), else headlab's per-layer head record. `options`: converted weights shared with earlier
+    calls on the same unedited model (LayerOptions). Returns the conversion record."""
     layers = gqa_layers(loaded)
     if len(counts) != len(layers):
         raise HeadlabError(f"{len(counts)} per-layer KV-head counts for {len(layers)} attention layers")
@@ -319,11 +356,12 @@ def apply_counts(
                 f"layer {layer.index}: {g} KV heads is none of its choices {layer_choices(layer, spec)} (a divisor "
                 "of its KV heads; 0 with allow_empty_layer, never in layer 0)"
             )
+    options_for = options or LayerOptions(loaded, batches)
     converted = {}
     for g in sorted(set(counts)):
         targets = {layer.index for layer, count in zip(layers, counts) if count == g < layer.num_kv_heads}
         if targets:
-            options = _layer_options(loaded, spec.method, spec.pool, spec.seed, g, batches, progress)
+            options = options_for(spec, g, progress)
             converted.update({index: options[index] for index in targets})
     layout = [_layer_layout(layer, g) for layer, g in zip(layers, counts)]
     for layer in layers:

@@ -24,7 +24,15 @@ from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_out, resumable_directory
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.core.tables import write_run, write_run_files
-from headlab.kv.budget import BudgetSpec, allocation, apply_counts, check_budget_spec, layer_costs, refine_counts
+from headlab.kv.budget import (
+    BudgetSpec,
+    LayerOptions,
+    allocation,
+    apply_counts,
+    check_budget_spec,
+    layer_costs,
+    refine_counts,
+)
 from headlab.kv.grouping import (
     ConversionPlan,
     check_direction,
@@ -331,15 +339,18 @@ def convert_budget_checkpoint(
     search_batches = search.batches(loaded.tokenizer, max_positions=loaded.max_positions)
     # The retrieval prompts' haystack is the calibration split, as the costs' text is (never the eval text).
     haystack = split_text(text.corpus, "calibration").text if budget.retrieval_weight > 0 else None
-    costs = layer_costs(loaded, budget, merge_batches, search_batches, progress=progress, retrieval_text=haystack)
+    options = LayerOptions(loaded, merge_batches)  # the costs, the refinement and the conversion share each merge
+    costs = layer_costs(loaded, budget, merge_batches, search_batches, progress, haystack, options)
     counts = allocation(loaded, costs, budget.fraction)
     refinement = None
     if budget.refine_rounds:  # local search on the whole layout's measured objective (the costs do not add up)
         additive = counts
-        counts, rounds = refine_counts(loaded, budget, counts, merge_batches, search_batches, progress, haystack)
+        counts, rounds = refine_counts(
+            loaded, budget, counts, merge_batches, search_batches, progress, haystack, options
+        )
         refinement = {"additive_allocation": additive, "rounds": rounds}
     costs["chosen"] = [count == counts[layer] for layer, count in zip(costs.layer, costs.kv_heads)]
-    record["conversion"] = apply_counts(loaded, counts, budget, merge_batches, progress=progress)
+    record["conversion"] = apply_counts(loaded, counts, budget, merge_batches, progress=progress, options=options)
     record["conversion"].update(fraction=budget.fraction, search_tokens=search_batches.meta)
     if refinement is not None:
         record["conversion"]["refinement"] = refinement

@@ -17,6 +17,7 @@ from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel
 from headlab.kv.budget import (
     BudgetSpec,
+    LayerOptions,
     allocation,
     apply_counts,
     check_budget_spec,
@@ -125,7 +126,9 @@ def budget_rows(
     search = calibration.but(max_tokens=search_tokens).batches(loaded.tokenizer, max_positions=loaded.max_positions)
     # The retrieval prompts' haystack is the calibration split, as convert-gqa's is (never the eval text).
     haystack = split_text(text.corpus, "calibration").text if spec.retrieval_weight > 0 else None
-    measured = layer_costs(loaded, spec, merge_batches, search, progress=progress, retrieval_text=haystack)
+    # every row converts from the same unedited model with the same merge batches: one merge per KV-head count
+    options = LayerOptions(loaded, merge_batches)
+    measured = layer_costs(loaded, spec, merge_batches, search, progress, haystack, options)
     rows = []
     for fraction in fractions:
         for weight in retrieval_weights:
@@ -134,10 +137,11 @@ def budget_rows(
             refinement = {}
             if refine_rounds:  # the costs do not add up across layers: search on the whole layout's measured cost
                 refined = replace(spec, fraction=fraction, retrieval_weight=weight, refine_rounds=refine_rounds)
-                counts, rounds = refine_counts(loaded, refined, counts, merge_batches, search, progress, haystack)
+                counts, rounds = refine_counts(loaded, refined, counts, merge_batches, search, progress, haystack,
+                                               options)  # fmt: skip
                 refinement = {"refinement": describe_rounds(rounds), "rounds_kept": sum(r["kept"] for r in rounds)}
             with restoring(loaded):
-                apply_counts(loaded, counts, spec, merge_batches, progress=False, record_layout=False)
+                apply_counts(loaded, counts, spec, merge_batches, progress=False, record_layout=False, options=options)
                 rows.append(_budget_row(loaded, text, long_context, fraction, weight, method, counts) | refinement)
     return pd.DataFrame(rows)
 
