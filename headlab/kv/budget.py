@@ -198,7 +198,7 @@ def layer_costs(
     `retrieval_text`, the calibration split) and `cost` = loss_increase + weight x retrieval_increase, which the
     allocation then minimises. `options`: converted weights shared with later calls (LayerOptions)."""
     check_resident(loaded, "the per-layer KV budget")
-    options_for = options or LayerOptions(loaded, merge_batches)
+    options = options or LayerOptions(loaded, merge_batches)
     layers = gqa_layers(loaded)
     retrieving = spec.retrieval_weight > 0
     losses = _losses(loaded, spec, search_batches, retrieval_text)
@@ -210,12 +210,12 @@ def layer_costs(
     bar = tqdm(total=total, desc="per-layer KV costs", disable=not progress, unit="model")
     adapter = loaded.adapter
     for g in counts:
-        options = options_for(spec, g)
+        converted = options(spec, g)
         for layer in layers:
-            if layer.index not in options:
+            if layer.index not in converted:
                 continue
             original = adapter.read(layer)
-            adapter.write(layer, options[layer.index])
+            adapter.write(layer, converted[layer.index])
             try:
                 measured = losses()
                 rows.append(dict(layer=layer.index, kv_heads=g, **{k: measured[k] - reference[k] for k in measured}))
@@ -283,11 +283,11 @@ def refine_counts(
     losses = _losses(loaded, spec, search_batches, retrieval_text)
     originals = {layer.index: adapter.read(layer) for layer in layers}
     needed = sorted({g for shape in shapes for g in layer_choices(shape, spec) if g < shape.num_kv_heads})
-    options_for = options or LayerOptions(loaded, merge_batches)
-    options = {g: options_for(spec, g) for g in needed}
+    options = options or LayerOptions(loaded, merge_batches)
+    converted = {g: options(spec, g) for g in needed}
 
     def write(layer, shape, g):
-        adapter.write(layer, originals[shape.index] if g == shape.num_kv_heads else options[g][shape.index])
+        adapter.write(layer, originals[shape.index] if g == shape.num_kv_heads else converted[g][shape.index])
 
     def measure(layout) -> float:
         for layer, shape, g in zip(layers, shapes, layout):
@@ -356,13 +356,13 @@ def apply_counts(
                 f"layer {layer.index}: {g} KV heads is none of its choices {layer_choices(layer, spec)} (a divisor "
                 "of its KV heads; 0 with allow_empty_layer, never in layer 0)"
             )
-    options_for = options or LayerOptions(loaded, batches)
+    options = options or LayerOptions(loaded, batches)
     converted = {}
     for g in sorted(set(counts)):
         targets = {layer.index for layer, count in zip(layers, counts) if count == g < layer.num_kv_heads}
         if targets:
-            options = options_for(spec, g, progress)
-            converted.update({index: options[index] for index in targets})
+            per_layer = options(spec, g, progress)
+            converted.update({index: per_layer[index] for index in targets})
     layout = [_layer_layout(layer, g) for layer, g in zip(layers, counts)]
     for layer in layers:
         if layer.index in converted:

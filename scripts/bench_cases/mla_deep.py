@@ -24,13 +24,12 @@ def run(args) -> dict:
     import time
 
     import torch
-    from generalization import perplexities, retrieval
+    from generalization import COMMAND_DEFAULTS, perplexities, retrieval
 
     from headlab.core.corpora import DEFAULT_EVAL_DOMAINS
     from headlab.core.data import calibration_batches, load_corpus
     from headlab.core.loading import load_model
     from headlab.kv.mla import convert_to_mla, plan_mla
-    from headlab.recovery.choices import MLA_RECOVERY_GENERATED, MLA_RECOVERY_GENERATED_START
     from headlab.recovery.recover import RecoverySpec, recover
     from headlab.recovery.uptrain import UptrainConfig
 
@@ -63,8 +62,7 @@ def run(args) -> dict:
     row |= {"ppl": ppl(mla), "passkey": passkey(mla)}
     result["deep"].append(row)
     print(row, flush=True)
-    # convert-mla's defaults: half of each batch sampled from the teacher, each from a random first token
-    sampled = {"generated": MLA_RECOVERY_GENERATED, "generated_start": MLA_RECOVERY_GENERATED_START}
+    sampled = COMMAND_DEFAULTS["mla"]  # convert-mla's recovery: half of each batch sampled from the teacher
     spec = RecoverySpec(uptrain=UptrainConfig(**sampled, **({"steps": STEPS} if STEPS else {})))
     start = time.perf_counter()
     recovered = recover(mla, teacher, spec, data=corpora["broad"], progress=False)
