@@ -494,6 +494,7 @@ def test_cli_sweep_long_context_writes_passkey_columns(tmp_path, capsys):
     frame = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
     assert frame["variant"].tolist() == ["2/keep/-", "1/contiguous/mean"]
     assert frame["passkey_300"].between(0, 1).all() and set(frame["passkey_prompts"]) == {6}
+    assert frame["copy_300"].between(0, 1).all()
     assert "passkey@300" in out
     assert json.loads((tmp_path / "sweep" / "meta.json").read_text())["long_context"]["lengths"] == [300]
 

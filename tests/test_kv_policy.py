@@ -160,7 +160,9 @@ def test_evaluation_measures_the_real_cache(tiny_checkpoint, tmp_path, capsys):
     assert set(accuracy["model"]) == {"original", "policy"} and (accuracy["prompts"] == 3).all()
     positions = pd.read_csv(out / "positions.csv")
     assert set(positions["model"]) == {"original", "policy"}
-    assert "measured cache at 256 tokens" in stdout
+    copying = pd.read_csv(out / "copying.csv")  # in-context copying, the policy applied as its mask
+    assert copying["model"].tolist() == ["original", "policy"] and (copying["scored"] == 2 * 127).all()
+    assert "measured cache at 256 tokens" in stdout and "copy@256:" in stdout
 
 
 def test_eval_and_longeval_run_under_a_policy(tiny_checkpoint, tmp_path, capsys):

@@ -327,8 +327,12 @@ def test_longeval_command_writes_tables_figures_and_lm_eval_tasks(checkpoint, co
                                     "--lengths", "500,800", "--depths", "0,1", "--samples", "1",
                                     "--tasks", "passkey,niah_single", "--out", out], capsys)  # fmt: skip
     assert code == 0, stderr
-    for name in ("prompts", "cells", "lengths", "positions", "position_curve"):
+    for name in ("prompts", "cells", "lengths", "positions", "position_curve", "copying"):
         assert (out / f"{name}.csv").is_file() and (out / f"{name}.parquet").is_file()
+    copying = __import__("pandas").read_csv(out / "copying.csv")
+    assert copying["length"].tolist() == [500, 800] and set(copying["sequences"]) == {2}
+    assert copying["scored"].tolist() == [2 * 249, 2 * 399]  # the copy's tokens after its first
+    assert "copy @ 500:" in stdout
     assert (out / "figures" / "needle_heatmap.png").stat().st_size > 1000
     assert (out / "figures" / "position_nll.png").stat().st_size > 1000
     meta = json.loads((out / "meta.json").read_text())
@@ -353,6 +357,7 @@ def test_longeval_command_writes_tables_figures_and_lm_eval_tasks(checkpoint, co
         (["--lengths", "two"], "cannot read 'two'"),
         (["--lengths", "1000", "--data", "SHORT"], "corpus is too short"),
         (["--runtime", "llamacpp"], "give --model FILE.gguf"),
+        (["--copy-sequences", "-1"], "--copy-sequences"),
     ],
 )
 def test_longeval_bad_input_is_one_line_and_writes_nothing(checkpoint, corpus, tmp_path, capsys, args, message):
@@ -391,7 +396,9 @@ def test_conversions_record_long_context_before_and_after(checkpoint, corpus, tm
     assert set(table["prompts"]) == {6}  # 3 depths x 2 prompts
     positions = __import__("pandas").read_csv(out / "long_context_positions.csv")
     assert set(positions["model"]) == {"before", "after"}
-    assert "passkey @ 600:" in stdout and "before" in stdout
+    copying = __import__("pandas").read_csv(out / "long_context_copying.csv")
+    assert copying["model"].tolist() == ["before", "after"] and set(copying["length"]) == {600}
+    assert "passkey @ 600:" in stdout and "before" in stdout and "copy @ 600:" in stdout
     assert (out / "headlab.json").is_file()  # the checkpoint itself is unchanged in kind
 
 

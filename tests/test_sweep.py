@@ -137,6 +137,7 @@ def test_cli_sweep_long_context_keys_the_resumable_run(tmp_path, corpus, capsys,
     assert code == 0, err
     table = pd.read_csv(tmp_path / "o" / "sweep.csv")
     assert table["passkey_300"].between(0, 1).all() and set(table["passkey_prompts"]) == {6}
+    assert table["copy_300"].between(0, 1).all()  # in-context copying beside it (headlab.measure.copying)
     assert "passkey_300" in stdout
     meta = __import__("json").loads((tmp_path / "o" / "meta.json").read_text())
     assert meta["long_context"]["lengths"] == [300] and meta["long_context"]["depths"] == [0.0, 0.5, 1.0]

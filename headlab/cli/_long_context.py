@@ -1,6 +1,7 @@
 """--long-context N,N of the commands that write a compressed checkpoint (prune, convert-gqa, convert-mla): long-context
 retrieval and NLL by position of the model before the change and of the checkpoint written, side by side
-(headlab.measure.longctx), saved beside the checkpoint as long_context.csv and long_context_positions.csv. The sweeps
+(headlab.measure.longctx) and in-context copying (headlab.measure.copying), saved beside the checkpoint as
+long_context.csv, long_context_positions.csv and long_context_copying.csv. The sweeps
 (sweep, gqa-sweep) take the option too, with their own help: passkey columns on every model they measure."""
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from headlab.cli.parsing import parse_list, token_count
 from headlab.measure.long_tasks import TRADE_DEPTHS, TRADE_SAMPLES
 
 TRADE_HELP = (
-    "also measure passkey retrieval (depths 0, 0.5, 1; 2 prompts each) and NLL by position at these lengths "
-    "(2k = 2048), before the change and on the checkpoint written; a 2k prompt of a 135M model is about 15 s of "
+    "also measure passkey retrieval (depths 0, 0.5, 1; 2 prompts each), NLL by position and in-context copying "
+    "(2 random sequences repeated) at these lengths (2k = 2048), before the change and on the checkpoint written; a 2k prompt of a 135M model is about 15 s of "
     "2 CPU cores [default: off]"
 )
 
@@ -24,7 +25,8 @@ def sweep_help(measured: str) -> str:
     """The --long-context help of a sweep whose measured models are `measured` (with their count by default)."""
     return (
         "also measure passkey retrieval (depths 0, 0.5, 1; 2 prompts each: 6 prompts per length) at these lengths "
-        f"(2k = 2048) on {measured}, as columns passkey_N (accuracy) and passkey_prompts. Slow: a 2k prompt of a "
+        f"(2k = 2048) on {measured}, as columns passkey_N (accuracy) and passkey_prompts, and in-context copying "
+        "(2 random sequences repeated, per length) as copy_N. Slow: a 2k prompt of a "
         "135M model is about 15 s of 2 CPU cores, so about 90 s per 2k length per model measured [default: off]"
     )
 
@@ -60,10 +62,15 @@ def record_trade(out: Path, before, load, lengths, text, progress: bool) -> list
     after = measure(written, text, lengths, progress)
     lengths_table = pd.concat([before.lengths.assign(model="before"), after.lengths.assign(model="after")])
     positions = pd.concat([before.positions.assign(model="before"), after.positions.assign(model="after")])
+    copying = pd.concat([before.copying.assign(model="before"), after.copying.assign(model="after")])
     atomic_write_text(Path(out) / "long_context.csv", lengths_table.to_csv(index=False))
     atomic_write_text(Path(out) / "long_context_positions.csv", positions.to_csv(index=False))
+    atomic_write_text(Path(out) / "long_context_copying.csv", copying.to_csv(index=False))
     lines = []
     for row in after.lengths.itertuples(index=False):
         was = before.accuracy(row.task, row.length)
         lines.append(f"{row.task} @ {row.length:,}: {was:.0%} before, {row.accuracy:.0%} after ({row.prompts} prompts)")
+    for row in after.copying.itertuples(index=False):
+        was = before.copy_accuracy_at(row.length)
+        lines.append(f"copy @ {row.length:,}: {was:.0%} before, {row.accuracy:.0%} after ({row.scored} tokens)")
     return lines

@@ -13,7 +13,7 @@ from headlab.cli.parsing import parse_list, token_count
 from headlab.core.data import TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.units import human_bytes
-from headlab.measure.long_tasks import DEFAULT_DEPTHS, DEFAULT_TASKS, LONG_TASKS
+from headlab.measure.long_tasks import COPY_SEQUENCES, DEFAULT_DEPTHS, DEFAULT_TASKS, LONG_TASKS
 
 DEFAULT_OUT = Path("runs/longeval")
 RUNTIMES = ("transformers", "llamacpp")
@@ -61,6 +61,14 @@ RUNTIMES = ("transformers", "llamacpp")
     help="sequences of the longest length scored for NLL by position (one forward each; 0: none)",
 )
 @click.option(
+    "--copy-sequences",
+    type=click.IntRange(min=0),
+    default=COPY_SEQUENCES,
+    show_default=True,
+    help="random token sequences per length, each followed by its copy, scored on the copy: in-context copying, "
+    "the mechanism retrieval rests on (one forward each; 0: none)",
+)
+@click.option(
     "--batch-size",
     type=click.IntRange(min=1),
     default=1,
@@ -90,6 +98,7 @@ def command(  # click passes every option as a parameter
     samples,
     seed,
     position_sequences,
+    copy_sequences,
     batch_size,
     runtime,
     kv_policy,
@@ -137,6 +146,7 @@ def command(  # click passes every option as a parameter
             samples=samples,
             seed=seed,
             position_sequences_count=position_sequences,
+            copy_sequences=copy_sequences,
             batch_size=batch_size,
             generate=generate,
             progress=not as_json,
@@ -151,7 +161,8 @@ def command(  # click passes every option as a parameter
     write_run(out, result.tables(), result.meta, overwrite=overwrite, extra_files=_run_files(result, loaded.spec, out))
     if as_json:
         click.echo(json.dumps({**result.meta, "lengths_table": result.lengths.to_dict("records"),
-                               "positions_table": result.positions.to_dict("records")}, indent=2, default=str))  # fmt: skip
+                               "positions_table": result.positions.to_dict("records"),
+                               "copying_table": result.copying.to_dict("records")}, indent=2, default=str))  # fmt: skip
         return
     _print_result(result, caches if kv_cache != "full" else [], kv_cache, out)
 
@@ -202,4 +213,7 @@ def _print_result(result, measured: list, kv_cache: str, out) -> None:
     if not result.positions.empty:
         click.echo("")
         click.echo(result.positions.to_string(index=False, float_format="{:.4f}".format))
-    click.echo(f"\nwrote {out}: cells, lengths, prompts, positions, figures/, lm_eval_tasks/ (--include-path)")
+    for row in result.copying.itertuples(index=False):
+        predicted = f"{row.accuracy:.1%} of {row.scored:,} copied tokens predicted"
+        click.echo(f"copy @ {row.length:,}: {predicted}, NLL {row.nll:.3f}")
+    click.echo(f"\nwrote {out}: cells, lengths, prompts, positions, copying, figures/, lm_eval_tasks/ (--include-path)")

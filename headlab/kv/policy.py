@@ -274,7 +274,7 @@ class PolicyRun:
         tables = {"policy": self.policy.table}
         if self.evaluation is not None:
             for name, key in (("long_context", "lengths"), ("cells", "cells"), ("positions", "positions"),
-                              ("prompts", "prompts")):  # fmt: skip
+                              ("prompts", "prompts"), ("copying", "copying")):  # fmt: skip
                 frames = [getattr(self.evaluation[m], key).assign(model=m) for m in ("original", "policy")]
                 tables[name] = pd.concat(frames, ignore_index=True)
             tables["memory"] = self.evaluation["memory"]
@@ -290,6 +290,7 @@ class PolicyRun:
             tables = self.tables()
             summary["long_context"] = tables["long_context"].to_dict("records")
             summary["positions"] = tables["positions"].to_dict("records")
+            summary["copying"] = tables["copying"].to_dict("records")
             summary["memory"] = tables["memory"].to_dict("records")
         return summary
 
@@ -306,6 +307,10 @@ class PolicyRun:
             lines.append("retrieval accuracy (original, policy):")
             lines += [f"  {task}@{length}: {row['original']:.2f}, {row['policy']:.2f}" for (task, length), row
                       in accuracy.iterrows()]  # fmt: skip
+            if not tables["copying"].empty:
+                copying = tables["copying"].pivot_table(index="length", columns="model", values="accuracy")
+                lines += [f"  copy@{length}: {row['original']:.2f}, {row['policy']:.2f}" for length, row
+                          in copying.iterrows()]  # fmt: skip
             memory = tables["memory"][tables["memory"]["model"] == "policy"]
             lines += [f"  measured cache at {int(r.length)} tokens: {r.kv_fraction_measured:.3f} of the original's"
                       for r in memory.itertuples()]  # fmt: skip

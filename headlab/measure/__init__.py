@@ -1,6 +1,6 @@
 """What a model is and does, measured without changing it: per-head statistics and head detectors, head
 importance, direct logit attribution and activation patching per head, perplexity, long-context retrieval and NLL by
-position, costs (parameters, FLOPs, KV-cache bytes), and the top-k attention of every head on a text
+position, in-context copying of random tokens, costs (parameters, FLOPs, KV-cache bytes), and the top-k attention of every head on a text
 (`headlab show`).
 """
 
@@ -8,6 +8,7 @@ __all__ = [
     "attention_view",
     "attribution",
     "choices",
+    "copying",
     "costs",
     "detectors",
     "evaluate",

@@ -179,6 +179,8 @@ LONG_TASKS: Registry[LongTask] = Registry(
 )
 
 DEFAULT_TASKS = ("passkey",)
+# In-context copy sequences per length measured beside the prompts (headlab.measure.copying): two forwards.
+COPY_SEQUENCES = 2
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 # The grid of --long-context (prune, convert-gqa, convert-mla, sweep, gqa-sweep): a cell is 3 depths x 2 prompts,

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from headlab.core.data import DOCUMENT_SEPARATOR, TextSpec, split_text, takes_text
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, input_device
+from headlab.measure.copying import COPY_SEQUENCES, check_copy_request, copy_accuracy, copy_record
 from headlab.measure.evaluate import _prefix_token
 from headlab.measure.long_tasks import (
     DEFAULT_DEPTHS,
@@ -235,7 +236,8 @@ def position_tables(nll: torch.Tensor, edges=POSITION_EDGES, bin_size: int = CUR
 @dataclass
 class LongContext:
     """Result of `long_context`: per-prompt outcomes, accuracy per cell (task, length, depth) and per length (task,
-    length), NLL per position bucket and per curve bin, and what ran in meta."""
+    length), NLL per position bucket and per curve bin, in-context copying per length (headlab.measure.copying),
+    and what ran in meta."""
 
     prompts: pd.DataFrame
     cells: pd.DataFrame
@@ -244,10 +246,17 @@ class LongContext:
     curve: pd.DataFrame
     meta: dict = field(default_factory=dict)
     prompt_list: list[LongPrompt] = field(default_factory=list)  # the prompts themselves (lm-eval task files)
+    copying: pd.DataFrame = field(default_factory=pd.DataFrame)
 
     def tables(self) -> dict[str, pd.DataFrame]:
         return {"prompts": self.prompts, "cells": self.cells, "lengths": self.lengths, "positions": self.positions,
-                "position_curve": self.curve}  # fmt: skip
+                "position_curve": self.curve, "copying": self.copying}  # fmt: skip
+
+    def copy_accuracy_at(self, length: int) -> float:
+        row = self.copying[self.copying["length"] == length] if not self.copying.empty else self.copying
+        if row.empty:
+            raise KeyError(f"copy@{length}")
+        return float(row["accuracy"].iloc[0])
 
     def accuracy(self, task: str, length: int) -> float:
         row = self.lengths[(self.lengths["task"] == task) & (self.lengths["length"] == length)]
@@ -281,13 +290,16 @@ def long_context(
     samples: int = 2,
     seed: int = 0,
     position_sequences_count: int = 1,
+    copy_sequences: int = COPY_SEQUENCES,
     batch_size: int = 1,
     generate: Generate | None = None,
     progress: bool = True,
 ) -> LongContext:
-    """Retrieval accuracy on the tasks x lengths x depths x samples prompts and NLL by position over
+    """Retrieval accuracy on the tasks x lengths x depths x samples prompts, NLL by position over
     `position_sequences_count` sequences of the longest length (0: none), on the haystack text of `text` (its corpus
-    and split). `generate` runs prompts on another runtime (llama.cpp); default transformers' generate."""
+    and split), and in-context copying over `copy_sequences` random sequences of each length (0: none). `generate`
+    runs prompts on another runtime (llama.cpp); default transformers' generate. NLL by position and copying are
+    teacher-forced forwards of `loaded` itself, whatever `generate` runs on."""
     if loaded.adapter.is_encoder:
         raise HeadlabError("long-context tasks need a causal language model; this one is an encoder (masked LM)")
     for task in tasks:
@@ -296,6 +308,7 @@ def long_context(
     check_grid(lengths, depths, loaded.max_positions)
     if position_sequences_count < 0:
         raise HeadlabError(f"position_sequences_count={position_sequences_count} must be 0 or more")
+    check_copy_request(lengths, copy_sequences, loaded.max_positions)
     part = split_text(text.corpus, text.split)
     start = time.perf_counter()
     haystack = Haystack(loaded.tokenizer, part.text, text.corpus_name)
@@ -310,6 +323,9 @@ def long_context(
         sequences, position_source = position_sequences(text, loaded.tokenizer, max(lengths), position_sequences_count)
         positions, curve = position_tables(position_nll(loaded, sequences, progress))
         position_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    copying = copy_accuracy(loaded, lengths, copy_sequences, seed, progress)
+    copy_seconds = time.perf_counter() - start
     meta = {
         **loaded.describe(),
         **part.describe(),
@@ -326,6 +342,7 @@ def long_context(
         "position_length": max(lengths) if position_sequences_count else None,
         "position_source": position_source,
         "position_seconds": position_seconds,
+        "copying": {**copy_record(copy_sequences, seed), "seconds": copy_seconds},
     }
     return LongContext(
         prompts=outcomes,
@@ -335,6 +352,7 @@ def long_context(
         curve=curve,
         meta=meta,
         prompt_list=prompts,
+        copying=copying,
     )
 
 
@@ -347,8 +365,9 @@ def check_passkey_lengths(loaded: LoadedModel, lengths) -> None:
 
 def passkey_columns(loaded: LoadedModel, text: TextSpec, lengths) -> dict:
     """Passkey retrieval of `loaded` as it is now, on the trade grid (TRADE_DEPTHS x TRADE_SAMPLES prompts per length,
-    haystack from the eval part of `text`), as table columns: `passkey_<length>` the fraction of prompts answered
-    correctly at that length, `passkey_prompts` the prompts per length (what the sweeps add with --long-context)."""
+    haystack from the eval part of `text`), and its in-context copying (COPY_SEQUENCES sequences per length), as
+    table columns: `passkey_<length>` the fraction of prompts answered correctly at that length, `passkey_prompts`
+    the prompts per length, `copy_<length>` the copy accuracy (what the sweeps add with --long-context)."""
     lengths = tuple(dict.fromkeys(lengths))  # a length given twice is measured once
     result = long_context(
         loaded,
@@ -361,13 +380,16 @@ def passkey_columns(loaded: LoadedModel, text: TextSpec, lengths) -> dict:
         progress=False,
     )
     columns = {f"passkey_{length}": result.accuracy("passkey", length) for length in lengths}
-    return {**columns, "passkey_prompts": int(result.lengths["prompts"].max())}
+    copying = {f"copy_{length}": result.copy_accuracy_at(length) for length in lengths}
+    return {**columns, "passkey_prompts": int(result.lengths["prompts"].max()), **copying}
 
 
 def passkey_record(lengths) -> dict:
     """What passkey_columns measured, for a sweep's meta.json `long_context` entry."""
     return {"lengths": list(lengths), "depths": list(TRADE_DEPTHS), "samples": TRADE_SAMPLES, "task": "passkey",
-            "columns": "passkey_<length>: fraction of prompts correct; passkey_prompts: prompts per length"}  # fmt: skip
+            "copying": copy_record(COPY_SEQUENCES, 0),
+            "columns": "passkey_<length>: fraction of prompts correct; passkey_prompts: prompts per length; "
+                       "copy_<length>: in-context copy accuracy (headlab.measure.copying)"}  # fmt: skip
 
 
 __all__ = [
