@@ -403,6 +403,8 @@ def test_long_context_section_compares_the_original_the_merge_and_a_policy(tmp_p
     assert kept["original"] == 1.0 and kept["1 KV heads, svd merge"] == 0.5  # 2 -> 1 KV heads
     assert 0.2 < kept[policy] <= 0.5 + 0.01  # measured on the cache after the last decode step (a few more slots)
     assert "KV cache kept" in (out / "report.md").read_text() and "(figures/kv_trade.png)" in markdown
+    copying = pd.read_csv(out / "long_context" / "copying.csv")
+    assert copying["model"].tolist() == lengths["model"].tolist() and "in-context copying" in markdown
     assert "(figures/needle_heatmap.png)" in markdown and "(figures/position_nll.png)" in markdown
     command = json.loads((out / "meta.json").read_text())["commands"]["long"]
     assert command.startswith("headlab longeval") and "--lengths 600" in command
@@ -413,6 +415,9 @@ def test_long_context_section_compares_the_original_the_merge_and_a_policy(tmp_p
     alone = pd.read_csv(tmp_path / "alone" / "lengths.csv")
     original = lengths[lengths["model"] == "original"].drop(columns="model").reset_index(drop=True)
     pd.testing.assert_frame_equal(alone, original)
+    alone_copying = pd.read_csv(tmp_path / "alone" / "copying.csv")  # the same sequences, the same model
+    ours = copying[copying["model"] == "original"].drop(columns="model").reset_index(drop=True)
+    pd.testing.assert_frame_equal(alone_copying, ours)
 
 
 def test_report_on_an_encoder(tmp_path, capsys):

@@ -90,13 +90,22 @@ def _long_sections(run: Path, meta: dict, figure: dict) -> list[Section]:
         bucket = positions["start"].map("{:,}".format) + "-" + positions["end"].map("{:,}".format)
         nll = positions.assign(bucket=bucket).pivot_table(index="model", columns="bucket", values="nll", sort=False)
         tables.append(("mean NLL by position (nats / token)", _round(nll.reset_index())))
+    copying = _table(run / "long_context" / "copying.csv")
+    if copying is not None and len(copying):
+        length = copying["length"].map("copy @ {:,}".format)
+        shares = copying.assign(length=length).pivot_table(
+            index="model", columns="length", values="accuracy", sort=False
+        )
+        tables.append(("in-context copying: share of copied tokens predicted", _round(shares.reset_index())))
     kept = _table(run / "long_context" / "kv_kept.csv")
     if kept is not None:
         tables.append(("KV cache kept (fraction of the original's)", _round(kept)))
     text = (
         "Retrieval from far back, where KV compression pays and breaks: passkey prompts in eval-split text at depths "
         f"{', '.join(f'{d:g}' for d in settings['long_depths'])} ({settings['long_samples']} prompts each), greedy "
-        "decoding, exact match (docs/long-context.md); and the NLL of tokens by their position in one long sequence. "
+        "decoding, exact match (docs/long-context.md); the NLL of tokens by their position in one long sequence; and "
+        "in-context copying, random tokens followed by their copy, scored on the copy (the mechanism retrieval rests "
+        "on, hundreds of scored tokens per sequence). "
         "The KV policy keeps the whole cache for the KV heads the statistics rank as retrieval heads and 4 sinks + "
         "256 recent tokens for the others, within half the cache at the longest length (docs/kv-policy.md)."
     )
