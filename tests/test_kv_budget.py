@@ -9,6 +9,7 @@ import itertools
 import json
 import random
 import re
+from dataclasses import replace
 
 import pandas as pd
 import pytest
@@ -377,6 +378,34 @@ def test_retrieval_costs_match_a_slow_recomputation(tmp_path):
     assert (costs[costs.kv_heads == 4][["loss_increase", "retrieval_increase", "cost"]] == 0).all().all()
 
 
+def test_copy_retrieval_costs_match_copy_outcome_by_hand(tmp_path):
+    """retrieval_kind="copy": r_l(g) is the increase of the mean NLL of the copied tokens copy_outcome scores, over
+    the cost's own copy sequences (seeded apart from longeval's)."""
+    from headlab.measure.copying import copy_outcome, copy_sequence, copy_vocabulary
+
+    loaded = load_model(str(_long_tiny(tmp_path)), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="calibration", max_tokens=128, seq_len=32).resolved()
+    spec = B.BudgetSpec(0.5, retrieval_weight=2.0, retrieval_len=101, retrieval_prompts=2, retrieval_kind="copy")
+    costs = B.layer_costs(loaded, spec, None, text.batches(loaded.tokenizer), progress=False)
+    vocabulary = copy_vocabulary(loaded)
+    sequences = [copy_sequence(vocabulary, 101, B.COPY_COST_SEED, index) for index in range(2)]
+    assert sequences[0] != copy_sequence(vocabulary, 101, 0, 0)  # not the sequences longeval reports
+
+    def copy_nll(model) -> float:
+        outcomes = [copy_outcome(model, ids) for ids in sequences]
+        return sum(o[2] for o in outcomes) / sum(o[0] for o in outcomes)
+
+    original = copy_nll(loaded)
+    by_hand = from_model(copy.deepcopy(loaded.model), loaded.tokenizer)
+    layer = by_hand.layers[1]
+    by_hand.adapter.write(layer, pool_weights(by_hand.adapter.read(layer), 2, "mean", seed=1))
+    row = costs[(costs.layer == 1) & (costs.kv_heads == 2)].iloc[0]
+    assert row.retrieval_increase == pytest.approx(copy_nll(by_hand) - original, abs=1e-5)
+    assert row.cost == pytest.approx(row.loss_increase + 2.0 * row.retrieval_increase, abs=1e-12)
+    with pytest.raises(HeadlabError, match="unknown retrieval kind"):
+        B.layer_costs(loaded, replace(spec, retrieval_kind="echo"), None, text.batches(loaded.tokenizer))
+
+
 def test_allocation_minimises_the_cost_column_when_there_is_one():
     loaded = _wide()
     # Text alone would merge layer 0 (cheapest loss); the retrieval cost makes layer 2 the cheap one.
@@ -398,11 +427,24 @@ def test_cli_retrieval_weight_records_its_costs(tmp_path, capsys):
     record = json.loads(out)
     retrieval = record["conversion"]["retrieval_cost"]
     assert retrieval["weight"] == 1 and retrieval["prompt_tokens"] == 768 and retrieval["prompts"] == 6
+    assert retrieval["kind"] == "needles"
     costs = pd.read_csv(tmp_path / "out" / "kv_budget" / "costs.csv")
     assert {"retrieval_increase", "cost", "chosen"} <= set(costs.columns)
     chosen = costs[costs.chosen].sort_values("layer")
     assert list(chosen.kv_heads) == record["conversion"]["kv_heads_per_layer"]
     assert retrieval["predicted_retrieval_increase"] == pytest.approx(chosen.retrieval_increase.sum())
+
+
+def test_cli_copy_retrieval_cost(tmp_path, capsys):
+    _long_tiny(tmp_path)
+    extra = ("--kv-budget", "0.5", "--retrieval-weight", "1", "--retrieval-kind", "copy", "--retrieval-len", "64",
+             "--json")  # fmt: skip
+    code, out, err = run_cli(_command(tmp_path, *extra), capsys)
+    assert code == 0, err
+    retrieval = json.loads(out)["conversion"]["retrieval_cost"]
+    assert retrieval["kind"] == "copy" and retrieval["prompt_tokens"] == 64
+    costs = pd.read_csv(tmp_path / "out" / "kv_budget" / "costs.csv")
+    assert (costs[costs.kv_heads < 4].retrieval_increase != 0).any()
 
 
 @pytest.mark.parametrize(
@@ -414,6 +456,8 @@ def test_cli_retrieval_weight_records_its_costs(tmp_path, capsys):
             ("--kv-budget", "0.5", "--retrieval-weight", "1", "--retrieval-len", "100000"),
             "--retrieval-len 100000 must be in",
         ),
+        (("--kv-budget", "0.5", "--retrieval-kind", "copy"), "add --retrieval-weight W"),
+        (("--kv-budget", "0.5", "--retrieval-weight", "1", "--retrieval-kind", "echo"), "--retrieval-kind"),
     ],
 )
 def test_cli_retrieval_weight_refusals(tmp_path, capsys, extra, message):

@@ -26,7 +26,7 @@ from headlab.cli.parsing import parse_bytes
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_free_space
 from headlab.core.units import human_bytes
-from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
+from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS, RETRIEVAL_KINDS
 
 
 def print_summary(record: dict) -> None:
@@ -166,6 +166,14 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     "through keep their heads; 0: text NLL alone. One more forward pass per layer and count over the prompts",
 )
 @retrieval_len_option("with --retrieval-weight: tokens per retrieval prompt (6 prompts)")
+@click.option(
+    "--retrieval-kind",
+    type=click.Choice(RETRIEVAL_KINDS),
+    default="needles",
+    show_default=True,
+    help="with --retrieval-weight: what the retrieval cost scores: needles (the answers of needle and multi-key "
+    "prompts) or copy (random tokens followed by their copy, scored on every copied token: docs/long-context.md)",
+)
 @refine_rounds_option(
     "with --kv-budget: after the allocation, rounds of local search on the whole layout's measured cost (each "
     "layer's options re-measured with the others converted, since per-layer costs do not add up; a round's layout "
@@ -207,6 +215,7 @@ def command(  # click passes every option as a parameter
     search_tokens,
     retrieval_weight,
     retrieval_len,
+    retrieval_kind,
     refine_rounds,
     method,
     pool,
@@ -239,6 +248,8 @@ def command(  # click passes every option as a parameter
         raise HeadlabError("--refine-rounds refines a per-layer layout; add --kv-budget FRACTION")
     if retrieval_weight and kv_budget is None:
         raise HeadlabError("--retrieval-weight weighs per-layer costs; add --kv-budget FRACTION")
+    if retrieval_kind != "needles" and not retrieval_weight:
+        raise HeadlabError("--retrieval-kind picks what --retrieval-weight scores; add --retrieval-weight W")
     if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading; the layers' floor is checked after
         raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the original KV cache in (0, 1]")
     if kv_budget is not None and (streaming or grouping != "contiguous"):
@@ -274,7 +285,8 @@ def command(  # click passes every option as a parameter
 
         budget = BudgetSpec(kv_budget, method=method, pool=pool, seed=seed, search_tokens=search_tokens,
                             allow_empty_layer=allow_empty_layer, retrieval_weight=retrieval_weight,
-                            retrieval_len=retrieval_len, refine_rounds=refine_rounds)  # fmt: skip
+                            retrieval_len=retrieval_len, retrieval_kind=retrieval_kind,
+                            refine_rounds=refine_rounds)  # fmt: skip
         check_budget_spec(loaded, budget)  # before the long-context measurement
     before = measure(loaded, text, lengths, not as_json) if lengths else None  # before the conversion edits it
     common = dict(text=text, calibration_tokens=calibration_tokens, evaluate=not no_eval, overwrite=overwrite,

@@ -31,7 +31,8 @@ from headlab.core.errors import HeadlabError
 from headlab.core.layout import HEAD_LAYOUT_KEY, LayerLayout, layout_record
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.grouping import gqa_layers, pool_weights
-from headlab.kv.methods import KV_METHODS, POOLS
+from headlab.kv.methods import KV_METHODS, POOLS, RETRIEVAL_KINDS
+from headlab.measure.copying import MIN_COPY_LENGTH, copy_sequence, copy_vocabulary
 from headlab.measure.costs import budget_units, kv_choices
 from headlab.measure.importance import ScoringBatch, scoring_batches, sequence_nll
 from headlab.recovery.retrieval_windows import retrieval_batches
@@ -55,6 +56,9 @@ def allocate_kv(costs: list[dict[int, float]], widths: list[int], budget: int) -
             raise HeadlabError(f"no per-layer layout fits a budget of {budget} KV-head dimensions")
         best = new
     return min(best.values(), key=lambda entry: entry[0])[1]
+
+
+COPY_COST_SEED = 1_000  # added to the spec's seed: the cost's copy sequences are not longeval's (seed 0)
 
 
 class _LayerShape(NamedTuple):
@@ -83,6 +87,9 @@ class BudgetSpec:
     retrieval_weight: float = 0.0
     retrieval_len: int = 1024
     retrieval_prompts: int = 6
+    # What the retrieval cost scores (RETRIEVAL_KINDS): "needles", the answers of needle prompts; "copy", the copy
+    # of random-token sequences (headlab.measure.copying), hundreds of scored retrievals per sequence.
+    retrieval_kind: str = "needles"
     # Rounds of local search after the allocation (refine_counts): each re-measures every layer's options with the
     # other layers at the current layout, since the layers' costs do not add up (0: the additive allocation alone).
     refine_rounds: int = 0
@@ -141,7 +148,10 @@ class LayerOptions:
 
 def retrieval_scoring(loaded: LoadedModel, spec: BudgetSpec, text: str) -> list[ScoringBatch]:
     """spec.retrieval_prompts retrieval prompts of spec.retrieval_len tokens over `text` (the calibration split), each
-    scored on its answer tokens only (labels -100 elsewhere), as the per-layer retrieval cost reads them."""
+    scored on its answer tokens only (labels -100 elsewhere), as the per-layer retrieval cost reads them; with
+    retrieval_kind "copy", as many copy sequences of that length scored on the copy's tokens after its first."""
+    if spec.retrieval_kind == "copy":
+        return _copy_scoring(loaded, spec)
     out = []
     stream = retrieval_batches(loaded.tokenizer, text, spec.retrieval_len, seed=spec.seed)
     for _, (ids, mask, _epoch, answer) in zip(range(spec.retrieval_prompts), stream):
@@ -151,6 +161,25 @@ def retrieval_scoring(loaded: LoadedModel, spec: BudgetSpec, text: str) -> list[
     return out
 
 
+def _copy_scoring(loaded: LoadedModel, spec: BudgetSpec) -> list[ScoringBatch]:
+    """The copy sequences of the retrieval cost (seeded apart from those longeval reports, so the cost is not fitted
+    to the sequences it is judged on), labels on the tokens copy_outcome scores."""
+    vocabulary = copy_vocabulary(loaded)
+    out = []
+    for index in range(spec.retrieval_prompts):
+        ids = torch.tensor([copy_sequence(vocabulary, spec.retrieval_len, COPY_COST_SEED + spec.seed, index)])
+        start = spec.retrieval_len - spec.retrieval_len // 2  # where the copy begins; its first token is unscored
+        labels = torch.full_like(ids, -100)
+        labels[0, start:-1] = ids[0, start + 1 :]  # position t predicts token t + 1
+        out.append(ScoringBatch(ids, torch.ones_like(ids), labels))
+    return out
+
+
+def _check_retrieval_kind(spec: BudgetSpec) -> None:
+    if spec.retrieval_kind not in RETRIEVAL_KINDS:
+        raise HeadlabError(f"unknown retrieval kind {spec.retrieval_kind!r}; use one of {', '.join(RETRIEVAL_KINDS)}")
+
+
 def _losses(loaded: LoadedModel, spec: BudgetSpec, search_batches, retrieval_text):
     """A callable measuring the model as it stands: {"loss_increase": mean calibration NLL} and, with a retrieval
     weight, {"retrieval_increase": mean answer NLL of the retrieval prompts}; absolute values, which the callers take
@@ -158,8 +187,9 @@ def _losses(loaded: LoadedModel, spec: BudgetSpec, search_batches, retrieval_tex
     scored = scoring_batches(loaded, search_batches)
     if not sum(b.scored for b in scored):
         raise HeadlabError("no calibration tokens to measure the per-layer costs on")
+    _check_retrieval_kind(spec)
     retrieving = spec.retrieval_weight > 0
-    if retrieving and not retrieval_text:
+    if retrieving and not retrieval_text and spec.retrieval_kind == "needles":
         raise HeadlabError("a retrieval weight needs calibration text for the retrieval prompts")
     retrieval = retrieval_scoring(loaded, spec, retrieval_text) if retrieving else []
 
@@ -408,7 +438,10 @@ def check_budget_spec(loaded: LoadedModel, spec: BudgetSpec) -> None:
         raise HeadlabError(f"refine_rounds={spec.refine_rounds} must be a whole number >= 0")
     if not (math.isfinite(spec.retrieval_weight) and spec.retrieval_weight >= 0):
         raise HeadlabError(f"retrieval_weight={spec.retrieval_weight} must be a finite number >= 0")
+    _check_retrieval_kind(spec)
     if spec.retrieval_weight > 0:
+        if spec.retrieval_kind == "copy" and spec.retrieval_len < MIN_COPY_LENGTH:
+            raise HeadlabError(f"retrieval_len={spec.retrieval_len}: a copy sequence needs {MIN_COPY_LENGTH} tokens")
         if spec.retrieval_prompts < 1:
             raise HeadlabError(f"retrieval_prompts={spec.retrieval_prompts} must be at least 1")
         limit = loaded.max_positions

@@ -357,6 +357,7 @@ def convert_budget_checkpoint(
     if budget.retrieval_weight > 0:
         record["conversion"]["retrieval_cost"] = {
             "weight": budget.retrieval_weight,
+            "kind": budget.retrieval_kind,
             "prompt_tokens": budget.retrieval_len,
             "prompts": budget.retrieval_prompts,
             "predicted_retrieval_increase": float(costs.retrieval_increase[costs.chosen].sum()),

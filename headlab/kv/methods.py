@@ -102,6 +102,9 @@ POLICY_SCORE_HELP = {
 # retrieval prompts (1/1024); below it the retrieval score is noise, and the mass outside the window ranks better
 # (docs/kv-policy.md, "Which heads stay whole").
 RETRIEVING = 0.01
+# What a per-layer budget's retrieval cost scores (headlab.kv.budget.BudgetSpec.retrieval_kind): needle answers, or
+# the copy of random-token sequences (headlab.measure.copying).
+RETRIEVAL_KINDS = ("needles", "copy")
 DEFAULT_SINKS = 4  # StreamingLLM's four initial tokens
 DEFAULT_WINDOW = 256  # DuoAttention's recent window; 64 cost 2-4% of NLL at half the cache (docs/kv-policy.md)
 

@@ -15,6 +15,7 @@ sys.path.append(str(Path(__file__).resolve().parent))  # the generalization case
 TITLE = "Per-layer KV budgets with a retrieval cost (`convert-gqa --kv-budget --retrieval-weight`), training-free"
 EVAL_TOKENS, SEQ_LEN, CALIB_TOKENS, SEARCH_TOKENS = 2048, 512, 2048, 1024
 FRACTION, WEIGHTS = 0.5, (0.0, 0.25, 1.0, 4.0)
+COPY_WEIGHTS = (1.0,)  # weights of the copy cost (its own measurement, the same prompts' count and length)
 REFINED, ROUNDS = (0.0, 1.0), 2  # weights whose layout is also refined (refine_counts), and its rounds
 SHORT = dict(lengths=(512,), depths=(0.0, 0.25, 0.5, 0.75, 1.0), samples=2)  # 10 prompts
 LONG = dict(lengths=(2048,), depths=(0.0, 0.5, 1.0), samples=2)  # 6 prompts per task
@@ -89,6 +90,16 @@ def run(args) -> dict:
             result["rows"][-1]["refinement"] = refinement
             continue
         layout_row(name, weight, refined, refinement=refinement)
+    # The copy cost (--retrieval-kind copy): the same weight on the NLL of copied random tokens instead of answers.
+    start = time.perf_counter()
+    copy_spec = replace(spec, retrieval_kind="copy")
+    work = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+    copy_costs = layer_costs(work, copy_spec, merge_batches, search_batches, progress=False)
+    del work
+    result["copy_cost_seconds"] = time.perf_counter() - start
+    for weight in COPY_WEIGHTS:
+        counts = allocation(teacher, weighted_costs(copy_costs, weight), FRACTION)
+        layout_row(f"per-layer, text + {weight:g} x copy NLL (`--retrieval-kind copy`)", weight, counts)
     return result
 
 
@@ -101,7 +112,10 @@ def markdown(r: dict) -> str:
         f"Embedded SmolLM2-135M (float32, {r['threads']} threads), svd merge calibrated on 2,048 `broad` calibration "
         f"tokens, budget {r['fraction']:g} of the KV cache. Per-layer costs measured once ({r['cost_seconds']:.0f} s): "
         f"text NLL on 1,024 calibration tokens and the answer NLL of {r['retrieval_prompts']} retrieval prompts of "
-        f"{r['retrieval_len']:,} tokens (needle and multi-key over the calibration split). Perplexity on the first "
+        f"{r['retrieval_len']:,} tokens (needle and multi-key over the calibration split)"
+        + (f"; the copy rows' costs: the NLL of the copied tokens of as many random-token sequences of that length "
+           f"({r['copy_cost_seconds']:.0f} s)" if "copy_cost_seconds" in r else "")
+        + ". Perplexity on the first "
         "2,048 eval-split tokens at seq-len 512; passkey at 512 (10 prompts) and 2,048 tokens (6), multi-key at "
         "2,048 (6), haystack from the prose domain's eval split.",
         "",
