@@ -253,6 +253,7 @@ class LongContext:
                 "position_curve": self.curve, "copying": self.copying}  # fmt: skip
 
     def copy_accuracy_at(self, length: int) -> float:
+        """The in-context copy accuracy at `length` (KeyError where it was not measured)."""
         row = self.copying[self.copying["length"] == length] if not self.copying.empty else self.copying
         if row.empty:
             raise KeyError(f"copy@{length}")
