@@ -11,7 +11,8 @@ from tiny_text import save_tiny
 
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import load_model
-from headlab.measure.copying import copy_accuracy, copy_outcome, copy_sequence, copy_vocabulary
+from headlab.measure.copying import copy_accuracy, copy_outcome, copy_sequence
+from headlab.measure.stats import random_token_ids
 
 VOCAB = 50
 
@@ -22,7 +23,7 @@ def tiny(tmp_path_factory):
 
 
 def test_sequences_are_seeded_copies_without_special_tokens(tiny):
-    vocabulary = copy_vocabulary(tiny)
+    vocabulary = random_token_ids(tiny)
     special = set(tiny.tokenizer.all_special_ids) | {tiny.model.config.eos_token_id}
     assert not special & set(vocabulary.tolist())
     for length in (4, 9, 64):
@@ -76,7 +77,7 @@ def test_a_perfect_copier_scores_every_token_and_a_repeater_only_its_coincidence
 
 @torch.no_grad()
 def test_copy_outcome_matches_a_forward_per_position(tiny):
-    ids = copy_sequence(copy_vocabulary(tiny), 40, seed=2)
+    ids = copy_sequence(random_token_ids(tiny), 40, seed=2)
     scored, correct, nll = copy_outcome(tiny, ids)
     hits, total = 0, 0.0
     for t in range(21, 40):  # the copy starts at 20; its first token is not scored

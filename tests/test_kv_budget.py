@@ -381,13 +381,14 @@ def test_retrieval_costs_match_a_slow_recomputation(tmp_path):
 def test_copy_retrieval_costs_match_copy_outcome_by_hand(tmp_path):
     """retrieval_kind="copy": r_l(g) is the increase of the mean NLL of the copied tokens copy_outcome scores, over
     the cost's own copy sequences (seeded apart from longeval's)."""
-    from headlab.measure.copying import copy_outcome, copy_sequence, copy_vocabulary
+    from headlab.measure.copying import copy_outcome, copy_sequence
+    from headlab.measure.stats import random_token_ids
 
     loaded = load_model(str(_long_tiny(tmp_path)), device="cpu")
     text = TextSpec(data=str(tmp_path / "t.txt"), split="calibration", max_tokens=128, seq_len=32).resolved()
     spec = B.BudgetSpec(0.5, retrieval_weight=2.0, retrieval_len=101, retrieval_prompts=2, retrieval_kind="copy")
     costs = B.layer_costs(loaded, spec, None, text.batches(loaded.tokenizer), progress=False)
-    vocabulary = copy_vocabulary(loaded)
+    vocabulary = random_token_ids(loaded)
     sequences = [copy_sequence(vocabulary, 101, B.COPY_COST_SEED, index) for index in range(2)]
     assert sequences[0] != copy_sequence(vocabulary, 101, 0, 0)  # not the sequences longeval reports
 

@@ -16,8 +16,8 @@ from headlab.measure.long_tasks import TRADE_DEPTHS, TRADE_SAMPLES
 
 TRADE_HELP = (
     "also measure passkey retrieval (depths 0, 0.5, 1; 2 prompts each), NLL by position and in-context copying "
-    "(2 random sequences repeated) at these lengths (2k = 2048), before the change and on the checkpoint written; a 2k prompt of a 135M model is about 15 s of "
-    "2 CPU cores [default: off]"
+    "(2 random sequences repeated) at these lengths (2k = 2048), before the change and on the checkpoint written; "
+    "a 2k prompt of a 135M model is about 15 s of 2 CPU cores [default: off]"
 )
 
 

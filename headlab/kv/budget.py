@@ -32,9 +32,10 @@ from headlab.core.layout import HEAD_LAYOUT_KEY, LayerLayout, layout_record
 from headlab.core.loading import LoadedModel, check_resident
 from headlab.kv.grouping import gqa_layers, pool_weights
 from headlab.kv.methods import KV_METHODS, POOLS, RETRIEVAL_KINDS
-from headlab.measure.copying import MIN_COPY_LENGTH, copy_sequence, copy_vocabulary
+from headlab.measure.copying import MIN_COPY_LENGTH, copy_sequence, copy_start
 from headlab.measure.costs import budget_units, kv_choices
 from headlab.measure.importance import ScoringBatch, scoring_batches, sequence_nll
+from headlab.measure.stats import random_token_ids
 from headlab.recovery.retrieval_windows import retrieval_batches
 
 
@@ -164,11 +165,11 @@ def retrieval_scoring(loaded: LoadedModel, spec: BudgetSpec, text: str) -> list[
 def _copy_scoring(loaded: LoadedModel, spec: BudgetSpec) -> list[ScoringBatch]:
     """The copy sequences of the retrieval cost (seeded apart from those longeval reports, so the cost is not fitted
     to the sequences it is judged on), labels on the tokens copy_outcome scores."""
-    vocabulary = copy_vocabulary(loaded)
+    vocabulary = random_token_ids(loaded)
+    start = copy_start(spec.retrieval_len)  # the copy's first token is not scored
     out = []
     for index in range(spec.retrieval_prompts):
         ids = torch.tensor([copy_sequence(vocabulary, spec.retrieval_len, COPY_COST_SEED + spec.seed, index)])
-        start = spec.retrieval_len - spec.retrieval_len // 2  # where the copy begins; its first token is unscored
         labels = torch.full_like(ids, -100)
         labels[0, start:-1] = ids[0, start + 1 :]  # position t predicts token t + 1
         out.append(ScoringBatch(ids, torch.ones_like(ids), labels))

@@ -21,17 +21,16 @@ from tqdm.auto import tqdm
 from headlab.core.errors import HeadlabError
 from headlab.core.loading import LoadedModel, input_device
 from headlab.measure.long_tasks import COPY_SEQUENCES
-from headlab.measure.stats import special_token_ids
+from headlab.measure.stats import random_token_ids
 from headlab.mechanisms.losses import CHUNK_BYTES, final_states
 
 MIN_COPY_LENGTH = 4  # the shortest sequence with a scored token: two tokens, then their copy
 
 
-def copy_vocabulary(loaded: LoadedModel) -> torch.Tensor:
-    """The token ids copy sequences are drawn from: the model's vocabulary without special tokens."""
-    vocab = int(loaded.model.config.get_text_config().vocab_size)
-    special = special_token_ids(loaded)
-    return torch.tensor([i for i in range(vocab) if i not in special])
+def copy_start(length: int) -> int:
+    """Where the copy begins in a copy sequence of `length` tokens: after its `length - length // 2` random tokens.
+    The copy's first token (at this index) is not scored; the ones after it are."""
+    return length - length // 2
 
 
 def copy_sequence(vocabulary: torch.Tensor, length: int, seed: int = 0, index: int = 0) -> list[int]:
@@ -41,7 +40,7 @@ def copy_sequence(vocabulary: torch.Tensor, length: int, seed: int = 0, index: i
     if length < MIN_COPY_LENGTH:
         raise HeadlabError(f"a copy sequence needs at least {MIN_COPY_LENGTH} tokens, got {length}")
     generator = torch.Generator().manual_seed((seed * 1_000_003 + length) * 1_009 + index)
-    first = vocabulary[torch.randint(len(vocabulary), (length - length // 2,), generator=generator)].tolist()
+    first = vocabulary[torch.randint(len(vocabulary), (copy_start(length),), generator=generator)].tolist()
     return first + first[: length // 2]
 
 
@@ -50,7 +49,7 @@ def copy_outcome(loaded: LoadedModel, ids: list[int]) -> tuple[int, int, float]:
     """(scored, correct, summed NLL) of one copy sequence: the copy's tokens after its first, predicted from all
     the tokens before each (greedy argmax for correct). The vocabulary projection runs on chunks of the scored
     positions (losses.final_states), so the [T, V] logits never exist whole."""
-    start = len(ids) - len(ids) // 2  # where the copy begins
+    start = copy_start(len(ids))
     inputs = torch.tensor([ids[:-1]], device=input_device(loaded.model))
     states, head = final_states(loaded.model, inputs, torch.ones_like(inputs))  # [1, T-1, C] (or logits, head None)
     rows = states[0, start:]  # position p predicts token p + 1: these predict ids[start + 1:]
@@ -86,7 +85,7 @@ def copy_accuracy(
         raise HeadlabError("in-context copying needs a causal language model; this one is an encoder (masked LM)")
     lengths = tuple(dict.fromkeys(lengths))
     check_copy_request(lengths, sequences, loaded.max_positions)
-    vocabulary = copy_vocabulary(loaded)
+    vocabulary = random_token_ids(loaded)
     rows = []
     bar = tqdm(total=len(lengths) * sequences, desc="in-context copying", unit="seq", disable=not progress)
     for length in lengths:
@@ -122,5 +121,5 @@ __all__ = [
     "copy_outcome",
     "copy_record",
     "copy_sequence",
-    "copy_vocabulary",
+    "copy_start",
 ]

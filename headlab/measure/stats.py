@@ -401,14 +401,20 @@ def special_token_ids(loaded) -> set[int]:
     return special
 
 
+def random_token_ids(loaded) -> torch.Tensor:
+    """The ids random-token probes draw from (the induction pass, in-context copying): the model's vocabulary
+    without special_token_ids."""
+    vocab = int(loaded.model.config.get_text_config().vocab_size)
+    special = special_token_ids(loaded)
+    return torch.tensor([i for i in range(vocab) if i not in special])
+
+
 def induction_batches(loaded, *, length: int, count: int, seed: int, batch_size: int):
     """Seeded random tokens repeated twice, [prefix] x x [suffix], with two targets per query of the second copy:
     "induction" i-(S-1), the token after the previous occurrence of its own token (TransformerLens / Olsson et al.
     2022), and "duplicate_token" i-S, that previous occurrence itself (TransformerLens's duplicate-token heads).
     Yields (input_ids [B, T], attention_mask [B, T], {name: target [B, T]})."""
-    vocab = int(loaded.model.config.get_text_config().vocab_size)
-    special = special_token_ids(loaded)
-    allowed = torch.tensor([i for i in range(vocab) if i not in special])
+    allowed = random_token_ids(loaded)
     prefix, suffix = _frame_tokens(loaded)
     generator = torch.Generator().manual_seed(seed)
     for first in range(0, count, batch_size):
