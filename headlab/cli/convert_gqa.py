@@ -131,6 +131,30 @@ def run_streaming(load, kv_heads, out, *, overwrite, direction, max_shard_size, 
     show(record, as_json)
 
 
+def _check_count_options(
+    kv_heads, kv_budget, allow_empty_layer, refine_rounds, retrieval_weight, retrieval_kind, streaming, grouping
+) -> None:
+    """The KV-head count options that cannot go together, refused before anything loads: one of --kv-heads and
+    --kv-budget, and the per-layer budget's own options only with it."""
+    if (kv_heads is None) == (kv_budget is None):
+        raise HeadlabError("give --kv-heads N (every layer) or --kv-budget FRACTION (per layer), one of them")
+    if allow_empty_layer and kv_budget is None:
+        raise HeadlabError("--allow-empty-layer applies to --kv-budget (per-layer counts); add --kv-budget FRACTION")
+    if refine_rounds and kv_budget is None:
+        raise HeadlabError("--refine-rounds refines a per-layer layout; add --kv-budget FRACTION")
+    if retrieval_weight and kv_budget is None:
+        raise HeadlabError("--retrieval-weight weighs per-layer costs; add --kv-budget FRACTION")
+    if retrieval_kind != "needles" and not retrieval_weight:
+        raise HeadlabError("--retrieval-kind picks what --retrieval-weight scores; add --retrieval-weight W")
+    if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading; the layers' floor is checked after
+        raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the original KV cache in (0, 1]")
+    if kv_budget is not None and (streaming or grouping != "contiguous"):
+        raise HeadlabError(
+            "--kv-budget measures each layer's options on the model and pools contiguous groups: drop --streaming "
+            "and --grouping similarity"
+        )
+
+
 @click.command("convert-gqa")
 @model_options
 @click.option("--kv-heads", type=int, default=None, help="KV heads after conversion; must divide the current count")
@@ -240,23 +264,8 @@ def command(  # click passes every option as a parameter
     guard(out, overwrite, {"model": load.spec}, data=text.data, run_dir_bytes=False)
     recovery = recovery_spec(recovery_options)
     lengths = lengths_of(long_lengths)
-    if (kv_heads is None) == (kv_budget is None):
-        raise HeadlabError("give --kv-heads N (every layer) or --kv-budget FRACTION (per layer), one of them")
-    if allow_empty_layer and kv_budget is None:
-        raise HeadlabError("--allow-empty-layer applies to --kv-budget (per-layer counts); add --kv-budget FRACTION")
-    if refine_rounds and kv_budget is None:
-        raise HeadlabError("--refine-rounds refines a per-layer layout; add --kv-budget FRACTION")
-    if retrieval_weight and kv_budget is None:
-        raise HeadlabError("--retrieval-weight weighs per-layer costs; add --kv-budget FRACTION")
-    if retrieval_kind != "needles" and not retrieval_weight:
-        raise HeadlabError("--retrieval-kind picks what --retrieval-weight scores; add --retrieval-weight W")
-    if kv_budget is not None and not 0 < kv_budget <= 1:  # before loading; the layers' floor is checked after
-        raise HeadlabError(f"--kv-budget {kv_budget} must be a fraction of the original KV cache in (0, 1]")
-    if kv_budget is not None and (streaming or grouping != "contiguous"):
-        raise HeadlabError(
-            "--kv-budget measures each layer's options on the model and pools contiguous groups: drop --streaming "
-            "and --grouping similarity"
-        )
+    _check_count_options(kv_heads, kv_budget, allow_empty_layer, refine_rounds, retrieval_weight, retrieval_kind,
+                         streaming, grouping)  # fmt: skip
     if streaming:
         if lengths is not None:
             raise HeadlabError("--streaming never runs the model, so it cannot measure --long-context")
