@@ -523,10 +523,38 @@ def test_cli_gqa_sweep_retrieval_weights(tmp_path, capsys):
     assert meta["kv_budgets"]["retrieval_prompts"]["tokens"] == 768
 
 
+def test_cli_gqa_sweep_copy_retrieval_kind(tmp_path, capsys):
+    """--retrieval-kind copy places the budget row by the copy cost: its layout is the allocation from layer costs
+    measured with copy prompts (the same costs convert-gqa --retrieval-kind copy measures)."""
+    _long_tiny(tmp_path)
+    extra = ("--kv-budgets", "0.5", "--retrieval-weights", "1", "--retrieval-kind", "copy", "--retrieval-len", "64")
+    code, out, err = run_cli(_sweep_command(tmp_path, *extra), capsys)
+    assert code == 0, err
+    assert "budget 0.5 copy x1" in out
+    frame = pd.read_csv(tmp_path / "sweep" / "sweep.csv")
+    row = frame[frame.action == "kv-budget"].iloc[0]
+    assert row.retrieval_kind == "copy" and row.retrieval_weight == 1
+    meta = json.loads((tmp_path / "sweep" / "meta.json").read_text())
+    assert meta["kv_budgets"]["retrieval_prompts"] == {"kind": "copy", "tokens": 64, "prompts": 6,
+                                                       "haystack": "random tokens"}  # fmt: skip
+    loaded = load_model(str(tmp_path / "src"), device="cpu")
+    text = TextSpec(data=str(tmp_path / "t.txt"), split="calibration", max_tokens=1024, seq_len=32, batch_size=4)
+    search = text.batches(loaded.tokenizer, max_positions=loaded.max_positions)
+    spec = B.BudgetSpec(1.0, retrieval_weight=1.0, retrieval_len=64, retrieval_kind="copy")
+    costs = B.layer_costs(loaded, spec, None, search, progress=False)
+    assert row.kv_heads_per_layer == ",".join(map(str, B.allocation(loaded, B.weighted_costs(costs, 1.0), 0.5)))
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
         (("--retrieval-weights", "1"), "--retrieval-weights weighs the per-layer costs of --kv-budgets"),
+        (("--kv-budgets", "0.5", "--retrieval-kind", "copy"), "--retrieval-kind picks what --retrieval-weights"),
+        (("--kv-budgets", "0.5", "--retrieval-weights", "1", "--retrieval-kind", "echo"), "Invalid value"),
+        (
+            ("--kv-budgets", "0.5", "--retrieval-weights", "1", "--retrieval-kind", "copy", "--retrieval-len", "2"),
+            "--retrieval-len 2",
+        ),
         (("--kv-budgets", "0.5", "--retrieval-weights", "1,-2"), "--retrieval-weights -2.0 must be"),
         (("--kv-budgets", "0.5", "--retrieval-weights", "x"), "--retrieval-weights: cannot read"),
         (("--kv-budgets", "0.5", "--retrieval-len", "768"), "add --retrieval-weights"),

@@ -19,6 +19,7 @@ from headlab.cli.options import (
     out_option,
     print_rows,
     refine_rounds_option,
+    retrieval_kind_option,
     retrieval_len_option,
     streaming_options,
 )
@@ -26,7 +27,7 @@ from headlab.cli.parsing import parse_bytes
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import check_free_space
 from headlab.core.units import human_bytes
-from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS, RETRIEVAL_KINDS
+from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS
 
 
 def print_summary(record: dict) -> None:
@@ -190,14 +191,7 @@ def _check_count_options(
     "through keep their heads; 0: text NLL alone. One more forward pass per layer and count over the prompts",
 )
 @retrieval_len_option("with --retrieval-weight: tokens per retrieval prompt (6 prompts)")
-@click.option(
-    "--retrieval-kind",
-    type=click.Choice(RETRIEVAL_KINDS),
-    default="needles",
-    show_default=True,
-    help="with --retrieval-weight: what the retrieval cost scores: needles (the answers of needle and multi-key "
-    "prompts) or copy (random tokens followed by their copy, scored on every copied token: docs/long-context.md)",
-)
+@retrieval_kind_option("with --retrieval-weight")
 @refine_rounds_option(
     "with --kv-budget: after the allocation, rounds of local search on the whole layout's measured cost (each "
     "layer's options re-measured with the others converted, since per-layer costs do not add up; a round's layout "

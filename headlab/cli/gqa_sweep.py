@@ -16,6 +16,7 @@ from headlab.cli.options import (
     model_options,
     out_option,
     refine_rounds_option,
+    retrieval_kind_option,
     retrieval_len_option,
 )
 from headlab.cli.parsing import parse_list
@@ -69,6 +70,7 @@ from headlab.kv.methods import GROUPINGS, KV_METHODS, POOLS, mla_budget
     "the retrieval costs are measured once for every weight [default: 0]",
 )
 @retrieval_len_option("with --retrieval-weights: tokens per retrieval prompt (6 prompts over the calibration split)")
+@retrieval_kind_option("with --retrieval-weights")
 @refine_rounds_option(
     "with --kv-budgets: after each row's allocation, rounds of local search on the whole layout's measured cost "
     "(convert-gqa --refine-rounds; a round's layout is kept only when it measures better). Each round of each row "
@@ -90,6 +92,7 @@ def command(
     kv_budgets,
     retrieval_weights,
     retrieval_len,
+    retrieval_kind,
     refine_rounds,
     text,
     out,
@@ -110,7 +113,7 @@ def command(
     for fraction in fractions:  # before loading; the floor of one KV head per layer is checked by the ladder
         if not 0 < fraction <= 1:
             raise HeadlabError(f"--kv-budgets {fraction} must be a fraction of the KV cache in (0, 1]")
-    weights = _retrieval_weights(retrieval_weights, fractions, retrieval_len)
+    weights = _retrieval_weights(retrieval_weights, fractions, retrieval_len, retrieval_kind)
     if refine_rounds and not fractions:
         raise HeadlabError("--refine-rounds refines the per-layer layouts of --kv-budgets; add --kv-budgets F")
     run = run_ladder if budgets or fractions else run_sweep
@@ -125,6 +128,7 @@ def command(
         **({"kv_budgets": fractions} if fractions else {}),
         # in the resumable run's key only when asked for: runs placed by text NLL alone resume as before
         **({"retrieval_weights": weights, "retrieval_len": retrieval_len} if weights != (0.0,) else {}),
+        **({"retrieval_kind": retrieval_kind} if retrieval_kind != "needles" else {}),
         **({"refine_rounds": refine_rounds} if refine_rounds else {}),
         kv_heads=None if kv_heads is None else parse_list(kv_heads, int, "kv-heads"),
         groupings=tuple(parse_list(grouping, str, "grouping", GROUPINGS)),
@@ -146,11 +150,14 @@ def command(
     click.echo(f"written: {out}/sweep.csv, sweep.parquet, meta.json, gqa_sweep.png")
 
 
-def _retrieval_weights(option, fractions, retrieval_len) -> tuple[float, ...]:
-    """--retrieval-weights as a tuple (default (0.0,): text NLL alone), refused without --kv-budgets or below 0."""
+def _retrieval_weights(option, fractions, retrieval_len, retrieval_kind) -> tuple[float, ...]:
+    """--retrieval-weights as a tuple (default (0.0,): text NLL alone), refused without --kv-budgets or below 0;
+    --retrieval-len and --retrieval-kind refused without it."""
     if option is None:
         if retrieval_len != 1024:
             raise HeadlabError("--retrieval-len sizes the prompts of --retrieval-weights; add --retrieval-weights W")
+        if retrieval_kind != "needles":
+            raise HeadlabError("--retrieval-kind picks what --retrieval-weights scores; add --retrieval-weights W")
         return (0.0,)
     if not fractions:
         raise HeadlabError("--retrieval-weights weighs the per-layer costs of --kv-budgets; add --kv-budgets F")

@@ -14,6 +14,7 @@ from headlab.core.data import PARTS, TextSpec
 from headlab.core.errors import HeadlabError
 from headlab.core.fsio import RUN_DIR_BYTES, check_free_space, check_replaceable, guard_output
 from headlab.core.model_names import DEFAULT_MODEL, DEVICE_MAPS, DTYPE_NAMES
+from headlab.kv.methods import RETRIEVAL_KINDS
 from headlab.mechanisms.choices import KV_CACHES
 
 
@@ -272,6 +273,18 @@ def calibration_tokens_option(default: int, help_text: str):
 def retrieval_len_option(help_text: str):
     """--retrieval-len: tokens per synthetic retrieval prompt of a per-layer budget's retrieval cost (1,024)."""
     return click.option("--retrieval-len", type=click.IntRange(min=1), default=1024, show_default=True, help=help_text)
+
+
+def retrieval_kind_option(help_text: str):
+    """--retrieval-kind: what a per-layer budget's retrieval cost scores (headlab.kv.methods.RETRIEVAL_KINDS)."""
+    return click.option(
+        "--retrieval-kind",
+        type=click.Choice(RETRIEVAL_KINDS),
+        default="needles",
+        show_default=True,
+        help=help_text + ": what the retrieval cost scores: needles (the answers of needle and multi-key prompts) or "
+        "copy (random tokens followed by their copy, scored on every copied token: docs/long-context.md)",
+    )
 
 
 def refine_rounds_option(help_text: str):

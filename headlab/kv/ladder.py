@@ -109,14 +109,15 @@ def budget_rows(
     retrieval_weights: tuple[float, ...] = (0.0,),
     retrieval_len: int = 1024,
     refine_rounds: int = 0,
+    retrieval_kind: str = "needles",
 ) -> pd.DataFrame:
     """One sweep row per per-layer KV budget and retrieval weight (headlab.kv.budget, `convert-gqa --kv-budget
-    --retrieval-weight`): the per-layer costs are measured once (with the retrieval prompts when a weight is above
-    0), each fraction allocated from them under each weight (then refined for `refine_rounds` rounds on the whole
+    --retrieval-weight --retrieval-kind`): the per-layer costs are measured once (with the retrieval prompts of
+    `retrieval_kind` when a weight is above 0), each fraction allocated from them under each weight (then refined for `refine_rounds` rounds on the whole
     layout's measured cost, refine_counts) and converted in place, scored on `text` like the other rows, then the
     model is restored."""
     spec = BudgetSpec(1.0, method=method, search_tokens=search_tokens, retrieval_weight=max(retrieval_weights),
-                      retrieval_len=retrieval_len)  # fmt: skip
+                      retrieval_len=retrieval_len, retrieval_kind=retrieval_kind)  # fmt: skip
     calibration = text.but(split="calibration", batch_size=4)
     merge_batches = None
     if KV_METHODS[method].calibrated:
@@ -142,15 +143,18 @@ def budget_rows(
                 refinement = {"refinement": describe_rounds(rounds), "rounds_kept": sum(r["kept"] for r in rounds)}
             with restoring(loaded):
                 apply_counts(loaded, counts, spec, merge_batches, progress=False, record_layout=False, options=options)
-                rows.append(_budget_row(loaded, text, long_context, fraction, weight, method, counts) | refinement)
+                row = _budget_row(loaded, text, long_context, fraction, weight, method, counts, retrieval_kind)
+                rows.append(row | refinement)
     return pd.DataFrame(rows)
 
 
-def _budget_row(loaded: LoadedModel, text: TextSpec, long_context, fraction, weight, method, counts) -> dict:
-    """The sweep row of the converted `loaded` at one budget `fraction` placed under retrieval weight `weight`."""
+def _budget_row(loaded: LoadedModel, text: TextSpec, long_context, fraction, weight, method, counts, kind) -> dict:
+    """The sweep row of the converted `loaded` at one budget `fraction` placed under retrieval weight `weight` of
+    retrieval kind `kind` (the variant names the kind when it is not the default, needles)."""
     result = perplexity(loaded, text=text, progress=False)
+    scored = "retrieval" if kind == "needles" else kind
     return {
-        "variant": f"budget {fraction:g}" + (f" retrieval x{weight:g}" if weight > 0 else ""),
+        "variant": f"budget {fraction:g}" + (f" {scored} x{weight:g}" if weight > 0 else ""),
         "kv_heads": sum(counts) / len(counts),  # the mean over layers; kv_heads_per_layer says which
         "action": "kv-budget",
         "grouping": "per-layer",
@@ -158,6 +162,7 @@ def _budget_row(loaded: LoadedModel, text: TextSpec, long_context, fraction, wei
         "pool": "mean" if KV_METHODS[method].pools else None,
         "budget": fraction,
         "retrieval_weight": weight,
+        "retrieval_kind": kind if weight > 0 else None,
         "kv_heads_per_layer": ",".join(map(str, counts)),
         "perplexity": result.perplexity,
         "nll": result.nll,
@@ -179,6 +184,7 @@ def ladder(
     retrieval_weights: tuple[float, ...] = (0.0,),
     retrieval_len: int = 1024,
     refine_rounds: int = 0,
+    retrieval_kind: str = "needles",
     text: TextSpec,
     calibration_tokens: int = 2048,
     **sweep,
@@ -186,8 +192,8 @@ def ladder(
     """The gqa sweep (headlab.kv.gqa.gqa_sweep, keywords `sweep`) plus one MLA row per budget in `mla` and one
     per-layer KV-budget row per fraction in `kv_budgets` and weight in `retrieval_weights` (svd merge when the
     sweep's methods include it, else mean pooling; cost = text NLL + weight x retrieval NLL, prompts of
-    `retrieval_len` tokens; each layout refined for `refine_rounds` rounds), on one eval text; relative_kv_bytes is
-    against the unconverted model's cache for every row."""
+    `retrieval_len` tokens of `retrieval_kind`, needles or copy; each layout refined for `refine_rounds` rounds), on
+    one eval text; relative_kv_bytes is against the unconverted model's cache for every row."""
     plans = check_mla_budgets(loaded, mla)
     method = "svd" if "svd" in sweep.get("methods", ()) else "mean"
     if kv_budgets and not retrieval_weights:
@@ -195,7 +201,8 @@ def ladder(
     for fraction in kv_budgets:  # a fraction, weight or prompt length out of range fails before any work
         for weight in retrieval_weights:
             check_budget_spec(loaded, BudgetSpec(fraction, method=method, retrieval_weight=weight,
-                                                 retrieval_len=retrieval_len, refine_rounds=refine_rounds))  # fmt: skip
+                                                 retrieval_len=retrieval_len, refine_rounds=refine_rounds,
+                                                 retrieval_kind=retrieval_kind))  # fmt: skip
     text = text.resolved()
     progress = sweep.get("progress", True)
     frame, meta = gqa_sweep(loaded, text=text, calibration_tokens=calibration_tokens, **sweep)
@@ -217,7 +224,7 @@ def ladder(
             long_context = sweep.get("long_context")
             rows = budget_rows(loaded, kv_budgets, text, calibration_tokens, method, progress, long_context,
                                retrieval_weights=retrieval_weights, retrieval_len=retrieval_len,
-                               refine_rounds=refine_rounds)  # fmt: skip
+                               refine_rounds=refine_rounds, retrieval_kind=retrieval_kind)  # fmt: skip
             if journal is not None:
                 journal.finish("kv-budget", {"rows": rows.to_dict("records")})
         rows["relative_kv_bytes"] = rows["kv_bytes_per_token"] / kv_bytes_per_token(loaded)
@@ -226,8 +233,10 @@ def ladder(
                               "retrieval_weights": list(retrieval_weights), "refine_rounds": refine_rounds}  # fmt: skip
         if max(retrieval_weights) > 0:
             prompts = BudgetSpec(1.0).retrieval_prompts
-            meta["kv_budgets"]["retrieval_prompts"] = {"tokens": retrieval_len, "prompts": prompts,
-                                                       "haystack": "calibration split"}  # fmt: skip
+            # copy prompts are random tokens (headlab.measure.copying); needle prompts hide facts in the text
+            haystack = "calibration split" if retrieval_kind == "needles" else "random tokens"
+            meta["kv_budgets"]["retrieval_prompts"] = {"kind": retrieval_kind, "tokens": retrieval_len,
+                                                       "prompts": prompts, "haystack": haystack}  # fmt: skip
     return frame, meta
 
 
