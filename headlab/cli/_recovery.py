@@ -26,93 +26,90 @@ def recovery_options(function=None, *, generated: float = 0.0, generated_start: 
     if function is None:
         return functools.partial(recovery_options, generated=generated, generated_start=generated_start)
 
-    @click.option(
-        "--recover",
-        "recover_stages",
-        default=None,
-        metavar="STAGES",
-        help="after editing, recover towards the original: local (layer-wise reconstruction), uptrain, or "
-        "local,uptrain; the recovered model is what gets saved",
-    )
-    @click.option(
-        "--recover-steps",
-        type=int,
-        default=DEFAULT_STEPS,
-        show_default=True,
-        help="uptraining budget in optimiser steps of 4 x 256 calibration tokens (on 2 CPU cores about 5 s each with "
-        "bfloat16 kernels, 8 s without); "
-        "local reconstruction reads 4,096 calibration tokens. A budget gives the same model on any machine",
-    )
-    @click.option(
-        "--recover-minutes",
-        type=float,
-        default=None,
-        help="optional wall-clock cap on all recovery stages together: a stage that reaches it stops cleanly, keeps "
-        "its best state, and the record says so [default: no cap]",
-    )
-    @click.option("--recover-lr", type=float, default=DEFAULT_LR, show_default=True, help="uptraining learning rate")
-    @click.option(
-        "--recover-objective", type=click.Choice(OBJECTIVES), default="kl", show_default=True, help="uptraining loss"
-    )
-    @click.option(
-        "--recover-parallel",
-        type=click.Choice(PARALLEL),
-        default="data",
-        show_default=True,
-        help="uptraining under torchrun: data (whole copies) or fsdp (FSDP2-sharded student, teacher and AdamW "
-        "state; the batch of 4 windows is all processes' together); fsdp needs torchrun",
-    )
-    @click.option(
-        "--recover-generated",
-        type=click.FloatRange(0, 1),
-        default=generated,
-        show_default=True,
-        help=GENERATED_HELP,
-    )
-    @click.option(
-        "--recover-generated-start",
-        type=click.Choice(GENERATED_STARTS),
-        default=generated_start,
-        show_default=True,
-        help="with --recover-generated: each sampled window begins at BOS alone, or at BOS and a random token",
-    )
-    @click.option(
-        "--recover-bf16/--no-recover-bf16",
-        default=None,
-        help=f"uptraining in bfloat16 autocast (student and teacher) [default: {BF16_DEFAULT}]",
-    )
     @functools.wraps(function)
-    def wrapper(
-        *args,
-        recover_stages,
-        recover_minutes,
-        recover_steps,
-        recover_lr,
-        recover_objective,
-        recover_parallel,
-        recover_bf16,
-        recover_generated,
-        recover_generated_start,
-        **kwargs,
-    ):
-        if recover_parallel == "fsdp" and _defaulted("recover_generated"):
+    def wrapper(*args, **kwargs):
+        options = {name: kwargs.pop(f"recover_{name}") for name in RECOVERY_OPTION_NAMES}
+        if options["parallel"] == "fsdp" and _defaulted("recover_generated"):
             # sampling is not built under FSDP (UptrainConfig.check refuses it): a command whose default samples
             # shards without it, as asked, rather than refusing an option the user never gave
-            recover_generated = 0.0
-        options = dict(
-            stages=recover_stages,
-            minutes=recover_minutes,
-            steps=recover_steps,
-            lr=recover_lr,
-            objective=recover_objective,
-            parallel=recover_parallel,
-            bf16=recover_bf16,
-            generated=recover_generated,
-            generated_start=recover_generated_start,
-        )
+            options["generated"] = 0.0
         return function(*args, recovery_options=options, **kwargs)
 
+    for option in reversed(_recovery_click_options(generated, generated_start)):
+        wrapper = option(wrapper)
     return wrapper
+
+
+# recovery_options' keys, each read from the command's --recover-NAME option (--recover itself is `recover_stages`)
+RECOVERY_OPTION_NAMES = ("stages", "minutes", "steps", "lr", "objective", "parallel", "bf16", "generated",
+                         "generated_start")  # fmt: skip
+
+
+def _recovery_click_options(generated: float, generated_start: str) -> list:
+    """The click options of recovery_options, in --help's order, with the command's defaults for the sampled share."""
+    return [
+        click.option(
+            "--recover",
+            "recover_stages",
+            default=None,
+            metavar="STAGES",
+            help="after editing, recover towards the original: local (layer-wise reconstruction), uptrain, or "
+            "local,uptrain; the recovered model is what gets saved",
+        ),
+        click.option(
+            "--recover-steps",
+            type=int,
+            default=DEFAULT_STEPS,
+            show_default=True,
+            help="uptraining budget in optimiser steps of 4 x 256 calibration tokens (on 2 CPU cores about 5 s each "
+            "with bfloat16 kernels, 8 s without); "
+            "local reconstruction reads 4,096 calibration tokens. A budget gives the same model on any machine",
+        ),
+        click.option(
+            "--recover-minutes",
+            type=float,
+            default=None,
+            help="optional wall-clock cap on all recovery stages together: a stage that reaches it stops cleanly, "
+            "keeps its best state, and the record says so [default: no cap]",
+        ),
+        click.option(
+            "--recover-lr", type=float, default=DEFAULT_LR, show_default=True, help="uptraining learning rate"
+        ),
+        click.option(
+            "--recover-objective",
+            type=click.Choice(OBJECTIVES),
+            default="kl",
+            show_default=True,
+            help="uptraining loss",
+        ),
+        click.option(
+            "--recover-parallel",
+            type=click.Choice(PARALLEL),
+            default="data",
+            show_default=True,
+            help="uptraining under torchrun: data (whole copies) or fsdp (FSDP2-sharded student, teacher and AdamW "
+            "state; the batch of 4 windows is all processes' together); fsdp needs torchrun",
+        ),
+        click.option(
+            "--recover-generated",
+            type=click.FloatRange(0, 1),
+            default=generated,
+            show_default=True,
+            help=GENERATED_HELP,
+        ),
+        click.option(
+            "--recover-generated-start",
+            type=click.Choice(GENERATED_STARTS),
+            default=generated_start,
+            show_default=True,
+            help="with --recover-generated: each sampled window begins at BOS alone, or at BOS and a random token",
+        ),
+        click.option(
+            "--recover-bf16/--no-recover-bf16",
+            default=None,
+            help=f"uptraining in bfloat16 autocast (student and teacher) [default: {BF16_DEFAULT}]",
+        ),
+    ]
 
 
 def _defaulted(name: str) -> bool:
