@@ -12,7 +12,7 @@ import click
 from headlab.cli.options import data_options, guard, model_options, out_option
 from headlab.cli.parsing import parse_list, token_count
 from headlab.core.errors import HeadlabError
-from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, POLICY_SCORE_HELP, POLICY_SCORES
+from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, GATE_STEPS, POLICY_SCORE_HELP, POLICY_SCORES
 from headlab.measure.long_tasks import LONG_TASKS, TRADE_DEPTHS
 
 DEFAULT_OUT = Path("runs/kv_policy")
@@ -48,6 +48,14 @@ DEFAULT_CONTEXT = 8192
     default=POLICY_SCORES[0],
     show_default=True,
     help="which KV heads keep the whole cache: " + "; ".join(f"{k}: {v}" for k, v in POLICY_SCORE_HELP.items()),
+)
+@click.option(
+    "--gate-steps",
+    type=click.IntRange(min=1),
+    default=GATE_STEPS,
+    show_default=True,
+    help="with --score gates: Adam steps of the gate optimisation, each a forward and backward pass over 4 passkey "
+    "prompts of 1,024 tokens",
 )
 @click.option(
     "--sinks", type=click.IntRange(min=0), default=DEFAULT_SINKS, show_default=True, help="first tokens every head keeps"
@@ -92,6 +100,7 @@ def command(  # click passes every option as a parameter
     budget,
     context,
     score,
+    gate_steps,
     sinks,
     window,
     stats_dir,
@@ -108,6 +117,10 @@ def command(  # click passes every option as a parameter
     context_tokens = token_count(context) if context is not None else None
     lengths = parse_list(evaluate_lengths, token_count, "evaluate") if evaluate_lengths is not None else None
     task_names = parse_list(tasks, str, "tasks", allowed=tuple(LONG_TASKS))
+    if gate_steps != GATE_STEPS and score != "gates":
+        raise HeadlabError("--gate-steps sets the training of --score gates; add --score gates")
+    if stats_dir is not None and score == "gates":
+        raise HeadlabError("--score gates trains its gates on passkey prompts; it reads no --stats run")
     if stats_dir is not None and not (stats_dir / "stats_wide.csv").is_file():
         raise HeadlabError(f"--stats {stats_dir}: no stats_wide.csv there (a `headlab stats` run directory)")
     out = out or DEFAULT_OUT
@@ -118,7 +131,7 @@ def command(  # click passes every option as a parameter
     evaluation = EvaluationSpec(tuple(lengths), tuple(task_names), TRADE_DEPTHS, samples) if lengths else None
     run = policy_run(
         load(),
-        PolicySpec(budget, context_tokens, score, sinks, window),
+        PolicySpec(budget, context_tokens, score, sinks, window, gate_steps),
         text=text,
         stats_dir=stats_dir,
         evaluation=evaluation,

@@ -2,4 +2,4 @@
 converter and the KV ladder.
 """
 
-__all__ = ["budget", "gqa", "grouping", "ladder", "layer_rope", "merge", "methods", "mla", "mla_streaming", "policy", "post_norms", "streaming"]
+__all__ = ["budget", "duo_gates", "gqa", "grouping", "ladder", "layer_rope", "merge", "methods", "mla", "mla_streaming", "policy", "post_norms", "streaming"]

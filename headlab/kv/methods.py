@@ -90,14 +90,19 @@ KV_METHODS: Registry[KVMethod] = Registry(
 # ---- per-KV-head cache policies (headlab.kv.policy, `headlab kv-policy`) ----------------------------------------------
 
 # How KV heads are ranked for the whole cache, the default first: retrieval heads (copy score) first and the rest by
-# the attention mass a sinks + window cache would lose; the copy score alone; that mass alone (docs/kv-policy.md).
-POLICY_SCORES = ("retrieval-streaming", "retrieval", "streaming")
+# the attention mass a sinks + window cache would lose; the copy score alone; that mass alone; DuoAttention's trained
+# gates (headlab.kv.duo_gates: no statistics, a training loop over the gates) (docs/kv-policy.md).
+POLICY_SCORES = ("retrieval-streaming", "retrieval", "streaming", "gates")
 POLICY_SCORE_HELP = {
     "retrieval-streaming": "KV heads whose queries attend to the passkey tokens they copy keep the whole cache first, "
     "then those with the most attention outside sinks + window",
     "retrieval": "by the copy score alone",
     "streaming": "by the attention outside sinks + window alone",
+    "gates": "by DuoAttention's gates, trained on passkey prompts with the weights frozen (slow: --gate-steps steps "
+    "of 4 forward and backward passes)",
 }
+# Adam steps of the gates score's optimisation (`kv-policy --gate-steps`; headlab.kv.duo_gates.GateSpec)
+GATE_STEPS = 24
 # A head retrieves when its copy attention is at least ten times what a uniform head gives one key of the 1,024-token
 # retrieval prompts (1/1024); below it the retrieval score is noise, and the mass outside the window ranks better
 # (docs/kv-policy.md, "Which heads stay whole").

@@ -26,7 +26,8 @@ from transformers.cache_utils import DynamicCache
 
 from headlab.core.errors import HeadlabError
 from headlab.core.tables import write_run
-from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, POLICY_SCORES, RETRIEVING
+from headlab.kv.duo_gates import GateSpec, optimized_gates
+from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, GATE_STEPS, POLICY_SCORES, RETRIEVING
 from headlab.measure.long_tasks import check_grid
 from headlab.measure.longctx import long_context, recorded_generate
 from headlab.measure.stats import STREAMING_WINDOWS, head_statistics, wide_statistics
@@ -130,6 +131,10 @@ def kv_head_scores(stats_wide: pd.DataFrame, loaded, score: str, window: int, wi
     else o in [0, 1], so every retrieving head ranks first and the others follow by the mass they would lose."""
     if score not in POLICY_SCORES:
         raise HeadlabError(f"unknown policy score {score!r}; use one of {', '.join(POLICY_SCORES)}")
+    if score == "gates":
+        raise HeadlabError(
+            "the gates score is trained (headlab.kv.duo_gates.optimized_gates), not read from statistics"
+        )
     frame = stats_wide[["layer", "kv_head"]].copy()
     if score in ("retrieval", "retrieval-streaming"):
         frame["retrieval"] = _column(stats_wide, "retrieval")
@@ -333,13 +338,15 @@ def check_request(loaded, *, budget: float, context: int, sinks: int, window: in
 @dataclass(frozen=True)
 class PolicySpec:
     """What a policy is asked for: KV bytes within `budget` x the full cache at `context` tokens (None: 8192, capped
-    by the model's positions), heads ranked by `score`, streaming heads keeping `sinks` + `window` tokens."""
+    by the model's positions), heads ranked by `score`, streaming heads keeping `sinks` + `window` tokens; the
+    `gates` score trained for `gate_steps` steps."""
 
     budget: float = 0.5
     context: int | None = None
     score: str = "retrieval-streaming"
     sinks: int = DEFAULT_SINKS
     window: int = DEFAULT_WINDOW
+    gate_steps: int = GATE_STEPS
 
 
 @dataclass(frozen=True)
@@ -370,16 +377,7 @@ def policy_run(
         raise HeadlabError(f"unknown policy score {score!r}; use one of {', '.join(POLICY_SCORES)}")
     context = spec.context or min(DEFAULT_CONTEXT, loaded.max_positions or DEFAULT_CONTEXT)
     check_request(loaded, budget=budget, context=context, sinks=sinks, window=window, lengths=lengths, depths=depths)
-    if stats_dir is not None:
-        wide = pd.read_csv(Path(stats_dir) / "stats_wide.csv")
-        statistics = {"from": str(stats_dir)}
-    else:
-        tidy = head_statistics(
-            loaded, text=text, induction=False, retrieval=score != "streaming", ov=False, progress=progress
-        )
-        wide = wide_statistics(tidy)
-        statistics = {key: tidy.attrs["meta"].get(key) for key in ("data", "tokens", "seq_len", "retrieval")}
-    scores = kv_head_scores(wide, loaded, score, window, STREAMING_WINDOWS)
+    scores, statistics = _policy_scores(loaded, spec, text, stats_dir, progress)
     policy = choose_policy(scores, budget=budget, context=context, sinks=sinks, window=window, score=score)
     meta = {**loaded.describe(), "policy": policy.meta, "statistics": statistics,
             "duo_attention": f"duo_attention/{DUO_FILE} and duo_attention/config.json (DuoAttention's format)"}  # fmt: skip
@@ -392,6 +390,28 @@ def policy_run(
         meta["evaluation"] = {"original": measured["original"].meta, "policy": measured["policy"].meta,
                               "memory": "cache bytes after the last decode step, measured on the cache object"}  # fmt: skip
     return PolicyRun(policy, meta, measured)
+
+
+def _policy_scores(loaded, spec: PolicySpec, text, stats_dir, progress: bool):
+    """(scores per KV head, their record): from a stats run, from statistics collected on `text`, or, for `gates`,
+    trained (headlab.kv.duo_gates)."""
+    score, window = spec.score, spec.window
+    if score == "gates":
+        if stats_dir is not None:
+            raise HeadlabError("--score gates trains its gates on passkey prompts; it reads no --stats run")
+        gates = GateSpec(steps=spec.gate_steps)
+        scores, record = optimized_gates(loaded, text, sinks=spec.sinks, window=window, spec=gates, progress=progress)
+        return scores, {"gates": record}
+    if stats_dir is not None:
+        wide = pd.read_csv(Path(stats_dir) / "stats_wide.csv")
+        statistics = {"from": str(stats_dir)}
+    else:
+        tidy = head_statistics(
+            loaded, text=text, induction=False, retrieval=score != "streaming", ov=False, progress=progress
+        )
+        wide = wide_statistics(tidy)
+        statistics = {key: tidy.attrs["meta"].get(key) for key in ("data", "tokens", "seq_len", "retrieval")}
+    return kv_head_scores(wide, loaded, score, window, STREAMING_WINDOWS), statistics
 
 
 @contextlib.contextmanager

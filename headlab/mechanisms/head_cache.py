@@ -25,6 +25,7 @@ from headlab.core.errors import HeadlabError
 from headlab.mechanisms.capture import _visibility, routed
 
 FUNCTION_NAME = "headlab_head_policy"  # must not contain "sdpa" (transformers would run its sdpa checks on it)
+GATES_FUNCTION_NAME = "headlab_head_gates"
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,8 @@ class StreamingHeadsLayer(DynamicLayer):
 
 # id(attention module) -> (its layer's policy, its block index); dispatch by identity, as capture does
 _ACTIVE: dict[int, tuple[LayerStreaming, int]] = {}
+# id(attention module) -> (the sinks + window band of its layer, its KV heads' gates alpha), for head_gates
+_GATED: dict[int, tuple[LayerStreaming, torch.Tensor]] = {}
 # The HeadPolicyCache the running forward writes to (set by `policy_cache`); None: streaming heads are masked.
 _CACHE: list = [None]
 
@@ -224,14 +227,34 @@ def _policy_attention(module, query, key, value, attention_mask, **kwargs):
     return output, None
 
 
+def _gated_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention function, DuoAttention's training-time mix (Xiao et al. 2024, eq. 1): per KV head h,
+    alpha_h x full attention + (1 - alpha_h) x attention restricted to sinks + window, for every query head of h."""
+    entry = _GATED.get(id(module))
+    if entry is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    band, alpha = entry
+    Tq, Tk, device = query.shape[2], key.shape[2], query.device
+    visible, bias, _ = _visibility(attention_mask, module, kwargs, Tq, Tk, device)
+    if bias is not None:
+        raise HeadlabError("head gates need a boolean attention mask (sdpa's); got an additive one")
+    stream_visible = visible & band.band(torch.arange(Tk - Tq, Tk, device=device), torch.arange(Tk, device=device))
+    full = _attend(module, query, key, value, attention_mask, kwargs)  # [B, Tq, H, D]
+    stream = _attend(module, query, key, value, stream_visible, kwargs)
+    weight = alpha.repeat_interleave(band.group_size).to(full.dtype)[None, None, :, None]
+    return stream + weight * (full - stream), None
+
+
 def register() -> str:
-    """Register the policy attention function and sdpa's mask function under FUNCTION_NAME (idempotent)."""
+    """Register the policy and gate attention functions and sdpa's mask function under their names (idempotent);
+    returns the policy's."""
     # Deferred for start-up time: transformers' modeling_utils is only needed once a model is loaded.
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(FUNCTION_NAME, _policy_attention)
-    AttentionMaskInterface.register(FUNCTION_NAME, sdpa_mask)
+    for name, function in ((FUNCTION_NAME, _policy_attention), (GATES_FUNCTION_NAME, _gated_attention)):
+        AttentionInterface.register(name, function)
+        AttentionMaskInterface.register(name, sdpa_mask)
     return FUNCTION_NAME
 
 
@@ -261,12 +284,25 @@ def head_policy(model, layers, policies: dict[int, LayerStreaming], cache: HeadP
             yield
 
 
+@contextlib.contextmanager
+def head_gates(model, layers, gates: dict[int, tuple[LayerStreaming, torch.Tensor]]):
+    """Run `model` with DuoAttention's gated attention in the block: `gates` {layer index: (band, alpha)}, alpha a
+    [num_kv_heads] tensor in [0, 1] (1: full attention, 0: only band.sinks + band.window), which may require grad.
+    Layers not in `gates` run plain sdpa; the attention implementation is restored on exit."""
+    register()
+    entries = [(layer, gates[layer.index]) for layer in layers if layer.index in gates]
+    with routed(model, GATES_FUNCTION_NAME, _GATED, entries, "already runs under head gates; gates cannot nest"):
+        yield
+
+
 __all__ = [
     "FUNCTION_NAME",
+    "GATES_FUNCTION_NAME",
     "HeadPolicyCache",
     "LayerStreaming",
     "StreamingHeadsLayer",
     "cache_bytes",
+    "head_gates",
     "head_policy",
     "policy_cache",
 ]

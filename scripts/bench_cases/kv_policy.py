@@ -3,7 +3,8 @@ embedded model, training-free: retrieval accuracy (passkey and multi-key needles
 (HEADLAB_BENCH_POLICY_LENGTHS=4096,8192 on a GPU), with the policy's cache bytes measured on a real cache.
 
 Rows: the original; the policy chosen by the default retrieval-then-streaming ranking, by the retrieval score alone and
-by the streaming score alone at half the cache; the first two at a quarter; two baselines at half the cache, a
+by the streaming score alone at half the cache; by DuoAttention's gates trained on passkey prompts (headlab's
+`gates` score, GATE_STEPS steps) at half the cache; the first two at a quarter; two baselines at half the cache, a
 per-layer streaming policy (whole layers full or streaming, by their mean default score) and a random one (seeded);
 per-layer GQA at half the cache (convert-gqa --kv-budget 0.5 --method svd); uniform MQA (svd) and MLA at the MQA
 budget, a third of the cache; and the retrieval policy at half on top of per-layer GQA at two thirds (a third in
@@ -88,6 +89,7 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
     from headlab.core.loading import from_model, load_model
     from headlab.kv import gqa
     from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
+    from headlab.kv.duo_gates import optimized_gates
     from headlab.kv.mla import convert_to_mla, plan_mla
     from headlab.kv.policy import choose_policy, kv_head_scores, measured_generate
     from headlab.measure.costs import kv_bytes_per_token
@@ -115,6 +117,8 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
               "device": args.device, "rows": []}  # fmt: skip
 
     def scores_of(loaded, score):
+        if score == "gates":
+            return optimized_gates(loaded, calibration, sinks=SINKS, window=WINDOW, progress=False)[0]
         tidy = head_statistics(loaded, text=calibration.but(max_tokens=STATS_TOKENS), induction=False,
                                retrieval=score != "streaming", ov=False, progress=False)  # fmt: skip
         return kv_head_scores(wide_statistics(tidy), loaded, score, WINDOW, STREAMING_WINDOWS)
@@ -149,12 +153,15 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
     def policy_row(name, loaded, score, budget, scale=1.0, rescore=None):
         if not wanted(name):
             return
+        started = time.perf_counter()
         scores = scores_of(loaded, score)
+        scoring = time.perf_counter() - started
         if rescore is not None:
             scores = rescore(scores)
         policy = choose_policy(scores, budget=budget, context=context, sinks=SINKS, window=WINDOW,
                                score=score)  # fmt: skip
         row = measure(name, loaded, None, policy)
+        row["score_seconds"] = scoring  # the statistics pass, or the gates' training
         row["kv_fraction"] = scale * policy.kv_fraction()
         row["kv_fraction_measured"] = {n: row["cache_bytes_per_prompt"][n] / original_cache[n] for n in original_cache}
         row["full_kv_heads"] = policy.meta["full_kv_heads"]
@@ -165,6 +172,7 @@ def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
         policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
         policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
     policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
+    policy_row("policy, DuoAttention gates, 1/2", teacher, "gates", 0.5)
     policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming", 0.5,
                rescore=_layer_scores)  # fmt: skip
     policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
