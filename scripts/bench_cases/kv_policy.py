@@ -229,4 +229,8 @@ def markdown(r: dict) -> str:
         accuracy = " | ".join(f"{row['accuracy'].get(c, float('nan')):.2f}" for c in columns)
         nll = " | ".join(f"{row['nll'][b]:.3f}" for b in buckets)
         lines.append(f"| {row['method']} | {kept} | {accuracy} | {nll} |")
+    timed = [row for row in r["rows"] if "score_seconds" in row]
+    if timed:  # rows measured since the scores were timed
+        lines += ["", "Seconds to score (the statistics pass, or the gates' training), on the machine above: "
+                  + "; ".join(f"{row['method']} {row['score_seconds']:,.0f} s" for row in timed) + "."]  # fmt: skip
     return "\n".join(lines)
