@@ -55,7 +55,8 @@ def test_gated_attention_mixes_full_and_streaming_head_by_head(loaded):
     torch.testing.assert_close(full_logits, plain_logits, rtol=0, atol=1e-5)
     # gates (1, 0): KV head 1 streams, exactly as the masked policy streams it
     policy = {layer.index: LayerStreaming((1,), layer.num_kv_heads, group, SINKS, WINDOW) for layer in layers}
-    mixed, mixed_logits = _first_out_proj_input(loaded, ids, head_gates(loaded.model, layers, _gates(loaded, [1.0, 0.0])))
+    gated = head_gates(loaded.model, layers, _gates(loaded, [1.0, 0.0]))
+    mixed, mixed_logits = _first_out_proj_input(loaded, ids, gated)
     masked, masked_logits = _first_out_proj_input(loaded, ids, head_policy(loaded.model, layers, policy))
     torch.testing.assert_close(mixed, masked, rtol=0, atol=1e-6)
     torch.testing.assert_close(mixed_logits, masked_logits, rtol=0, atol=1e-5)

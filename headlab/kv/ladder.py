@@ -113,9 +113,9 @@ def budget_rows(
 ) -> pd.DataFrame:
     """One sweep row per per-layer KV budget and retrieval weight (headlab.kv.budget, `convert-gqa --kv-budget
     --retrieval-weight --retrieval-kind`): the per-layer costs are measured once (with the retrieval prompts of
-    `retrieval_kind` when a weight is above 0), each fraction allocated from them under each weight (then refined for `refine_rounds` rounds on the whole
-    layout's measured cost, refine_counts) and converted in place, scored on `text` like the other rows, then the
-    model is restored."""
+    `retrieval_kind` when a weight is above 0), each fraction allocated from them under each weight (then refined
+    for `refine_rounds` rounds on the whole layout's measured cost, refine_counts) and converted in place, scored on
+    `text` like the other rows, then the model is restored."""
     spec = BudgetSpec(1.0, method=method, search_tokens=search_tokens, retrieval_weight=max(retrieval_weights),
                       retrieval_len=retrieval_len, retrieval_kind=retrieval_kind)  # fmt: skip
     calibration = text.but(split="calibration", batch_size=4)
