@@ -12,7 +12,14 @@ from tiny_text import run_cli, save_tiny
 
 from headlab.core.data import TextSpec, load_corpus
 from headlab.core.loading import load_model
-from headlab.kv.duo_gates import GateSpec, answer_batches, gate_bands, gated_distillation, optimized_gates
+from headlab.kv.duo_gates import (
+    GateSpec,
+    answer_batches,
+    answer_logits,
+    gate_bands,
+    gated_distillation,
+    optimized_gates,
+)
 from headlab.measure.stats import retrieval_sequences
 from headlab.mechanisms.head_cache import LayerStreaming, head_gates, head_policy
 
@@ -72,6 +79,18 @@ def _batches(loaded):
     text = TextSpec(load_corpus("pydoc-topics"), split="calibration")
     sequences, _ = retrieval_sequences(loaded, text, length=256, count=2)
     return answer_batches(loaded, sequences)
+
+
+def test_answer_logits_are_the_full_forwards_answer_rows(loaded):
+    text = TextSpec(load_corpus("pydoc-topics"), split="calibration")
+    sequences, _ = retrieval_sequences(loaded, text, length=256, count=1)
+    ids, target = sequences[0]
+    input_ids = torch.tensor([ids])
+    rows = torch.tensor([[t >= 0 for t in target]])
+    assert 0 < int(rows.sum()) < rows.shape[1] // 2  # a few answer rows at the end: the shortcut has work to skip
+    with torch.no_grad():
+        full = loaded.model(input_ids=input_ids).logits[rows]
+        torch.testing.assert_close(answer_logits(loaded.model, input_ids, rows), full, rtol=0, atol=1e-5)
 
 
 def test_distillation_gradient_matches_finite_differences(loaded):

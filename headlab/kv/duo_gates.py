@@ -12,6 +12,7 @@ to the hidden states, and it is what recovery distils). The prompts are the retr
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import asdict, dataclass
 
 import pandas as pd
@@ -53,8 +54,18 @@ def answer_batches(loaded, sequences) -> list[tuple[torch.Tensor, torch.Tensor, 
         for ids, target in sequences:
             input_ids = torch.tensor([ids], device=loaded.device)
             rows = torch.tensor([[t >= 0 for t in target]], device=loaded.device)
-            batches.append((input_ids, rows, loaded.model(input_ids=input_ids).logits[rows].float()))
+            batches.append((input_ids, rows, answer_logits(loaded.model, input_ids, rows).float()))
     return batches
+
+
+def answer_logits(model, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The logits of the answer rows only [R, V]: the answer sits at the prompt's end, so where the model's forward
+    takes `logits_to_keep` only the positions from the first answer row on meet the vocabulary projection (the
+    other rows' [T, V] logits, and their gradient, are never made)."""
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return model(input_ids=input_ids).logits[rows]
+    keep = rows.shape[-1] - int(rows.any(0).nonzero()[0])
+    return model(input_ids=input_ids, logits_to_keep=keep).logits[rows[:, -keep:]]
 
 
 def gated_distillation(model, batches, backward: bool) -> float:
@@ -62,8 +73,8 @@ def gated_distillation(model, batches, backward: bool) -> float:
     gates in force (head_gates); with `backward`, its gradient accumulates into the gates, one prompt at a time."""
     total = 0.0
     for input_ids, rows, teacher in batches:
-        logits = model(input_ids=input_ids).logits
-        loss = distillation_loss(logits[rows][None], teacher[None], torch.ones(1, len(teacher), dtype=torch.bool))
+        logits = answer_logits(model, input_ids, rows)
+        loss = distillation_loss(logits[None], teacher[None], torch.ones(1, len(teacher), dtype=torch.bool))
         if backward:
             (loss / len(batches)).backward()
         total += float(loss.detach()) / len(batches)
