@@ -73,134 +73,169 @@ def _with_saved(result: dict, case: str) -> dict:
     result["rows"] = sorted(kept + result["rows"], key=lambda row: _kind(row["method"]))
     if kept:
         commit = payload.get("machine", {}).get("commit")
+        at = f" (commit {commit})" if commit else ""
         result["note"] = (f"Rows measured in this run: {', '.join(sorted(measured))}; the others are kept from the "
-                          f"run of {payload.get('date')}" + (f" (commit {commit})" if commit else "") + ".")  # fmt: skip
+                          f"run of {payload.get('date')}{at}.")  # fmt: skip
     return result
 
 
-def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
-    import copy
-    import time
+class _Bench:
+    """One run of the case: the teacher, its texts, the result being filled, and how to measure a row."""
 
-    import torch
-    from benchmark import checkpoint
+    def __init__(self, args, dtype: str | None, case: str):
+        import torch
 
-    from headlab.core.data import TextSpec, load_corpus
-    from headlab.core.loading import from_model, load_model
-    from headlab.kv import gqa
-    from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
-    from headlab.kv.duo_gates import optimized_gates
-    from headlab.kv.mla import convert_to_mla, plan_mla
-    from headlab.kv.policy import choose_policy, kv_head_scores, measured_generate
-    from headlab.measure.costs import kv_bytes_per_token
-    from headlab.measure.longctx import long_context
-    from headlab.measure.stats import STREAMING_WINDOWS, head_statistics, wide_statistics
-    from headlab.mechanisms.head_cache import head_policy
+        from headlab.core.data import TextSpec, load_corpus
+        from headlab.core.loading import load_model
+        from headlab.measure.costs import kv_bytes_per_token
 
-    lengths = _lengths()
-    context = max(lengths)
-    only = os.environ.get("HEADLAB_BENCH_POLICY_ONLY")
+        self.args, self.case = args, case
+        self.lengths = _lengths()
+        self.context = max(self.lengths)
+        self.only = os.environ.get("HEADLAB_BENCH_POLICY_ONLY")
+        corpus = load_corpus("broad")
+        depths, samples = _grid()
+        self.teacher = load_model(None, device=args.device, dtype=dtype)
+        self.calibration = TextSpec(corpus, split="calibration", seq_len=512, batch_size=4)
+        self.merge_batches = self.calibration.but(max_tokens=CALIB_TOKENS).batches(self.teacher.tokenizer)
+        self.eval_text = TextSpec(corpus, split="eval", max_tokens=None)
+        self.original_bytes = kv_bytes_per_token(self.teacher)
+        self.original_cache: dict = {}
+        self.result = {"lengths": list(self.lengths), "context": self.context, "sinks": SINKS, "window": WINDOW,
+                       "tasks": list(TASKS), "depths": list(depths), "samples": samples,
+                       "position_sequences": POSITION_SEQUENCES, "threads": torch.get_num_threads(),
+                       "dtype": str(self.teacher.dtype).removeprefix("torch."), "device": args.device,
+                       "rows": []}  # fmt: skip
 
-    def wanted(prefix: str) -> bool:
-        return only is None or any(prefix.startswith(p) or p.startswith(prefix) for p in only.split("|"))
+    def wanted(self, prefix: str) -> bool:
+        return self.only is None or any(prefix.startswith(p) or p.startswith(prefix) for p in self.only.split("|"))
 
-    corpus = load_corpus("broad")
-    depths, samples = _grid()
-    teacher = load_model(None, device=args.device, dtype=dtype)
-    calibration = TextSpec(corpus, split="calibration", seq_len=512, batch_size=4)
-    merge_batches = calibration.but(max_tokens=CALIB_TOKENS).batches(teacher.tokenizer)
-    eval_text = TextSpec(corpus, split="eval", max_tokens=None)
-    original_bytes = kv_bytes_per_token(teacher)
-    result = {"lengths": list(lengths), "context": context, "sinks": SINKS, "window": WINDOW, "tasks": list(TASKS),
-              "depths": list(depths), "samples": samples, "position_sequences": POSITION_SEQUENCES,
-              "threads": torch.get_num_threads(), "dtype": str(teacher.dtype).removeprefix("torch."),
-              "device": args.device, "rows": []}  # fmt: skip
+    def scores_of(self, loaded, score):
+        from headlab.kv.duo_gates import optimized_gates
+        from headlab.kv.policy import kv_head_scores
+        from headlab.measure.stats import STREAMING_WINDOWS, head_statistics, wide_statistics
 
-    def scores_of(loaded, score):
         if score == "gates":
-            return optimized_gates(loaded, calibration, sinks=SINKS, window=WINDOW, progress=False)[0]
-        tidy = head_statistics(loaded, text=calibration.but(max_tokens=STATS_TOKENS), induction=False,
+            return optimized_gates(loaded, self.calibration, sinks=SINKS, window=WINDOW, progress=False)[0]
+        tidy = head_statistics(loaded, text=self.calibration.but(max_tokens=STATS_TOKENS), induction=False,
                                retrieval=score != "streaming", ov=False, progress=False)  # fmt: skip
         return kv_head_scores(wide_statistics(tidy), loaded, score, WINDOW, STREAMING_WINDOWS)
 
-    def measure(name, loaded, fraction_of_original, policy=None):
-        """One row; printed whole (policy rows once policy_row completes them), so a stopped run's log keeps it."""
+    def save(self, row: dict) -> None:
+        from benchmark import checkpoint
+
+        print(row, flush=True)  # printed whole, so a stopped run's log keeps it
+        checkpoint(self.case, self.args, self.result)
+
+    def measure(self, name, loaded, fraction_of_original, policy=None) -> dict:
+        """One row (a policy row is saved once policy_row completes it)."""
+        import time
+
+        from headlab.kv.policy import measured_generate
+        from headlab.measure.longctx import long_context
+        from headlab.mechanisms.head_cache import head_policy
+
         start = time.perf_counter()
         record: list[dict] = []
         layers = policy.layers(loaded) if policy is not None else None
-        options = dict(text=eval_text, tasks=TASKS, lengths=lengths, depths=depths, samples=samples,
-                       position_sequences_count=POSITION_SEQUENCES, progress=False,
+        r = self.result
+        options = dict(text=self.eval_text, tasks=TASKS, lengths=self.lengths, depths=r["depths"],
+                       samples=r["samples"], position_sequences_count=POSITION_SEQUENCES, progress=False,
                        generate=measured_generate(loaded, layers, record))  # fmt: skip
         if policy is None:
             measured = long_context(loaded, **options)
         else:
             with head_policy(loaded.model, loaded.layers, layers):
                 measured = long_context(loaded, **options)
-        accuracy = {f"{r.task}@{r.length}": float(r.accuracy) for r in measured.lengths.itertuples()}
-        positions = {f"[{r.start}, {r.end})": float(r.nll) for r in measured.positions.itertuples()}
-        cache = {int(r["length"]): r["cache_bytes"] / r["prompts"] for r in record}
+        accuracy = {f"{x.task}@{x.length}": float(x.accuracy) for x in measured.lengths.itertuples()}
+        positions = {f"[{x.start}, {x.end})": float(x.nll) for x in measured.positions.itertuples()}
+        cache = {int(x["length"]): x["cache_bytes"] / x["prompts"] for x in record}
         row = {"method": name, "kv_fraction": fraction_of_original, "accuracy": accuracy, "nll": positions,
                "cache_bytes_per_prompt": cache, "seconds": time.perf_counter() - start}  # fmt: skip
-        result["rows"].append(row)
+        r["rows"].append(row)
         if policy is None:
-            print(row, flush=True)
-            checkpoint(case, args, result)
+            self.save(row)
         return row
 
-    original = measure("original", teacher, 1.0)
-    original_cache = original["cache_bytes_per_prompt"]
+    def policy_row(self, name, loaded, score, budget, scale=1.0, rescore=None) -> None:
+        import time
 
-    def policy_row(name, loaded, score, budget, scale=1.0, rescore=None):
-        if not wanted(name):
+        from headlab.kv.policy import choose_policy
+
+        if not self.wanted(name):
             return
         started = time.perf_counter()
-        scores = scores_of(loaded, score)
+        scores = self.scores_of(loaded, score)
         scoring = time.perf_counter() - started
         if rescore is not None:
             scores = rescore(scores)
-        policy = choose_policy(scores, budget=budget, context=context, sinks=SINKS, window=WINDOW,
+        policy = choose_policy(scores, budget=budget, context=self.context, sinks=SINKS, window=WINDOW,
                                score=score)  # fmt: skip
-        row = measure(name, loaded, None, policy)
+        row = self.measure(name, loaded, None, policy)
         row["score_seconds"] = scoring  # the statistics pass, or the gates' training
         row["kv_fraction"] = scale * policy.kv_fraction()
-        row["kv_fraction_measured"] = {n: row["cache_bytes_per_prompt"][n] / original_cache[n] for n in original_cache}
+        cache, original = row["cache_bytes_per_prompt"], self.original_cache
+        row["kv_fraction_measured"] = {n: cache[n] / original[n] for n in original}
         row["full_kv_heads"] = policy.meta["full_kv_heads"]
-        print(row, flush=True)
-        checkpoint(case, args, result)
+        self.save(row)
 
-    for budget, label in ((0.5, "1/2"), (0.25, "1/4")):
-        policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
-        policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
-    policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
-    policy_row("policy, DuoAttention gates, 1/2", teacher, "gates", 0.5)
-    policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming", 0.5,
-               rescore=_layer_scores)  # fmt: skip
-    policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
-    if not wanted("per-layer GQA") and not wanted("uniform MQA") and not wanted("MLA"):
-        return _with_saved(result, case)
+    def policy_rows(self) -> None:
+        teacher = self.teacher
+        for budget, label in ((0.5, "1/2"), (0.25, "1/4")):
+            self.policy_row(f"policy, retrieval-streaming (default), {label}", teacher, "retrieval-streaming", budget)
+            self.policy_row(f"policy, retrieval score, {label}", teacher, "retrieval", budget)
+        self.policy_row("policy, streaming score, 1/2", teacher, "streaming", 0.5)
+        self.policy_row("policy, DuoAttention gates, 1/2", teacher, "gates", 0.5)
+        self.policy_row("per-layer streaming (layer means of the default score), 1/2", teacher, "retrieval-streaming",
+                        0.5, rescore=_layer_scores)  # fmt: skip
+        self.policy_row("random policy (seed 0), 1/2", teacher, "streaming", 0.5, rescore=_random_scores)
 
-    spec = BudgetSpec(1.0, method="svd", search_tokens=SEARCH_TOKENS)
-    search_batches = calibration.but(max_tokens=SEARCH_TOKENS).batches(teacher.tokenizer)
-    costs = layer_costs(from_model(copy.deepcopy(teacher.model), teacher.tokenizer), spec, merge_batches,
-                        search_batches, progress=False)  # fmt: skip
-    for fraction, then_policy in ((0.5, False), (2 / 3, True)) if wanted("per-layer GQA") else ():
-        student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
-        apply_counts(student, allocation(teacher, costs, fraction), spec, merge_batches, progress=False)
-        kept = kv_bytes_per_token(student) / original_bytes
-        if then_policy:
-            policy_row(f"per-layer GQA {kept:.2f} + policy 1/2", student, "retrieval-streaming", 0.5, kept)
-        else:
-            measure(f"per-layer GQA (svd), {kept:.2f}", student, kept)
-        del student
-    if wanted("uniform MQA"):
-        student = from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
-        gqa.convert(student, 1, method="svd", batches=merge_batches)
-        measure("uniform MQA (svd)", student, kv_bytes_per_token(student) / original_bytes)
-        del student
-    if wanted("MLA"):
-        mla, _ = convert_to_mla(teacher, plan_mla(teacher, "mqa"), merge_batches, progress=False)
-        measure("MLA at the MQA budget", mla, kv_bytes_per_token(mla) / original_bytes)
-    return _with_saved(result, case)
+    def structural_rows(self) -> None:
+        """Per-layer GQA at half (and at two thirds with the policy on top), uniform MQA and MLA at the MQA budget."""
+        import copy
+
+        from headlab.core.loading import from_model
+        from headlab.kv import gqa
+        from headlab.kv.budget import BudgetSpec, allocation, apply_counts, layer_costs
+        from headlab.kv.mla import convert_to_mla, plan_mla
+        from headlab.measure.costs import kv_bytes_per_token
+
+        teacher, merge_batches = self.teacher, self.merge_batches
+
+        def fresh():
+            return from_model(copy.deepcopy(teacher.model), teacher.tokenizer)
+
+        if self.wanted("per-layer GQA"):
+            spec = BudgetSpec(1.0, method="svd", search_tokens=SEARCH_TOKENS)
+            search_batches = self.calibration.but(max_tokens=SEARCH_TOKENS).batches(teacher.tokenizer)
+            costs = layer_costs(fresh(), spec, merge_batches, search_batches, progress=False)
+            for fraction, then_policy in ((0.5, False), (2 / 3, True)):
+                student = fresh()
+                apply_counts(student, allocation(teacher, costs, fraction), spec, merge_batches, progress=False)
+                kept = kv_bytes_per_token(student) / self.original_bytes
+                if then_policy:
+                    self.policy_row(f"per-layer GQA {kept:.2f} + policy 1/2", student, "retrieval-streaming", 0.5,
+                                    kept)  # fmt: skip
+                else:
+                    self.measure(f"per-layer GQA (svd), {kept:.2f}", student, kept)
+                del student
+        if self.wanted("uniform MQA"):
+            student = fresh()
+            gqa.convert(student, 1, method="svd", batches=merge_batches)
+            self.measure("uniform MQA (svd)", student, kv_bytes_per_token(student) / self.original_bytes)
+            del student
+        if self.wanted("MLA"):
+            mla, _ = convert_to_mla(teacher, plan_mla(teacher, "mqa"), merge_batches, progress=False)
+            self.measure("MLA at the MQA budget", mla, kv_bytes_per_token(mla) / self.original_bytes)
+
+
+def measure(args, dtype: str | None = None, case: str = "kv_policy") -> dict:
+    """The original (always: the policies' cache bytes are read against it), then the rows wanted."""
+    bench = _Bench(args, dtype, case)
+    bench.original_cache = bench.measure("original", bench.teacher, 1.0)["cache_bytes_per_prompt"]
+    bench.policy_rows()
+    bench.structural_rows()
+    return _with_saved(bench.result, case)
 
 
 def markdown(r: dict) -> str:
