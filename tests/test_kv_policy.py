@@ -146,6 +146,35 @@ def test_kv_policy_command_refuses_before_any_work(tiny_checkpoint, tmp_path, ca
         assert not out.exists()
 
 
+def test_retrieval_len_sets_the_retrieval_prompts(tiny_checkpoint, tmp_path, capsys):
+    out = tmp_path / "policy"
+    retrieval = [a if a != "streaming" else "retrieval-streaming" for a in POLICY]
+    code, _, stderr = run_cli(["kv-policy", "--model", tiny_checkpoint, *retrieval, "--budget", "0.6",
+                               "--retrieval-len", "256", "--out", out], capsys)  # fmt: skip
+    assert code == 0, stderr
+    record = json.loads((out / "meta.json").read_text())["statistics"]["retrieval"]
+    assert record["length"] == 256 and "skipped" not in record
+    assert read_policy(out).kv_fraction() <= 0.6 + 1e-9
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--context", "abc"], "--context: cannot read 'abc'"),
+        (["--context", "0"], "at least 1 token"),
+        (["--retrieval-len", "2q"], "--retrieval-len: cannot read '2q'"),
+        (["--retrieval-len", "256", "--score", "streaming"], "has none to set"),
+        (["--retrieval-len", "4k", "--score", "retrieval"], "maximum positions"),
+    ],
+)
+def test_token_lengths_are_refused_in_one_line(tiny_checkpoint, tmp_path, capsys, extra, message):
+    out = tmp_path / "policy"
+    code, _, stderr = run_cli(["kv-policy", "--model", tiny_checkpoint, "--context", "256", "--window", "16", *extra,
+                               "--out", out], capsys)  # fmt: skip
+    assert code == 2 and message in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
 def test_evaluation_measures_the_real_cache(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "policy"
     evaluate = ["--evaluate", "256", "--tasks", "passkey", "--samples", "1"]

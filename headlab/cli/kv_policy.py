@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from headlab.cli.options import data_options, guard, model_options, out_option
-from headlab.cli.parsing import parse_list, token_count
+from headlab.cli.parsing import parse_list, parse_tokens, token_count
 from headlab.core.errors import HeadlabError
 from headlab.kv.methods import DEFAULT_SINKS, DEFAULT_WINDOW, GATE_STEPS, POLICY_SCORE_HELP, POLICY_SCORES
 from headlab.measure.long_tasks import LONG_TASKS, TRADE_DEPTHS
@@ -58,6 +58,14 @@ DEFAULT_CONTEXT = 8192
     "prompts of 1,024 tokens",
 )
 @click.option(
+    "--retrieval-len",
+    default=None,
+    metavar="N",
+    help="tokens per passkey prompt of the retrieval score (and of --score gates' training); the context the policy "
+    "is for scores retrieval heads better at that length, at a cost (docs/kv-policy.md) [default: 1024, capped by "
+    "the model's positions]",
+)
+@click.option(
     "--sinks", type=click.IntRange(min=0), default=DEFAULT_SINKS, show_default=True, help="first tokens every head keeps"
 )
 @click.option(
@@ -101,6 +109,7 @@ def command(  # click passes every option as a parameter
     context,
     score,
     gate_steps,
+    retrieval_len,
     sinks,
     window,
     stats_dir,
@@ -114,11 +123,15 @@ def command(  # click passes every option as a parameter
     """Per-KV-head cache policy under a KV budget: whole cache for the heads the statistics rank highest, attention
     sinks + a recent window for the rest (DuoAttention-style); policy.csv, meta.json and DuoAttention's
     full_attention_heads.tsv + config.json; --evaluate measures it (docs/commands/kv-policy.md)."""
-    context_tokens = token_count(context) if context is not None else None
+    context_tokens = parse_tokens(context, "context")
     lengths = parse_list(evaluate_lengths, token_count, "evaluate") if evaluate_lengths is not None else None
     task_names = parse_list(tasks, str, "tasks", allowed=tuple(LONG_TASKS))
     if gate_steps != GATE_STEPS and score != "gates":
         raise HeadlabError("--gate-steps sets the training of --score gates; add --score gates")
+    retrieval_tokens = parse_tokens(retrieval_len, "retrieval-len")
+    if retrieval_tokens is not None and (stats_dir is not None or score == "streaming"):
+        raise HeadlabError("--retrieval-len sets the retrieval pass's prompts; a --stats run or --score streaming "
+                           "has none to set")  # fmt: skip
     if stats_dir is not None and score == "gates":
         raise HeadlabError("--score gates trains its gates on passkey prompts; it reads no --stats run")
     if stats_dir is not None and not (stats_dir / "stats_wide.csv").is_file():
@@ -131,7 +144,7 @@ def command(  # click passes every option as a parameter
     evaluation = EvaluationSpec(tuple(lengths), tuple(task_names), TRADE_DEPTHS, samples) if lengths else None
     run = policy_run(
         load(),
-        PolicySpec(budget, context_tokens, score, sinks, window, gate_steps),
+        PolicySpec(budget, context_tokens, score, sinks, window, gate_steps, retrieval_tokens),
         text=text,
         stats_dir=stats_dir,
         evaluation=evaluation,

@@ -29,6 +29,19 @@ def token_count(text: str) -> int:
     return int(text[:-1]) * 1024 if text.endswith("k") else int(text)
 
 
+def parse_tokens(text: str | None, name: str) -> int | None:
+    """One length in tokens for option --name ('8192' or '8k'; None stays None); unreadable or below 1 is an error."""
+    if text is None:
+        return None
+    try:
+        tokens = token_count(text)
+    except ValueError:
+        raise HeadlabError(f"--{name}: cannot read {text!r}; give a number of tokens such as 8192 or 8k") from None
+    if tokens < 1:
+        raise HeadlabError(f"--{name} must be at least 1 token, got {text!r}")
+    return tokens
+
+
 def parse_bytes(text: str, name: str) -> int:
     """A size as transformers' max_shard_size writes it: '5GB' -> 5 * 10^9, '512MiB' -> 512 * 2^20, '1000' -> 1000."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", str(text).upper())

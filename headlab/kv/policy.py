@@ -339,7 +339,8 @@ def check_request(loaded, *, budget: float, context: int, sinks: int, window: in
 class PolicySpec:
     """What a policy is asked for: KV bytes within `budget` x the full cache at `context` tokens (None: 8192, capped
     by the model's positions), heads ranked by `score`, streaming heads keeping `sinks` + `window` tokens; the
-    `gates` score trained for `gate_steps` steps."""
+    `gates` score trained for `gate_steps` steps; the passkey prompts of the retrieval score (and of the gates)
+    `retrieval_len` tokens long (None: the statistics' 1,024, capped by the model's positions)."""
 
     budget: float = 0.5
     context: int | None = None
@@ -347,6 +348,7 @@ class PolicySpec:
     sinks: int = DEFAULT_SINKS
     window: int = DEFAULT_WINDOW
     gate_steps: int = GATE_STEPS
+    retrieval_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -399,15 +401,16 @@ def _policy_scores(loaded, spec: PolicySpec, text, stats_dir, progress: bool):
     if score == "gates":
         if stats_dir is not None:
             raise HeadlabError("--score gates trains its gates on passkey prompts; it reads no --stats run")
-        gates = GateSpec(steps=spec.gate_steps)
+        gates = GateSpec(steps=spec.gate_steps, length=spec.retrieval_len)
         scores, record = optimized_gates(loaded, text, sinks=spec.sinks, window=window, spec=gates, progress=progress)
         return scores, {"gates": record}
     if stats_dir is not None:
         wide = pd.read_csv(Path(stats_dir) / "stats_wide.csv")
         statistics = {"from": str(stats_dir)}
     else:
+        lengths = {} if spec.retrieval_len is None else {"retrieval_len": spec.retrieval_len}
         tidy = head_statistics(
-            loaded, text=text, induction=False, retrieval=score != "streaming", ov=False, progress=progress
+            loaded, text=text, induction=False, retrieval=score != "streaming", ov=False, progress=progress, **lengths
         )
         wide = wide_statistics(tidy)
         statistics = {key: tidy.attrs["meta"].get(key) for key in ("data", "tokens", "seq_len", "retrieval")}
