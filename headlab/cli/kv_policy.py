@@ -61,9 +61,9 @@ DEFAULT_CONTEXT = 8192
     "--retrieval-len",
     default=None,
     metavar="N",
-    help="tokens per passkey prompt of the retrieval score (and of --score gates' training); the context the policy "
-    "is for scores retrieval heads better at that length, at a cost (docs/kv-policy.md) [default: 1024, capped by "
-    "the model's positions]",
+    help="tokens per passkey prompt of the retrieval score (and of --score gates' training); scoring at the context "
+    "the policy serves (e.g. 8k) picks the heads that retrieve there, at a cost (docs/kv-policy.md) [default: 1024, "
+    "capped by the model's positions]",
 )
 @click.option(
     "--sinks", type=click.IntRange(min=0), default=DEFAULT_SINKS, show_default=True, help="first tokens every head keeps"
