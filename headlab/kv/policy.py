@@ -408,10 +408,8 @@ def _policy_scores(loaded, spec: PolicySpec, text, stats_dir, progress: bool):
         wide = pd.read_csv(Path(stats_dir) / "stats_wide.csv")
         statistics = {"from": str(stats_dir)}
     else:
-        lengths = {} if spec.retrieval_len is None else {"retrieval_len": spec.retrieval_len}
-        tidy = head_statistics(
-            loaded, text=text, induction=False, retrieval=score != "streaming", ov=False, progress=progress, **lengths
-        )
+        tidy = head_statistics(loaded, text=text, induction=False, retrieval=score != "streaming",
+                               retrieval_len=spec.retrieval_len, ov=False, progress=progress)  # fmt: skip
         wide = wide_statistics(tidy)
         statistics = {key: tidy.attrs["meta"].get(key) for key in ("data", "tokens", "seq_len", "retrieval")}
     return kv_head_scores(wide, loaded, score, window, STREAMING_WINDOWS), statistics

@@ -22,6 +22,14 @@ TASKS = ("passkey", "niah_multikey")
 DEPTHS, SAMPLES, POSITION_SEQUENCES = (0.0, 0.5, 1.0), 2, 1
 
 
+def grid_defaults(lengths: str, samples: int, only: str | None = None, depths: str = "0,0.25,0.5,0.75,1") -> None:
+    """A variant case's lengths, needle grid and rows (HEADLAB_BENCH_POLICY_LENGTHS, _DEPTHS, _SAMPLES, _ONLY), as
+    defaults: a value already in the environment wins."""
+    for key, value in (("LENGTHS", lengths), ("DEPTHS", depths), ("SAMPLES", str(samples)), ("ONLY", only)):
+        if value is not None:
+            os.environ.setdefault(f"HEADLAB_BENCH_POLICY_{key}", value)
+
+
 def _lengths() -> tuple[int, ...]:
     value = os.environ.get("HEADLAB_BENCH_POLICY_LENGTHS", "2048")
     return tuple(int(n) for n in value.split(","))

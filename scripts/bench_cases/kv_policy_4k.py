@@ -5,7 +5,6 @@ before the random policy; this measures it where no GPU is lent. HEADLAB_BENCH_P
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -14,12 +13,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import kv_policy as base  # noqa: E402  (the 2k case: methods and table)
 
 TITLE = "Head-level KV-cache policy against its baselines at 4k tokens (CPU), training-free"
-os.environ.setdefault("HEADLAB_BENCH_POLICY_LENGTHS", "4096")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_DEPTHS", "0,0.25,0.5,0.75,1")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_SAMPLES", "2")
-os.environ.setdefault(
-    "HEADLAB_BENCH_POLICY_ONLY", "policy, retrieval-streaming (default), 1/2|per-layer streaming|random policy"
-)
+base.grid_defaults("4096", 2, only="policy, retrieval-streaming (default), 1/2|per-layer streaming|random policy")
 
 
 def run(args) -> dict:

@@ -7,7 +7,6 @@ read against it)."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -18,10 +17,7 @@ import kv_policy as base  # noqa: E402  (the 2k case: methods and table)
 TITLE = (
     "Head-level KV-cache policy against a random policy and structural compression at 8k tokens (CPU), training-free"
 )
-os.environ.setdefault("HEADLAB_BENCH_POLICY_LENGTHS", "8192")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_DEPTHS", "0,0.25,0.5,0.75,1")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_SAMPLES", "2")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_ONLY", "random policy")
+base.grid_defaults("8192", 2, only="random policy")
 
 
 def run(args) -> dict:

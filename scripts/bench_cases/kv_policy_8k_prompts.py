@@ -4,7 +4,6 @@ there), to read #32's "within 5 points" goal with less sampling noise than 10 pr
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,10 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import kv_policy as base  # noqa: E402  (the 2k case: methods and table)
 
 TITLE = "Head-level KV-cache policy at half the cache at 8k tokens with 20 prompts per task (CPU), training-free"
-os.environ.setdefault("HEADLAB_BENCH_POLICY_LENGTHS", "8192")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_DEPTHS", "0,0.25,0.5,0.75,1")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_SAMPLES", "4")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_ONLY", "policy, retrieval-streaming (default), 1/2")
+base.grid_defaults("8192", 4, only="policy, retrieval-streaming (default), 1/2")
 
 
 def run(args) -> dict:

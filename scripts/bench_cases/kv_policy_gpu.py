@@ -4,7 +4,6 @@ Run it with --device cuda."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -13,9 +12,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import kv_policy as base  # noqa: E402  (the CPU case: methods and table)
 
 TITLE = "Head-level KV-cache policy against structural compression at 4k and 8k tokens (GPU), training-free"
-os.environ.setdefault("HEADLAB_BENCH_POLICY_LENGTHS", "4096,8192")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_DEPTHS", "0,0.25,0.5,0.75,1")
-os.environ.setdefault("HEADLAB_BENCH_POLICY_SAMPLES", "2")
+base.grid_defaults("4096,8192", 2)
 
 
 def run(args) -> dict:
