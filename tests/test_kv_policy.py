@@ -175,6 +175,17 @@ def test_token_lengths_are_refused_in_one_line(tiny_checkpoint, tmp_path, capsys
     assert not out.exists()
 
 
+def test_out_on_the_stats_run_it_reads_is_refused(tiny_checkpoint, tmp_path, capsys):
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    (stats / "stats_wide.csv").write_text("layer,head\n0,0\n")
+    code, _, stderr = run_cli(["kv-policy", "--model", tiny_checkpoint, "--stats", stats, "--out", stats,
+                               "--overwrite"], capsys)  # fmt: skip
+    assert code == 2 and "--stats" in stderr and len(stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in stats.iterdir()) == ["stats_wide.csv"]
+    assert (stats / "stats_wide.csv").read_text() == "layer,head\n0,0\n"
+
+
 def test_evaluation_measures_the_real_cache(tiny_checkpoint, tmp_path, capsys):
     out = tmp_path / "policy"
     evaluate = ["--evaluate", "256", "--tasks", "passkey", "--samples", "1"]

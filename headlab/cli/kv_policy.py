@@ -137,7 +137,7 @@ def command(  # click passes every option as a parameter
     if stats_dir is not None and not (stats_dir / "stats_wide.csv").is_file():
         raise HeadlabError(f"--stats {stats_dir}: no stats_wide.csv there (a `headlab stats` run directory)")
     out = out or DEFAULT_OUT
-    guard(out, overwrite, {"model": load.spec}, data=text.data)
+    guard(out, overwrite, {"model": load.spec}, data=text.data, stats=stats_dir)
     # start-up: torch, pandas and transformers load when the command runs, not for --help
     from headlab.kv.policy import EvaluationSpec, PolicySpec, policy_run
 
