@@ -178,3 +178,37 @@ def test_output_rule():
     assert set(OUTPUTS) == {"auto", "chunks", "sdpa"}
     with pytest.raises(HeadlabError, match="unknown attention output source 'flash'"):
         capture_attention(tiny_model("llama"), [], lambda chunk: None, output="flash").__enter__()
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_rows_compute_only_the_chunks_that_hold_them(name):
+    """With `rows` set, on_chunk sees exactly the chunks holding a wanted row (the rest are never computed), the
+    weights of those rows are the full run's, and the output comes from sdpa: the logits of a plain forward."""
+    model = tiny_model(name, attn_implementation="sdpa")
+    loaded = from_model(model)
+    inputs = tiny_inputs(name, batch=2, seq=12)
+    rows = torch.zeros(12, dtype=torch.bool)
+    rows[[1, 11]] = True  # chunk size 5: chunks [0, 5) and [10, 12); [5, 10) holds no wanted row
+    full, picked = {}, {}
+
+    def keep(store):
+        return lambda chunk: store.setdefault(chunk.layer.index, {}).update({chunk.start: chunk.probs.clone()})
+
+    with torch.no_grad(), capture_attention(model, loaded.layers, keep(full), None, 5, "chunks") as cap:
+        model(**inputs)
+    assert cap.chunks_run == 3 * len(loaded.layers)
+    with torch.no_grad(), capture_attention(model, loaded.layers, keep(picked), None, 5, "chunks") as cap:
+        cap.rows = rows
+        logits = model(**inputs).logits
+    assert cap.chunks_run == 2 * len(loaded.layers)
+    for index, chunks in picked.items():
+        assert sorted(chunks) == [0, 10]
+        for start, probs in chunks.items():
+            torch.testing.assert_close(probs, full[index][start], atol=ATOL, rtol=RTOL)
+    with torch.no_grad():
+        plain = model(**inputs).logits
+    torch.testing.assert_close(logits, plain, atol=ATOL, rtol=RTOL)
+    with torch.no_grad(), capture_attention(model, loaded.layers, keep({}), None, 5) as cap:
+        cap.rows = torch.ones(7, dtype=torch.bool)
+        with pytest.raises(HeadlabError, match=r"rows have shape \(7,\), the call has 12 queries"):
+            model(**inputs)

@@ -887,11 +887,15 @@ def _collect_targets(loaded, name: str, runs, steps: int, chunk_size: int, progr
     if distributed.active():
         runs = distributed.shard(list(runs))
         steps = len(runs)
-    with torch.no_grad(), capture_attention(loaded.model, loaded.layers, collector.on_chunk, None, chunk_size):
+    capturing = capture_attention(loaded.model, loaded.layers, collector.on_chunk, None, chunk_size)
+    with torch.no_grad(), capturing as capture:
         for input_ids, attention_mask, targets in tqdm(
             runs, total=steps, desc=name, disable=not progress, unit="batch"
         ):
             collector.set_batch(targets={key: target.to(loaded.device) for key, target in targets.items()})
+            # Only rows with a target are read: the other chunks are skipped (the retrieval pass reads a few
+            # answer rows of each long prompt).
+            capture.rows = torch.stack([(target >= 0).any(0) for target in targets.values()]).any(0)  # [T]
             loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
     collector.reduce()
     return collector.means()

@@ -224,6 +224,11 @@ class AttentionCapture:
     token_valid [B, T]) sees each layer's attention output before the output projection (and before any output
     gate, which gated families apply after the attention function). `output`: where the layer's output comes from
     (OUTPUTS; soft-capped and sink layers always take it from the chunks, which sdpa cannot compute).
+
+    `rows` (set per batch, [T] bool; None: every row): the query rows `on_chunk` needs. Chunks holding none of them
+    are not computed and the output comes from sdpa, so a pass that reads a few rows of a long sequence (the
+    retrieval score's answer rows) costs about a plain forward instead of every T x T map. Soft-capped and sink
+    layers still compute every chunk.
     """
 
     def __init__(
@@ -238,6 +243,8 @@ class AttentionCapture:
         output_from_chunks(output, torch.device("cpu"))  # validates the name before any forward
         self.on_chunk, self.on_output, self.chunk_size, self.output = on_chunk, on_output, chunk_size, output
         self.calls = 0  # layer calls captured (tests check the function really ran)
+        self.rows: torch.Tensor | None = None
+        self.chunks_run = 0  # chunks computed (tests check that `rows` skips the others)
         self._blocks: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> causal diagonal block
 
     def forward(self, layer, module, query, key, value, attention_mask, kwargs):
@@ -251,11 +258,13 @@ class AttentionCapture:
             # Decoding against a cache: the statistics are defined on full forward passes only.
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         self.calls += 1
-        from_chunks = exact or output_from_chunks(self.output, query.device)
+        starts = self._chunk_starts(Tq, None if exact else self.rows)
+        every_chunk = len(starts) == len(range(0, Tq, self.chunk_size))
+        from_chunks = exact or (every_chunk and output_from_chunks(self.output, query.device))
         grad = torch.is_grad_enabled() and from_chunks
         with torch.set_grad_enabled(grad):
             call = _LayerCall.prepare(module, query, key, value, attention_mask, kwargs, from_chunks, grad)
-            outputs = self._run_chunks(layer, call)
+            outputs = self._run_chunks(layer, call, starts)
         if from_chunks:
             attn_output = torch.cat(outputs, dim=2).transpose(1, 2).to(value.dtype).contiguous()  # [B, Tq, H, D]
         else:
@@ -274,14 +283,25 @@ class AttentionCapture:
             self._blocks[key] = block.triu_(1)
         return self._blocks[key]
 
-    def _run_chunks(self, layer: AttentionLayer, call: _LayerCall) -> list[torch.Tensor]:
-        """Every query chunk of one call: its weights to `on_chunk`; returns the chunks' outputs [B, H, c, D] when
-        the layer's output comes from them (else an empty list)."""
+    def _chunk_starts(self, Tq: int, rows: torch.Tensor | None) -> list[int]:
+        """First rows of the query chunks to compute: every chunk, or those holding a row of `rows` ([Tq] bool)."""
+        starts = list(range(0, Tq, self.chunk_size))
+        if rows is None:
+            return starts
+        if rows.shape != (Tq,):
+            raise HeadlabError(f"the capture's rows have shape {tuple(rows.shape)}, the call has {Tq} queries")
+        wanted = rows.detach().cpu()  # one host copy per call, not a device sync per chunk
+        return [start for start in starts if bool(wanted[start : start + self.chunk_size].any())]
+
+    def _run_chunks(self, layer: AttentionLayer, call: _LayerCall, starts: list[int]) -> list[torch.Tensor]:
+        """The query chunks of one call that begin at `starts`: their weights to `on_chunk`; returns the chunks'
+        outputs [B, H, c, D] when the layer's output comes from them (else an empty list)."""
         B, G, R, Tq, D = call.q.shape
         H, Tk = G * R, call.k.shape[-1]
         outputs = []
         block = self._causal_block(call.work, call.q.device) if call.causal else None
-        for start in range(0, Tq, self.chunk_size):
+        for start in starts:
+            self.chunks_run += 1
             stop = min(start + self.chunk_size, Tq)
             c = stop - start
             seen = call.visible[..., start:stop, :]  # [B|1, 1|H, c, Tk]
