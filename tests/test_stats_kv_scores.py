@@ -30,7 +30,7 @@ from headlab.measure.stats import (
     retrieval_statistics,
     wide_statistics,
 )
-from headlab.mechanisms.capture import AttentionChunk, capture_attention
+from headlab.mechanisms.capture import AttentionCapture, AttentionChunk, capture_attention
 from headlab.pruning.scores import ScoreRequest, score_heads
 
 WINDOWS = (2, 3, 5)  # small windows, so that 12-token test sequences have rows reaching past them
@@ -232,6 +232,25 @@ def test_retrieval_matches_eager_maps_with_padding_and_small_chunks(retriever):
         assert count == 5 + 4 + 5
         assert mean.tolist() == pytest.approx(reference[layer.index], abs=1e-6)
 
+
+
+def test_retrieval_pass_computes_only_the_answer_chunks(retriever, monkeypatch):
+    """The pass reads the answer rows alone: per layer call only the chunks holding one are computed."""
+    loaded, text = retriever
+    sequences, _ = retrieval_sequences(loaded, text, length=LENGTH, count=2, seed=0)
+    computed = []
+    run_chunks = AttentionCapture._run_chunks
+
+    def counting(self, layer, call, starts):
+        computed.append(list(starts))
+        return run_chunks(self, layer, call, starts)
+
+    monkeypatch.setattr(AttentionCapture, "_run_chunks", counting)
+    _collect_retrieval(loaded, sequences, batch_size=2, chunk_size=7, progress=False)
+    answer_rows = {row for _, target in sequences for row, key in enumerate(target) if key >= 0}
+    expected = sorted({row // 7 * 7 for row in answer_rows})
+    assert computed == [expected] * len(loaded.layers)
+    assert len(expected) < math.ceil(max(len(ids) for ids, _ in sequences) / 7)
 
 def test_retrieval_through_head_statistics_and_meta(retriever):
     loaded, text = retriever
