@@ -233,7 +233,6 @@ def test_retrieval_matches_eager_maps_with_padding_and_small_chunks(retriever):
         assert mean.tolist() == pytest.approx(reference[layer.index], abs=1e-6)
 
 
-
 def test_retrieval_pass_computes_only_the_answer_chunks(retriever, monkeypatch):
     """The pass reads the answer rows alone: per layer call only the chunks holding one are computed."""
     loaded, text = retriever
@@ -251,6 +250,7 @@ def test_retrieval_pass_computes_only_the_answer_chunks(retriever, monkeypatch):
     expected = sorted({row // 7 * 7 for row in answer_rows})
     assert computed == [expected] * len(loaded.layers)
     assert len(expected) < math.ceil(max(len(ids) for ids, _ in sequences) / 7)
+
 
 def test_retrieval_through_head_statistics_and_meta(retriever):
     loaded, text = retriever
