@@ -895,7 +895,8 @@ def _collect_targets(loaded, name: str, runs, steps: int, chunk_size: int, progr
             collector.set_batch(targets={key: target.to(loaded.device) for key, target in targets.items()})
             # Only rows with a target are read: the other chunks are skipped (the retrieval pass reads a few
             # answer rows of each long prompt).
-            capture.rows = torch.stack([(target >= 0).any(0) for target in targets.values()]).any(0)  # [T]
+            wanted = [(target >= 0).any(0) for target in targets.values()]  # [T] each
+            capture.rows = torch.stack(wanted).any(0) if wanted else None
             loaded.model(input_ids=input_ids.to(loaded.device), attention_mask=attention_mask.to(loaded.device))
     collector.reduce()
     return collector.means()
