@@ -1,7 +1,7 @@
 """The retrieval score's pass on long passkey prompts: headlab computes only the attention chunks holding answer rows
 (`AttentionCapture.rows`), against the same pass computing every chunk (the former code, reproduced by handing the
 capture every chunk) and against a plain sdpa forward of the same prompts; the three interleaved per repeat, medians.
-HEADLAB_BENCH_RETRIEVAL_LENGTHS (default 4096) sets the prompt lengths."""
+HEADLAB_BENCH_RETRIEVAL_LENGTHS (default 4096,8192) sets the prompt lengths."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ PER_MACHINE = True  # the ratio depends on the CPU kind (how much of a forward a
 
 
 def _lengths() -> tuple[int, ...]:
-    return tuple(int(n) for n in os.environ.get("HEADLAB_BENCH_RETRIEVAL_LENGTHS", "4096").split(","))
+    return tuple(int(n) for n in os.environ.get("HEADLAB_BENCH_RETRIEVAL_LENGTHS", "4096,8192").split(","))
 
 
 @contextlib.contextmanager
